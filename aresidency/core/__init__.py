@@ -1,0 +1,83 @@
+"""The pure residency model: no asyncio, no device calls (see STYLE.md, "layers you can see").
+
+Everything here is synchronous and deterministic. The runtime owns one ``ResidencyState`` and
+turns its transitions into device work; ``explain`` runs the same transitions on a copy.
+"""
+
+from .errors import (
+    ResidencyBudgetError,
+    ResidencyError,
+    ResidencyInUseError,
+    ResidencyPlanError,
+    ResidencyPlanExecutionError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+    ResidencyUnavailableError,
+)
+from .locations import PAGEABLE_HOST, PINNED_HOST, Location, LocationLike
+from .plans import (
+    ExecutionReport,
+    Materialize,
+    MemoryReservation,
+    Move,
+    PeakLedger,
+    PlanExplanation,
+    Release,
+    ResidencyPlan,
+    explain_plan,
+)
+from .snapshot import (
+    LocationRecord,
+    MaterializationRecord,
+    ResidencySnapshot,
+    ValueSnapshot,
+    take_snapshot,
+)
+from .state import (
+    DEFAULT_GRANULARITY,
+    CopyTicket,
+    MaterializationState,
+    ReplicaMode,
+    ResidencyState,
+    ValueHandle,
+    value_charge,
+)
+from .trace import ResidencyTrace, Transition
+
+__all__ = [
+    "DEFAULT_GRANULARITY",
+    "PAGEABLE_HOST",
+    "PINNED_HOST",
+    "CopyTicket",
+    "ExecutionReport",
+    "Location",
+    "LocationLike",
+    "LocationRecord",
+    "MaterializationRecord",
+    "MaterializationState",
+    "Materialize",
+    "MemoryReservation",
+    "Move",
+    "PeakLedger",
+    "PlanExplanation",
+    "Release",
+    "ReplicaMode",
+    "ResidencyBudgetError",
+    "ResidencyError",
+    "ResidencyInUseError",
+    "ResidencyPlan",
+    "ResidencyPlanError",
+    "ResidencyPlanExecutionError",
+    "ResidencySearchLimitError",
+    "ResidencySnapshot",
+    "ResidencyStaleStateError",
+    "ResidencyState",
+    "ResidencyTrace",
+    "ResidencyUnavailableError",
+    "Transition",
+    "ValueHandle",
+    "ValueSnapshot",
+    "explain_plan",
+    "take_snapshot",
+    "value_charge",
+]

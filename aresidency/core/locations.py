@@ -1,0 +1,137 @@
+"""Locations: where a tensor can live.
+
+A :class:`Location` is one of ``pageable-host``, ``pinned-host`` or ``cuda:N``. It is parsed from
+those strings, from a ``torch.device`` (``cpu`` is ``pageable-host``), or from another
+``Location``; it is hashable, totally ordered (pageable-host < pinned-host < cuda:0 < cuda:1 …)
+and prints as the string it was parsed from. This module is pure: it never touches a device.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["PAGEABLE_HOST", "PINNED_HOST", "Location", "LocationLike"]
+
+_CUDA_RE: Final = re.compile(r"cuda:(0|[1-9][0-9]*)")
+_KIND_ORDER: Final = {"pageable-host": 0, "pinned-host": 1, "cuda": 2}
+
+
+@dataclass(frozen=True, slots=True, order=False)
+class Location:
+    """One place a materialization can live.
+
+    ``kind`` is ``"pageable-host"``, ``"pinned-host"`` or ``"cuda"``; ``index`` is the CUDA device
+    ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`.
+    """
+
+    kind: str
+    index: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_ORDER:
+            raise ValueError(
+                f"unknown location kind {self.kind!r}: expected 'pageable-host', "
+                "'pinned-host' or 'cuda'"
+            )
+        if self.kind == "cuda":
+            if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+                raise ValueError(f"a cuda location needs a device index >= 0, got {self.index!r}")
+        elif self.index is not None:
+            raise ValueError(f"a {self.kind} location takes no index, got {self.index!r}")
+
+    @classmethod
+    def parse(cls, value: LocationLike) -> Location:
+        """Parse ``value`` (a string, a ``torch.device`` or a ``Location``).
+
+        Raises ``ValueError`` naming the value for anything else. ``torch.device("cuda")`` without
+        an index is refused rather than guessed.
+        """
+        if isinstance(value, Location):
+            return value
+        if isinstance(value, str):
+            if value in ("pageable-host", "pinned-host"):
+                return cls(value)
+            match = _CUDA_RE.fullmatch(value)
+            if match:
+                return cls("cuda", int(match.group(1)))
+            raise ValueError(
+                f"unknown location {value!r}: expected 'pageable-host', 'pinned-host' or "
+                "'cuda:N' (N a device index)"
+            )
+        # torch.device, duck-typed so that this module needs no torch import.
+        device_type = getattr(value, "type", None)
+        if isinstance(device_type, str) and hasattr(value, "index"):
+            index = value.index
+            if device_type == "cpu":
+                return cls("pageable-host")
+            if device_type == "cuda":
+                if index is None:
+                    raise ValueError(
+                        f"torch device {value!r} has no index: write 'cuda:N' so the location "
+                        "is exact"
+                    )
+                return cls("cuda", int(index))
+            raise ValueError(f"unsupported torch device type {device_type!r} in {value!r}")
+        raise ValueError(
+            f"cannot parse a location from {value!r} (type {type(value).__name__}): expected a "
+            "string such as 'cuda:0', a torch.device or a Location"
+        )
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def is_host(self) -> bool:
+        return self.kind != "cuda"
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.kind == "pinned-host"
+
+    @property
+    def device_index(self) -> int:
+        """The CUDA ordinal; ``ValueError`` for a host location."""
+        if self.index is None:
+            raise ValueError(f"{self} is not a cuda location")
+        return self.index
+
+    def _key(self) -> tuple[int, int]:
+        return (_KIND_ORDER[self.kind], -1 if self.index is None else self.index)
+
+    def __lt__(self, other: Any) -> bool:
+        if not isinstance(other, Location):
+            return NotImplemented
+        return self._key() < other._key()
+
+    def __le__(self, other: Any) -> bool:
+        if not isinstance(other, Location):
+            return NotImplemented
+        return self._key() <= other._key()
+
+    def __gt__(self, other: Any) -> bool:
+        if not isinstance(other, Location):
+            return NotImplemented
+        return self._key() > other._key()
+
+    def __ge__(self, other: Any) -> bool:
+        if not isinstance(other, Location):
+            return NotImplemented
+        return self._key() >= other._key()
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"cuda:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"Location({str(self)!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Location, (self.kind, self.index))
+
+
+LocationLike = Location | str | Any  # Any: a torch.device, checked at parse time
+
+PAGEABLE_HOST: Final = Location("pageable-host")
+PINNED_HOST: Final = Location("pinned-host")

@@ -1,0 +1,256 @@
+"""Atomic, tensor-free, immutable views of the state, serializable to JSON and back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ResidencyUnavailableError, format_bytes
+from .locations import Location
+from .state import MaterializationState, ReplicaMode, ResidencyState, ValueHandle
+
+__all__ = [
+    "LocationRecord",
+    "MaterializationRecord",
+    "ResidencySnapshot",
+    "ValueSnapshot",
+    "take_snapshot",
+]
+
+RECONSTRUCTIBLE = "reconstructible"
+NOT_RECONSTRUCTIBLE = "not-reconstructible"
+
+
+@dataclass(frozen=True, slots=True)
+class LocationRecord:
+    """One location's ledger: ``charged_bytes = used_bytes + reserved_bytes``."""
+
+    location: Location
+    budget_bytes: int | None
+    used_bytes: int
+    reserved_bytes: int
+    charged_bytes: int
+    peak_bytes: int
+    reservations: tuple[tuple[str, int], ...]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Location {self.location} used={format_bytes(self.used_bytes)} "
+            f"reserved={format_bytes(self.reserved_bytes)} "
+            f"budget={format_bytes(self.budget_bytes)}>"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "location": str(self.location),
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.used_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "charged_bytes": self.charged_bytes,
+            "peak_bytes": self.peak_bytes,
+            "reservations": [[name, nbytes] for name, nbytes in self.reservations],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LocationRecord:
+        return cls(
+            Location.parse(data["location"]),
+            data["budget_bytes"],
+            data["used_bytes"],
+            data["reserved_bytes"],
+            data["charged_bytes"],
+            data["peak_bytes"],
+            tuple((str(n), int(b)) for n, b in data["reservations"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationRecord:
+    """One copy of a value: its charge, its protections and its transfer state."""
+
+    location: Location
+    charged_bytes: int
+    use_count: int
+    hold_count: int
+    pending_event_count: int
+    state: MaterializationState
+
+    @property
+    def protected(self) -> bool:
+        return bool(self.use_count or self.hold_count or self.pending_event_count)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "location": str(self.location),
+            "charged_bytes": self.charged_bytes,
+            "use_count": self.use_count,
+            "hold_count": self.hold_count,
+            "pending_event_count": self.pending_event_count,
+            "state": self.state.value,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MaterializationRecord:
+        return cls(
+            Location.parse(data["location"]),
+            data["charged_bytes"],
+            data["use_count"],
+            data["hold_count"],
+            data["pending_event_count"],
+            MaterializationState(data["state"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ValueSnapshot:
+    """One value: mode, recoverability (``reconstructible`` when it has a source), its fixed
+    charge and its materializations ordered by location."""
+
+    handle: ValueHandle
+    name: str
+    replica_mode: ReplicaMode
+    recoverability: str
+    has_source: bool
+    source_location: Location | None
+    charge_bytes: int
+    discarded: bool
+    locations: tuple[Location, ...]
+    materializations: tuple[MaterializationRecord, ...]
+
+    def materialization(self, location: Any) -> MaterializationRecord:
+        loc = Location.parse(location)
+        for record in self.materializations:
+            if record.location == loc:
+                return record
+        raise ResidencyUnavailableError(self.handle, loc, "no materialization there")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle.to_dict(),
+            "name": self.name,
+            "replica_mode": self.replica_mode.value,
+            "recoverability": self.recoverability,
+            "has_source": self.has_source,
+            "source_location": None if self.source_location is None else str(self.source_location),
+            "charge_bytes": self.charge_bytes,
+            "discarded": self.discarded,
+            "locations": [str(loc) for loc in self.locations],
+            "materializations": [m.to_dict() for m in self.materializations],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ValueSnapshot:
+        source = data["source_location"]
+        return cls(
+            ValueHandle.from_dict(data["handle"]),
+            data["name"],
+            ReplicaMode(data["replica_mode"]),
+            data["recoverability"],
+            data["has_source"],
+            None if source is None else Location.parse(source),
+            data["charge_bytes"],
+            data["discarded"],
+            tuple(Location.parse(loc) for loc in data["locations"]),
+            tuple(MaterializationRecord.from_dict(m) for m in data["materializations"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencySnapshot:
+    """The whole state at one ``state_version``, taken in one step; holds no tensor."""
+
+    manager_id: str
+    state_version: int
+    locations: Mapping[Location, LocationRecord]
+    values: Mapping[ValueHandle, ValueSnapshot]
+
+    def value(self, handle: ValueHandle) -> ValueSnapshot:
+        record = self.values.get(handle)
+        if record is None:
+            raise ResidencyUnavailableError(handle, None, "not in this snapshot")
+        return record
+
+    def location(self, location: Any) -> LocationRecord:
+        return self.locations[Location.parse(location)]
+
+    def __repr__(self) -> str:
+        return (
+            f"<ResidencySnapshot manager={self.manager_id} v{self.state_version} "
+            f"[{len(self.values)} values, {len(self.locations)} locations]>"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "manager_id": self.manager_id,
+            "state_version": self.state_version,
+            "locations": [record.to_dict() for record in self.locations.values()],
+            "values": [record.to_dict() for record in self.values.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResidencySnapshot:
+        locations = (LocationRecord.from_dict(d) for d in data["locations"])
+        values = (ValueSnapshot.from_dict(d) for d in data["values"])
+        return cls(
+            data["manager_id"],
+            data["state_version"],
+            MappingProxyType({r.location: r for r in locations}),
+            MappingProxyType({v.handle: v for v in values}),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ResidencySnapshot):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash((self.manager_id, self.state_version))
+
+
+def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
+    """Copy ``state`` into records in one synchronous step (so it is atomic on the loop)."""
+    locations = {}
+    for loc in state.locations():
+        entry = state.ledger(loc)
+        locations[loc] = LocationRecord(
+            loc,
+            entry.budget_bytes,
+            entry.used_bytes,
+            entry.reserved_bytes,
+            entry.charged_bytes,
+            entry.peak_bytes,
+            tuple(sorted((name, nbytes) for name, (nbytes, _) in entry.reservations.items())),
+        )
+    values = {}
+    for value in state.values():
+        mats = tuple(
+            MaterializationRecord(
+                m.location,
+                m.charged_bytes,
+                m.use_count,
+                m.hold_count,
+                m.pending_event_count,
+                m.state,
+            )
+            for m in sorted(value.materializations.values(), key=lambda m: m.location)
+        )
+        values[value.handle] = ValueSnapshot(
+            value.handle,
+            value.handle.name,
+            value.replica_mode,
+            RECONSTRUCTIBLE if value.has_source else NOT_RECONSTRUCTIBLE,
+            value.has_source,
+            value.source_location,
+            value.charge_bytes,
+            value.discarded,
+            tuple(m.location for m in mats),
+            mats,
+        )
+    return ResidencySnapshot(
+        state.manager_id,
+        state.state_version,
+        MappingProxyType(locations),
+        MappingProxyType(values),
+    )

@@ -1,0 +1,759 @@
+"""The residency model: values, materializations, the per-location ledger, and transitions.
+
+Pure and synchronous: no asyncio, no device calls. The runtime owns one :class:`ResidencyState`
+and calls its transition methods; ``explain`` runs the same methods on a copy.
+
+State and invariants (checked by ``check_invariants`` and by the property tests):
+
+* ``locations[loc].used_bytes`` is the sum of ``charged_bytes`` of every materialization at
+  ``loc``; ``reserved_bytes`` is the sum of its named reservations.
+* ``used_bytes + reserved_bytes <= budget_bytes`` whenever the budget is strict (not ``None``).
+* ``peak_bytes`` is the largest ``used_bytes + reserved_bytes`` seen since the last peak reset.
+* a value without a source that is not discarded has at least one materialization.
+* an EXCLUSIVE value has at most one materialization that is not OUTGOING.
+* ``state_version`` grows by exactly one for every committed transition; a transition whose
+  validation fails raises and changes nothing (validate first, then commit).
+* every committed transition appends exactly one trace entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import itertools
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import (
+    ResidencyBudgetError,
+    ResidencyInUseError,
+    ResidencyPlanError,
+    ResidencyUnavailableError,
+    format_bytes,
+)
+from .locations import Location, LocationLike
+from .trace import TraceRing, Transition
+
+__all__ = [
+    "DEFAULT_GRANULARITY",
+    "CopyTicket",
+    "MaterializationState",
+    "ReplicaMode",
+    "ResidencyState",
+    "ValueHandle",
+    "check_nbytes",
+    "value_charge",
+]
+
+#: Allocation granularity used for the conservative value charge. The CUDA caching allocator
+#: rounds every block to a multiple of 512 bytes; host copies made by the manager are sized
+#: exactly, so 512 is conservative for both.
+DEFAULT_GRANULARITY = 512
+
+
+class ReplicaMode(enum.Enum):
+    """How many materializations a value may have at once."""
+
+    EXCLUSIVE = "exclusive"  # at most one: placing elsewhere is a move
+    REPLICABLE = "replicable"  # several; a write lease invalidates the others
+
+
+class MaterializationState(enum.Enum):
+    INCOMING = "incoming"  # charged; a transfer into it is in flight
+    RESIDENT = "resident"  # holds the value
+    OUTGOING = "outgoing"  # still holds the value; a move out of it is in flight
+
+
+@dataclass(frozen=True, slots=True)
+class ValueHandle:
+    """Opaque, hashable name of one value of one manager.
+
+    Equality and hashing use ``(manager_id, value_id)``; ``name`` is for people.
+    """
+
+    manager_id: str
+    value_id: int
+    name: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"value {self.name or '#' + str(self.value_id)} (#{self.value_id})"
+
+    def __repr__(self) -> str:
+        return f"<ValueHandle {self.name!r} #{self.value_id} of manager {self.manager_id}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"manager_id": self.manager_id, "value_id": self.value_id, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ValueHandle:
+        return cls(str(data["manager_id"]), int(data["value_id"]), str(data.get("name", "")))
+
+
+def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:
+    """Return ``value`` if it is a byte count (an int >= 0), else raise naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int number of bytes, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be {bound}, got {value}")
+    return value
+
+
+def value_charge(
+    storage_nbytes: int, charge_bytes: int | None = None, granularity: int = DEFAULT_GRANULARITY
+) -> int:
+    """The fixed conservative charge of a value.
+
+    ``storage_nbytes`` rounded up to ``granularity``, or ``charge_bytes`` when the user gives a
+    larger one. A smaller user charge is refused: it would let the ledger under-count.
+    """
+    check_nbytes(storage_nbytes, "storage size")
+    check_nbytes(granularity, "granularity", allow_zero=False)
+    rounded = -(-storage_nbytes // granularity) * granularity
+    if charge_bytes is None:
+        return max(rounded, granularity)
+    check_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
+    if charge_bytes < rounded:
+        raise ValueError(
+            f"charge_bytes={charge_bytes} is smaller than the storage rounded to the allocator "
+            f"granularity ({rounded} B); give at least that"
+        )
+    return charge_bytes
+
+
+class _Materialization:
+    __slots__ = (
+        "charged_bytes",
+        "hold_count",
+        "location",
+        "pending_event_count",
+        "state",
+        "use_count",
+        "write_count",
+    )
+
+    def __init__(self, location: Location, charged_bytes: int, state: MaterializationState):
+        self.location = location
+        self.charged_bytes = charged_bytes
+        self.state = state
+        self.use_count = 0
+        self.write_count = 0
+        self.hold_count = 0
+        self.pending_event_count = 0
+
+    @property
+    def protected(self) -> bool:
+        return bool(self.use_count or self.hold_count or self.pending_event_count)
+
+
+class _Value:
+    __slots__ = (
+        "charge_bytes",
+        "discarded",
+        "handle",
+        "has_source",
+        "last_used_version",
+        "materializations",
+        "replica_mode",
+        "source_location",
+    )
+
+    def __init__(
+        self,
+        handle: ValueHandle,
+        replica_mode: ReplicaMode,
+        charge_bytes: int,
+        has_source: bool,
+        source_location: Location | None,
+    ) -> None:
+        self.handle = handle
+        self.replica_mode = replica_mode
+        self.charge_bytes = charge_bytes
+        self.has_source = has_source
+        self.source_location = source_location
+        self.discarded = False
+        self.materializations: dict[Location, _Materialization] = {}
+        self.last_used_version = 0
+
+    def holders(self) -> list[_Materialization]:
+        """Materializations that hold the value's data now (resident or moving out)."""
+        return [m for m in self.materializations.values() if m.state != MaterializationState.INCOMING]
+
+
+class _LocationLedger:
+    __slots__ = ("budget_bytes", "location", "peak_bytes", "reservations", "used_bytes")
+
+    def __init__(self, location: Location, budget_bytes: int | None) -> None:
+        self.location = location
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.reservations: dict[str, tuple[int, Any]] = {}  # name -> (nbytes, owner)
+        self.peak_bytes = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self.reservations.values())
+
+    @property
+    def charged_bytes(self) -> int:
+        return self.used_bytes + self.reserved_bytes
+
+    def check_admit(self, requested: int, what: str) -> None:
+        if self.budget_bytes is not None and self.charged_bytes + requested > self.budget_bytes:
+            raise ResidencyBudgetError(
+                self.location,
+                self.budget_bytes,
+                self.used_bytes,
+                self.reserved_bytes,
+                requested,
+                what=what,
+            )
+
+    def note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.charged_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTicket:
+    """A transfer begun on the model and not yet committed or aborted.
+
+    ``source is None`` means a load from the value's source into ``destination`` (reconstruction).
+    ``move`` means the source materialization is removed when the copy commits.
+    """
+
+    ticket_id: int
+    handle: ValueHandle
+    source: Location | None
+    destination: Location
+    nbytes: int
+    move: bool
+
+
+class ResidencyState:
+    """All manager state, mutated only through the transition methods below."""
+
+    def __init__(
+        self,
+        manager_id: str | None = None,
+        budgets: dict[Any, int | None] | None = None,
+        trace_capacity: int = 4096,
+        granularity: int = DEFAULT_GRANULARITY,
+        clock_ns: Any = time.monotonic_ns,
+    ) -> None:
+        self.manager_id = manager_id or f"m-{uuid.uuid4().hex[:12]}"
+        self.state_version = 0
+        self.granularity = check_nbytes(granularity, "granularity", allow_zero=False)
+        self._locations: dict[Location, _LocationLedger] = {}
+        self._values: dict[ValueHandle, _Value] = {}
+        self._tickets: dict[int, CopyTicket] = {}
+        self._ids = itertools.count(1)
+        self._seq = 0
+        self._trace = TraceRing(trace_capacity)
+        self._clock_ns = clock_ns
+        # Lists that collect every committed transition (plan runs) and callbacks told of each
+        # (explain's peak watcher); both usually empty.
+        self.recorders: list[list[Transition]] = []
+        self.observers: list[Any] = []
+        parsed: list[tuple[Location, int | None]] = []
+        for key, budget in (budgets or {}).items():
+            location = Location.parse(key)
+            if budget is not None:
+                check_nbytes(budget, f"budget for {location}")
+            parsed.append((location, budget))
+        for location, budget in parsed:
+            self._locations[location] = _LocationLedger(location, budget)
+
+    # ------------------------------------------------------------------ reading
+
+    def ledger(self, location: LocationLike) -> _LocationLedger:
+        location = Location.parse(location)
+        entry = self._locations.get(location)
+        if entry is None:
+            entry = self._locations[location] = _LocationLedger(location, None)
+        return entry
+
+    def locations(self) -> list[Location]:
+        return sorted(self._locations)
+
+    def value(self, handle: Any, *, allow_discarded: bool = False) -> _Value:
+        """The value for ``handle``; raises for a foreign, unknown or discarded handle."""
+        if not isinstance(handle, ValueHandle):
+            raise TypeError(f"expected a ValueHandle, got {handle!r} ({type(handle).__name__})")
+        if handle.manager_id != self.manager_id:
+            raise ResidencyUnavailableError(
+                handle,
+                None,
+                f"the handle belongs to manager {handle.manager_id}, not to this manager "
+                f"({self.manager_id}); use it with the manager that registered it",
+            )
+        value = self._values.get(handle)
+        if value is None:
+            raise ResidencyUnavailableError(handle, None, "no such value in this manager")
+        if value.discarded and not allow_discarded:
+            raise ResidencyUnavailableError(
+                handle, None, "the value was discarded; register it again to use it"
+            )
+        return value
+
+    def values(self) -> Iterator[_Value]:
+        return iter(self._values.values())
+
+    def materialization(self, handle: Any, location: LocationLike) -> _Materialization:
+        location = Location.parse(location)
+        value = self.value(handle)
+        mat = value.materializations.get(location)
+        if mat is None:
+            where = ", ".join(str(loc) for loc in sorted(value.materializations)) or "nowhere"
+            raise ResidencyUnavailableError(
+                handle, location, f"it has no materialization there (it is at: {where})"
+            )
+        return mat
+
+    def ticket(self, ticket_id: int) -> CopyTicket:
+        return self._tickets[ticket_id]
+
+    def open_tickets(self) -> list[CopyTicket]:
+        return list(self._tickets.values())
+
+    @property
+    def trace_ring(self) -> TraceRing:
+        return self._trace
+
+    # ----------------------------------------------------------------- internals
+
+    def _commit(
+        self,
+        kind: str,
+        handle: ValueHandle | None,
+        location: Location | None,
+        nbytes: int,
+        name: str | None = None,
+    ) -> None:
+        self.state_version += 1
+        self._seq += 1
+        if handle is not None and handle in self._values:
+            self._values[handle].last_used_version = self.state_version
+        transition = Transition(
+            self._seq, self.state_version, kind, handle, location, nbytes, self._clock_ns(), name
+        )
+        self._trace.append(transition)
+        for recorder in self.recorders:
+            recorder.append(transition)
+        for observer in self.observers:
+            observer(transition)
+
+    def _charge(self, location: Location, nbytes: int) -> None:
+        entry = self.ledger(location)
+        entry.used_bytes += nbytes
+        entry.note_peak()
+
+    def _uncharge(self, location: Location, nbytes: int) -> None:
+        self.ledger(location).used_bytes -= nbytes
+
+    def _check_removable(self, value: _Value, mat: _Materialization, operation: str) -> None:
+        if mat.protected:
+            raise ResidencyInUseError(
+                value.handle,
+                mat.location,
+                mat.use_count,
+                mat.hold_count,
+                mat.pending_event_count,
+                operation=operation,
+            )
+
+    def _check_not_last(self, value: _Value, location: Location, operation: str) -> None:
+        others = [m for m in value.holders() if m.location != location]
+        if not others and not value.has_source:
+            raise ResidencyPlanError(
+                f"cannot {operation} {value.handle} at {location}: it is the last copy of a "
+                "value without a source and would be lost; move it elsewhere or discard the "
+                "value"
+            )
+
+    # -------------------------------------------------------------- transitions
+
+    def register(
+        self,
+        *,
+        name: str,
+        charge_bytes: int,
+        replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
+        location: LocationLike | None = None,
+        has_source: bool = False,
+        source_location: LocationLike | None = None,
+    ) -> ValueHandle:
+        """Register a value: resident at ``location``, or (with a source) nowhere yet."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {name!r}")
+        if not isinstance(replica_mode, ReplicaMode):
+            raise TypeError(f"replica_mode must be a ReplicaMode, got {replica_mode!r}")
+        check_nbytes(charge_bytes, f"charge of {name!r}", allow_zero=False)
+        loc = None if location is None else Location.parse(location)
+        src = None if source_location is None else Location.parse(source_location)
+        if has_source and src is None:
+            raise ValueError(f"value {name!r} has a source but no source_location")
+        if not has_source and src is not None:
+            raise ValueError(f"value {name!r} has a source_location but no source")
+        if loc is None and not has_source:
+            raise ValueError(
+                f"value {name!r} needs a location or a source: without either it would hold no data"
+            )
+        if loc is not None:
+            self.ledger(loc).check_admit(charge_bytes, f"registering {name!r}")
+        handle = ValueHandle(self.manager_id, next(self._ids), name)
+        value = _Value(handle, replica_mode, charge_bytes, has_source, src)
+        self._values[handle] = value
+        if loc is not None:
+            value.materializations[loc] = _Materialization(
+                loc, charge_bytes, MaterializationState.RESIDENT
+            )
+            self._charge(loc, charge_bytes)
+        self._commit("register", handle, loc, charge_bytes if loc is not None else 0)
+        return handle
+
+    def set_budget(self, location: LocationLike, budget_bytes: int | None) -> None:
+        """Set or clear a strict budget. Refused if the location already holds more."""
+        loc = Location.parse(location)
+        if budget_bytes is not None:
+            check_nbytes(budget_bytes, f"budget for {loc}")
+        entry = self.ledger(loc)
+        if budget_bytes is not None and entry.charged_bytes > budget_bytes:
+            raise ResidencyBudgetError(
+                loc,
+                budget_bytes,
+                entry.used_bytes,
+                entry.reserved_bytes,
+                0,
+                what="the new budget (it is below what is already charged)",
+            )
+        entry.budget_bytes = budget_bytes
+        self._commit("budget", None, loc, 0)
+
+    def reserve(self, name: str, location: LocationLike, nbytes: int, owner: Any = None) -> None:
+        """Admit a named reservation of ``nbytes`` at ``location``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a reservation needs a non-empty str name, got {name!r}")
+        loc = Location.parse(location)
+        check_nbytes(nbytes, f"reservation {name!r}")
+        entry = self.ledger(loc)
+        if name in entry.reservations:
+            raise ValueError(f"a reservation named {name!r} is already active at {loc}")
+        entry.check_admit(nbytes, f"reservation {name!r}")
+        entry.reservations[name] = (nbytes, owner)
+        entry.note_peak()
+        self._commit("reserve", None, loc, nbytes, name)
+
+    def unreserve(self, name: str, location: LocationLike) -> int:
+        loc = Location.parse(location)
+        entry = self.ledger(loc)
+        if name not in entry.reservations:
+            raise ValueError(f"no active reservation named {name!r} at {loc}")
+        nbytes, _ = entry.reservations.pop(name)
+        self._commit("unreserve", None, loc, -nbytes, name)
+        return nbytes
+
+    def hold(self, handle: ValueHandle, location: LocationLike) -> None:
+        mat = self._usable(handle, location, "hold")
+        mat.hold_count += 1
+        self._commit("hold", handle, mat.location, 0)
+
+    def unhold(self, handle: ValueHandle, location: LocationLike) -> None:
+        mat = self.materialization(handle, location)
+        if mat.hold_count <= 0:
+            raise ValueError(f"{handle} has no hold at {mat.location}")
+        mat.hold_count -= 1
+        self._commit("unhold", handle, mat.location, 0)
+
+    def _usable(self, handle: ValueHandle, location: LocationLike, what: str) -> _Materialization:
+        mat = self.materialization(handle, location)
+        if mat.state == MaterializationState.OUTGOING:
+            raise ResidencyUnavailableError(
+                handle, mat.location, f"it is moving out; cannot {what} it"
+            )
+        return mat
+
+    def lease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
+        """Begin a use. A write lease on a REPLICABLE value first invalidates the other replicas
+        (each removal is its own ``invalidate`` transition, all validated before any commits)."""
+        if mode not in ("read", "write"):
+            raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
+        mat = self._usable(handle, location, "lease")
+        value = self.value(handle)
+        others = [m for m in value.materializations.values() if m is not mat]
+        if mode == "write":
+            if mat.write_count or (mat.use_count and mode == "write"):
+                raise ResidencyInUseError(
+                    handle,
+                    mat.location,
+                    mat.use_count,
+                    mat.hold_count,
+                    mat.pending_event_count,
+                    operation="write-lease (another lease is active)",
+                )
+            for other in others:
+                self._check_removable(value, other, "invalidate")
+                if other.state != MaterializationState.RESIDENT:
+                    raise ResidencyInUseError(
+                        handle, other.location, other.use_count, other.hold_count,
+                        other.pending_event_count, operation="invalidate (transfer in flight)",
+                    )
+            for other in sorted(others, key=lambda m: m.location):
+                del value.materializations[other.location]
+                self._uncharge(other.location, other.charged_bytes)
+                self._commit("invalidate", handle, other.location, -other.charged_bytes)
+            mat.write_count += 1
+        elif mat.write_count:
+            raise ResidencyInUseError(
+                handle, mat.location, mat.use_count, mat.hold_count, mat.pending_event_count,
+                operation="read-lease (a write lease is active)",
+            )
+        mat.use_count += 1
+        self._commit("lease", handle, mat.location, 0)
+
+    def unlease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
+        mat = self.materialization(handle, location)
+        if mat.use_count <= 0:
+            raise ValueError(f"{handle} has no active lease at {mat.location}")
+        if mode == "write":
+            mat.write_count -= 1
+        mat.use_count -= 1
+        self._commit("unlease", handle, mat.location, 0)
+
+    def record_events(self, handle: ValueHandle, location: LocationLike, count: int = 1) -> None:
+        """``count`` consumer events were recorded against the materialization."""
+        check_nbytes(count, "event count", allow_zero=False)
+        mat = self.materialization(handle, location)
+        mat.pending_event_count += count
+        self._commit("event_recorded", handle, mat.location, 0)
+
+    def reap_events(self, handle: ValueHandle, location: LocationLike, count: int = 1) -> None:
+        """``count`` consumer events completed."""
+        check_nbytes(count, "event count", allow_zero=False)
+        value = self.value(handle, allow_discarded=True)
+        mat = value.materializations.get(Location.parse(location))
+        if mat is None or mat.pending_event_count < count:
+            raise ValueError(f"{handle} has fewer than {count} pending events at {location}")
+        mat.pending_event_count -= count
+        self._commit("event_reaped", handle, mat.location, 0)
+
+    def release(self, handle: ValueHandle, location: LocationLike) -> int:
+        """Drop one resident, unprotected materialization; returns the bytes freed."""
+        loc = Location.parse(location)
+        value = self.value(handle)
+        mat = self.materialization(handle, loc)
+        if mat.state != MaterializationState.RESIDENT:
+            raise ResidencyInUseError(
+                handle, loc, mat.use_count, mat.hold_count, mat.pending_event_count,
+                operation=f"release ({mat.state.value} transfer in flight)",
+            )
+        self._check_removable(value, mat, "release")
+        self._check_not_last(value, loc, "release")
+        del value.materializations[loc]
+        self._uncharge(loc, mat.charged_bytes)
+        self._commit("release", handle, loc, -mat.charged_bytes)
+        return mat.charged_bytes
+
+    def discard(self, handle: ValueHandle) -> int:
+        """Forget the value; every materialization must be unprotected and settled."""
+        value = self.value(handle)
+        for mat in value.materializations.values():
+            self._check_removable(value, mat, "discard")
+            if mat.state != MaterializationState.RESIDENT:
+                raise ResidencyInUseError(
+                    handle, mat.location, mat.use_count, mat.hold_count, mat.pending_event_count,
+                    operation="discard (transfer in flight)",
+                )
+        freed = 0
+        for mat in value.materializations.values():
+            self._uncharge(mat.location, mat.charged_bytes)
+            freed += mat.charged_bytes
+        value.materializations.clear()
+        value.discarded = True
+        self._commit("discard", handle, None, -freed)
+        return freed
+
+    def begin_copy(
+        self, handle: ValueHandle, source: LocationLike, destination: LocationLike, *, move: bool
+    ) -> CopyTicket:
+        """Charge ``destination`` (INCOMING) for a copy from ``source``.
+
+        The source gets one pending event (the copy reads it) and, for a move, turns OUTGOING.
+        Source and destination stay charged together until the copy commits.
+        """
+        src = Location.parse(source)
+        dst = Location.parse(destination)
+        value = self.value(handle)
+        if src == dst:
+            raise ValueError(f"a copy of {handle} needs two different locations, got {src} twice")
+        mat = self.materialization(handle, src)
+        if mat.state != MaterializationState.RESIDENT:
+            raise ResidencyUnavailableError(
+                handle, src, f"it is {mat.state.value} there, so it cannot be copied from yet"
+            )
+        if dst in value.materializations:
+            raise ValueError(f"{handle} already has a materialization at {dst}")
+        if move:
+            if mat.use_count or mat.hold_count:
+                raise ResidencyInUseError(
+                    handle, src, mat.use_count, mat.hold_count, mat.pending_event_count,
+                    operation="move out of",
+                )
+        elif value.replica_mode is ReplicaMode.EXCLUSIVE:
+            raise ValueError(
+                f"{handle} is EXCLUSIVE and already at {src}: a second materialization at {dst} "
+                "is not allowed (move it instead, or register it REPLICABLE)"
+            )
+        self.ledger(dst).check_admit(value.charge_bytes, f"{handle} ({'move' if move else 'copy'})")
+        ticket = CopyTicket(next(self._ids), handle, src, dst, value.charge_bytes, move)
+        value.materializations[dst] = _Materialization(
+            dst, value.charge_bytes, MaterializationState.INCOMING
+        )
+        self._charge(dst, value.charge_bytes)
+        mat.pending_event_count += 1
+        if move:
+            mat.state = MaterializationState.OUTGOING
+        self._tickets[ticket.ticket_id] = ticket
+        self._commit("move_begin" if move else "copy_begin", handle, dst, value.charge_bytes)
+        return ticket
+
+    def begin_load(self, handle: ValueHandle, destination: LocationLike | None = None) -> CopyTicket:
+        """Charge the value's ``source_location`` (INCOMING) for a load from its source."""
+        value = self.value(handle)
+        if not value.has_source or value.source_location is None:
+            raise ResidencyUnavailableError(
+                handle, None, "it has no source to reconstruct from and no materialization"
+            )
+        dst = value.source_location if destination is None else Location.parse(destination)
+        if dst in value.materializations:
+            raise ValueError(f"{handle} already has a materialization at {dst}")
+        if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
+            raise ValueError(f"{handle} is EXCLUSIVE and already materialized; move it instead")
+        self.ledger(dst).check_admit(value.charge_bytes, f"{handle} (load from source)")
+        ticket = CopyTicket(next(self._ids), handle, None, dst, value.charge_bytes, False)
+        value.materializations[dst] = _Materialization(
+            dst, value.charge_bytes, MaterializationState.INCOMING
+        )
+        self._charge(dst, value.charge_bytes)
+        self._tickets[ticket.ticket_id] = ticket
+        self._commit("load_begin", handle, dst, value.charge_bytes)
+        return ticket
+
+    def commit_copy(self, ticket: CopyTicket) -> None:
+        """The transfer finished: the destination is RESIDENT; a move frees its source.
+
+        A move's source must have no other pending events (its readers were reaped)."""
+        if ticket.ticket_id not in self._tickets:
+            raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
+        value = self.value(ticket.handle, allow_discarded=True)
+        dst = value.materializations[ticket.destination]
+        src = None if ticket.source is None else value.materializations[ticket.source]
+        if src is not None and ticket.move and (src.pending_event_count > 1 or src.use_count):
+            raise ResidencyInUseError(
+                ticket.handle, src.location, src.use_count, src.hold_count,
+                src.pending_event_count - 1, operation="complete the move out of",
+            )
+        del self._tickets[ticket.ticket_id]
+        dst.state = MaterializationState.RESIDENT
+        freed = 0
+        if src is not None:
+            src.pending_event_count -= 1
+            if ticket.move:
+                del value.materializations[src.location]
+                self._uncharge(src.location, src.charged_bytes)
+                freed = src.charged_bytes
+        if src is not None and ticket.move:
+            # The bytes change at the source: record the transition there.
+            self._commit("move_commit", ticket.handle, src.location, -freed)
+        else:
+            kind = "load_commit" if src is None else "copy_commit"
+            self._commit(kind, ticket.handle, ticket.destination, 0)
+
+    def abort_copy(self, ticket: CopyTicket) -> None:
+        """The transfer failed: drop the destination; the source stays intact."""
+        if ticket.ticket_id not in self._tickets:
+            raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
+        del self._tickets[ticket.ticket_id]
+        value = self.value(ticket.handle, allow_discarded=True)
+        dst = value.materializations.pop(ticket.destination)
+        self._uncharge(ticket.destination, dst.charged_bytes)
+        if ticket.source is not None:
+            src = value.materializations[ticket.source]
+            src.pending_event_count -= 1
+            if ticket.move:
+                src.state = MaterializationState.RESIDENT
+        self._commit("copy_abort", ticket.handle, ticket.destination, -dst.charged_bytes)
+
+    # ---------------------------------------------------------------- utilities
+
+    def reset_peaks(self) -> None:
+        """Set every location's peak to its current charge (not a transition)."""
+        for entry in self._locations.values():
+            entry.peak_bytes = entry.charged_bytes
+
+    def clone(self) -> ResidencyState:
+        """A deep copy sharing nothing mutable, with the trace disabled (for ``explain``)."""
+        saved = self._trace, self.recorders, self.observers
+        self._trace, self.recorders, self.observers = TraceRing(0), [], []
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self._trace, self.recorders, self.observers = saved
+
+    def isolated(self, handles: Iterable[ValueHandle]) -> ResidencyState:
+        """A copy holding only ``handles``, unprotected, with no reservations and no transfers
+        in flight: what the manager would look like if everything else went away."""
+        keep = set(handles)
+        other = self.clone()
+        other._tickets.clear()
+        for entry in other._locations.values():
+            entry.reservations.clear()
+            entry.used_bytes = 0
+        for handle in list(other._values):
+            value = other._values[handle]
+            if handle not in keep:
+                del other._values[handle]
+                continue
+            for loc, mat in list(value.materializations.items()):
+                if mat.state == MaterializationState.INCOMING:
+                    del value.materializations[loc]
+                    continue
+                mat.state = MaterializationState.RESIDENT
+                mat.use_count = mat.hold_count = mat.pending_event_count = mat.write_count = 0
+                other._locations.setdefault(loc, _LocationLedger(loc, None))
+                other._locations[loc].used_bytes += mat.charged_bytes
+        other.reset_peaks()
+        return other
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any invariant in the module docstring is broken."""
+        used: dict[Location, int] = {}
+        for value in self._values.values():
+            if value.discarded:
+                assert not value.materializations, f"{value.handle} discarded but materialized"
+                continue
+            if not value.has_source:
+                assert value.holders(), f"{value.handle} has no source and no data"
+            if value.replica_mode is ReplicaMode.EXCLUSIVE:
+                live = [
+                    m
+                    for m in value.materializations.values()
+                    if m.state != MaterializationState.OUTGOING
+                ]
+                assert len(live) <= 1, f"{value.handle} is EXCLUSIVE with {len(live)} copies"
+            for mat in value.materializations.values():
+                assert mat.charged_bytes == value.charge_bytes
+                assert min(mat.use_count, mat.hold_count, mat.pending_event_count) >= 0
+                used[mat.location] = used.get(mat.location, 0) + mat.charged_bytes
+        for loc, entry in self._locations.items():
+            assert entry.used_bytes == used.get(loc, 0), (
+                f"{loc}: used_bytes {entry.used_bytes} != sum of charges {used.get(loc, 0)}"
+            )
+            if entry.budget_bytes is not None:
+                assert entry.charged_bytes <= entry.budget_bytes, (
+                    f"{loc}: charged {format_bytes(entry.charged_bytes)} over budget "
+                    f"{format_bytes(entry.budget_bytes)}"
+                )
+            assert entry.peak_bytes >= entry.charged_bytes
