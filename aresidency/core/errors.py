@@ -3,7 +3,8 @@
 ::
 
     ResidencyError
-    ├── ResidencyBudgetError          location, budget_bytes, used_bytes, reserved_bytes, requested_bytes
+    ├── ResidencyBudgetError          location, budget_bytes, used_bytes, reserved_bytes,
+    │                                 requested_bytes
     ├── ResidencyPlanError            reason
     │   ├── ResidencySearchLimitError request_name, state_limit, explored_states, detail
     │   └── ResidencyStaleStateError  expected_version, actual_version

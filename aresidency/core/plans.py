@@ -264,7 +264,9 @@ _SOURCE_PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 
-def choose_source(state: ResidencyState, handle: ValueHandle, destination: Location) -> Location | None:
+def choose_source(
+    state: ResidencyState, handle: ValueHandle, destination: Location
+) -> Location | None:
     """The resident materialization a copy to ``destination`` should read, or ``None``."""
     value = state.value(handle)
     resident = sorted(
@@ -326,6 +328,12 @@ def run_phase(
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break
+        except BaseException:
+            # Thrown in at a SettleRequest (cancellation): no device work was started for the
+            # tickets begun so far, so aborting them loses nothing.
+            for _, begun in tickets:
+                state.abort_copy(begun)
+            raise
         if ticket is not None:
             tickets.append((index, ticket))
     failure = yield from _carry_out(state, tickets, failure)
@@ -336,7 +344,10 @@ def run_phase(
         action = actions[index]
         try:
             second.append(
-                (index, state.begin_copy(action.handle, source_location, action.location, move=True))
+                (
+                    index,
+                    state.begin_copy(action.handle, source_location, action.location, move=True),
+                )
             )
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
@@ -351,9 +362,15 @@ def _carry_out(
 ) -> Generator[PhaseRequest, Any, ActionFailed | None]:
     if not tickets:
         return failure
-    errors: Mapping[int, BaseException | None] = yield TransferRequest(
-        tuple(t for _, t in tickets), tuple(i for i, _ in tickets)
-    )
+    try:
+        errors: Mapping[int, BaseException | None] = yield TransferRequest(
+            tuple(t for _, t in tickets), tuple(i for i, _ in tickets)
+        )
+    except BaseException:
+        # Thrown in instead of an answer: the driver started no device work for these.
+        for _, ticket in tickets:
+            state.abort_copy(ticket)
+        raise
     transfer_failure: ActionFailed | None = None
     for index, ticket in tickets:
         error = errors.get(ticket.ticket_id)
@@ -440,7 +457,9 @@ class _PeakWatcher:
         best = self.best.get(loc)
         if best is not None and charged <= best[0]:
             return
-        parts = {"resident": 0, "destination": 0, "overlap": 0, "reconstruction": 0}
+        # Only the plan's values are in the (partial) copy; everything else at the location is
+        # resident and untouched, so "resident" is what remains of the charge.
+        parts = {"destination": 0, "overlap": 0, "reconstruction": 0}
         for value in self.state.values():
             mat = value.materializations.get(loc)
             if mat is None:
@@ -451,9 +470,8 @@ class _PeakWatcher:
                 parts["destination"] += mat.charged_bytes
             elif mat.state is MaterializationState.OUTGOING:
                 parts["overlap"] += mat.charged_bytes
-            else:
-                parts["resident"] += mat.charged_bytes
         parts["reserved"] = entry.reserved_bytes
+        parts["resident"] = charged - sum(parts.values())
         reservations = tuple(sorted((n, b) for n, (b, _) in entry.reservations.items()))
         self.best[loc] = (charged, parts, self.where, reservations)
 
@@ -487,7 +505,9 @@ class _PeakWatcher:
                 peak_bytes=peak,
                 peak_at=where,
                 reservations=reservations,
-                value_charges=tuple(sorted(self.charges.get(loc, {}).items(), key=lambda i: i[0].value_id)),
+                value_charges=tuple(
+                    sorted(self.charges.get(loc, {}).items(), key=lambda i: i[0].value_id)
+                ),
             )
         return peaks, ledgers
 
@@ -534,7 +554,7 @@ def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
     peaks execution charges on a quiet manager."""
     if not isinstance(plan, ResidencyPlan):
         raise TypeError(f"explain takes a ResidencyPlan, got {plan!r}")
-    sim = state.clone()
+    sim = state.clone(plan.handles())
     sim.reset_peaks()
     watcher = _PeakWatcher(sim, plan)
     sim.observers.append(watcher.observe)
@@ -597,8 +617,11 @@ def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
 def _is_transient(state: ResidencyState, plan: ResidencyPlan, error: BaseException) -> bool:
     """Would the plan fit if everything it does not touch went away and nothing were protected?"""
     from .errors import ResidencyBudgetError, ResidencyInUseError
+    from .state import DuplicateReservationError
 
-    if not isinstance(error, (ResidencyBudgetError, ResidencyInUseError)):
+    if not isinstance(
+        error, (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError)
+    ):
         return False
     sim = state.isolated(plan.handles())
     for phase, items in plan_phases(plan):
@@ -614,4 +637,3 @@ def _is_transient(state: ResidencyState, plan: ResidencyPlan, error: BaseExcepti
         except (ActionFailed, ResidencyError, ValueError):
             return False
     return True
-

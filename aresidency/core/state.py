@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import itertools
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -40,6 +39,7 @@ from .trace import TraceRing, Transition
 __all__ = [
     "DEFAULT_GRANULARITY",
     "CopyTicket",
+    "DuplicateReservationError",
     "MaterializationState",
     "ReplicaMode",
     "ResidencyState",
@@ -124,6 +124,10 @@ def value_charge(
     return charge_bytes
 
 
+class DuplicateReservationError(ValueError):
+    """A reservation with this name is already active at the location."""
+
+
 class _Materialization:
     __slots__ = (
         "charged_bytes",
@@ -180,7 +184,9 @@ class _Value:
 
     def holders(self) -> list[_Materialization]:
         """Materializations that hold the value's data now (resident or moving out)."""
-        return [m for m in self.materializations.values() if m.state != MaterializationState.INCOMING]
+        return [
+            m for m in self.materializations.values() if m.state != MaterializationState.INCOMING
+        ]
 
 
 class _LocationLedger:
@@ -249,7 +255,7 @@ class ResidencyState:
         self._locations: dict[Location, _LocationLedger] = {}
         self._values: dict[ValueHandle, _Value] = {}
         self._tickets: dict[int, CopyTicket] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._seq = 0
         self._trace = TraceRing(trace_capacity)
         self._clock_ns = clock_ns
@@ -403,7 +409,7 @@ class ResidencyState:
             )
         if loc is not None:
             self.ledger(loc).check_admit(charge_bytes, f"registering {name!r}")
-        handle = ValueHandle(self.manager_id, next(self._ids), name)
+        handle = ValueHandle(self.manager_id, self._new_id(), name)
         value = _Value(handle, replica_mode, charge_bytes, has_source, src)
         self._values[handle] = value
         if loc is not None:
@@ -440,7 +446,9 @@ class ResidencyState:
         check_nbytes(nbytes, f"reservation {name!r}")
         entry = self.ledger(loc)
         if name in entry.reservations:
-            raise ValueError(f"a reservation named {name!r} is already active at {loc}")
+            raise DuplicateReservationError(
+                f"a reservation named {name!r} is already active at {loc}"
+            )
         entry.check_admit(nbytes, f"reservation {name!r}")
         entry.reservations[name] = (nbytes, owner)
         entry.note_peak()
@@ -497,8 +505,12 @@ class ResidencyState:
                 self._check_removable(value, other, "invalidate")
                 if other.state != MaterializationState.RESIDENT:
                     raise ResidencyInUseError(
-                        handle, other.location, other.use_count, other.hold_count,
-                        other.pending_event_count, operation="invalidate (transfer in flight)",
+                        handle,
+                        other.location,
+                        other.use_count,
+                        other.hold_count,
+                        other.pending_event_count,
+                        operation="invalidate (transfer in flight)",
                     )
             for other in sorted(others, key=lambda m: m.location):
                 del value.materializations[other.location]
@@ -507,7 +519,11 @@ class ResidencyState:
             mat.write_count += 1
         elif mat.write_count:
             raise ResidencyInUseError(
-                handle, mat.location, mat.use_count, mat.hold_count, mat.pending_event_count,
+                handle,
+                mat.location,
+                mat.use_count,
+                mat.hold_count,
+                mat.pending_event_count,
                 operation="read-lease (a write lease is active)",
             )
         mat.use_count += 1
@@ -546,7 +562,11 @@ class ResidencyState:
         mat = self.materialization(handle, loc)
         if mat.state != MaterializationState.RESIDENT:
             raise ResidencyInUseError(
-                handle, loc, mat.use_count, mat.hold_count, mat.pending_event_count,
+                handle,
+                loc,
+                mat.use_count,
+                mat.hold_count,
+                mat.pending_event_count,
                 operation=f"release ({mat.state.value} transfer in flight)",
             )
         self._check_removable(value, mat, "release")
@@ -563,7 +583,11 @@ class ResidencyState:
             self._check_removable(value, mat, "discard")
             if mat.state != MaterializationState.RESIDENT:
                 raise ResidencyInUseError(
-                    handle, mat.location, mat.use_count, mat.hold_count, mat.pending_event_count,
+                    handle,
+                    mat.location,
+                    mat.use_count,
+                    mat.hold_count,
+                    mat.pending_event_count,
                     operation="discard (transfer in flight)",
                 )
         freed = 0
@@ -598,7 +622,11 @@ class ResidencyState:
         if move:
             if mat.use_count or mat.hold_count:
                 raise ResidencyInUseError(
-                    handle, src, mat.use_count, mat.hold_count, mat.pending_event_count,
+                    handle,
+                    src,
+                    mat.use_count,
+                    mat.hold_count,
+                    mat.pending_event_count,
                     operation="move out of",
                 )
         elif value.replica_mode is ReplicaMode.EXCLUSIVE:
@@ -607,7 +635,7 @@ class ResidencyState:
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
         self.ledger(dst).check_admit(value.charge_bytes, f"{handle} ({'move' if move else 'copy'})")
-        ticket = CopyTicket(next(self._ids), handle, src, dst, value.charge_bytes, move)
+        ticket = CopyTicket(self._new_id(), handle, src, dst, value.charge_bytes, move)
         value.materializations[dst] = _Materialization(
             dst, value.charge_bytes, MaterializationState.INCOMING
         )
@@ -619,7 +647,9 @@ class ResidencyState:
         self._commit("move_begin" if move else "copy_begin", handle, dst, value.charge_bytes)
         return ticket
 
-    def begin_load(self, handle: ValueHandle, destination: LocationLike | None = None) -> CopyTicket:
+    def begin_load(
+        self, handle: ValueHandle, destination: LocationLike | None = None
+    ) -> CopyTicket:
         """Charge the value's ``source_location`` (INCOMING) for a load from its source."""
         value = self.value(handle)
         if not value.has_source or value.source_location is None:
@@ -632,7 +662,7 @@ class ResidencyState:
         if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
             raise ValueError(f"{handle} is EXCLUSIVE and already materialized; move it instead")
         self.ledger(dst).check_admit(value.charge_bytes, f"{handle} (load from source)")
-        ticket = CopyTicket(next(self._ids), handle, None, dst, value.charge_bytes, False)
+        ticket = CopyTicket(self._new_id(), handle, None, dst, value.charge_bytes, False)
         value.materializations[dst] = _Materialization(
             dst, value.charge_bytes, MaterializationState.INCOMING
         )
@@ -652,8 +682,12 @@ class ResidencyState:
         src = None if ticket.source is None else value.materializations[ticket.source]
         if src is not None and ticket.move and (src.pending_event_count > 1 or src.use_count):
             raise ResidencyInUseError(
-                ticket.handle, src.location, src.use_count, src.hold_count,
-                src.pending_event_count - 1, operation="complete the move out of",
+                ticket.handle,
+                src.location,
+                src.use_count,
+                src.hold_count,
+                src.pending_event_count - 1,
+                operation="complete the move out of",
             )
         del self._tickets[ticket.ticket_id]
         dst.state = MaterializationState.RESIDENT
@@ -693,20 +727,53 @@ class ResidencyState:
         for entry in self._locations.values():
             entry.peak_bytes = entry.charged_bytes
 
-    def clone(self) -> ResidencyState:
-        """A deep copy sharing nothing mutable, with the trace disabled (for ``explain``)."""
-        saved = self._trace, self.recorders, self.observers
-        self._trace, self.recorders, self.observers = TraceRing(0), [], []
-        try:
-            return copy.deepcopy(self)
-        finally:
-            self._trace, self.recorders, self.observers = saved
+    def clone(self, handles: Iterable[ValueHandle] | None = None) -> ResidencyState:
+        """A copy sharing nothing mutable, with the trace disabled (for ``explain``).
+
+        With ``handles``, only those values are copied (the ledgers are copied whole): enough to
+        simulate a plan that touches only them, in time independent of the number of values.
+        Such a partial copy does not satisfy ``check_invariants``."""
+        other = ResidencyState.__new__(ResidencyState)
+        other.manager_id = self.manager_id
+        other.state_version = self.state_version
+        other.granularity = self.granularity
+        other._locations = {}
+        for loc, entry in self._locations.items():
+            twin = _LocationLedger(loc, entry.budget_bytes)
+            twin.used_bytes = entry.used_bytes
+            twin.peak_bytes = entry.peak_bytes
+            twin.reservations = dict(entry.reservations)
+            other._locations[loc] = twin
+        if handles is None:
+            selected: Iterable[_Value] = self._values.values()
+        else:
+            selected = [self._values[h] for h in dict.fromkeys(handles) if h in self._values]
+        other._values = {}
+        for value in selected:
+            twin_value = copy.copy(value)
+            twin_value.materializations = {}
+            for loc, mat in value.materializations.items():
+                twin_mat = copy.copy(mat)
+                twin_value.materializations[loc] = twin_mat
+            other._values[value.handle] = twin_value
+        other._tickets = dict(self._tickets)
+        other._next_id = self._next_id
+        other._seq = self._seq
+        other._trace = TraceRing(0)
+        other._clock_ns = self._clock_ns
+        other.recorders = []
+        other.observers = []
+        return other
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
 
     def isolated(self, handles: Iterable[ValueHandle]) -> ResidencyState:
         """A copy holding only ``handles``, unprotected, with no reservations and no transfers
         in flight: what the manager would look like if everything else went away."""
         keep = set(handles)
-        other = self.clone()
+        other = self.clone(keep)
         other._tickets.clear()
         for entry in other._locations.values():
             entry.reservations.clear()
