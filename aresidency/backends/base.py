@@ -81,20 +81,36 @@ class FaultInjector:
     def __init__(self) -> None:
         self.transfers = 0
         self.allocations = 0
-        self.fail_transfer_at: int | None = None
-        self.oom_at_allocation: int | None = None
+        self._fail_transfer: int | None = None  # absolute count at which to fail
+        self._oom_allocation: int | None = None
+
+    @property
+    def fail_transfer_at(self) -> int | None:
+        return None if self._fail_transfer is None else self._fail_transfer - self.transfers
+
+    @fail_transfer_at.setter
+    def fail_transfer_at(self, k: int | None) -> None:
+        self._fail_transfer = None if k is None else self.transfers + k
+
+    @property
+    def oom_at_allocation(self) -> int | None:
+        return None if self._oom_allocation is None else self._oom_allocation - self.allocations
+
+    @oom_at_allocation.setter
+    def oom_at_allocation(self, k: int | None) -> None:
+        self._oom_allocation = None if k is None else self.allocations + k
 
     def next_transfer_fails(self) -> bool:
         self.transfers += 1
-        if self.fail_transfer_at is not None and self.transfers == self.fail_transfer_at:
-            self.fail_transfer_at = None
+        if self._fail_transfer is not None and self.transfers == self._fail_transfer:
+            self._fail_transfer = None
             return True
         return False
 
     def next_allocation_fails(self) -> bool:
         self.allocations += 1
-        if self.oom_at_allocation is not None and self.allocations == self.oom_at_allocation:
-            self.oom_at_allocation = None
+        if self._oom_allocation is not None and self.allocations == self._oom_allocation:
+            self._oom_allocation = None
             return True
         return False
 

@@ -456,8 +456,8 @@ class ResidencyState:
 
     def unreserve(self, name: str, location: LocationLike) -> int:
         loc = Location.parse(location)
-        entry = self.ledger(loc)
-        if name not in entry.reservations:
+        entry = self._locations.get(loc)  # not ledger(): a refused call must add no location
+        if entry is None or name not in entry.reservations:
             raise ValueError(f"no active reservation named {name!r} at {loc}")
         nbytes, _ = entry.reservations.pop(name)
         self._commit("unreserve", None, loc, -nbytes, name)
@@ -530,9 +530,19 @@ class ResidencyState:
         self._commit("lease", handle, mat.location, 0)
 
     def unlease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
+        if mode not in ("read", "write"):
+            raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
         mat = self.materialization(handle, location)
         if mat.use_count <= 0:
             raise ValueError(f"{handle} has no active lease at {mat.location}")
+        # The mode must match a lease that is active, or the write count drifts (a negative one
+        # would refuse every later write lease; a stale one every later read lease).
+        if mode == "write" and mat.write_count <= 0:
+            raise ValueError(f"{handle} has no active write lease at {mat.location}")
+        if mode == "read" and mat.use_count <= mat.write_count:
+            raise ValueError(
+                f"{handle} has no active read lease at {mat.location} (only a write lease)"
+            )
         if mode == "write":
             mat.write_count -= 1
         mat.use_count -= 1

@@ -61,9 +61,7 @@ class CallableSource:
         self.dtype = dtype
         self.source_location = Location.parse(source_location)
         if self.source_location.is_cuda:
-            raise ValueError(
-                f"source_location must be a host location, got {self.source_location}"
-            )
+            raise ValueError(f"source_location must be a host location, got {self.source_location}")
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,269 @@
+"""The manager's direct operations on the simulated backend (a simulation of CUDA devices in
+host memory): placement, moves, replicas, releases, leases, holds, sources, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from aresidency import (
+    CallableSource,
+    ReplicaMode,
+    ResidencyBudgetError,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyPlanError,
+    ResidencyUnavailableError,
+)
+
+pytestmark = pytest.mark.asyncio
+
+MiB = 1 << 20
+
+
+def checksum(t: torch.Tensor) -> int:
+    return int(t.detach().cpu().contiguous().view(torch.uint8).to(torch.int64).sum())
+
+
+def ledger(m: ResidencyManager) -> dict[str, tuple[int, int]]:
+    """Used and reserved bytes per location (peaks record attempts, so they may move)."""
+    return {str(k): (r.used_bytes, r.reserved_bytes) for k, r in m.snapshot().locations.items()}
+
+
+def random_tensor(n: int = 4096, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g)
+
+
+async def test_register_charges_rounded_storage_where_the_tensor_lives() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        t = torch.zeros(1000, dtype=torch.uint8)
+        h = m.register(t, name="w")
+        snap = m.snapshot()
+        v = snap.value(h)
+        assert v.charge_bytes == 1024
+        assert [str(loc) for loc in v.locations] == ["pageable-host"]
+        assert snap.location("pageable-host").used_bytes == 1024
+
+
+async def test_move_round_trip_keeps_data_bit_for_bit() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        t = random_tensor()
+        expected = checksum(t)
+        h = m.register(t.clone(), name="w")
+        for loc in ["pinned-host", "cuda:0", "cuda:1", "pageable-host", "cuda:0", "pinned-host"]:
+            await m.move(h, loc)
+            snap = m.snapshot()
+            assert [str(x) for x in snap.value(h).locations] == [loc]
+            async with m.acquire(h, loc) as lease:
+                assert checksum(lease.tensor) == expected
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+
+
+async def test_move_charges_source_and_destination_together_until_the_copy_commits() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        await m.move(h, "cuda:0")
+        kinds = [(t.kind, str(t.location), t.nbytes) for t in m.trace().transitions]
+        begin = kinds.index(("move_begin", "cuda:0", 16384))
+        commit = kinds.index(("move_commit", "pageable-host", -16384))
+        assert begin < commit
+        assert m.snapshot().location("pageable-host").peak_bytes == 16384
+
+
+async def test_materialize_of_replicable_value_adds_a_replica() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        await m.materialize(h, "cuda:1")
+        locs = [str(x) for x in m.snapshot().value(h).locations]
+        assert locs == ["pageable-host", "cuda:0", "cuda:1"]
+        await m.release(h, "cuda:0")
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:1"]
+
+
+async def test_write_lease_invalidates_other_replicas() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        async with m.acquire(h, "cuda:0", mode="write") as lease:
+            lease.tensor.add_(1)
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0"]
+
+
+async def test_release_of_last_copy_without_source_is_refused_and_changes_nothing() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        version = m.state_version
+        with pytest.raises(ResidencyPlanError, match="last copy"):
+            await m.release(h, "pageable-host")
+        assert m.state_version == version
+
+
+async def test_acquire_never_places_a_missing_value() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        version = m.state_version
+        with pytest.raises(ResidencyUnavailableError, match="no materialization there"):
+            m.acquire(h, "cuda:0")
+        assert m.state_version == version
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
+
+
+async def test_budget_error_carries_the_five_fields_and_changes_nothing() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 20000}, backend="sim") as m:
+        a = m.register(random_tensor(), name="a")
+        b = m.register(random_tensor(seed=1), name="b")
+        await m.move(a, "cuda:0")
+        before = m.snapshot()
+        with pytest.raises(ResidencyBudgetError) as info:
+            await m.move(b, "cuda:0")
+        error = info.value
+        assert (str(error.location), error.budget_bytes) == ("cuda:0", 20000)
+        assert (error.used_bytes, error.reserved_bytes, error.requested_bytes) == (16384, 0, 16384)
+        assert m.snapshot() == before
+
+
+async def test_hold_protects_from_release_until_released() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        hold = m.hold(h, "cuda:0")
+        with pytest.raises(ResidencyInUseError) as info:
+            await m.release(h, "cuda:0")
+        assert info.value.hold_count == 1
+        hold.release()
+        await m.release(h, "cuda:0")
+        with pytest.raises(RuntimeError, match="already released"):
+            hold.release()
+
+
+async def test_active_lease_blocks_release_with_use_count() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        async with m.acquire(h, "cuda:0"):
+            with pytest.raises(ResidencyInUseError) as info:
+                await m.release(h, "cuda:0")
+            assert info.value.use_count == 1
+
+
+async def test_reconstruction_charges_source_location_temporarily() -> None:
+    data = random_tensor()
+    async with ResidencyManager(
+        budgets={"pageable-host": 1 * MiB}, backend="sim"
+    ) as m:
+        src = CallableSource(lambda: data.clone(), shape=data.shape, dtype=data.dtype)
+        h = m.register_source(src, name="w")
+        assert m.snapshot().value(h).recoverability == "reconstructible"
+        await m.materialize(h, "cuda:0")
+        snap = m.snapshot()
+        assert [str(x) for x in snap.value(h).locations] == ["cuda:0"]
+        assert snap.location("pageable-host").used_bytes == 0
+        assert snap.location("pageable-host").peak_bytes == 16384  # the temporary load
+        async with m.acquire(h, "cuda:0") as lease:
+            assert torch.equal(lease.tensor.cpu(), data)
+        # A value with a source may lose every materialization and be rebuilt.
+        await m.release(h, "cuda:0")
+        assert m.snapshot().value(h).locations == ()
+        await m.materialize(h, "cuda:1")
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:1"]
+
+
+async def test_reconstruction_is_refused_when_source_location_budget_is_too_small() -> None:
+    data = random_tensor()
+    async with ResidencyManager(budgets={"pageable-host": 8192}, backend="sim") as m:
+        src = CallableSource(lambda: data.clone(), shape=data.shape, dtype=data.dtype)
+        h = m.register_source(src, name="w")
+        version = m.state_version
+        with pytest.raises(ResidencyBudgetError) as info:
+            await m.materialize(h, "cuda:0")
+        assert str(info.value.location) == "pageable-host"
+        assert m.state_version == version
+
+
+async def test_discard_frees_everything_and_the_handle_is_then_refused() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        await m.discard(h)
+        snap = m.snapshot()
+        assert snap.value(h).discarded
+        assert snap.location("cuda:0").used_bytes == 0
+        with pytest.raises(ResidencyUnavailableError, match="discarded"):
+            await m.move(h, "cuda:1")
+
+
+async def test_handle_of_another_manager_is_refused() -> None:
+    async with ResidencyManager(backend="sim") as m1, ResidencyManager(backend="sim") as m2:
+        h = m1.register(random_tensor(), name="w")
+        with pytest.raises(ResidencyUnavailableError, match="belongs to manager"):
+            await m2.move(h, "cuda:0")
+
+
+async def test_calls_from_another_thread_fail_clearly() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                m.snapshot()
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+        assert "event loop" in str(errors[0])
+
+
+async def test_unknown_cuda_device_is_a_clear_error() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        with pytest.raises(ValueError, match="cuda:7"):
+            await m.move(h, "cuda:7")
+
+
+async def test_failed_copy_leaves_source_intact_and_ledger_as_it_was() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        t = random_tensor()
+        expected = checksum(t)
+        h = m.register(t, name="w")
+        await m.move(h, "pinned-host")
+        before, before_ledger = m.snapshot(), ledger(m)
+        m.backend.faults.fail_transfer_at = 1
+        with pytest.raises(RuntimeError, match="injected"):
+            await m.move(h, "cuda:0")
+        assert ledger(m) == before_ledger
+        assert m.snapshot().value(h) == before.value(h)
+        async with m.acquire(h, "pinned-host") as lease:
+            assert checksum(lease.tensor) == expected
+
+
+async def test_out_of_memory_at_allocation_leaves_everything_as_it_was() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        before, before_ledger = m.snapshot(), ledger(m)
+        m.backend.faults.oom_at_allocation = 1
+        with pytest.raises(torch.OutOfMemoryError):
+            await m.move(h, "cuda:0")
+        assert ledger(m) == before_ledger
+        assert m.snapshot().value(h) == before.value(h)
+
+
+async def test_snapshot_and_trace_report_state_and_overwrites() -> None:
+    async with ResidencyManager(backend="sim", trace_capacity=4) as m:
+        h = m.register(random_tensor(), name="w")
+        await m.move(h, "cuda:0")
+        await m.move(h, "pinned-host")
+        trace = m.trace()
+        assert trace.enabled and trace.capacity == 4 and len(trace.transitions) == 4
+        assert trace.overwritten == trace.transitions[0].seq - 1
+        assert trace.transitions[-1].state_version == m.state_version
+    async with ResidencyManager(backend="sim", trace_capacity=0) as m:
+        m.register(random_tensor(), name="w")
+        assert not m.trace().enabled and m.trace().transitions == ()

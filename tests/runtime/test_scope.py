@@ -1,0 +1,312 @@
+"""Plans and scopes on the simulated backend: explain, execute, phases, failures, staleness,
+admission (FIFO, timeouts, never-fits), cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from aresidency import (
+    Materialize,
+    MemoryReservation,
+    Move,
+    Release,
+    ReplicaMode,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+    ResidencyPlanExecutionError,
+    ResidencyStaleStateError,
+)
+
+pytestmark = pytest.mark.asyncio
+
+KiB = 1024
+
+
+def tensor(n_bytes: int = 16 * KiB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n_bytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_no_leak(m: ResidencyManager, *, keep_reserved: int = 0) -> None:
+    snap = m.snapshot()
+    for record in snap.values.values():
+        for mat in record.materializations:
+            assert (mat.use_count, mat.hold_count, mat.pending_event_count) == (0, 0, 0), record
+            assert mat.state.value == "resident", record
+    for loc in snap.locations.values():
+        if str(loc.location) != "pinned-host":
+            assert loc.reserved_bytes == 0, loc
+    m._state.check_invariants()
+
+
+async def test_scope_enters_reserves_and_exits() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        plan = ResidencyPlan(
+            reserve=[MemoryReservation("workspace", "cuda:0", 8 * KiB)],
+            enter=[Move(a, "cuda:0")],
+            exit=[Move(a, "pinned-host")],
+        )
+        async with m.scope(plan) as scope:
+            rec = m.snapshot().location("cuda:0")
+            assert rec.used_bytes == 16 * KiB and rec.reserved_bytes == 8 * KiB
+            assert rec.reservations == (("workspace", 8 * KiB),)
+        assert [str(x) for x in m.snapshot().value(a).locations] == ["pinned-host"]
+        assert m.snapshot().location("cuda:0").charged_bytes == 0
+        kinds = [t.kind for t in scope.report.transitions]
+        assert kinds == ["reserve", "move_begin", "move_commit", "unreserve", "move_begin", "move_commit"]
+        with pytest.raises(RuntimeError, match="single use"):
+            async with scope:
+                pass
+
+
+async def test_explain_predicts_the_peak_execution_reaches() -> None:
+    rng = random.Random(7)
+    for trial in range(30):
+        async with ResidencyManager(backend="sim") as m:
+            handles = []
+            for i in range(4):
+                mode = ReplicaMode.REPLICABLE if rng.random() < 0.5 else ReplicaMode.EXCLUSIVE
+                loc = rng.choice(["pageable-host", "pinned-host", "cuda:0"])
+                handles.append(
+                    m.register(tensor(rng.choice([4, 8, 16]) * KiB, i), name=f"v{i}",
+                               replica_mode=mode, location=loc)
+                )
+            locs = ["pageable-host", "pinned-host", "cuda:0", "cuda:1"]
+            enter = [
+                rng.choice([Materialize, Move])(h, rng.choice(locs)) for h in rng.sample(handles, 3)
+            ]
+            reserve = [MemoryReservation("r", rng.choice(locs), rng.choice([0, 4 * KiB]))]
+            plan = ResidencyPlan(reserve=reserve, enter=enter)
+            explanation = m.explain(plan)
+            assert explanation.feasible, explanation.reason
+            m._state.reset_peaks()
+            await m.execute(plan)
+            snap = m.snapshot()
+            for loc, predicted in explanation.predicted_peak_bytes.items():
+                assert snap.location(loc).peak_bytes == predicted, (trial, loc)
+                ledger = explanation.ledger[loc]
+                parts = (ledger.resident_bytes + ledger.reserved_bytes + ledger.destination_bytes
+                         + ledger.transfer_overlap_bytes + ledger.reconstruction_bytes)
+                assert parts == ledger.peak_bytes
+
+
+async def test_stale_decision_is_refused_before_any_change() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        plan = ResidencyPlan(enter=[Move(a, "cuda:0")], expected_state_version=m.state_version)
+        m.register(tensor(), name="b")  # an intervening mutation
+        before = m.snapshot()
+        with pytest.raises(ResidencyStaleStateError) as info:
+            async with m.scope(plan):
+                pass
+        assert info.value.expected_version == before.state_version - 1
+        assert info.value.actual_version == before.state_version
+        assert m.snapshot() == before
+
+
+async def test_infeasible_plan_fails_preflight_without_changes() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        before = m.snapshot()
+        with pytest.raises(ResidencyPlanError, match="cuda:0"):
+            await m.execute(ResidencyPlan(enter=[Move(a, "cuda:0")]))
+        assert m.snapshot() == before
+
+
+async def test_enter_failure_reports_phase_action_and_committed_prefix() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        b = m.register(tensor(seed=2), name="b")
+        c = m.register(tensor(seed=3), name="c", location="cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Move(c, "pinned-host")],
+            reserve=[MemoryReservation("ws", "cuda:0", 4 * KiB)],
+            enter=[Move(a, "cuda:0"), Move(b, "cuda:0")],
+        )
+        # transfer 1 is the reclaim move; transfer 3 is b's move in the enter phase
+        m.backend.faults.fail_transfer_at = 3
+        with pytest.raises(ResidencyPlanExecutionError) as info:
+            async with m.scope(plan):
+                pytest.fail("body must not run")
+        error = info.value
+        assert error.phase == "enter"
+        assert error.failed_action == Move(b, "cuda:0") and error.failed_action_index == 1
+        assert error.failed_reservation is None and error.failed_reservation_index is None
+        assert "injected" in str(error.__cause__)
+        kinds = [(t.kind, t.handle) for t in error.partial_report.transitions]
+        assert kinds == [
+            ("move_begin", c), ("move_commit", c), ("reserve", None),
+            ("move_begin", a), ("move_begin", b), ("move_commit", a), ("copy_abort", b),
+            ("unreserve", None),
+        ]
+        snap = m.snapshot()
+        assert [str(x) for x in snap.value(a).locations] == ["cuda:0"]  # committed, kept
+        assert [str(x) for x in snap.value(b).locations] == ["pageable-host"]  # intact
+        assert snap.location("cuda:0").reserved_bytes == 0  # prefix released
+        assert snap.location("cuda:0").used_bytes == 16 * KiB
+        assert_no_leak(m)
+
+
+async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        plan = ResidencyPlan(
+            reserve=[MemoryReservation("r0", "cuda:0", 8 * KiB), MemoryReservation("r1", "cuda:0", 8 * KiB)],
+            enter=[Move(a, "cuda:0")],
+        )
+        scope = m.scope(plan)
+        # Make the second reservation fail after preflight: take the room during admission.
+        original = m._admit
+
+        async def admit_then_squeeze(*args: object) -> None:
+            await original(*args)  # type: ignore[arg-type]
+            m._state.reserve("other", "cuda:0", 20 * KiB)
+
+        m._admit = admit_then_squeeze  # type: ignore[method-assign]
+        with pytest.raises(ResidencyPlanExecutionError) as info:
+            async with scope:
+                pass
+        error = info.value
+        assert error.phase == "reserve"
+        assert error.failed_reservation == plan.reserve[1]
+        assert error.failed_reservation_index == 1
+        assert [t.kind for t in error.partial_report.transitions] == ["reserve", "unreserve"]
+        assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
+
+
+async def test_body_exception_stays_primary_and_exit_error_is_kept() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(), name="a", replica_mode=ReplicaMode.REPLICABLE)
+        plan = ResidencyPlan(enter=[Materialize(a, "cuda:0")], exit=[Release(a, "cuda:0")])
+        scope = m.scope(plan)
+        with pytest.raises(KeyError):
+            async with scope:
+                hold = m.hold(a, "cuda:0")  # makes the exit Release fail
+                raise KeyError("body")
+        assert isinstance(scope.exit_error, ResidencyPlanExecutionError)
+        assert scope.exit_error.phase == "exit"
+        hold.release()
+        # Without a body error, the exit error is raised.
+        scope2 = m.scope(plan)
+        with pytest.raises(ResidencyPlanExecutionError):
+            async with scope2:
+                hold = m.hold(a, "cuda:0")
+        assert scope2.exit_error is not None
+        hold.release()
+
+
+async def test_plan_that_could_never_fit_fails_at_once_even_with_timeout() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        with pytest.raises(ResidencyPlanError, match="budget"):
+            async with m.scope(ResidencyPlan(enter=[Move(a, "cuda:0")]), timeout=None):
+                pass
+
+
+async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(seed=1), name="b")
+        async with m.scope(ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")])):
+            hold = m.hold(a, "cuda:0")
+            with pytest.raises(TimeoutError):
+                async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0.05):
+                    pass
+            with pytest.raises(ResidencyPlanError):
+                async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0):
+                    pass
+            hold.release()
+        assert not m._admission
+        assert_no_leak(m)
+
+
+async def test_many_tasks_contend_for_one_budget_fifo_without_exceeding_it() -> None:
+    n = 200
+    async with ResidencyManager(budgets={"cuda:0": 3 * 16 * KiB}, backend="sim") as m:
+        handles = [m.register(tensor(seed=i), name=f"v{i}", location="pinned-host") for i in range(n)]
+        order: list[int] = []
+        peak = 0
+
+        async def worker(i: int) -> None:
+            nonlocal peak
+            plan = ResidencyPlan(
+                reserve=[MemoryReservation(f"ws{i}", "cuda:0", 16 * KiB)],
+                enter=[Move(handles[i], "cuda:0")],
+                exit=[Move(handles[i], "pinned-host")],
+            )
+            async with m.scope(plan, timeout=30):
+                order.append(i)
+                peak = max(peak, m.snapshot().location("cuda:0").charged_bytes)
+                await asyncio.sleep(0)
+
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.ensure_future(worker(i)))
+            await asyncio.sleep(0)  # tasks reach the admission queue in index order
+        await asyncio.gather(*tasks)
+        assert len(order) == n
+        assert order == sorted(order)  # first come, first served
+        assert peak <= 3 * 16 * KiB
+        assert m.snapshot().location("cuda:0").peak_bytes <= 3 * 16 * KiB
+        assert m.snapshot().location("cuda:0").charged_bytes == 0
+        assert_no_leak(m)
+
+
+async def test_cancelling_a_waiting_scope_leaves_no_charge_or_queue_entry() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        hold = m.hold(a, "cuda:0")
+
+        async def enter() -> None:
+            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+            async with m.scope(plan):
+                pass
+
+        task = asyncio.ensure_future(enter())
+        await asyncio.sleep(0.01)
+        assert len(m._admission) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not m._admission
+        hold.release()
+        assert_no_leak(m)
+
+
+@pytest.mark.parametrize("cancel_after", range(0, 12))
+async def test_cancellation_at_any_await_leaks_nothing(cancel_after: int) -> None:
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        b = m.register(tensor(seed=2), name="b", location="cuda:0")
+        sums = {a: float(m.tensor(a, "pageable-host").sum()), b: float(m.tensor(b, "cuda:0").sum())}
+        plan = ResidencyPlan(
+            reclaim=[Move(b, "pinned-host")],
+            reserve=[MemoryReservation("ws", "cuda:0", 4 * KiB)],
+            enter=[Move(a, "cuda:0"), Materialize(b, "pageable-host")],
+            exit=[Move(a, "pinned-host")],
+        )
+
+        async def run() -> None:
+            async with m.scope(plan):
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(run())
+        for _ in range(cancel_after):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.05)  # let background reapers finish
+        assert_no_leak(m)
+        assert m.snapshot().location("cuda:0").reserved_bytes == 0
+        for h, total in sums.items():
+            (loc,) = m.snapshot().value(h).locations
+            assert float(m.tensor(h, loc).sum()) == total
