@@ -9,14 +9,13 @@ state. Both therefore commit the same transitions in the same order, and the pea
 
 Order inside a phase (and so what the peak counts):
 
-1. round 1: each action, in order, begins its first step: a ``Release`` commits at once (after
-   its pending consumer events are reaped); a copy or a load charges its destination now;
-2. the round's transfers run together (overlapping on the copy streams), then commit in action
+1. each action, in order, begins: a ``Release`` commits at once (after its pending consumer
+   events are reaped); a copy charges its destination now; a rebuild from a source charges its
+   destination and, when that is not the value's ``source_location``, the source location too
+   (the temporary reconstruction charge);
+2. the phase's transfers run together (overlapping on the copy streams), then commit in action
    order: a move frees its source only now, so source and destination are charged together
-   while the transfer is in flight;
-3. round 2: a value rebuilt from its source for another location was loaded into
-   ``source_location`` in round 1 (the temporary reconstruction charge); it is moved to its
-   destination now, then the temporary copy is freed.
+   while the transfer is in flight; a rebuild frees its temporary charge now.
 
 A scope runs ``reclaim``, admits ``reserve``, runs ``enter``, runs the body, ends the
 reservations, runs ``exit``. ``execute`` does the same with an empty body.
@@ -282,17 +281,9 @@ def choose_source(
 
 
 def _first_step(
-    state: ResidencyState,
-    action: Action,
-    index: int,
-    temps: dict[int, Location],
-    targets: Mapping[ValueHandle, set[Location]],
+    state: ResidencyState, action: Action, index: int
 ) -> Generator[PhaseRequest, Any, CopyTicket | None]:
-    """Begin action ``index``'s first step; return its ticket, or None if it is done.
-
-    ``targets`` are the locations this phase's Materialize/Move actions ask for, per value: all
-    of them must hold when the phase ends, so none is moved away (a REPLICABLE value is copied
-    from a wanted replica instead) and an EXCLUSIVE value may be asked at one location only."""
+    """Begin action ``index``: return its ticket, or None if it is already done."""
     if isinstance(action, Release):
         mat = state.materialization(action.handle, action.location)
         if mat.pending_event_count and not (mat.use_count or mat.hold_count):
@@ -300,27 +291,11 @@ def _first_step(
         state.release(action.handle, action.location)
         return None
     value = state.value(action.handle)
-    wanted = targets.get(action.handle, set())
-    if value.replica_mode is ReplicaMode.EXCLUSIVE and len(wanted) > 1:
-        raise ResidencyPlanError(
-            f"{action.handle} is EXCLUSIVE but this plan phase asks for it at "
-            f"{', '.join(str(loc) for loc in sorted(wanted))} at once; several locations are "
-            "simultaneous postconditions, valid only for REPLICABLE values"
-        )
-    present = value.materializations.get(action.location)
-    if present is not None:
-        if present.state is MaterializationState.OUTGOING:
-            raise ResidencyPlanError(
-                f"{action.handle} is moving out of {action.location}, so it cannot also stay "
-                "there; ask for it after that move"
-            )
-        return None  # resident, or arriving (a transfer of this phase or one in flight)
+    if action.location in value.materializations:
+        return None  # already there (a REPLICABLE value's other replicas stay)
     source = choose_source(state, action.handle, action.location)
     if source is not None:
-        if value.replica_mode is ReplicaMode.EXCLUSIVE:
-            move = True
-        else:  # a move never drops a replica that this phase asks for
-            move = isinstance(action, Move) and source not in wanted
+        move = isinstance(action, Move) or value.replica_mode is ReplicaMode.EXCLUSIVE
         return state.begin_copy(action.handle, source, action.location, move=move)
     if not value.has_source or value.source_location is None:
         where = ", ".join(str(loc) for loc in sorted(value.materializations)) or "nowhere"
@@ -328,10 +303,7 @@ def _first_step(
             f"{action.handle} cannot reach {action.location}: no resident copy to read (it is "
             f"at: {where}) and no source to rebuild it from"
         )
-    ticket = state.begin_load(action.handle)
-    if value.source_location != action.location:
-        temps[index] = value.source_location
-    return ticket
+    return state.begin_load(action.handle, action.location)
 
 
 def run_phase(
@@ -341,16 +313,11 @@ def run_phase(
 
     Raises :class:`ActionFailed` for the first action that failed, after every transfer already
     begun has been carried out and committed (or aborted if it failed)."""
-    temps: dict[int, Location] = {}  # action index -> source_location holding a temporary load
-    targets: dict[ValueHandle, set[Location]] = {}
-    for action in actions:
-        if isinstance(action, (Materialize, Move)):
-            targets.setdefault(action.handle, set()).add(action.location)
     failure: ActionFailed | None = None
     tickets: list[tuple[int, CopyTicket]] = []
     for index, action in enumerate(actions):
         try:
-            ticket = yield from _first_step(state, action, index, temps, targets)
+            ticket = yield from _first_step(state, action, index)
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break
@@ -363,24 +330,6 @@ def run_phase(
         if ticket is not None:
             tickets.append((index, ticket))
     failure = yield from _carry_out(state, tickets, failure)
-    if failure is not None:
-        raise failure
-    second: list[tuple[int, CopyTicket]] = []
-    for index, source_location in temps.items():
-        action = actions[index]
-        # the temporary load is freed by moving it, unless the phase also asks for it there
-        move = source_location not in targets.get(action.handle, set())
-        try:
-            second.append(
-                (
-                    index,
-                    state.begin_copy(action.handle, source_location, action.location, move=move),
-                )
-            )
-        except (ResidencyError, ValueError) as error:
-            failure = ActionFailed(index, action, error)
-            break
-    failure = yield from _carry_out(state, second, failure)
     if failure is not None:
         raise failure
 
@@ -470,7 +419,6 @@ class _PeakWatcher:
 
     def __init__(self, state: ResidencyState, plan: ResidencyPlan) -> None:
         self.state = state
-        self.temps: set[tuple[ValueHandle, Location]] = set()
         self.where = "start"
         self.reclaimed: dict[Location, int] = {}
         self.start = {loc: state.ledger(loc).charged_bytes for loc in state.locations()}
@@ -488,13 +436,14 @@ class _PeakWatcher:
         # Only the plan's values are in the (partial) copy; everything else at the location is
         # resident and untouched, so "resident" is what remains of the charge.
         parts = {"destination": 0, "overlap": 0, "reconstruction": 0}
+        for ticket in self.state.open_tickets():
+            if ticket.via == loc:
+                parts["reconstruction"] += ticket.nbytes
         for value in self.state.values():
             mat = value.materializations.get(loc)
             if mat is None:
                 continue
-            if (value.handle, loc) in self.temps:
-                parts["reconstruction"] += mat.charged_bytes
-            elif mat.state is MaterializationState.INCOMING:
+            if mat.state is MaterializationState.INCOMING:
                 parts["destination"] += mat.charged_bytes
             elif mat.state is MaterializationState.OUTGOING:
                 parts["overlap"] += mat.charged_bytes
@@ -509,7 +458,7 @@ class _PeakWatcher:
             return
         if self.where.startswith("reclaim") and transition.nbytes < 0:
             self.reclaimed[loc] = self.reclaimed.get(loc, 0) - transition.nbytes
-        if transition.kind in ("copy_begin", "move_begin", "load_begin") and transition.handle:
+        if transition.kind in ("copy_begin", "move_begin", "load_begin", "rebuild_temp"):
             self.charges.setdefault(loc, {})[transition.handle] = transition.nbytes
         self._snap(loc)
 
@@ -605,19 +554,6 @@ def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
                 sim.unreserve(reservation.name, reservation.location)
             continue
         watcher.where = phase
-        # Note which loads are temporary (rebuilt at source_location for another destination).
-        for action in items:
-            if isinstance(action, (Materialize, Move)):
-                try:
-                    value = sim.value(action.handle)
-                except ResidencyError:
-                    continue
-                if (
-                    value.source_location is not None
-                    and value.source_location != action.location
-                    and not value.holders()
-                ):
-                    watcher.temps.add((action.handle, value.source_location))
         try:
             _simulate_requests(sim, run_phase(sim, phase, items))
         except ActionFailed as failed:

@@ -226,7 +226,9 @@ class _LocationLedger:
 class CopyTicket:
     """A transfer begun on the model and not yet committed or aborted.
 
-    ``source is None`` means a load from the value's source into ``destination`` (reconstruction).
+    ``source is None`` means a load from the value's source into ``destination`` (reconstruction);
+    ``via`` is then the ``source_location`` the load passes through when the destination is
+    elsewhere, charged temporarily (no materialization) until the load commits or aborts.
     ``move`` means the source materialization is removed when the copy commits.
     """
 
@@ -236,6 +238,7 @@ class CopyTicket:
     destination: Location
     nbytes: int
     move: bool
+    via: Location | None = None
 
 
 class ResidencyState:
@@ -660,25 +663,35 @@ class ResidencyState:
     def begin_load(
         self, handle: ValueHandle, destination: LocationLike | None = None
     ) -> CopyTicket:
-        """Charge the value's ``source_location`` (INCOMING) for a load from its source."""
+        """Charge ``destination`` (INCOMING) for a rebuild from the value's source.
+
+        When the destination is not the value's ``source_location``, the load passes through
+        ``source_location``, which is charged too (temporarily, until the ticket ends): both
+        budgets are checked before either is charged. Two transitions (``rebuild_temp`` at the
+        source location, then ``load_begin``) in that case, one otherwise."""
         value = self.value(handle)
         if not value.has_source or value.source_location is None:
             raise ResidencyUnavailableError(
                 handle, None, "it has no source to reconstruct from and no materialization"
             )
         dst = value.source_location if destination is None else Location.parse(destination)
+        via = None if dst == value.source_location else value.source_location
         if dst in value.materializations:
             raise ValueError(f"{handle} already has a materialization at {dst}")
         if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
             raise ValueError(f"{handle} is EXCLUSIVE and already materialized; move it instead")
-        self.ledger(dst).check_admit(value.charge_bytes, f"{handle} (load from source)")
-        ticket = CopyTicket(self._new_id(), handle, None, dst, value.charge_bytes, False)
-        value.materializations[dst] = _Materialization(
-            dst, value.charge_bytes, MaterializationState.INCOMING
-        )
-        self._charge(dst, value.charge_bytes)
+        charge = value.charge_bytes
+        if via is not None:
+            self.ledger(via).check_admit(charge, f"{handle} (temporary load from its source)")
+        self.ledger(dst).check_admit(charge, f"{handle} (rebuilt from its source)")
+        ticket = CopyTicket(self._new_id(), handle, None, dst, charge, False, via)
         self._tickets[ticket.ticket_id] = ticket
-        self._commit("load_begin", handle, dst, value.charge_bytes)
+        if via is not None:
+            self._charge(via, charge)
+            self._commit("rebuild_temp", handle, via, charge)
+        value.materializations[dst] = _Materialization(dst, charge, MaterializationState.INCOMING)
+        self._charge(dst, charge)
+        self._commit("load_begin", handle, dst, charge)
         return ticket
 
     def commit_copy(self, ticket: CopyTicket) -> None:
@@ -711,6 +724,10 @@ class ResidencyState:
         if src is not None and ticket.move:
             # The bytes change at the source: record the transition there.
             self._commit("move_commit", ticket.handle, src.location, -freed)
+        elif ticket.via is not None:
+            # The temporary charge ends at the source location: record it there.
+            self._uncharge(ticket.via, ticket.nbytes)
+            self._commit("load_commit", ticket.handle, ticket.via, -ticket.nbytes)
         else:
             kind = "load_commit" if src is None else "copy_commit"
             self._commit(kind, ticket.handle, ticket.destination, 0)
@@ -729,8 +746,19 @@ class ResidencyState:
             if ticket.move:
                 src.state = MaterializationState.RESIDENT
         self._commit("copy_abort", ticket.handle, ticket.destination, -dst.charged_bytes)
+        if ticket.via is not None:
+            self._uncharge(ticket.via, ticket.nbytes)
+            self._commit("rebuild_abort", ticket.handle, ticket.via, -ticket.nbytes)
 
     # ---------------------------------------------------------------- utilities
+
+    def reset_peak_bytes(self, location: LocationLike | None = None) -> None:
+        """Start peak tracking afresh (one location, or all): a transition like any other."""
+        locs = self.locations() if location is None else [Location.parse(location)]
+        for loc in locs:
+            entry = self.ledger(loc)
+            entry.peak_bytes = entry.charged_bytes
+        self._commit("peak_reset", None, None if location is None else locs[0], 0)
 
     def reset_peaks(self) -> None:
         """Set every location's peak to its current charge (not a transition)."""
@@ -807,6 +835,9 @@ class ResidencyState:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any invariant in the module docstring is broken."""
         used: dict[Location, int] = {}
+        for ticket in self._tickets.values():
+            if ticket.via is not None:
+                used[ticket.via] = used.get(ticket.via, 0) + ticket.nbytes
         for value in self._values.values():
             if value.discarded:
                 assert not value.materializations, f"{value.handle} discarded but materialized"

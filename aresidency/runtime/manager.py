@@ -325,14 +325,26 @@ class ResidencyManager:
         """Carry out one begun transfer; raise its error. Leaves the commit to the caller."""
         key = (ticket.handle, ticket.destination)
         if ticket.source is None:
+            # A rebuild: load in a worker thread (never on the loop), into the source location,
+            # then, for another destination, copy from that temporary copy.
             source = self._sources[ticket.handle]
             loop = asyncio.get_running_loop()
-            tensor = await loop.run_in_executor(None, source.load)
-            if ticket.destination.is_pinned:
-                tensor = await loop.run_in_executor(
+            tensor = (await loop.run_in_executor(None, source.load)).contiguous()
+            first = ticket.via if ticket.via is not None else ticket.destination
+            if first.is_pinned:
+                tensor = await loop.run_in_executor(None, self.backend.place, tensor, first)
+            if ticket.via is None:
+                self._payloads[key] = _Payload(tensor)
+                return
+            if ticket.destination.is_host:
+                placed = await loop.run_in_executor(
                     None, self.backend.place, tensor, ticket.destination
                 )
-            self._payloads[key] = _Payload(tensor)
+                self._payloads[key] = _Payload(placed)
+                return
+            transfer = self.backend.copy(tensor, ticket.via, ticket.destination)
+            self._payloads[key] = _Payload(transfer.tensor, transfer=transfer)
+            await transfer.wait()
             return
         if transfer is None:
             transfer = self._start_copy(ticket)
@@ -608,6 +620,12 @@ class ResidencyManager:
         """Atomic, tensor-free view (taken in one synchronous step on the loop)."""
         self._check_loop()
         return take_snapshot(self._state)
+
+    def reset_peak_bytes(self, location: LocationLike | None = None) -> None:
+        """Set the peak of one location (or of all) to its current charge, as
+        ``torch.cuda.reset_peak_memory_stats`` does for the allocator. Bumps the version."""
+        self._check_loop()
+        self._state.reset_peak_bytes(location)
 
     def trace(self) -> ResidencyTrace:
         self._check_loop()
