@@ -523,6 +523,46 @@ def plan_phases(plan: ResidencyPlan) -> list[tuple[str, Sequence[Any]]]:
     ]
 
 
+_Failure: TypeAlias = tuple[str, int | None, BaseException]
+
+
+def _simulate_plan(
+    sim: ResidencyState, plan: ResidencyPlan, watcher: _PeakWatcher | None = None
+) -> _Failure | None:
+    """Run ``plan`` on ``sim`` (a copy) as execution would; return the first failure."""
+    for phase, items in plan_phases(plan):
+        if phase == "reserve":
+            for index, reservation in enumerate(items):
+                if watcher is not None:
+                    watcher.where = f"reserve #{index}"
+                try:
+                    sim.reserve(reservation.name, reservation.location, reservation.nbytes)
+                except (ResidencyError, ValueError) as error:
+                    return (phase, index, error)
+            continue
+        if phase == "unreserve":
+            if watcher is not None:
+                watcher.where = "scope end"
+            for reservation in items:
+                sim.unreserve(reservation.name, reservation.location)
+            continue
+        if watcher is not None:
+            watcher.where = phase
+        try:
+            _simulate_requests(sim, run_phase(sim, phase, items))
+        except ActionFailed as failed:
+            return (phase, failed.index, failed.cause)
+        except (ResidencyError, ValueError) as error:
+            return (phase, None, error)
+    return None
+
+
+def plan_fits(state: ResidencyState, plan: ResidencyPlan) -> bool:
+    """``explain_plan(state, plan).feasible``, without building the evidence (admission's fast
+    path: the simulation only, on a copy of the plan's own values)."""
+    return _simulate_plan(state.clone(plan.handles()), plan) is None
+
+
 def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
     """Simulate ``plan`` on a copy of ``state``; the real state is not touched.
 
@@ -535,31 +575,7 @@ def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
     sim.reset_peaks()
     watcher = _PeakWatcher(sim, plan)
     sim.observers.append(watcher.observe)
-    failure: tuple[str, int | None, BaseException] | None = None
-    for phase, items in plan_phases(plan):
-        if failure is not None:
-            break
-        if phase == "reserve":
-            for index, reservation in enumerate(items):
-                watcher.where = f"reserve #{index}"
-                try:
-                    sim.reserve(reservation.name, reservation.location, reservation.nbytes)
-                except (ResidencyError, ValueError) as error:
-                    failure = (phase, index, error)
-                    break
-            continue
-        if phase == "unreserve":
-            watcher.where = "scope end"
-            for reservation in items:
-                sim.unreserve(reservation.name, reservation.location)
-            continue
-        watcher.where = phase
-        try:
-            _simulate_requests(sim, run_phase(sim, phase, items))
-        except ActionFailed as failed:
-            failure = (phase, failed.index, failed.cause)
-        except (ResidencyError, ValueError) as error:
-            failure = (phase, None, error)
+    failure = _simulate_plan(sim, plan, watcher)
     peaks, ledgers = watcher.result()
     if failure is None:
         return PlanExplanation(True, "feasible", peaks, ledgers)
@@ -587,17 +603,4 @@ def _is_transient(state: ResidencyState, plan: ResidencyPlan, error: BaseExcepti
         error, (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError)
     ):
         return False
-    sim = state.isolated(plan.handles())
-    for phase, items in plan_phases(plan):
-        try:
-            if phase == "reserve":
-                for reservation in items:
-                    sim.reserve(reservation.name, reservation.location, reservation.nbytes)
-            elif phase == "unreserve":
-                for reservation in items:
-                    sim.unreserve(reservation.name, reservation.location)
-            else:
-                _simulate_requests(sim, run_phase(sim, phase, items))
-        except (ActionFailed, ResidencyError, ValueError):
-            return False
-    return True
+    return _simulate_plan(state.isolated(plan.handles()), plan) is None

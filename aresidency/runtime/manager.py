@@ -52,6 +52,7 @@ from ..core.plans import (
     TransferRequest,
     TransitionRecorder,
     explain_plan,
+    plan_fits,
     run_phase,
 )
 from ..core.snapshot import ResidencySnapshot, take_snapshot
@@ -683,6 +684,8 @@ class ResidencyManager:
         ``timeout`` is 0, with ``TimeoutError`` after ``timeout`` seconds."""
         assert self._loop is not None
         self._check_stale(expected)
+        if not self._admission and plan_fits(self._state, plan):
+            return
         explanation = explain_plan(self._state, plan)
         if explanation.feasible and not self._admission:
             return
@@ -705,9 +708,9 @@ class ResidencyManager:
                 except TimeoutError:
                     continue
                 self._check_stale(expected)
-                explanation = explain_plan(self._state, plan)
-                if explanation.feasible:
+                if plan_fits(self._state, plan):
                     return
+                explanation = explain_plan(self._state, plan)
                 if not explanation.transient:
                     raise ResidencyPlanError(explanation.reason)
                 ticket = self._loop.create_future()

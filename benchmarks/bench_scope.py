@@ -1,0 +1,79 @@
+"""Scope overhead: CPU time per enter+exit of a one-value plan.
+
+Two cases, each on the backend given (default: the simulated backend, which needs no GPU):
+
+* ``resident``: the value is already where the plan wants it; nothing moves. Goal: < 50 us.
+* ``transfer``: the plan moves a small value in on entry and back out on exit.
+
+Also the ``acquire`` fast path (lease enter+exit on a resident value). Prints a markdown table.
+
+    python benchmarks/bench_scope.py [--backend sim|cuda] [--iterations 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from aresidency import Materialize, Move, ResidencyManager, ResidencyPlan
+
+
+async def measure(backend: str, iterations: int) -> list[tuple[str, float, float]]:
+    rows = []
+    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
+        # A populated manager: 1,000 other values, so costs that grow with the state show up.
+        for i in range(1000):
+            m.register(torch.empty(256), name=f"other{i}")
+        resident = m.register(torch.randn(1024), name="resident", location="cuda:0")
+        moving = m.register(torch.randn(1024), name="moving", location="pinned-host")
+        cases = {
+            "scope, value already resident": ResidencyPlan(enter=[Materialize(resident, "cuda:0")]),
+            "scope, 4 KiB in on entry and out on exit": ResidencyPlan(
+                enter=[Move(moving, "cuda:0")], exit=[Move(moving, "pinned-host")]
+            ),
+        }
+        for label, plan in cases.items():
+            n = iterations if "resident" in label else max(1, iterations // 10)
+            samples_cpu = []
+            samples_wall = []
+            for _ in range(5):
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                for _ in range(n):
+                    async with m.scope(plan):
+                        pass
+                samples_cpu.append((time.process_time() - cpu0) / n * 1e6)
+                samples_wall.append((time.perf_counter() - wall0) / n * 1e6)
+            rows.append((label, statistics.median(samples_cpu), statistics.median(samples_wall)))
+        samples_cpu, samples_wall = [], []
+        for _ in range(5):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            for _ in range(iterations):
+                async with m.acquire(resident, "cuda:0"):
+                    pass
+            samples_cpu.append((time.process_time() - cpu0) / iterations * 1e6)
+            samples_wall.append((time.perf_counter() - wall0) / iterations * 1e6)
+        rows.append(("lease enter+exit, resident", statistics.median(samples_cpu),
+                     statistics.median(samples_wall)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="sim")
+    parser.add_argument("--iterations", type=int, default=20000)
+    args = parser.parse_args()
+    rows = asyncio.run(measure(args.backend, args.iterations))
+    print(f"backend={args.backend} torch={torch.__version__} (CPU time includes the loop's own)")
+    print("| case | CPU us per enter+exit | wall us | goal |")
+    print("|---|---|---|---|")
+    for label, cpu, wall in rows:
+        goal = "< 50" if "already resident" in label else ""
+        print(f"| {label} | {cpu:.1f} | {wall:.1f} | {goal} |")
+
+
+if __name__ == "__main__":
+    main()
