@@ -1,0 +1,174 @@
+"""The runtime's behaviours on a real GPU (marked ``cuda``; skipped without one)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from aresidency import (
+    Materialize,
+    MemoryReservation,
+    Move,
+    ReplicaMode,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanExecutionError,
+)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
+
+MiB = 1 << 20
+
+
+def data(nbytes: int = 8 * MiB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+def spin_cycles(ms: float) -> int:
+    """GPU clock cycles for about ``ms`` milliseconds (torch.cuda._sleep spins that long)."""
+    return int(ms * 1e-3 * 1.98e9)
+
+
+@pytest.fixture
+def no_gpu_leak() -> object:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    yield None
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+async def test_cuda_moves_keep_data_bit_for_bit(no_gpu_leak: object) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        original = data(64 * MiB + 4096)  # not a multiple of any chunk size
+        h = m.register(original.clone(), name="w")
+        for loc in ["cuda:0", "pinned-host", "cuda:0", "pageable-host", "pinned-host", "cuda:0",
+                    "pageable-host"]:
+            await m.move(h, loc)
+            async with m.acquire(h, loc) as lease:
+                assert torch.equal(lease.tensor.cpu(), original), loc
+                if loc.startswith("cuda"):
+                    assert lease.tensor.device == torch.device(loc)
+                elif loc == "pinned-host":
+                    assert lease.tensor.is_pinned()
+        snap = m.snapshot()
+        assert snap.location("cuda:0").used_bytes == 0
+        await m.discard(h)
+
+
+async def test_cuda_release_waits_for_a_readers_event(no_gpu_leak: object) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        h = m.register(data(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        side = torch.cuda.Stream()
+        async with m.acquire(h, "cuda:0", stream=side) as lease:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(spin_cycles(200))  # a 200 ms kernel, then a real read
+                total = lease.tensor.sum()
+        assert m.snapshot().value(h).materialization("cuda:0").pending_event_count == 1
+        start = time.monotonic()
+        await m.release(h, "cuda:0")
+        assert time.monotonic() - start >= 0.1
+        side.synchronize()
+        assert torch.isfinite(total)
+        await m.discard(h)
+
+
+async def test_cuda_lease_on_an_incoming_copy_waits_on_the_device_not_the_host(
+    no_gpu_leak: object,
+) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        original = data(256 * MiB)
+        h = m.register(original.clone(), name="w", location="pinned-host",
+                       replica_mode=ReplicaMode.REPLICABLE)
+        compute = torch.cuda.Stream()
+        task = m.materialize_nowait(h, "cuda:0")
+        assert m.snapshot().value(h).materialization("cuda:0").state.value == "incoming"
+        async with m.acquire(h, "cuda:0", stream=compute) as lease:
+            with torch.cuda.stream(compute):
+                checksum = lease.tensor.double().sum()
+            entered_before_copy_done = not task.done()
+        await task
+        compute.synchronize()
+        assert entered_before_copy_done
+        assert checksum.item() == original.double().sum().item()
+        await m.discard(h)
+
+
+async def test_cuda_failed_copy_leaves_source_intact(no_gpu_leak: object) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        original = data()
+        h = m.register(original.clone(), name="w", location="pinned-host")
+        m.backend.faults.fail_transfer_at = 1
+        with pytest.raises(RuntimeError, match="injected"):
+            await m.move(h, "cuda:0")
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pinned-host"]
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+        async with m.acquire(h, "pinned-host") as lease:
+            assert torch.equal(lease.tensor, original)
+        await m.discard(h)
+
+
+async def test_cuda_scope_failure_and_cancellation_leak_nothing(no_gpu_leak: object) -> None:
+    async with ResidencyManager(budgets={"cuda:0": 64 * MiB}, backend="cuda") as m:
+        a = m.register(data(seed=1), name="a", location="pinned-host")
+        b = m.register(data(seed=2), name="b", location="pinned-host")
+        plan = ResidencyPlan(
+            reserve=[MemoryReservation("ws", "cuda:0", 8 * MiB)],
+            enter=[Move(a, "cuda:0"), Move(b, "cuda:0")],
+            exit=[Move(a, "pinned-host"), Move(b, "pinned-host")],
+        )
+        m.backend.faults.fail_transfer_at = 2
+        with pytest.raises(ResidencyPlanExecutionError) as info:
+            async with m.scope(plan):
+                pass
+        assert info.value.phase == "enter" and info.value.failed_action_index == 1
+        assert m.snapshot().location("cuda:0").charged_bytes == 8 * MiB  # a is in, committed
+        await m.move(a, "pinned-host")
+        for cancel_after in range(6):
+            task = asyncio.ensure_future(m.execute(plan))
+            for _ in range(cancel_after):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            for h in (a, b):
+                for loc in list(m.snapshot().value(h).locations):
+                    if loc.is_cuda:
+                        await m.move(h, "pinned-host")
+            snap = m.snapshot()
+            assert snap.location("cuda:0").charged_bytes == 0, cancel_after
+        await m.discard(a)
+        await m.discard(b)
+
+
+async def test_cuda_protected_materialization_refuses_removal(no_gpu_leak: object) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        h = m.register(data(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.execute(ResidencyPlan(enter=[Materialize(h, "cuda:0")]))
+        with m.hold(h, "cuda:0"):
+            with pytest.raises(ResidencyInUseError):
+                await m.release(h, "cuda:0")
+        await m.discard(h)
+
+
+@pytest.mark.cuda2
+async def test_cuda_peer_copies_between_two_gpus(no_gpu_leak: object) -> None:
+    async with ResidencyManager(backend="cuda") as m:
+        original = data(32 * MiB)
+        h = m.register(original.clone(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        await m.materialize(h, "cuda:1")  # peer copy: the source preference picks cuda:0
+        kinds = [(t.kind, str(t.location)) for t in m.trace().transitions]
+        assert ("copy_begin", "cuda:1") in kinds
+        async with m.acquire(h, "cuda:1") as lease:
+            assert lease.tensor.device == torch.device("cuda:1")
+            assert torch.equal(lease.tensor.cpu(), original)
+        await m.move(h, "cuda:1")
+        await m.discard(h)
