@@ -56,8 +56,13 @@ async def measure(backend: str, iterations: int) -> list[tuple[str, float, float
                     pass
             samples_cpu.append((time.process_time() - cpu0) / iterations * 1e6)
             samples_wall.append((time.perf_counter() - wall0) / iterations * 1e6)
-        rows.append(("lease enter+exit, resident", statistics.median(samples_cpu),
-                     statistics.median(samples_wall)))
+        rows.append(
+            (
+                "lease enter+exit, resident",
+                statistics.median(samples_cpu),
+                statistics.median(samples_wall),
+            )
+        )
     return rows
 
 

@@ -167,9 +167,10 @@ class ResidencyPlan:
                         f"plan phase {phase!r} entry #{index} is {action!r}; that phase takes "
                         f"{allowed}"
                     )
-                if not isinstance(action.handle, ValueHandle):
+                handle = getattr(action, "handle", None)
+                if not isinstance(handle, ValueHandle):
                     raise ResidencyPlanError(
-                        f"plan phase {phase!r} entry #{index} names {action.handle!r}, not a "
+                        f"plan phase {phase!r} entry #{index} names {handle!r}, not a "
                         "ValueHandle"
                     )
         seen: set[tuple[str, Location]] = set()
@@ -281,9 +282,16 @@ def choose_source(
 
 
 def _first_step(
-    state: ResidencyState, action: Action, index: int
+    state: ResidencyState,
+    action: Action,
+    index: int,
+    targets: Mapping[ValueHandle, set[Location]],
 ) -> Generator[PhaseRequest, Any, CopyTicket | None]:
-    """Begin action ``index``: return its ticket, or None if it is already done."""
+    """Begin action ``index``: return its ticket, or None if it is already done.
+
+    ``targets`` are the locations this phase's Materialize/Move actions ask for, per value: all
+    of them must hold when the phase ends, so none is moved away (a REPLICABLE value is copied
+    from a wanted replica instead) and an EXCLUSIVE value may be asked at one location only."""
     if isinstance(action, Release):
         mat = state.materialization(action.handle, action.location)
         if mat.pending_event_count and not (mat.use_count or mat.hold_count):
@@ -291,11 +299,27 @@ def _first_step(
         state.release(action.handle, action.location)
         return None
     value = state.value(action.handle)
-    if action.location in value.materializations:
-        return None  # already there (a REPLICABLE value's other replicas stay)
+    wanted = targets.get(action.handle, set())
+    if value.replica_mode is ReplicaMode.EXCLUSIVE and len(wanted) > 1:
+        raise ResidencyPlanError(
+            f"{action.handle} is EXCLUSIVE but this plan phase asks for it at "
+            f"{', '.join(str(loc) for loc in sorted(wanted))} at once; several locations are "
+            "simultaneous postconditions, valid only for REPLICABLE values"
+        )
+    present = value.materializations.get(action.location)
+    if present is not None:
+        if present.state is MaterializationState.OUTGOING:
+            raise ResidencyPlanError(
+                f"{action.handle} is moving out of {action.location}, so it cannot also stay "
+                "there; ask for it after that move"
+            )
+        return None  # resident, or arriving (a REPLICABLE value's other replicas stay)
     source = choose_source(state, action.handle, action.location)
     if source is not None:
-        move = isinstance(action, Move) or value.replica_mode is ReplicaMode.EXCLUSIVE
+        if value.replica_mode is ReplicaMode.EXCLUSIVE:
+            move = True
+        else:  # a move never drops a replica that this phase asks for
+            move = isinstance(action, Move) and source not in wanted
         return state.begin_copy(action.handle, source, action.location, move=move)
     if not value.has_source or value.source_location is None:
         where = ", ".join(str(loc) for loc in sorted(value.materializations)) or "nowhere"
@@ -313,11 +337,15 @@ def run_phase(
 
     Raises :class:`ActionFailed` for the first action that failed, after every transfer already
     begun has been carried out and committed (or aborted if it failed)."""
+    targets: dict[ValueHandle, set[Location]] = {}
+    for action in actions:
+        if isinstance(action, (Materialize, Move)):
+            targets.setdefault(action.handle, set()).add(action.location)
     failure: ActionFailed | None = None
     tickets: list[tuple[int, CopyTicket]] = []
     for index, action in enumerate(actions):
         try:
-            ticket = yield from _first_step(state, action, index)
+            ticket = yield from _first_step(state, action, index, targets)
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break

@@ -172,8 +172,8 @@ class ResidencyManager:
         for location in self._state.locations():
             backend.check_location(location)
         # Every location of the machine appears in snapshots from the start.
-        for location in ("pageable-host", "pinned-host"):
-            self._state.ledger(location)
+        for host in ("pageable-host", "pinned-host"):
+            self._state.ledger(host)
         for index in range(backend.device_count()):
             self._state.ledger(Location("cuda", index))
         backend.start()

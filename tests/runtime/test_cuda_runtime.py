@@ -46,8 +46,15 @@ async def test_cuda_moves_keep_data_bit_for_bit(no_gpu_leak: object) -> None:
     async with ResidencyManager(backend="cuda") as m:
         original = data(64 * MiB + 4096)  # not a multiple of any chunk size
         h = m.register(original.clone(), name="w")
-        for loc in ["cuda:0", "pinned-host", "cuda:0", "pageable-host", "pinned-host", "cuda:0",
-                    "pageable-host"]:
+        for loc in [
+            "cuda:0",
+            "pinned-host",
+            "cuda:0",
+            "pageable-host",
+            "pinned-host",
+            "cuda:0",
+            "pageable-host",
+        ]:
             await m.move(h, loc)
             async with m.acquire(h, loc) as lease:
                 assert torch.equal(lease.tensor.cpu(), original), loc
@@ -83,8 +90,9 @@ async def test_cuda_lease_on_an_incoming_copy_waits_on_the_device_not_the_host(
 ) -> None:
     async with ResidencyManager(backend="cuda") as m:
         original = data(256 * MiB)
-        h = m.register(original.clone(), name="w", location="pinned-host",
-                       replica_mode=ReplicaMode.REPLICABLE)
+        h = m.register(
+            original.clone(), name="w", location="pinned-host", replica_mode=ReplicaMode.REPLICABLE
+        )
         compute = torch.cuda.Stream()
         task = m.materialize_nowait(h, "cuda:0")
         assert m.snapshot().value(h).materialization("cuda:0").state.value == "incoming"
@@ -152,9 +160,8 @@ async def test_cuda_protected_materialization_refuses_removal(no_gpu_leak: objec
     async with ResidencyManager(backend="cuda") as m:
         h = m.register(data(), name="w", replica_mode=ReplicaMode.REPLICABLE)
         await m.execute(ResidencyPlan(enter=[Materialize(h, "cuda:0")]))
-        with m.hold(h, "cuda:0"):
-            with pytest.raises(ResidencyInUseError):
-                await m.release(h, "cuda:0")
+        with m.hold(h, "cuda:0"), pytest.raises(ResidencyInUseError):
+            await m.release(h, "cuda:0")
         await m.discard(h)
 
 

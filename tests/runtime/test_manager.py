@@ -153,9 +153,7 @@ async def test_active_lease_blocks_release_with_use_count() -> None:
 
 async def test_reconstruction_charges_source_location_temporarily() -> None:
     data = random_tensor()
-    async with ResidencyManager(
-        budgets={"pageable-host": 1 * MiB}, backend="sim"
-    ) as m:
+    async with ResidencyManager(budgets={"pageable-host": 1 * MiB}, backend="sim") as m:
         src = CallableSource(lambda: data.clone(), shape=data.shape, dtype=data.dtype)
         h = m.register_source(src, name="w")
         assert m.snapshot().value(h).recoverability == "reconstructible"

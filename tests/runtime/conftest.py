@@ -1,0 +1,43 @@
+"""Runtime tests fail if anything blocks the event loop (as anyio's test suite does).
+
+A ticker task runs beside every async test and records the longest gap between its wake-ups;
+a gap over ``MAX_LOOP_STALL`` means something ran on the loop for that long without awaiting
+(a synchronize, a blocking copy, a busy wait). The threshold is loose enough for a slow CI
+machine and tight enough to catch a blocking wait on the 300 ms simulated kernels of the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+MAX_LOOP_STALL = 0.25  # seconds (a full garbage collection under pytest can take ~0.1 s)
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def loop_never_blocked(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    if not inspect.iscoroutinefunction(request.function):
+        yield
+        return
+    worst = 0.0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            worst = max(worst, now - last - 0.002)
+            last = now
+
+    task = asyncio.ensure_future(ticker())
+    yield
+    stop = True
+    await task
+    assert worst < MAX_LOOP_STALL, f"the event loop was blocked for {worst * 1e3:.0f} ms"
