@@ -252,9 +252,11 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
 async def test_many_tasks_contend_for_one_budget_fifo_without_exceeding_it() -> None:
     n = 1000
     async with ResidencyManager(budgets={"cuda:0": 3 * 16 * KiB}, backend="sim") as m:
-        handles = [
-            m.register(tensor(seed=i), name=f"v{i}", location="pinned-host") for i in range(n)
-        ]
+        handles = []
+        for i in range(n):
+            handles.append(m.register(tensor(seed=i), name=f"v{i}", location="pinned-host"))
+            if i % 100 == 0:
+                await asyncio.sleep(0)  # the test's own set-up must not stall the loop either
         order: list[int] = []
         peak = 0
 
