@@ -93,9 +93,7 @@ async def main() -> None:
             )
         manager.reset_peak_bytes()
         async with manager.scope(plan) as scope, manager.acquire(w2, "cuda:0") as lease:
-            print(
-                f"w2 rebuilt from its source on cuda:0, sum = {float(lease.tensor.sum()):.0f}"
-            )
+            print(f"w2 rebuilt from its source on cuda:0, sum = {float(lease.tensor.sum()):.0f}")
         print(f"scope committed {len(scope.report.transitions)} transitions")
 
         # 6. Evidence: an atomic, tensor-free snapshot (JSON) and the bounded trace.
