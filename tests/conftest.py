@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip1 = pytest.mark.skip(reason="needs a CUDA GPU")
     skip2 = pytest.mark.skip(reason="needs two CUDA GPUs")
     for item in items:
-        if "cuda" in item.keywords and count < 1:
+        if item.get_closest_marker("cuda") is not None and count < 1:
             item.add_marker(skip1)
-        if "cuda2" in item.keywords and count < 2:
+        if item.get_closest_marker("cuda2") is not None and count < 2:
             item.add_marker(skip2)

@@ -27,7 +27,7 @@ from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from .errors import ResidencyError, ResidencyPlanError
+from .errors import ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location, LocationLike
 from .state import (
     CopyTicket,
@@ -170,8 +170,7 @@ class ResidencyPlan:
                 handle = getattr(action, "handle", None)
                 if not isinstance(handle, ValueHandle):
                     raise ResidencyPlanError(
-                        f"plan phase {phase!r} entry #{index} names {handle!r}, not a "
-                        "ValueHandle"
+                        f"plan phase {phase!r} entry #{index} names {handle!r}, not a ValueHandle"
                     )
         seen: set[tuple[str, Location]] = set()
         for index, reservation in enumerate(self.reserve):
@@ -281,11 +280,22 @@ def choose_source(
     return None
 
 
+def transfer_reads(
+    state: ResidencyState, handle: ValueHandle, location: Location
+) -> list[CopyTicket]:
+    """The open transfers that read the materialization. Each holds one of its
+    ``pending_event_count`` until it commits or aborts: those are not consumer events to reap.
+    A driver lets the ones begun elsewhere complete; the ones of the same request commit first
+    (in action order), so a move of the request waits for neither."""
+    return [t for t in state.open_tickets() if t.handle == handle and t.source == location]
+
+
 def _first_step(
     state: ResidencyState,
     action: Action,
     index: int,
     targets: Mapping[ValueHandle, set[Location]],
+    begun: Sequence[tuple[int, CopyTicket]],
 ) -> Generator[PhaseRequest, Any, CopyTicket | None]:
     """Begin action ``index``: return its ticket, or None if it is already done.
 
@@ -294,6 +304,17 @@ def _first_step(
     from a wanted replica instead) and an EXCLUSIVE value may be asked at one location only."""
     if isinstance(action, Release):
         mat = state.materialization(action.handle, action.location)
+        if any(t.handle == action.handle and t.source == mat.location for _, t in begun):
+            # A copy out of it begun by this phase commits only after every action has begun:
+            # waiting for it here would never end, and reaping it would free what it reads.
+            raise ResidencyInUseError(
+                action.handle,
+                mat.location,
+                mat.use_count,
+                mat.hold_count,
+                mat.pending_event_count,
+                operation="release (a copy out of it is in flight)",
+            )
         if mat.pending_event_count and not (mat.use_count or mat.hold_count):
             yield SettleRequest(action.handle, action.location, index)
         state.release(action.handle, action.location)
@@ -345,7 +366,7 @@ def run_phase(
     tickets: list[tuple[int, CopyTicket]] = []
     for index, action in enumerate(actions):
         try:
-            ticket = yield from _first_step(state, action, index, targets)
+            ticket = yield from _first_step(state, action, index, targets, tickets)
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break
@@ -517,22 +538,44 @@ class _PeakWatcher:
         return peaks, ledgers
 
 
+def _complete_reads_elsewhere(
+    state: ResidencyState,
+    handle: ValueHandle,
+    location: Location,
+    ours: Sequence[CopyTicket],
+) -> None:
+    """On a quiet manager, the copies in flight elsewhere that read the materialization
+    complete (the runtime waits for them before freeing it)."""
+    mine = {t.ticket_id for t in ours}
+    for ticket in transfer_reads(state, handle, location):
+        if ticket.ticket_id not in mine and not ticket.move:
+            state.commit_copy(ticket)
+
+
 def _simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, None]) -> None:
     """Drive a phase as if every transfer succeeds and every pending event completes."""
     try:
         request = next(gen)
         while True:
             if isinstance(request, SettleRequest):
+                _complete_reads_elsewhere(state, request.handle, request.location, ())
                 mat = state.materialization(request.handle, request.location)
-                if mat.pending_event_count:
-                    state.reap_events(request.handle, request.location, mat.pending_event_count)
+                consumers = mat.pending_event_count - len(
+                    transfer_reads(state, request.handle, mat.location)
+                )
+                if consumers > 0:
+                    state.reap_events(request.handle, request.location, consumers)
                 request = gen.send(None)
                 continue
             for ticket in request.tickets:
                 value = state.value(ticket.handle, allow_discarded=True)
                 if ticket.source is not None and ticket.move:
+                    _complete_reads_elsewhere(state, ticket.handle, ticket.source, request.tickets)
                     src = value.materializations[ticket.source]
-                    extra = src.pending_event_count - 1
+                    # consumer events only: the request's own copies commit before the move
+                    extra = src.pending_event_count - len(
+                        transfer_reads(state, ticket.handle, ticket.source)
+                    )
                     if extra > 0:
                         state.reap_events(ticket.handle, ticket.source, extra)
             request = gen.send({})
@@ -624,7 +667,7 @@ def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
 
 def _is_transient(state: ResidencyState, plan: ResidencyPlan, error: BaseException) -> bool:
     """Would the plan fit if everything it does not touch went away and nothing were protected?"""
-    from .errors import ResidencyBudgetError, ResidencyInUseError
+    from .errors import ResidencyBudgetError
     from .state import DuplicateReservationError
 
     if not isinstance(

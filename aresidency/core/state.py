@@ -681,9 +681,12 @@ class ResidencyState:
         if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
             raise ValueError(f"{handle} is EXCLUSIVE and already materialized; move it instead")
         charge = value.charge_bytes
-        if via is not None:
-            self.ledger(via).check_admit(charge, f"{handle} (temporary load from its source)")
-        self.ledger(dst).check_admit(charge, f"{handle} (rebuilt from its source)")
+        # Checked on existing ledgers only: a refused call must not add a location (a location
+        # without a ledger has no budget and admits anything).
+        if via is not None and via in self._locations:
+            self._locations[via].check_admit(charge, f"{handle} (temporary load from its source)")
+        if dst in self._locations:
+            self._locations[dst].check_admit(charge, f"{handle} (rebuilt from its source)")
         ticket = CopyTicket(self._new_id(), handle, None, dst, charge, False, via)
         self._tickets[ticket.ticket_id] = ticket
         if via is not None:

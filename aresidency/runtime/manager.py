@@ -322,8 +322,14 @@ class ResidencyManager:
         )
         return transfer
 
-    async def _perform(self, ticket: CopyTicket, transfer: Transfer | None = None) -> None:
-        """Carry out one begun transfer; raise its error. Leaves the commit to the caller."""
+    async def _perform(
+        self,
+        ticket: CopyTicket,
+        transfer: Transfer | None = None,
+        siblings: tuple[CopyTicket, ...] = (),
+    ) -> None:
+        """Carry out one begun transfer; raise its error. Leaves the commit to the caller, which
+        commits ``siblings`` (the other tickets of the same request) together with it."""
         key = (ticket.handle, ticket.destination)
         if ticket.source is None:
             # A rebuild: load in a worker thread (never on the loop), into the source location,
@@ -351,8 +357,17 @@ class ResidencyManager:
             transfer = self._start_copy(ticket)
         await transfer.wait()
         if ticket.move:
-            # The source is freed at commit: its other consumers must have completed first.
-            await self._settle(ticket.handle, ticket.source, keep=1)
+            # The source is freed at commit: its consumers and the copies out of it begun
+            # elsewhere must have completed first. Copies of the same request that read it
+            # commit with this one, so they are not waited for (that would never end).
+            ours = sum(
+                1
+                for other in siblings
+                if other is not ticket
+                and other.handle == ticket.handle
+                and other.source == ticket.source
+            )
+            await self._settle(ticket.handle, ticket.source, keep=1 + ours)
 
     async def _serve_transfers(
         self, tickets: tuple[CopyTicket, ...]
@@ -360,7 +375,9 @@ class ResidencyManager:
         """Run tickets concurrently; always wait for all of them (device work already issued
         completes even if this task is cancelled). Returns errors by ticket id and whether a
         cancellation arrived meanwhile."""
-        tasks = {t.ticket_id: asyncio.ensure_future(self._perform(t)) for t in tickets}
+        tasks = {
+            t.ticket_id: asyncio.ensure_future(self._perform(t, siblings=tickets)) for t in tickets
+        }
         cancelled = False
         while True:
             try:
@@ -386,6 +403,7 @@ class ResidencyManager:
         try:
             request = next(gen)
         except StopIteration:
+            self._notify()  # committed at once (a release without pending events): wake waiters
             return
         while True:
             cancelled = False
@@ -559,7 +577,9 @@ class ResidencyManager:
     ) -> None:
         while True:
             tasks = {
-                t.ticket_id: asyncio.ensure_future(self._perform(t, started.pop(t.ticket_id, None)))
+                t.ticket_id: asyncio.ensure_future(
+                    self._perform(t, started.pop(t.ticket_id, None), request.tickets)
+                )
                 for t in request.tickets
             }
             await asyncio.wait(list(tasks.values()))

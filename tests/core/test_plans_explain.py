@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from aresidency.core import (
@@ -26,6 +26,7 @@ from aresidency.core import (
     explain_plan,
     take_snapshot,
 )
+from aresidency.core.plans import ActionFailed, TransferRequest, run_phase
 
 from ._support import CUDA0, CUDA1, PAGEABLE, PINNED, execute, make_state
 
@@ -248,9 +249,7 @@ def test_a_plan_that_could_never_fit_is_not_transient():
 
 def test_a_plan_naming_a_foreign_or_discarded_handle_is_infeasible_and_changes_nothing():
     state = make_state()
-    foreign = make_state(manager_id="m-other").register(
-        name="f", charge_bytes=512, location=CUDA0
-    )
+    foreign = make_state(manager_id="m-other").register(name="f", charge_bytes=512, location=CUDA0)
     gone = state.register(name="g", charge_bytes=512, location=CUDA0)
     state.discard(gone)
     for handle in (foreign, gone):
@@ -281,14 +280,99 @@ def test_a_release_waits_for_pending_consumer_events_in_the_plan():
     assert take_snapshot(state).value(handle).materializations == ()
 
 
+def test_releasing_the_source_of_a_copy_begun_in_the_same_phase_is_in_use_not_a_crash():
+    state = make_state()
+    handle = state.register(
+        name="v",
+        charge_bytes=512,
+        location=PINNED,
+        replica_mode=ReplicaMode.REPLICABLE,
+        has_source=True,
+        source_location=PAGEABLE,
+    )
+    plan = ResidencyPlan(exit=[Materialize(handle, PAGEABLE), Release(handle, PINNED)])
+    explanation, failure = execute_and_compare(state, plan)
+    assert not explanation.feasible and failure is not None
+    assert isinstance(explanation.blocking_error, ResidencyInUseError)
+    assert (explanation.failed_phase, explanation.failed_action_index) == ("exit", 1)
+    # the copy that was begun still completed; nothing was lost
+    snap = take_snapshot(state)
+    assert snap.value(handle).locations == (Location.parse(PAGEABLE), Location.parse(PINNED))
+    assert all(m.pending_event_count == 0 for m in snap.value(handle).materializations)
+
+
+def test_a_copy_and_a_move_out_of_one_replica_in_one_phase_commit_copy_first():
+    state = make_state()
+    handle = state.register(
+        name="v", charge_bytes=512, location=PINNED, replica_mode=ReplicaMode.REPLICABLE
+    )
+    plan = ResidencyPlan(enter=[Materialize(handle, CUDA0), Move(handle, CUDA1)])
+    explanation, failure = execute_and_compare(state, plan)
+    assert explanation.feasible and failure is None
+    snap = take_snapshot(state)
+    assert snap.value(handle).locations == (Location.parse(CUDA0), Location.parse(CUDA1))
+    kinds = [t.kind for t in state.trace_ring.view().transitions if t.kind.endswith("commit")]
+    assert kinds[-2:] == ["copy_commit", "move_commit"]
+    assert not any(t.kind == "event_reaped" for t in state.trace_ring.view().transitions)
+
+
+def test_a_move_out_of_a_replica_that_a_copy_in_flight_elsewhere_reads_waits_for_that_copy():
+    state = make_state()
+    handle = state.register(
+        name="v", charge_bytes=512, location=PINNED, replica_mode=ReplicaMode.REPLICABLE
+    )
+    state.begin_copy(handle, PINNED, CUDA0, move=False)  # someone else's transfer
+    explanation, failure = execute_and_compare(state, ResidencyPlan(exit=[Move(handle, PAGEABLE)]))
+    assert explanation.feasible and failure is None
+    assert take_snapshot(state).value(handle).locations == (
+        Location.parse(PAGEABLE),
+        Location.parse(CUDA0),
+    )
+    assert state.open_tickets() == []
+
+
+def test_a_move_in_the_same_phase_does_not_drop_a_replica_the_phase_asks_for():
+    state = make_state()
+    handle = state.register(
+        name="v", charge_bytes=512, location=CUDA1, replica_mode=ReplicaMode.REPLICABLE
+    )
+    for plan in (
+        ResidencyPlan(enter=[Materialize(handle, CUDA1), Move(handle, CUDA0)]),
+        ResidencyPlan(enter=[Move(handle, PINNED), Materialize(handle, CUDA1)]),
+    ):
+        explanation, failure = execute_and_compare(state, plan)
+        assert explanation.feasible and failure is None
+        locations = take_snapshot(state).value(handle).locations
+        for action in plan.enter:
+            assert action.location in locations
+
+
+def test_a_failed_transfer_in_a_phase_leaves_its_source_intact_and_names_the_action():
+    state = make_state({CUDA0: 4096})
+    stay = state.register(name="stay", charge_bytes=512, location=PINNED)
+    moved = state.register(name="moved", charge_bytes=1024, location=PINNED)
+    before = take_snapshot(state)
+    gen = run_phase(state, "enter", [Move(stay, CUDA1), Move(moved, CUDA0)])
+    request = next(gen)
+    assert isinstance(request, TransferRequest) and request.action_indexes == (0, 1)
+    failing = request.tickets[1].ticket_id
+    with pytest.raises(ActionFailed) as info:
+        gen.send({failing: OSError("copy engine fault")})
+    assert info.value.index == 1 and isinstance(info.value.cause, OSError)
+    snap = take_snapshot(state)
+    assert snap.value(moved) == before.value(moved)  # still resident at pinned-host, unprotected
+    assert snap.value(stay).locations == (Location.parse(CUDA1),)  # the other move committed
+    assert snap.location(CUDA0).used_bytes == 0
+    assert state.open_tickets() == []
+    state.check_invariants()
+
+
 # ------------------------------------------------------------------------- reconstruction
 
 
 def test_reconstruction_into_cuda_charges_the_source_location_temporarily():
     state = make_state({CUDA0: 4096, PAGEABLE: 4096})
-    handle = state.register(
-        name="s", charge_bytes=1024, has_source=True, source_location=PAGEABLE
-    )
+    handle = state.register(name="s", charge_bytes=1024, has_source=True, source_location=PAGEABLE)
     explanation, _ = execute_and_compare(state, ResidencyPlan(enter=[Materialize(handle, CUDA0)]))
     assert explanation.feasible
     host = explanation.ledger[Location.parse(PAGEABLE)]
@@ -308,9 +392,7 @@ def test_reconstruction_into_cuda_charges_the_source_location_temporarily():
 def test_reconstruction_is_infeasible_when_the_source_location_budget_is_too_small():
     state = make_state({CUDA0: 1 << 30, PAGEABLE: 4096})
     state.reserve("staging", PAGEABLE, 3584)  # 512 B left at pageable-host
-    handle = state.register(
-        name="s", charge_bytes=1024, has_source=True, source_location=PAGEABLE
-    )
+    handle = state.register(name="s", charge_bytes=1024, has_source=True, source_location=PAGEABLE)
     explanation, failure = execute_and_compare(
         state, ResidencyPlan(enter=[Materialize(handle, CUDA0)])
     )
@@ -324,9 +406,7 @@ def test_reconstruction_is_infeasible_when_the_source_location_budget_is_too_sma
 
 def test_reconstruction_into_the_source_location_itself_is_not_temporary():
     state = make_state()
-    handle = state.register(
-        name="s", charge_bytes=1024, has_source=True, source_location=PINNED
-    )
+    handle = state.register(name="s", charge_bytes=1024, has_source=True, source_location=PINNED)
     explanation, _ = execute_and_compare(state, ResidencyPlan(enter=[Materialize(handle, PINNED)]))
     pinned = explanation.ledger[Location.parse(PINNED)]
     assert (pinned.reconstruction_bytes, pinned.destination_bytes) == (0, 1024)
@@ -336,7 +416,10 @@ def test_reconstruction_into_the_source_location_itself_is_not_temporary():
 def test_a_replicable_value_rebuilt_for_cuda_and_wanted_at_its_source_location_stays_at_both():
     state = make_state()
     handle = state.register(
-        name="s", charge_bytes=512, has_source=True, source_location=PAGEABLE,
+        name="s",
+        charge_bytes=512,
+        has_source=True,
+        source_location=PAGEABLE,
         replica_mode=ReplicaMode.REPLICABLE,
     )
     plan = ResidencyPlan(enter=[Materialize(handle, CUDA0), Materialize(handle, PAGEABLE)])
@@ -350,9 +433,7 @@ def test_a_replicable_value_rebuilt_for_cuda_and_wanted_at_its_source_location_s
 
 def test_an_exclusive_value_asked_at_two_locations_in_one_phase_is_infeasible():
     state = make_state()
-    rebuilt = state.register(
-        name="s", charge_bytes=512, has_source=True, source_location=PAGEABLE
-    )
+    rebuilt = state.register(name="s", charge_bytes=512, has_source=True, source_location=PAGEABLE)
     resident = state.register(name="r", charge_bytes=512, location=PINNED)
     for plan in (
         ResidencyPlan(enter=[Materialize(rebuilt, CUDA0), Materialize(rebuilt, PAGEABLE)]),
@@ -402,8 +483,12 @@ def scenarios(draw):
             location = draw(st.none() | st.sampled_from(LOCS))
             handles.append(
                 state.register(
-                    name=f"v{index}", charge_bytes=charge, replica_mode=mode, location=location,
-                    has_source=True, source_location=source,
+                    name=f"v{index}",
+                    charge_bytes=charge,
+                    replica_mode=mode,
+                    location=location,
+                    has_source=True,
+                    source_location=source,
                 )
             )
         else:
@@ -416,8 +501,22 @@ def scenarios(draw):
     pick = st.sampled_from(handles)
     loc = st.sampled_from(LOCS)
     for step in range(draw(st.integers(0, 8))):
-        op = draw(st.sampled_from(["copy", "move", "load", "hold", "lease", "events",
-                                   "reserve", "release", "discard", "open-transfer"]))
+        op = draw(
+            st.sampled_from(
+                [
+                    "copy",
+                    "move",
+                    "load",
+                    "hold",
+                    "lease",
+                    "events",
+                    "reserve",
+                    "release",
+                    "discard",
+                    "open-transfer",
+                ]
+            )
+        )
         h, where, there = draw(pick), draw(loc), draw(loc)
         try:
             if op == "copy":
@@ -459,9 +558,7 @@ def scenarios(draw):
         loc,
         st.integers(0, 6).map(lambda k: k * 512),
     )
-    reservations = st.lists(
-        reservation, max_size=2, unique_by=lambda r: (r.name, r.location)
-    )
+    reservations = st.lists(reservation, max_size=2, unique_by=lambda r: (r.name, r.location))
     plan = ResidencyPlan(
         reclaim=draw(actions([Release, Move], 3)),
         reserve=draw(reservations),
@@ -475,6 +572,8 @@ def scenarios(draw):
 @given(scenarios())
 def test_explain_predicts_exactly_the_peaks_that_execution_charges(scenario):
     state, plan = scenario
+    note(f"state before the plan: {take_snapshot(state).to_dict()}")
+    note(f"open transfers: {state.open_tickets()}")
     explanation, failure = execute_and_compare(state, plan)
     if failure is None and not plan.exit:
         # every requested endpoint of the enter phase holds afterwards

@@ -130,3 +130,17 @@ def test_data_survives_any_sequence_of_moves_bit_for_bit(path: list[str], replic
             m._state.check_invariants()
 
     asyncio.run(run())
+
+
+async def test_a_copy_and_a_move_out_of_one_source_in_one_phase_complete() -> None:
+    from aresidency import Materialize, Move, ResidencyPlan
+
+    async with ResidencyManager(backend="sim") as m:
+        original = data()
+        h = m.register(original.clone(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        plan = ResidencyPlan(enter=[Materialize(h, "cuda:0"), Move(h, "cuda:1")])
+        await asyncio.wait_for(m.execute(plan), 5)
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0", "cuda:1"]
+        for loc in ("cuda:0", "cuda:1"):
+            async with m.acquire(h, loc) as lease:
+                assert torch.equal(lease.tensor, original)

@@ -1,0 +1,279 @@
+"""Snapshots (atomic, tensor-free, immutable, JSON round trip) and the bounded trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from aresidency.core import (
+    Location,
+    LocationRecord,
+    MaterializationRecord,
+    MaterializationState,
+    ReplicaMode,
+    ResidencySnapshot,
+    ResidencyTrace,
+    ResidencyUnavailableError,
+    Transition,
+    ValueHandle,
+    ValueSnapshot,
+    take_snapshot,
+)
+from aresidency.core.trace import TraceRing
+
+from ._support import CUDA0, CUDA1, PAGEABLE, PINNED, make_state
+
+
+def busy_state():
+    state = make_state({CUDA0: 1 << 20, PINNED: None})
+    w = state.register(name="w", charge_bytes=1000, location=CUDA0)
+    r = state.register(
+        name="r", charge_bytes=2048, location=PINNED, replica_mode=ReplicaMode.REPLICABLE
+    )
+    s = state.register(name="s", charge_bytes=512, has_source=True, source_location=PAGEABLE)
+    state.commit_copy(state.begin_copy(r, PINNED, CUDA1, move=False))
+    state.lease(w, CUDA0)
+    state.hold(r, PINNED)
+    state.record_events(r, CUDA1, 2)
+    state.begin_copy(r, PINNED, CUDA0, move=False)  # in flight
+    state.reserve("kv", CUDA0, 4096, owner=torch.zeros(4))  # an owner that is a tensor
+    state.reserve("ws", CUDA0, 512)
+    return state, w, r, s
+
+
+# ------------------------------------------------------------------------------- contents
+
+
+def test_snapshot_reports_every_field_the_guide_lists():
+    state, w, r, s = busy_state()
+    snap = take_snapshot(state)
+    assert snap.manager_id == "m-test" and snap.state_version == state.state_version
+    cuda = snap.location(CUDA0)
+    assert isinstance(cuda, LocationRecord)
+    assert cuda.budget_bytes == 1 << 20
+    assert cuda.used_bytes == 1000 + 2048
+    assert cuda.reserved_bytes == 4608
+    assert cuda.charged_bytes == cuda.used_bytes + cuda.reserved_bytes
+    assert cuda.peak_bytes == cuda.charged_bytes
+    assert cuda.reservations == (("kv", 4096), ("ws", 512))
+    assert snap.location(PINNED).budget_bytes is None
+
+    rv = snap.value(r)
+    assert isinstance(rv, ValueSnapshot)
+    assert (rv.handle, rv.name, rv.replica_mode) == (r, "r", ReplicaMode.REPLICABLE)
+    assert (rv.recoverability, rv.has_source, rv.source_location) == (
+        "not-reconstructible",
+        False,
+        None,
+    )
+    assert rv.charge_bytes == 2048 and not rv.discarded
+    assert rv.locations == tuple(Location.parse(x) for x in (PINNED, CUDA0, CUDA1))
+    pinned = rv.materialization(PINNED)
+    assert isinstance(pinned, MaterializationRecord)
+    assert (pinned.charged_bytes, pinned.use_count, pinned.hold_count) == (2048, 0, 1)
+    assert pinned.pending_event_count == 1  # the copy in flight reads it
+    assert pinned.state is MaterializationState.RESIDENT and pinned.protected
+    assert rv.materialization(CUDA0).state is MaterializationState.INCOMING
+    assert rv.materialization(CUDA1).pending_event_count == 2
+    assert snap.value(w).materialization(CUDA0).use_count == 1
+
+    sv = snap.value(s)
+    assert (sv.recoverability, sv.has_source) == ("reconstructible", True)
+    assert sv.source_location == Location.parse(PAGEABLE) and sv.materializations == ()
+
+
+def test_snapshot_lookups_of_absent_things_raise_clearly():
+    state, w, _, _ = busy_state()
+    snap = take_snapshot(state)
+    with pytest.raises(ResidencyUnavailableError, match="not in this snapshot"):
+        snap.value(ValueHandle("m-test", 999))
+    with pytest.raises(ResidencyUnavailableError):
+        snap.value(w).materialization(PAGEABLE)
+
+
+def test_snapshot_and_record_reprs_show_state():
+    state, *_ = busy_state()
+    snap = take_snapshot(state)
+    assert f"v{state.state_version}" in repr(snap) and "m-test" in repr(snap)
+    text = repr(snap.location(CUDA0))
+    assert text.startswith("<Location cuda:0 used=") and "reserved=" in text and "budget=" in text
+
+
+# --------------------------------------------------------------- immutability, atomicity
+
+
+def test_snapshot_records_are_frozen():
+    state, w, *_ = busy_state()
+    snap = take_snapshot(state)
+    record = snap.value(w)
+    for obj, attr in [
+        (snap, "state_version"),
+        (snap.location(CUDA0), "used_bytes"),
+        (record, "name"),
+        (record.materializations[0], "use_count"),
+    ]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, 0)
+
+
+def test_snapshot_mappings_and_sequences_are_read_only():
+    state, w, *_ = busy_state()
+    for snap in (take_snapshot(state), ResidencySnapshot.from_dict(take_snapshot(state).to_dict())):
+        with pytest.raises(TypeError):
+            snap.locations[Location.parse(CUDA0)] = None  # type: ignore[index]
+        with pytest.raises(TypeError):
+            del snap.values[w]  # type: ignore[attr-defined]
+        assert not hasattr(snap.values, "pop") and not hasattr(snap.locations, "clear")
+        record = snap.value(w)
+        assert isinstance(record.materializations, tuple) and isinstance(record.locations, tuple)
+        assert isinstance(snap.location(CUDA0).reservations, tuple)
+
+
+def test_snapshot_is_taken_in_one_call_and_later_transitions_do_not_reach_it():
+    state, w, r, s = busy_state()
+    snap = take_snapshot(state)
+    frozen = json.dumps(snap.to_dict(), sort_keys=True)
+    state.unlease(w, CUDA0)
+    state.unhold(r, PINNED)
+    state.unreserve("kv", CUDA0)
+    state.commit_copy(state.open_tickets()[0])
+    state.commit_copy(state.begin_load(s))
+    state.discard(w)
+    assert json.dumps(snap.to_dict(), sort_keys=True) == frozen
+    assert snap.state_version < state.state_version
+    assert take_snapshot(state) != snap
+
+
+def _walk(obj, seen, found):
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    found.add(type(obj))
+    if isinstance(obj, torch.Tensor):
+        return
+    if isinstance(obj, (str, bytes, int, float, bool, type(None), enum.Enum)):
+        return
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _walk(key, seen, found)
+            _walk(value, seen, found)
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for item in obj:
+            _walk(item, seen, found)
+    elif dataclasses.is_dataclass(obj):
+        for field in dataclasses.fields(obj):
+            _walk(getattr(obj, field.name), seen, found)
+    else:
+        for attr in getattr(type(obj), "__slots__", ()):
+            _walk(getattr(obj, attr, None), seen, found)
+        for value in getattr(obj, "__dict__", {}).values():
+            _walk(value, seen, found)
+
+
+def test_snapshot_holds_no_tensor_anywhere_inside():
+    state, *_ = busy_state()
+    found: set[type] = set()
+    _walk(take_snapshot(state), set(), found)
+    assert not any(issubclass(t, torch.Tensor) for t in found)
+    allowed = {
+        ResidencySnapshot,
+        LocationRecord,
+        ValueSnapshot,
+        MaterializationRecord,
+        Location,
+        ValueHandle,
+        MaterializationState,
+        ReplicaMode,
+        str,
+        int,
+        tuple,
+        type(None),
+        bool,
+    }
+    assert {t for t in found if not issubclass(t, Mapping)} <= allowed
+
+
+def test_snapshot_round_trips_through_json():
+    state, *_ = busy_state()
+    snap = take_snapshot(state)
+    text = json.dumps(snap.to_dict())
+    again = ResidencySnapshot.from_dict(json.loads(text))
+    assert again == snap
+    assert dict(again.values) == dict(snap.values)  # the records themselves, not just dicts
+    assert dict(again.locations) == dict(snap.locations)
+    assert [v.name for v in again.values.values()] == ["w", "r", "s"]
+
+
+def test_snapshots_of_different_versions_differ():
+    state, w, *_ = busy_state()
+    first = take_snapshot(state)
+    state.unlease(w, CUDA0)
+    assert take_snapshot(state) != first
+
+
+# -------------------------------------------------------------------------------- trace
+
+
+def test_trace_entries_carry_sequence_version_kind_handle_location_bytes_and_time():
+    state = make_state()
+    h = state.register(name="w", charge_bytes=1024, location=CUDA0)
+    state.reserve("kv", PINNED, 512)
+    trace = state.trace_ring.view()
+    assert isinstance(trace, ResidencyTrace) and trace.enabled and trace.overwritten == 0
+    first, second = trace.transitions
+    assert (first.seq, first.state_version, first.kind, first.handle) == (1, 1, "register", h)
+    assert (first.location, first.nbytes, first.time_ns) == (Location.parse(CUDA0), 1024, 1)
+    assert (second.kind, second.handle, second.name, second.nbytes) == ("reserve", None, "kv", 512)
+    assert second.time_ns == 2
+    assert json.loads(json.dumps(first.to_dict()))["handle"]["name"] == "w"
+    assert "register" in str(first) and "+1024 B" in str(first)
+
+
+def test_trace_ring_keeps_the_newest_entries_and_counts_the_overwritten():
+    state = make_state(trace_capacity=3)
+    state.register(name="w", charge_bytes=512, location=CUDA0)
+    for index in range(4):
+        state.reserve(f"r{index}", CUDA0, 1)
+    trace = state.trace_ring.view()
+    assert trace.capacity == 3 and len(trace.transitions) == 3
+    assert trace.overwritten == 2
+    assert [t.seq for t in trace.transitions] == [3, 4, 5]
+    assert [t.state_version for t in trace.transitions] == [3, 4, 5]
+
+
+def test_trace_disabled_at_capacity_zero_records_nothing_but_versions_still_advance():
+    state = make_state(trace_capacity=0)
+    state.register(name="w", charge_bytes=512, location=CUDA0)
+    state.reserve("r", CUDA0, 1)
+    trace = state.trace_ring.view()
+    assert not trace.enabled and trace.capacity == 0
+    assert trace.transitions == () and trace.overwritten == 0
+    assert state.state_version == 2
+
+
+def test_a_trace_view_is_an_immutable_copy():
+    state = make_state()
+    state.register(name="w", charge_bytes=512, location=CUDA0)
+    view = state.trace_ring.view()
+    state.reserve("r", CUDA0, 1)
+    assert len(view.transitions) == 1 and isinstance(view.transitions, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.overwritten = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.transitions[0].kind = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("capacity", [-1, True, 1.5, "10", None])
+def test_trace_capacity_must_be_a_non_negative_int(capacity):
+    with pytest.raises(ValueError, match="trace_capacity"):
+        TraceRing(capacity)
+
+
+def test_transition_without_handle_or_location_serializes():
+    transition = Transition(1, 1, "budget", None, None, 0, 5)
+    assert transition.to_dict()["handle"] is None and transition.to_dict()["location"] is None
