@@ -60,7 +60,7 @@ def _parse_action_location(self: Any, location: LocationLike) -> None:
     object.__setattr__(self, "location", Location.parse(location))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Materialize:
     """Make ``handle`` present at ``location`` (EXCLUSIVE: a move; REPLICABLE: a new replica;
     no copy anywhere: rebuilt from its source). Already there: nothing to do."""
@@ -68,42 +68,45 @@ class Materialize:
     handle: ValueHandle
     location: Location
 
-    def __post_init__(self) -> None:
-        _parse_action_location(self, self.location)
+    def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
+        object.__setattr__(self, "handle", handle)
+        _parse_action_location(self, location)
 
     def __str__(self) -> str:
         return f"Materialize({self.handle.name or self.handle.value_id!r}, {self.location})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Move:
     """Copy ``handle`` to ``location``, then free the copy it came from."""
 
     handle: ValueHandle
     location: Location
 
-    def __post_init__(self) -> None:
-        _parse_action_location(self, self.location)
+    def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
+        object.__setattr__(self, "handle", handle)
+        _parse_action_location(self, location)
 
     def __str__(self) -> str:
         return f"Move({self.handle.name or self.handle.value_id!r}, {self.location})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Release:
     """Drop the materialization of ``handle`` at ``location`` (after its consumer events)."""
 
     handle: ValueHandle
     location: Location
 
-    def __post_init__(self) -> None:
-        _parse_action_location(self, self.location)
+    def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
+        object.__setattr__(self, "handle", handle)
+        _parse_action_location(self, location)
 
     def __str__(self) -> str:
         return f"Release({self.handle.name or self.handle.value_id!r}, {self.location})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class MemoryReservation:
     """``nbytes`` named ``name`` at ``location`` (workspace, activations, KV headroom), charged as
     ``reserved_bytes`` while active."""
@@ -112,11 +115,13 @@ class MemoryReservation:
     location: Location
     nbytes: int
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"a MemoryReservation needs a non-empty str name, got {self.name!r}")
-        _parse_action_location(self, self.location)
-        check_nbytes(self.nbytes, f"MemoryReservation {self.name!r} nbytes")
+    def __init__(self, name: str, location: LocationLike, nbytes: int) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a MemoryReservation needs a non-empty str name, got {name!r}")
+        check_nbytes(nbytes, f"MemoryReservation {name!r} nbytes")
+        object.__setattr__(self, "name", name)
+        _parse_action_location(self, location)
+        object.__setattr__(self, "nbytes", nbytes)
 
     def __str__(self) -> str:
         return f"MemoryReservation({self.name!r}, {self.location}, {self.nbytes} B)"

@@ -817,7 +817,10 @@ class ResidencyState:
         other = self.clone(keep)
         other._tickets.clear()
         for entry in other._locations.values():
-            entry.reservations.clear()
+            # Reservations of the backend itself (the staging pool) never go away.
+            entry.reservations = {
+                name: held for name, held in entry.reservations.items() if held[1] == "backend"
+            }
             entry.used_bytes = 0
         for handle in list(other._values):
             value = other._values[handle]

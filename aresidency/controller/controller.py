@@ -1,0 +1,484 @@
+"""``ResidencyController``: request -> decision on the event loop, and decide-then-enter scopes.
+
+The controller reads the manager's live state (``manager._state``) only synchronously, on the
+loop that owns it, and never mutates it: decisions are entered through ``manager.scope``.
+
+Not blocking the loop (DESIGN.md section 4): the search (``search.iter_decide``) runs in slices
+of ``slice_seconds`` (0.5 ms by default) with ``await asyncio.sleep(0)`` between them, so other
+tasks run at least that often. The state can change while the search is parked; a search whose
+state moved restarts from the new state (never finishing on a stale one), up to
+``max_restarts`` times, after which it runs to the end without parking (a manager that changes
+faster than one slice would otherwise starve it). The candidate index is kept current by a state
+observer; bringing it up to date is also sliced, and changes made meanwhile are caught by the
+same observer, so that part never restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any, Protocol
+
+from ..core.errors import ResidencyPlanError, ResidencySearchLimitError, ResidencyStaleStateError
+from ..core.plans import PlanExplanation, ResidencyPlan
+from ..core.state import ResidencyState
+from ..core.trace import Transition
+from .index import CandidateIndex, Slicer
+from .policy import CostModel, FallbackGraph
+from .requests import Eviction, Placement, ResidencyDecision, ResidencyRequest
+from .search import (
+    DEFAULT_OPTIMALITY_GAP,
+    DEFAULT_SEARCH_STATE_LIMIT,
+    ModelMismatchError,
+    check_optimality_gap,
+    decide_nowait,
+    iter_decide,
+)
+
+__all__ = ["ControllerScope", "PendingDecision", "ResidencyController"]
+
+
+class ManagerLike(Protocol):
+    """What the controller needs of a ``ResidencyManager``."""
+
+    _state: ResidencyState
+
+    @property
+    def state_version(self) -> int: ...
+
+    def scope(self, plan_or_decision: Any, timeout: float | None = None) -> Any: ...
+
+
+class ResidencyController:
+    """Turns :class:`ResidencyRequest` s into :class:`ResidencyDecision` s for one manager.
+
+    ``search_state_limit`` bounds every search (``ResidencySearchLimitError`` when reached);
+    ``optimality_gap`` is how close to the cheapest eviction set a decision must be (1%; 0 for
+    an exact search, which can take exponentially many states when victims differ in size);
+    ``fallback_graph`` and ``cost_model`` are the policy (defaults:
+    ``cuda:N -> pinned-host -> pageable-host`` with drops, and the H200 anchors). A decision is
+    a pure function of the manager's state, the request and the policy.
+
+    State: the manager; a candidate index attached to the manager's state (its observer marks
+    changed values; :meth:`close` detaches it); counters ``decisions``, ``restarts`` (searches
+    restarted because the state moved while they were parked) and ``stale_retries`` (scope
+    entries that found their decision stale and decided again).
+    """
+
+    def __init__(
+        self,
+        manager: ManagerLike,
+        search_state_limit: int = DEFAULT_SEARCH_STATE_LIMIT,
+        *,
+        fallback_graph: FallbackGraph | None = None,
+        cost_model: CostModel | None = None,
+        max_stale_retries: int = 3,
+        slice_seconds: float = 0.0005,
+        max_restarts: int = 16,
+        optimality_gap: float = DEFAULT_OPTIMALITY_GAP,
+    ) -> None:
+        if isinstance(search_state_limit, bool) or not isinstance(search_state_limit, int):
+            raise TypeError(f"search_state_limit must be an int, got {search_state_limit!r}")
+        if search_state_limit < 1:
+            raise ValueError(f"search_state_limit must be >= 1, got {search_state_limit}")
+        if max_stale_retries < 0 or max_restarts < 0:
+            raise ValueError("max_stale_retries and max_restarts must be >= 0")
+        if not slice_seconds > 0:
+            raise ValueError(f"slice_seconds must be > 0, got {slice_seconds!r}")
+        self.manager = manager
+        self.search_state_limit = search_state_limit
+        self._graph = fallback_graph if fallback_graph is not None else FallbackGraph.default()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.max_stale_retries = max_stale_retries
+        self.slice_seconds = slice_seconds
+        self.max_restarts = max_restarts
+        self.optimality_gap = check_optimality_gap(optimality_gap)
+        self._index: CandidateIndex | None = None
+        self.decisions = 0
+        self.restarts = 0
+        self.stale_retries = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ResidencyController manager={self._state().manager_id} "
+            f"search_state_limit={self.search_state_limit} decisions={self.decisions} "
+            f"restarts={self.restarts} stale_retries={self.stale_retries}>"
+        )
+
+    # ----------------------------------------------------------------- policy
+
+    @property
+    def fallback_graph(self) -> FallbackGraph:
+        return self._graph
+
+    @fallback_graph.setter
+    def fallback_graph(self, graph: FallbackGraph) -> None:
+        if not isinstance(graph, FallbackGraph):
+            raise TypeError(f"expected a FallbackGraph, got {graph!r}")
+        self._graph = graph
+        self.close()  # the index classifies candidates by the graph: rebuild it
+
+    def close(self) -> None:
+        """Detach the candidate index from the manager's state (it is rebuilt on next use)."""
+        if self._index is not None:
+            self._index.detach()
+            self._index = None
+
+    def __enter__(self) -> ResidencyController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- deciding
+
+    def _state(self) -> ResidencyState:
+        return self.manager._state
+
+    def _check_loop(self) -> None:
+        """The manager's check: running, and called from its loop's thread (its state is not
+        thread-safe). A stand-in without the check is trusted."""
+        check = getattr(self.manager, "_check_loop", None)
+        if check is not None:
+            check()
+
+    def _index_for(self, state: ResidencyState) -> CandidateIndex:
+        index = self._index
+        if index is None or index.state is not state or index.graph != self._graph:
+            self.close()
+            index = self._index = CandidateIndex(self._graph)
+            index.attach(state)
+        return index
+
+    def decide_nowait(self, request: ResidencyRequest) -> ResidencyDecision:
+        """Derive a decision synchronously: blocks the loop for the whole search (use
+        :meth:`decide` on the loop; this is for tests and tools)."""
+        self._check_loop()
+        state = self._state()
+        for attempt in range(2):
+            index = self._index_for(state)
+            steps = iter_decide(
+                state,
+                request,
+                graph=self._graph,
+                cost_model=self.cost_model,
+                search_state_limit=self.search_state_limit,
+                index=index,
+                optimality_gap=self.optimality_gap,
+            )
+            try:
+                while True:
+                    next(steps)
+            except StopIteration as done:
+                decision: ResidencyDecision = done.value
+                self.decisions += 1
+                return decision
+            except ModelMismatchError as error:
+                if attempt:
+                    raise ResidencyPlanError(str(error)) from None
+                index.invalidate()
+        raise AssertionError("unreachable")
+
+    def decide(self, request: ResidencyRequest) -> PendingDecision:
+        """Derive a decision for ``request`` from the manager's current state.
+
+        ``decision = await controller.decide(request)`` runs the search in slices that leave the
+        loop free for other tasks (see the module docstring); the decision's
+        ``expected_state_version`` is the state version when the await returned. Reading the
+        result without awaiting it (``controller.decide(request).explored_states``, as the
+        troubleshooting guide does) derives it synchronously instead, blocking the loop for the
+        search. Raises ``ResidencyPlanError`` (invalid or infeasible request) or
+        ``ResidencySearchLimitError`` (bound reached: feasibility unknown), when awaited or
+        read. Cancelling the await changes nothing."""
+        if not isinstance(request, ResidencyRequest):
+            raise TypeError(f"expected a ResidencyRequest, got {request!r}")
+        self._check_loop()
+        return PendingDecision(self, request)
+
+    async def _decide(self, request: ResidencyRequest) -> ResidencyDecision:
+        restarts = 0
+        mismatches = 0
+        while True:
+            state = self._state()
+            index = self._index_for(state)
+            slicer: Slicer | None = None
+            if restarts < self.max_restarts:
+                slicer = Slicer(self.slice_seconds)
+                # The index catches changes made while this is parked: no restart needed.
+                for _ in index.refresh_steps(slicer):
+                    await asyncio.sleep(0)
+                    slicer.restart()
+            version = state.state_version
+            steps = iter_decide(
+                state,
+                request,
+                graph=self._graph,
+                cost_model=self.cost_model,
+                search_state_limit=self.search_state_limit,
+                index=index,
+                slicer=slicer,
+                optimality_gap=self.optimality_gap,
+            )
+            try:
+                while True:
+                    next(steps)
+                    assert slicer is not None
+                    await asyncio.sleep(0)
+                    if state.state_version != version or self._state() is not state:
+                        break  # the search saw an older state: start again
+                    slicer.restart()
+            except StopIteration as done:
+                decision: ResidencyDecision = done.value
+                self.decisions += 1
+                return decision
+            except ModelMismatchError as error:
+                mismatches += 1
+                if mismatches > 1:
+                    raise ResidencyPlanError(str(error)) from None
+                index.invalidate()
+                continue
+            finally:
+                steps.close()
+            restarts += 1
+            self.restarts += 1
+
+    # ----------------------------------------------------------------- scopes
+
+    def scope(self, request: ResidencyRequest, timeout: float | None = None) -> ControllerScope:
+        """``async with controller.scope(request, timeout=...) as scope``: decide and enter.
+
+        Entry derives a decision and enters it with ``manager.scope``. A decision found stale at
+        entry is re-derived from the current state (never replayed), at most
+        ``max_stale_retries`` times, after which the last ``ResidencyStaleStateError`` is
+        raised. A request that is infeasible only because of transient state (leases, holds,
+        pending events, other scopes' reservations: it would fit on its own) waits for the
+        state to change and decides again, as a manual scope waits for admission, for up to
+        ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
+        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once.
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+        ):
+            raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        if not isinstance(request, ResidencyRequest):
+            raise TypeError(f"expected a ResidencyRequest, got {request!r}")
+        self._check_loop()
+        return ControllerScope(self, request, timeout)
+
+    def would_fit_alone(self, request: ResidencyRequest) -> bool:
+        """Whether ``request`` is feasible once everything it does not name went away and
+        nothing were protected (the manager's test for transient blocking)."""
+        state = self._state()
+        alone = state.isolated(request.handles())
+        try:
+            decide_nowait(
+                alone,
+                request,
+                graph=self._graph,
+                cost_model=self.cost_model,
+                search_state_limit=self.search_state_limit,
+                optimality_gap=self.optimality_gap,
+            )
+        except ResidencyPlanError:
+            return False
+        return True
+
+    async def wait_for_change(self, deadline: float | None) -> bool:
+        """Park until the manager's state commits a transition; False if ``deadline`` (loop
+        time) passed first."""
+        loop = asyncio.get_running_loop()
+        state = self._state()
+        changed: asyncio.Future[None] = loop.create_future()
+
+        def observe(transition: Transition) -> None:
+            if not changed.done():
+                changed.set_result(None)
+
+        state.observers.append(observe)
+        try:
+            if deadline is None:
+                await changed
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(changed, remaining)
+            except TimeoutError:
+                return False
+            return True
+        finally:
+            state.observers.remove(observe)
+
+
+class PendingDecision:
+    """What :meth:`ResidencyController.decide` returns: a decision being derived.
+
+    ``await`` it for the :class:`ResidencyDecision` (the search runs in slices; the loop stays
+    free). Reading one of the decision's fields from it directly, or calling :meth:`result`,
+    derives the decision synchronously (blocking the loop for the search) — the troubleshooting
+    guide's ``decision = controller.decide(request); print(decision.explored_states)``. Either
+    way the decision is derived once and kept: awaiting again, or reading more fields, returns
+    the same decision.
+    """
+
+    __slots__ = ("_controller", "_decision", "_request")
+
+    def __init__(self, controller: ResidencyController, request: ResidencyRequest) -> None:
+        self._controller = controller
+        self._request = request
+        self._decision: ResidencyDecision | None = None
+
+    def __await__(self) -> Generator[Any, None, ResidencyDecision]:
+        if self._decision is None:
+            self._decision = yield from self._controller._decide(self._request).__await__()
+        return self._decision
+
+    def result(self) -> ResidencyDecision:
+        """The decision, derived synchronously now if it was not yet (blocks the loop)."""
+        if self._decision is None:
+            self._decision = self._controller.decide_nowait(self._request)
+        return self._decision
+
+    def __repr__(self) -> str:
+        if self._decision is None:
+            return f"<PendingDecision {self._request.name!r} (await it, or call result())>"
+        return f"<PendingDecision {self._decision!r}>"
+
+    @property
+    def request(self) -> ResidencyRequest:
+        return self._request
+
+    @property
+    def expected_state_version(self) -> int:
+        return self.result().expected_state_version
+
+    @property
+    def explored_states(self) -> int:
+        return self.result().explored_states
+
+    @property
+    def evictions(self) -> tuple[Eviction, ...]:
+        return self.result().evictions
+
+    @property
+    def plan(self) -> ResidencyPlan:
+        return self.result().plan
+
+    @property
+    def explanation(self) -> PlanExplanation:
+        return self.result().explanation
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.result().placements
+
+    @property
+    def estimated_seconds(self) -> float:
+        return self.result().estimated_seconds
+
+
+class ControllerScope:
+    """The async context manager ``controller.scope(request, timeout)`` returns (single use).
+
+    After entry: ``decision`` is the decision entered, ``decisions`` every decision derived on
+    the way (the last is ``decision``), ``manager_scope`` the manager's scope (``report`` and
+    ``exit_error`` are its). Exit is the manager scope's exit.
+    """
+
+    def __init__(
+        self, controller: ResidencyController, request: ResidencyRequest, timeout: float | None
+    ) -> None:
+        self.controller = controller
+        self.request = request
+        self.timeout = timeout
+        self.decisions: list[ResidencyDecision] = []
+        self._decision: ResidencyDecision | None = None
+        self.manager_scope: Any = None
+        self.stale_retries = 0
+        self.status = "new"
+
+    def __repr__(self) -> str:
+        return (
+            f"<ControllerScope {self.request.name!r} {self.status} "
+            f"[{len(self.decisions)} decisions, {self.stale_retries} stale]>"
+        )
+
+    @property
+    def decision(self) -> ResidencyDecision:
+        """The decision that was entered (``RuntimeError`` before entry)."""
+        if self._decision is None:
+            raise RuntimeError("the scope has not been entered")
+        return self._decision
+
+    @property
+    def report(self) -> Any:
+        if self.manager_scope is None:
+            raise RuntimeError("the scope has not been entered")
+        return self.manager_scope.report
+
+    @property
+    def exit_error(self) -> BaseException | None:
+        return None if self.manager_scope is None else self.manager_scope.exit_error
+
+    async def __aenter__(self) -> ControllerScope:
+        if self.status != "new":
+            raise RuntimeError(
+                f"a controller scope is single use and this one is {self.status}; make a new "
+                "one from the request"
+            )
+        self.status = "entering"
+        controller = self.controller
+        loop = asyncio.get_running_loop()
+        timeout = self.timeout
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            while True:
+                try:
+                    decision = await controller._decide(self.request)
+                except ResidencySearchLimitError:
+                    raise
+                except ResidencyPlanError as error:
+                    if timeout == 0 or not controller.would_fit_alone(self.request):
+                        raise
+                    if not await controller.wait_for_change(deadline):
+                        raise TimeoutError(
+                            f"request {self.request.name!r} not admitted within {timeout} s: "
+                            f"{error.reason}"
+                        ) from error
+                    continue
+                self.decisions.append(decision)
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                # No await between the decision and this entry: it is fresh here unless entry
+                # itself has to wait for admission behind other scopes.
+                manager_scope = controller.manager.scope(decision, timeout=remaining)
+                try:
+                    await manager_scope.__aenter__()
+                except ResidencyStaleStateError:
+                    self.stale_retries += 1
+                    controller.stale_retries += 1
+                    if self.stale_retries > controller.max_stale_retries:
+                        raise
+                    continue
+                self.manager_scope = manager_scope
+                self._decision = decision
+                self.status = "entered"
+                return self
+        except BaseException:
+            self.status = "failed"
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self.status != "entered":
+            return None
+        try:
+            result: bool | None = await self.manager_scope.__aexit__(exc_type, exc, tb)
+        finally:
+            self.status = "exited"
+        return result

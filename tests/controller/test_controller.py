@@ -1,0 +1,474 @@
+"""``ResidencyController``: decide on the loop without blocking it, and decide-then-enter scopes.
+
+The first tests drive the controller against a stand-in manager (the live state plus a scope
+that checks staleness and runs plans on the model), the rest against the real manager on the
+simulated backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import pytest
+import torch
+
+from aresidency.controller import (
+    CostModel,
+    ResidencyController,
+    ResidencyDecision,
+    ResidencyRequest,
+    ResidencyRequirement,
+    decide_nowait,
+)
+from aresidency.core import (
+    Location,
+    MemoryReservation,
+    ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+    ResidencyState,
+    ValueHandle,
+)
+from aresidency.core.plans import _simulate_requests, run_phase
+
+pytestmark = pytest.mark.asyncio
+
+KIB = 1024
+UNIT = 4 * KIB
+
+
+class StandInManager:
+    """What the controller uses of a manager: ``_state``, ``state_version``, ``scope``. Its
+    scope yields to the loop (as admission does), calls ``before_entry``, checks staleness,
+    then runs the plan on the model."""
+
+    def __init__(self, state: ResidencyState) -> None:
+        self._state = state
+        self.before_entry: Callable[[int], None] | None = None
+        self.entries = 0
+
+    @property
+    def state_version(self) -> int:
+        return self._state.state_version
+
+    def scope(self, decision: ResidencyDecision, timeout: float | None = None) -> StandInScope:
+        return StandInScope(self, decision)
+
+
+class StandInScope:
+    def __init__(self, manager: StandInManager, decision: ResidencyDecision) -> None:
+        self.manager = manager
+        self.decision = decision
+        self.report = ()
+        self.exit_error = None
+
+    async def __aenter__(self) -> StandInScope:
+        await asyncio.sleep(0)
+        manager, state = self.manager, self.manager._state
+        if manager.before_entry is not None:
+            manager.before_entry(manager.entries)
+        manager.entries += 1
+        if self.decision.expected_state_version != state.state_version:
+            raise ResidencyStaleStateError(
+                self.decision.expected_state_version, state.state_version
+            )
+        plan = self.decision.plan
+        _simulate_requests(state, run_phase(state, "reclaim", plan.reclaim))
+        for reservation in plan.reserve:
+            state.reserve(reservation.name, reservation.location, reservation.nbytes)
+        _simulate_requests(state, run_phase(state, "enter", plan.enter))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for reservation in self.decision.plan.reserve:
+            self.manager._state.unreserve(reservation.name, reservation.location)
+
+
+def hard_state(count: int = 200, need_units: int = 300) -> tuple[ResidencyState, ResidencyRequest]:
+    """Victims of many sizes: an exact search explores tens of thousands of states."""
+    rng = random.Random(1)
+    sizes = [rng.randint(1, 97) * 512 for _ in range(count)]
+    state = ResidencyState(budgets={"cuda:0": sum(sizes), "pinned-host": None})
+    handles = [
+        state.register(name=f"v{i}", charge_bytes=size, location="cuda:0")
+        for i, size in enumerate(sizes)
+    ]
+    for handle in rng.sample(handles, count // 2):
+        state.lease(handle, "cuda:0")
+        state.unlease(handle, "cuda:0")
+    new = state.register(
+        name="new",
+        charge_bytes=need_units * 512 + 1,
+        has_source=True,
+        source_location="pageable-host",
+    )
+    return state, ResidencyRequest("hard", [ResidencyRequirement(new, "cuda:0")])
+
+
+EXACT_GAP = 0.0
+EXACT_LIMIT = 200_000
+HARD_COST = CostModel(recency_half_life=64)
+
+
+async def measure_lag(work: Any) -> tuple[Any, float, int]:
+    """Run ``work`` (a coroutine) beside a ticker; return its result, the longest stretch of
+    loop-thread CPU time between two ticks, and the number of ticks.
+
+    CPU time rather than wall time: on a shared machine the OS can preempt the whole process
+    for milliseconds, which is not the loop being blocked by the code under test."""
+    worst = 0.0
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal worst, ticks
+        last = time.thread_time()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.thread_time()
+            worst = max(worst, now - last)
+            last = now
+            ticks += 1
+
+    gc.disable()
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0)
+    try:
+        result = await work
+    finally:
+        done = True
+        await task
+        gc.enable()
+    return result, worst, ticks
+
+
+# ------------------------------------------------------------ against a stand-in
+
+
+async def test_decide_matches_the_synchronous_search() -> None:
+    state, request = hard_state(60, 80)
+    controller = ResidencyController(
+        StandInManager(state),
+        cost_model=HARD_COST,
+        optimality_gap=EXACT_GAP,
+        search_state_limit=EXACT_LIMIT,
+    )
+    decision = await controller.decide(request)
+    assert decision == decide_nowait(
+        state,
+        request,
+        cost_model=HARD_COST,
+        optimality_gap=EXACT_GAP,
+        search_state_limit=EXACT_LIMIT,
+    )
+    assert decision.expected_state_version == state.state_version
+    assert controller.decisions == 1 and controller.restarts == 0
+
+
+async def test_decide_can_be_read_without_await_as_the_guide_does() -> None:
+    state, request = hard_state(30, 20)
+    controller = ResidencyController(StandInManager(state))
+    decision = controller.decide(request)  # the guide's section 5, verbatim
+    assert decision.expected_state_version == state.state_version
+    assert decision.explored_states >= 1
+    assert decision.evictions and decision.plan.reclaim and decision.plan.enter
+    assert decision.explanation.predicted_peak_bytes
+    assert (await decision) is decision.result()
+    assert await controller.decide(request) == decision.result()
+    with pytest.raises(TypeError):
+        controller.decide("step-7")  # type: ignore[arg-type]
+
+
+async def test_a_long_search_adds_about_a_millisecond_of_loop_lag_at_most() -> None:
+    state, request = hard_state()
+    controller = ResidencyController(
+        StandInManager(state),
+        cost_model=HARD_COST,
+        optimality_gap=EXACT_GAP,
+        search_state_limit=EXACT_LIMIT,
+    )
+    await controller.decide(ResidencyRequest("warm-up"))  # builds the candidate index
+    decision, worst, ticks = await measure_lag(controller.decide(request))
+    assert decision.explored_states > 20_000
+    assert ticks > 50
+    # 0.5 ms slices: about a millisecond at most, with room for a slow CI machine
+    assert worst < 0.003, f"loop blocked for {worst * 1e3:.2f} ms of CPU time"
+
+
+async def test_decide_restarts_when_the_state_moves_while_it_is_parked() -> None:
+    state, request = hard_state()
+    other = state.register(name="other", charge_bytes=512, location="pageable-host")
+    controller = ResidencyController(
+        StandInManager(state),
+        cost_model=HARD_COST,
+        max_restarts=2,
+        optimality_gap=EXACT_GAP,
+        search_state_limit=EXACT_LIMIT,
+    )
+    stop = False
+
+    async def mutate() -> None:
+        while not stop:
+            state.hold(other, "pageable-host")
+            state.unhold(other, "pageable-host")
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(mutate())
+    try:
+        decision = await controller.decide(request)
+        # no await since it returned: the decision is fresh
+        assert decision.expected_state_version == state.state_version
+        assert decision == decide_nowait(
+            state,
+            request,
+            cost_model=HARD_COST,
+            optimality_gap=EXACT_GAP,
+            search_state_limit=EXACT_LIMIT,
+        )
+    finally:
+        stop = True
+        await task
+    assert controller.restarts == 2
+
+
+async def test_cancelling_decide_changes_nothing() -> None:
+    state, request = hard_state()
+    controller = ResidencyController(
+        StandInManager(state),
+        cost_model=HARD_COST,
+        optimality_gap=EXACT_GAP,
+        search_state_limit=EXACT_LIMIT,
+    )
+    version = state.state_version
+    task = asyncio.ensure_future(controller.decide(request))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state.state_version == version
+    state.check_invariants()
+    assert (await controller.decide(request)).expected_state_version == version
+
+
+async def test_decide_reports_the_search_limit() -> None:
+    state, request = hard_state()
+    controller = ResidencyController(
+        StandInManager(state), search_state_limit=500, cost_model=HARD_COST, optimality_gap=0.0
+    )
+    with pytest.raises(ResidencySearchLimitError) as caught:
+        await controller.decide(request)
+    assert (caught.value.request_name, caught.value.state_limit) == ("hard", 500)
+    assert caught.value.explored_states == 500
+
+
+async def test_scope_rederives_a_decision_that_went_stale_before_entry() -> None:
+    state = ResidencyState(budgets={"cuda:0": 8 * UNIT, "pinned-host": None})
+    values = [state.register(name=f"v{i}", charge_bytes=UNIT, location="cuda:0") for i in range(8)]
+    new = state.register(
+        name="new", charge_bytes=2 * UNIT, has_source=True, source_location="pageable-host"
+    )
+    manager = StandInManager(state)
+
+    def touch_first_two(entry: int) -> None:
+        if entry == 0:  # an intervening mutation: v0 and v1 become the most recently used
+            for handle in values[:2]:
+                state.lease(handle, "cuda:0")
+                state.unlease(handle, "cuda:0")
+
+    manager.before_entry = touch_first_two
+    controller = ResidencyController(manager)
+    request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+    async with controller.scope(request, timeout=1.0) as scope:
+        assert Location.parse("cuda:0") in state.value(new).materializations
+    assert scope.stale_retries == 1 and controller.stale_retries == 1
+    first, second = scope.decisions
+    assert [e.handle for e in first.evictions] == values[:2]
+    assert [e.handle for e in second.evictions] == values[2:4]  # derived again, not replayed
+    assert scope.decision is second
+
+
+async def test_scope_gives_up_after_max_stale_retries() -> None:
+    state = ResidencyState(budgets={"cuda:0": 8 * UNIT})
+    new = state.register(
+        name="new", charge_bytes=UNIT, has_source=True, source_location="pageable-host"
+    )
+    spare = state.register(name="spare", charge_bytes=UNIT, location="pageable-host")
+    manager = StandInManager(state)
+
+    def intervene(entry: int) -> None:
+        state.hold(spare, "pageable-host")
+
+    manager.before_entry = intervene
+    controller = ResidencyController(manager, max_stale_retries=2)
+    request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+    with pytest.raises(ResidencyStaleStateError):
+        async with controller.scope(request):
+            pytest.fail("never entered")
+    assert manager.entries == 3
+
+
+# ------------------------------------------------------- against the real manager
+
+
+def sim_manager(gpu_budget: int) -> Any:
+    runtime = pytest.importorskip("aresidency.runtime")
+    try:
+        from aresidency.backends.sim import SimBackend  # noqa: F401
+    except ImportError:  # pragma: no cover - until the simulated backend lands
+        pytest.skip("the simulated backend is not available")
+    return runtime.ResidencyManager(budgets={"cuda:0": gpu_budget}, backend="sim")
+
+
+def tensor(nbytes: int = UNIT, seed: int = 0) -> torch.Tensor:
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+async def fill_gpu(manager: Any, count: int) -> list[ValueHandle]:
+    handles = [
+        manager.register(tensor(UNIT, i), name=f"v{i}", location="cuda:0") for i in range(count)
+    ]
+    for handle in handles:  # v0 least recently used
+        async with manager.acquire(handle, "cuda:0"):
+            pass
+    await settle(manager)
+    return handles
+
+
+async def settle(manager: Any) -> None:
+    """Wait until every consumer event is reaped (protected values are never victims)."""
+    deadline = time.perf_counter() + 5.0
+    while any(
+        mat.pending_event_count
+        for value in manager.snapshot().values.values()
+        for mat in value.materializations
+    ):
+        assert time.perf_counter() < deadline, "consumer events never completed"
+        await asyncio.sleep(0.001)
+
+
+async def test_controller_scope_enters_a_decision_on_the_real_manager() -> None:
+    async with sim_manager(6 * UNIT) as manager:
+        gpu = await fill_gpu(manager, 6)
+        new = manager.register(tensor(2 * UNIT, 99), name="new")
+        controller = ResidencyController(manager)
+        request = ResidencyRequest(
+            "step",
+            [ResidencyRequirement(new, "cuda:0")],
+            [MemoryReservation("ws", "pinned-host", UNIT)],
+        )
+        async with controller.scope(request, timeout=5.0) as scope:
+            snap = manager.snapshot()
+            assert [str(loc) for loc in snap.value(new).locations] == ["cuda:0"]
+            assert snap.location("cuda:0").used_bytes == 6 * UNIT
+            assert ("ws", UNIT) in snap.location("pinned-host").reservations
+            moved = [e.handle for e in scope.decision.evictions]
+            for handle in moved:
+                assert [str(loc) for loc in snap.value(handle).locations] == ["pinned-host"]
+        assert set(moved) <= set(gpu) and len(moved) == 2
+        assert scope.report.transitions
+        assert ("ws", UNIT) not in manager.snapshot().location("pinned-host").reservations
+        manager._state.check_invariants()
+
+
+async def test_decision_entered_after_an_intervening_mutation_is_stale() -> None:
+    async with sim_manager(4 * UNIT) as manager:
+        gpu = await fill_gpu(manager, 4)
+        new = manager.register(tensor(UNIT, 9), name="new")
+        controller = ResidencyController(manager)
+        request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+        decision = await controller.decide(request)
+        manager.hold(gpu[-1], "cuda:0").release()  # an intervening mutation
+        before = manager.snapshot()
+        with pytest.raises(ResidencyStaleStateError) as caught:
+            async with manager.scope(decision):
+                pytest.fail("a stale decision must not enter")
+        assert caught.value.expected_version == decision.expected_state_version
+        assert caught.value.actual_version == manager.state_version
+        assert manager.snapshot() == before
+        # the controller's scope recovers by deciding again
+        async with controller.scope(request, timeout=5.0) as scope:
+            assert scope.decision.expected_state_version >= before.state_version
+            assert "cuda:0" in [str(x) for x in manager.snapshot().value(new).locations]
+
+
+async def test_controller_scope_recovers_from_a_stale_entry_on_the_real_manager() -> None:
+    async with sim_manager(4 * UNIT) as manager:
+        gpu = await fill_gpu(manager, 4)
+        new = manager.register(tensor(UNIT, 9), name="new")
+
+        class Interfering:
+            """The manager, but something else touches the state before the first entry."""
+
+            def __init__(self) -> None:
+                self._state = manager._state
+                self.calls = 0
+
+            @property
+            def state_version(self) -> int:
+                return int(manager.state_version)
+
+            def scope(self, decision: Any, timeout: float | None = None) -> Any:
+                self.calls += 1
+                if self.calls == 1:
+                    manager.hold(gpu[0], "cuda:0").release()
+                return manager.scope(decision, timeout=timeout)
+
+        proxy = Interfering()
+        controller = ResidencyController(proxy)
+        request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+        async with controller.scope(request, timeout=5.0) as scope:
+            assert len(scope.decisions) == 2 and scope.stale_retries == 1
+            victim = scope.decision.evictions[0].handle
+            assert victim == gpu[1]  # v0 was just touched: the fresh decision spares it
+        assert proxy.calls == 2
+
+
+async def test_controller_scope_waits_for_a_protection_to_end() -> None:
+    async with sim_manager(4 * UNIT) as manager:
+        gpu = await fill_gpu(manager, 4)
+        new = manager.register(tensor(UNIT, 9), name="new")
+        holds = [manager.hold(h, "cuda:0") for h in gpu]
+        controller = ResidencyController(manager)
+        request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+        with pytest.raises(ResidencyPlanError, match="infeasible because of protections"):
+            async with controller.scope(request, timeout=0):
+                pytest.fail("not admissible now")
+        with pytest.raises(TimeoutError, match="not admitted within"):
+            async with controller.scope(request, timeout=0.05):
+                pytest.fail("not admissible within the timeout")
+
+        async def release_later() -> None:
+            await asyncio.sleep(0.05)
+            holds[2].release()
+
+        releaser = asyncio.ensure_future(release_later())
+        async with controller.scope(request, timeout=None) as scope:
+            assert [e.handle for e in scope.decision.evictions] == [gpu[2]]
+        await releaser
+        for hold in holds[:2] + holds[3:]:
+            hold.release()
+
+
+async def test_request_that_could_never_fit_fails_at_once() -> None:
+    async with sim_manager(4 * UNIT) as manager:
+        await fill_gpu(manager, 2)
+        new = manager.register(tensor(8 * UNIT, 9), name="huge")
+        controller = ResidencyController(manager)
+        request = ResidencyRequest("huge", [ResidencyRequirement(new, "cuda:0")])
+        started = time.perf_counter()
+        with pytest.raises(ResidencyPlanError, match="even evicting everything"):
+            async with controller.scope(request, timeout=None):
+                pytest.fail("never fits")
+        assert time.perf_counter() - started < 1.0
