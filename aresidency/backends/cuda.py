@@ -1,0 +1,692 @@
+"""The CUDA backend: torch streams and events, dedicated copy streams, staged pageable copies.
+
+Per device, three dedicated copy streams (non-blocking, created through the driver so that
+no other torch code shares them; torch pool streams when the driver API is unavailable):
+
+* ``h2d``: host-to-device copies (one copy engine),
+* ``d2h``: device-to-host copies (the other copy engine, so both directions overlap),
+* ``peer``: device-to-device copies; a copy ``cuda:i -> cuda:j`` runs on ``peer[i]`` with
+  ``peer[j]`` as the destination device's current stream (torch's cross-device ``copy_``
+  synchronizes both), and completes on ``peer[j]``.
+
+Routes taken by :meth:`CudaBackend.copy`:
+
+================================  ==========================================================
+pinned-host -> cuda:N             ``copy_(non_blocking=True)`` on ``h2d[N]``, issued inline
+pageable-host -> cuda:N           staged: chunks through the pinned staging pool (lane
+                                  thread); inline ``copy_`` below ``inline_pageable_bytes``
+cuda:N -> pinned-host             exact-size pinned destination, ``copy_`` on ``d2h[N]``;
+                                  pinning a large destination (and then issuing) happens in
+                                  a worker thread
+cuda:N -> pageable-host           staged through the pool (lane thread)
+cuda:i -> cuda:j                  ``peer`` streams as above, issued inline
+host -> host                      a worker thread (memcpy, pinning when needed)
+================================  ==========================================================
+
+Every destination is allocated by ``copy`` itself: on the device under the copy stream
+(``torch.cuda.stream``), so the caching allocator associates the block with that stream; the
+runtime frees a tensor only after every event that used it completed, so no
+``record_stream`` is needed. Host destinations are contiguous; pinned ones are exactly sized
+(:class:`~aresidency.backends.staging.PinnedAllocator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.errors import format_bytes
+from ..core.locations import Location, LocationLike
+from .base import Backend, DeviceEvent, FaultInjector, Transfer
+from .sim import poison_
+from .staging import (
+    PinnedAllocator,
+    StagingLane,
+    StagingPool,
+    as_bytes,
+    copy_d2h_staged,
+    copy_h2d_staged,
+    cuda_event,
+)
+from .waiter import EventWaiter, HostEvent, resolve_threadsafe, shared_driver, spin_wait
+
+__all__ = ["CopyStreams", "CudaBackend"]
+
+
+@dataclass(frozen=True)
+class CopyStreams:
+    """The dedicated copy streams of one device."""
+
+    h2d: torch.cuda.Stream
+    d2h: torch.cuda.Stream
+    peer: torch.cuda.Stream
+
+
+# Copy streams are process-wide (one set per device), shared by every CudaBackend: they are
+# never destroyed, because the caching allocator keeps blocks associated with them.
+_STREAMS: dict[int, CopyStreams] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def copy_streams(device: int) -> CopyStreams:
+    """The dedicated copy streams of ``cuda:device`` (created on first use)."""
+    with _STREAMS_LOCK:
+        streams = _STREAMS.get(device)
+        if streams is None:
+            streams = _STREAMS[device] = CopyStreams(*(_new_stream(device) for _ in range(3)))
+        return streams
+
+
+def _new_stream(device: int) -> torch.cuda.Stream:
+    try:
+        driver = shared_driver()
+        handle = driver.create_stream(device)
+        external: Any = torch.cuda.ExternalStream  # untyped in torch
+        stream: torch.cuda.Stream = external(handle, device=torch.device("cuda", device))
+    except RuntimeError:
+        # No driver API: a torch pool stream (may be shared with other torch code).
+        pool: Any = torch.cuda.Stream
+        stream = pool(device=device)
+    return stream
+
+
+def _host_wait(event: DeviceEvent) -> None:
+    """Block the calling worker thread (never the loop) until ``event`` completes."""
+    if isinstance(event, HostEvent):
+        event.wait_blocking()
+    elif isinstance(event, torch.cuda.Event):
+        spin_wait(event)
+    else:
+        while not event.query():
+            threading.Event().wait(0.0005)
+
+
+class _CudaTransfer(Transfer):
+    """A copy started by :class:`CudaBackend`.
+
+    State: ``_issued`` (set once every piece of device work is enqueued), ``_event`` (the
+    event after which the data is at the destination; set before ``_issued``), ``_error``,
+    ``_cancelled``, ``_fail`` (fault injection).
+    """
+
+    def __init__(
+        self,
+        backend: CudaBackend,
+        tensor: torch.Tensor,
+        nbytes: int,
+        src_location: Location,
+        dst_location: Location,
+        route: str,
+        *,
+        fail: bool,
+    ) -> None:
+        self.tensor = tensor
+        self.nbytes = nbytes
+        self.src_location = src_location
+        self.dst_location = dst_location
+        self.route = route
+        self._backend = backend
+        self._fail = fail
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._event: DeviceEvent | None = None
+        self._issued = HostEvent(label="issued")
+
+    def _finish_issue(self, event: DeviceEvent, error: BaseException | None = None) -> None:
+        """Any thread: every piece of device work is enqueued (``event`` covers it)."""
+        self._event = event
+        self._error = error
+        self._issued.set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    async def wait_issued(self) -> DeviceEvent:
+        """Return once all device work is enqueued (at once for inline routes; after the lane
+        or worker thread issued the last chunk for staged ones). The returned event completes
+        when the data is at the destination; a stream that waits on it may read ``tensor``."""
+        await self._backend._park(self._issued)
+        assert self._event is not None
+        return self._event
+
+    async def wait(self) -> None:
+        """Park until the data is at the destination (no host blocking, no polling); raise the
+        copy's error, ``CancelledError`` after :meth:`cancel`, or the injected failure."""
+        event = await self.wait_issued()
+        await self._backend.wait_event(event)
+        if self._error is not None:
+            raise self._error
+        if self._cancelled:
+            raise asyncio.CancelledError(f"{self!r} was cancelled")
+        if self._fail:
+            raise RuntimeError("injected transfer failure")
+
+    def cancel(self) -> None:
+        """Staged copies stop issuing chunks; enqueued device work still completes, and
+        :meth:`wait` then raises ``CancelledError``."""
+        self._cancelled = True
+
+    def __repr__(self) -> str:
+        if not self._issued.query():
+            state = "issuing"
+        else:
+            state = "done" if self._event is not None and self._event.query() else "in flight"
+        return (
+            f"<CudaTransfer {self.src_location}->{self.dst_location} {format_bytes(self.nbytes)}"
+            f" {self.route} {state}>"
+        )
+
+
+class CudaBackend(Backend):
+    """Device backend on torch CUDA streams and events (see the module docstring).
+
+    Arguments: ``waiter`` picks the event-waiting strategy (``"auto"``, ``"hybrid"``,
+    ``"hostfunc"``, ``"poll"``, ``"blocking"``, or an :class:`EventWaiter`; see
+    :mod:`~aresidency.backends.waiter`);
+    ``staging_chunk_bytes`` and ``staging_buffers`` size each lane of the staging pool;
+    ``pinned_cache_bytes`` keeps up to that many bytes of released pinned memory registered
+    for exact-size reuse (0: unpin at ``free``); both are reported by :meth:`staging_nbytes`.
+    ``inline_pageable_bytes``: pageable-to-device copies up to this size skip the pool (the
+    driver stages them while ``copy`` returns). ``inline_register_bytes``: pinned
+    destinations up to this size are page-locked inside ``copy``; larger ones in a worker.
+
+    State: the waiter thread, the staging pool (two lane threads), a worker pool for host
+    copies and deferred issues, the pinned allocator, ``_waits`` (tasks parked on host
+    events), ``_closed``.
+    """
+
+    name = "cuda"
+    simulated = False
+
+    def __init__(
+        self,
+        *,
+        waiter: str | EventWaiter = "auto",
+        staging_chunk_bytes: int = 32 << 20,
+        staging_buffers: int = 2,
+        pinned_cache_bytes: int = 0,
+        inline_pageable_bytes: int = 256 << 10,
+        inline_register_bytes: int = 1 << 20,
+        host_workers: int = 4,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaBackend needs a CUDA device; use SimBackend without one")
+        self.faults = faults if faults is not None else FaultInjector()
+        self.waiter = waiter if isinstance(waiter, EventWaiter) else EventWaiter(waiter)
+        self.pinned = PinnedAllocator(cache_bytes=pinned_cache_bytes)
+        self.pool = StagingPool(
+            self.pinned, chunk_bytes=staging_chunk_bytes, buffers=staging_buffers
+        )
+        self.inline_pageable_bytes = inline_pageable_bytes
+        self.inline_register_bytes = inline_register_bytes
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=host_workers, thread_name_prefix="aresidency-host"
+        )
+        self._num_devices = torch.cuda.device_count()
+        self._waits: set[asyncio.Future[None]] = set()
+        self._closed = False
+        self._started = False
+
+    # -------------------------------------------------------------- topology
+
+    def check_location(self, location: Location) -> None:
+        loc = Location.parse(location)
+        if loc.is_cuda and loc.device_index >= self._num_devices:
+            raise ValueError(f"{loc} does not exist: torch sees {self._num_devices} CUDA device(s)")
+
+    def device_count(self) -> int:
+        return self._num_devices
+
+    def streams(self, location: LocationLike) -> CopyStreams:
+        """The dedicated copy streams of a ``cuda:N`` location."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        return copy_streams(loc.device_index)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the event waiter's thread (on the loop)."""
+        if self._closed:
+            raise RuntimeError("this CudaBackend is closed; create a new one")
+        self.waiter.start()
+        self._started = True
+
+    async def aclose(self) -> None:
+        """Fail pending waits with ``RuntimeError``; stop the waiter, the staging lanes (after
+        their queued jobs) and the worker pool, in a worker thread, not on the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        error = RuntimeError("the CUDA backend closed while a task was waiting")
+        for fut in list(self._waits):
+            resolve_threadsafe(fut.get_loop(), fut, error)
+        self._waits.clear()
+
+        def close_all() -> None:
+            self.waiter.close()
+            self.pool.close()
+            self._executor.shutdown(wait=True)
+            self.pinned.trim()
+
+        await asyncio.get_running_loop().run_in_executor(None, close_all)
+
+    def staging_nbytes(self) -> int:
+        """Pinned bytes of the staging pool plus the pinned reuse cache (constant)."""
+        return self.pool.nbytes + self.pinned.cache_bytes
+
+    # -------------------------------------------------------------- memory
+
+    def allocate(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, location: LocationLike
+    ) -> torch.Tensor:
+        """An uninitialized contiguous tensor at ``location``: on the device's current stream,
+        or exactly-sized pinned memory (pinned now: blocks the calling thread), or pageable.
+        Raises ``torch.OutOfMemoryError`` (also for an injected failure)."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        self._maybe_injected_oom(math.prod(shape), dtype, loc)
+        if loc.is_cuda:
+            return torch.empty(tuple(shape), dtype=dtype, device=_device(loc))
+        if loc.is_pinned:
+            return self.pinned.empty(shape, dtype)
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def _maybe_injected_oom(self, numel: int, dtype: torch.dtype, loc: Location) -> None:
+        if self.faults.next_allocation_fails():
+            raise torch.OutOfMemoryError(f"injected allocation failure: {numel} x {dtype} at {loc}")
+
+    def place(self, tensor: torch.Tensor, location: Location) -> torch.Tensor:
+        """``tensor``'s data at ``location``, synchronously (registration; blocks the host):
+        as is when already there, else copied (device copies on the device's current stream,
+        then that stream is synchronized)."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        here = _location_of(tensor)
+        if here == loc:
+            return tensor
+        out = self.allocate(tensor.shape, tensor.dtype, loc)
+        out.copy_(tensor)
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        if loc.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
+        return out
+
+    def free(self, tensor: torch.Tensor, location: Location) -> None:
+        """Drop ``tensor``; page-locked memory this backend pinned is unregistered (in a worker
+        thread from ``inline_register_bytes`` up), or kept for exact-size reuse when
+        ``pinned_cache_bytes`` allows. Device memory returns to the caching allocator when its
+        last reference dies. The host does not wait."""
+        loc = Location.parse(location)
+        if not loc.is_pinned:
+            return
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes >= self.inline_register_bytes and not self._closed:
+            # Unlocking a large range takes milliseconds: do it off the loop.
+            self._executor.submit(self.pinned.release, tensor)
+        else:
+            self.pinned.release(tensor)
+
+    # -------------------------------------------------------------- streams and events
+
+    def current_stream(self, location: Location) -> torch.cuda.Stream | None:
+        """``torch.cuda.current_stream`` of the device; None for host locations."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        return torch.cuda.current_stream(loc.device_index) if loc.is_cuda else None
+
+    def record_event(self, stream: Any) -> DeviceEvent:
+        """Record a ``torch.cuda.Event`` on ``stream`` (``cudaEventRecord``) and arm its
+        notification; ``None`` (host users) gives a completed event. The host does not wait."""
+        if stream is None:
+            return HostEvent(done=True, label="host")
+        return self._record(stream)
+
+    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = cuda_event(blocking=self.waiter.blocking_events)
+        event.record(stream)
+        self.waiter.arm(event, stream)
+        return event
+
+    def stream_wait(self, stream: Any, event: DeviceEvent) -> None:
+        """``cudaStreamWaitEvent``: later work on ``stream`` waits for ``event`` on the
+        device; the host does not wait. A host event must already be complete (host-side
+        completions are awaited, not waited on by a device stream)."""
+        if stream is None:
+            raise ValueError("stream_wait needs a CUDA stream (host users await wait_event)")
+        if isinstance(event, torch.cuda.Event):
+            stream.wait_event(event)
+        elif not event.query():
+            raise ValueError(
+                f"a device stream cannot wait for the incomplete host event {event!r}; "
+                "await backend.wait_event(event) first"
+            )
+
+    async def wait_event(self, event: DeviceEvent) -> None:
+        """Park the task until ``event`` completes: CUDA events through the waiter thread
+        (no host blocking, no spinning), host events through their setter's
+        ``call_soon_threadsafe``. Raises ``RuntimeError`` if the backend closes first."""
+        if event.query():
+            return
+        if isinstance(event, HostEvent):
+            await self._park(event)
+        elif isinstance(event, torch.cuda.Event):
+            await self.waiter.wait(event)
+        else:
+            while True:  # a foreign event type: poll gently
+                if event.query():
+                    return
+                await asyncio.sleep(0.0005)
+
+    async def _park(self, event: HostEvent) -> None:
+        if event.query():
+            return
+        if self._closed:
+            raise RuntimeError("the CUDA backend is closed")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waits.add(fut)
+        event.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
+        try:
+            await fut
+        finally:
+            self._waits.discard(fut)
+
+    # -------------------------------------------------------------- copies
+
+    def copy(
+        self,
+        src: torch.Tensor,
+        src_location: Location,
+        dst_location: Location,
+        *,
+        wait_events: Sequence[DeviceEvent] = (),
+    ) -> Transfer:
+        """Allocate the destination and start the copy; the host waits for nothing (see the
+        module docstring for the stream and thread each route uses).
+
+        The copy waits, on the device, for ``wait_events`` and for the current stream of the
+        source device (an event recorded on it now); events that are host-side completions
+        (or a host source) are waited for by the worker or lane thread that issues the copy.
+        Raises ``torch.OutOfMemoryError`` when the destination cannot be allocated."""
+        src_loc = Location.parse(src_location)
+        dst_loc = Location.parse(dst_location)
+        self.check_location(src_loc)
+        self.check_location(dst_loc)
+        if self._closed:
+            raise RuntimeError("the CUDA backend is closed")
+        if _location_kind_of(src) != ("cuda" if src_loc.is_cuda else "host") or (
+            src_loc.is_cuda and src.device.index != src_loc.device_index
+        ):
+            raise ValueError(f"the source tensor is on {src.device}, not at {src_loc}")
+        nbytes = src.numel() * src.element_size()
+        self._maybe_injected_oom(src.numel(), src.dtype, dst_loc)
+
+        device_waits = [e for e in wait_events if isinstance(e, torch.cuda.Event)]
+        host_waits = [e for e in wait_events if not isinstance(e, torch.cuda.Event)]
+        if src_loc.is_cuda:
+            # Work already queued on the source device's current stream comes first.
+            marker = cuda_event()
+            marker.record(torch.cuda.current_stream(src_loc.device_index))
+            device_waits.append(marker)
+
+        if dst_loc.is_cuda and src_loc.is_cuda:
+            return self._copy_peer(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        if dst_loc.is_cuda:
+            return self._copy_h2d(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        if src_loc.is_cuda:
+            return self._copy_d2h(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        return self._copy_host(src, src_loc, dst_loc, nbytes, [*device_waits, *host_waits])
+
+    # -- helpers shared by the routes
+
+    def _defer(self, transfer: _CudaTransfer, fn: Callable[[], DeviceEvent]) -> None:
+        """Run ``fn`` (which issues the work and returns its event) in a worker thread."""
+
+        def run() -> None:
+            try:
+                event = fn()
+            except BaseException as exc:
+                transfer._finish_issue(HostEvent(done=True, label="failed"), exc)
+            else:
+                transfer._finish_issue(event)
+
+        self._executor.submit(run)
+
+    def _issue_inline_or_deferred(
+        self,
+        transfer: _CudaTransfer,
+        host_waits: list[DeviceEvent],
+        issue: Callable[[], DeviceEvent],
+        *,
+        defer: bool = False,
+    ) -> None:
+        if defer or any(not e.query() for e in host_waits):
+
+            def deferred() -> DeviceEvent:
+                for event in host_waits:
+                    _host_wait(event)
+                return issue()
+
+            self._defer(transfer, deferred)
+            return
+        try:
+            event = issue()
+        except BaseException as exc:
+            transfer._finish_issue(HostEvent(done=True, label="failed"), exc)
+        else:
+            transfer._finish_issue(event)
+
+    # -- routes
+
+    def _copy_peer(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        dst_loc: Location,
+        nbytes: int,
+        device_waits: list[torch.cuda.Event],
+        host_waits: list[DeviceEvent],
+    ) -> Transfer:
+        i, j = src_loc.device_index, dst_loc.device_index
+        s_i, s_j = copy_streams(i).peer, copy_streams(j).peer
+        with torch.cuda.device(j), torch.cuda.stream(s_j):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
+        fail = self.faults.next_transfer_fails()
+        route = "peer" if i != j else "device"
+        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
+
+        def issue() -> DeviceEvent:
+            for event in device_waits:
+                s_i.wait_event(event)
+            if i == j:
+                with torch.cuda.stream(s_i):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                # torch's cross-device copy_ runs on the source device's current stream and
+                # makes the destination's current stream wait for it: set both to ours.
+                with torch.cuda.stream(s_i), torch.cuda.stream(s_j):
+                    dst.copy_(src, non_blocking=True)
+            if fail:
+                with torch.cuda.stream(s_j):
+                    poison_(dst)
+            return self._record(s_j)
+
+        self._issue_inline_or_deferred(transfer, host_waits, issue)
+        return transfer
+
+    def _copy_h2d(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        dst_loc: Location,
+        nbytes: int,
+        device_waits: list[torch.cuda.Event],
+        host_waits: list[DeviceEvent],
+    ) -> Transfer:
+        j = dst_loc.device_index
+        stream = copy_streams(j).h2d
+        with torch.cuda.device(j), torch.cuda.stream(stream):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
+        fail = self.faults.next_transfer_fails()
+        direct = src.is_pinned() or nbytes <= self.inline_pageable_bytes
+        route = "direct" if src.is_pinned() else "inline-pageable" if direct else "staged"
+        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
+
+        if direct:
+
+            def issue() -> DeviceEvent:
+                with torch.cuda.device(j), torch.cuda.stream(stream):
+                    for event in device_waits:
+                        stream.wait_event(event)
+                    dst.copy_(src, non_blocking=True)
+                    if fail:
+                        poison_(dst)
+                return self._record(stream)
+
+            self._issue_inline_or_deferred(transfer, host_waits, issue)
+            return transfer
+
+        def job(lane: StagingLane) -> None:
+            error: BaseException | None = None
+            try:
+                for event in host_waits:
+                    _host_wait(event)
+                with torch.cuda.device(j), torch.cuda.stream(stream):
+                    for event in device_waits:
+                        stream.wait_event(event)
+                    flat = src if src.is_contiguous() else src.contiguous()
+                    copy_h2d_staged(lane, as_bytes(flat), as_bytes(dst), stream, transfer.cancelled)
+                    if fail:
+                        poison_(dst)
+            except BaseException as exc:
+                error = exc
+            # The event covers every chunk already enqueued, whatever happened.
+            transfer._finish_issue(self._record(stream), error)
+
+        self.pool.h2d.submit(job)
+        return transfer
+
+    def _copy_d2h(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        dst_loc: Location,
+        nbytes: int,
+        device_waits: list[torch.cuda.Event],
+        host_waits: list[DeviceEvent],
+    ) -> Transfer:
+        i = src_loc.device_index
+        stream = copy_streams(i).d2h
+        if dst_loc.is_pinned:
+            pin_now = nbytes <= self.inline_register_bytes
+            dst = self.pinned.empty(src.shape, src.dtype, pin=pin_now)
+            fail = self.faults.next_transfer_fails()
+            transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
+            needs_pin = not (pin_now or self.pinned.is_pinned_by_us(dst) or nbytes == 0)
+
+            def issue() -> DeviceEvent:
+                if needs_pin:
+                    self.pinned.pin(dst)  # worker thread: faults in and locks the pages
+                with torch.cuda.device(i), torch.cuda.stream(stream):
+                    for event in device_waits:
+                        stream.wait_event(event)
+                    dst.copy_(src, non_blocking=True)
+                event = self._record(stream)
+                if fail:
+                    spin_wait(event)
+                    poison_(dst)
+                    return HostEvent(done=True, label="failed")
+                return event
+
+            self._issue_inline_or_deferred(
+                transfer, host_waits, issue, defer=needs_pin or (fail and nbytes > 0)
+            )
+            return transfer
+
+        dst = torch.empty(src.shape, dtype=src.dtype)
+        fail = self.faults.next_transfer_fails()
+        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "staged", fail=fail)
+        # Enqueued now, in stream order before the lane's chunks.
+        for event in device_waits:
+            stream.wait_event(event)
+
+        def job(lane: StagingLane) -> None:
+            error: BaseException | None = None
+            try:
+                for event in host_waits:
+                    _host_wait(event)
+                with torch.cuda.device(i), torch.cuda.stream(stream):
+                    flat = src if src.is_contiguous() else src.contiguous()
+                    copy_d2h_staged(lane, as_bytes(flat), as_bytes(dst), stream, transfer.cancelled)
+                if fail:
+                    poison_(dst)
+            except BaseException as exc:
+                error = exc
+                # Wait for enqueued chunks before reporting: the runtime may then free dst.
+                with torch.cuda.device(i):
+                    spin_wait(self._record(stream))
+            transfer._finish_issue(HostEvent(done=True, label="staged d2h"), error)
+
+        self.pool.d2h.submit(job)
+        return transfer
+
+    def _copy_host(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        dst_loc: Location,
+        nbytes: int,
+        waits: list[DeviceEvent],
+    ) -> Transfer:
+        if dst_loc.is_pinned:
+            dst = self.pinned.empty(src.shape, src.dtype, pin=False)
+        else:
+            dst = torch.empty(src.shape, dtype=src.dtype)
+        fail = self.faults.next_transfer_fails()
+        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "host", fail=fail)
+
+        def issue() -> DeviceEvent:
+            for event in waits:
+                _host_wait(event)
+            if dst_loc.is_pinned:
+                self.pinned.pin(dst)
+            dst.copy_(src)
+            if fail:
+                poison_(dst)
+            return HostEvent(done=True, label="host copy")
+
+        self._issue_inline_or_deferred(transfer, [], issue, defer=True)
+        return transfer
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "started" if self._started else "idle"
+        return (
+            f"<CudaBackend {state} devices={self._num_devices} waiter={self.waiter.strategy} "
+            f"staging={self.pool.buffers}x{format_bytes(self.pool.chunk_bytes)} per direction "
+            f"pinned={format_bytes(self.pinned.pinned_bytes)}>"
+        )
+
+
+def _device(loc: Location) -> torch.device:
+    return torch.device("cuda", loc.device_index)
+
+
+def _location_kind_of(tensor: torch.Tensor) -> str:
+    return "cuda" if tensor.is_cuda else "host"
+
+
+def _location_of(tensor: torch.Tensor) -> Location:
+    if tensor.is_cuda:
+        return Location("cuda", tensor.device.index or 0)
+    return Location("pinned-host") if tensor.is_pinned() else Location("pageable-host")

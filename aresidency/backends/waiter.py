@@ -1,0 +1,633 @@
+"""Waking asyncio tasks when device events complete, without blocking the loop or spinning.
+
+Two kinds of completion live here:
+
+* :class:`HostEvent`: a flag that a host thread sets (a staging copy finished, a simulated
+  stream reached its marker). Waiters are woken with ``loop.call_soon_threadsafe``; nothing
+  polls.
+* CUDA events, awaited through :class:`EventWaiter`, which owns one background thread and one
+  of three strategies:
+
+  ``"hybrid"`` (the default when the driver offers it)
+      ``"hostfunc"`` notifications plus a short polling window: for ``window_s`` (4 ms) after
+      a task starts waiting or an event completes, the thread also queries the awaited
+      events every ``hybrid_poll_s`` (75 us). On an H200 (benchmarks/bench_copy.py, 2 ms
+      kernel) a host function, like every interrupt-driven wake-up (blocking sync, a thread
+      in ``synchronize()``), reached the loop 0.3-0.6 ms after the event; hybrid woke the
+      task 48 us after it (p90 99 us) on uvloop and 215 us on asyncio, with 6.6% of a core
+      for 20 ms waits. Long waits cost only the notification.
+  ``"hostfunc"``
+      Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
+      stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the
+      event and then run libc's ``sem_post`` as a CUDA host function
+      (``cuLaunchHostFunc``). The host function runs on the driver's callback thread without
+      Python or the GIL. The waiter thread sleeps in ``sem_wait`` (ctypes releases the GIL),
+      queries the awaited events when woken and resolves the completed ones with one
+      ``call_soon_threadsafe`` per loop and batch. The origin stream never runs a host
+      function, so copy streams get no bubbles; events of one origin stream complete in
+      record order, so its notify stream never delays a notification.
+  ``"poll"``
+      The waiter thread queries the awaited events, sleeping between sweeps with a backoff
+      from ``poll_min_s`` to ``poll_max_s`` (reset when something completes).
+  ``"blocking"``
+      Events are created with ``blocking=True`` (``cudaEventBlockingSync``); the waiter
+      thread sleeps in ``synchronize()`` on the oldest awaited event, then sweeps.
+
+ANCHORS.md (H200): polling with ``asyncio.sleep(0)`` burns a core; polling every 100 us costs
+about 6% of a core and adds about 0.1 ms; a thread blocked in ``event.synchronize()`` wakes
+about 0.2 ms later and added about 1 ms of loop lag at p99. ``benchmarks/bench_copy.py``
+measures the strategies side by side (``--uvloop`` for uvloop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+__all__ = [
+    "STRATEGIES",
+    "EventWaiter",
+    "HostEvent",
+    "hostfunc_available",
+    "resolve_threadsafe",
+    "shared_driver",
+    "spin_wait",
+]
+
+STRATEGIES: Final = ("hybrid", "hostfunc", "poll", "blocking")
+
+
+def resolve_threadsafe(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[None],
+    exc: BaseException | None = None,
+) -> None:
+    """Resolve ``fut`` (with ``exc`` when given) on its loop, from any thread."""
+
+    def _resolve() -> None:
+        if fut.done():
+            return  # the awaiting task was cancelled meanwhile
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(_resolve)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is left to wake
+
+
+class HostEvent:
+    """A completion flag set once by a host thread; a ``DeviceEvent`` (it has ``query``).
+
+    State: ``_done`` (set once, under ``_lock``) and ``_callbacks`` (run once, in the thread
+    that sets the flag, outside the lock). Invariant: every callback added before or after
+    :meth:`set` runs exactly once.
+    """
+
+    __slots__ = ("__weakref__", "_callbacks", "_done", "_lock", "label")
+
+    def __init__(self, *, done: bool = False, label: str = "") -> None:
+        self._lock = threading.Lock()
+        self._done = done
+        self._callbacks: list[Callable[[], None]] = []
+        self.label = label
+
+    def query(self) -> bool:
+        """True once set. Never blocks."""
+        return self._done
+
+    def set(self) -> None:
+        """Mark complete and run the callbacks (any thread; idempotent)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the event is set: now, in this thread, if it already is."""
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def wait_blocking(self, timeout: float | None = None) -> bool:
+        """Block the calling thread (never the loop) until set; False on timeout."""
+        if self._done:
+            return True
+        flag = threading.Event()
+        self.add_done_callback(flag.set)
+        return flag.wait(timeout)
+
+    async def wait(self) -> None:
+        """Park the task until the event is set; the setter wakes the loop, nobody polls."""
+        if self._done:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
+        await fut
+
+    def __repr__(self) -> str:
+        label = f" {self.label}" if self.label else ""
+        return f"<HostEvent{label} {'done' if self._done else 'pending'}>"
+
+
+# ------------------------------------------------------------------ driver access (ctypes)
+
+_CU_STREAM_NON_BLOCKING: Final = 1
+# Semaphores and host functions may outlive a waiter (a notify stream destroyed with work
+# still queued runs it later): their memory is kept for the life of the process. 64 B each.
+_KEEPALIVE: list[Any] = []
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def load_libc() -> Any:
+    """libc with the POSIX semaphore functions typed (ctypes calls release the GIL)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if not hasattr(libc, "sem_timedwait"):  # glibc < 2.34 keeps them in libpthread
+        libc = ctypes.CDLL(ctypes.util.find_library("pthread") or "libpthread.so.0", True)
+    vp = ctypes.c_void_p
+    for name in ("sem_init", "sem_post", "sem_wait", "sem_trywait", "sem_timedwait"):
+        getattr(libc, name).restype = ctypes.c_int
+    libc.sem_init.argtypes = [vp, ctypes.c_int, ctypes.c_uint]
+    libc.sem_post.argtypes = [vp]
+    libc.sem_wait.argtypes = [vp]
+    libc.sem_trywait.argtypes = [vp]
+    libc.sem_timedwait.argtypes = [vp, ctypes.POINTER(_Timespec)]
+    return libc
+
+
+class _Driver:
+    """The few CUDA driver and libc functions the ``hostfunc`` strategy needs (ctypes calls
+    release the GIL)."""
+
+    def __init__(self) -> None:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        libc = load_libc()
+        self.cuda = cuda
+        self.libc = libc
+        vp = ctypes.c_void_p
+        for name, args in {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), ctypes.c_int],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
+            "cuStreamCreate": [ctypes.POINTER(vp), ctypes.c_uint],
+            "cuStreamDestroy_v2": [vp],
+            "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
+            "cuLaunchHostFunc": [vp, vp, vp],
+        }.items():
+            fn = getattr(cuda, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+        self.sem_post_ptr = ctypes.cast(libc.sem_post, vp).value
+        self._check(cuda.cuInit(0), "cuInit")
+        self._contexts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"CUDA driver call {what} failed with CUresult {code}")
+
+    def context(self, device: int) -> int:
+        """The device's primary context (the one torch uses), retained once."""
+        with self._lock:
+            ctx = self._contexts.get(device)
+            if ctx is None:
+                dev = ctypes.c_int()
+                self._check(self.cuda.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+                handle = ctypes.c_void_p()
+                self._check(
+                    self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev.value),
+                    "cuDevicePrimaryCtxRetain",
+                )
+                ctx = self._contexts[device] = int(handle.value or 0)
+            return ctx
+
+    def call_in(self, device: int, fn: Callable[[], int], what: str) -> None:
+        """Run one driver call with the device's primary context current."""
+        ctx = self.context(device)
+        self._check(self.cuda.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
+        try:
+            self._check(fn(), what)
+        finally:
+            self.cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def create_stream(self, device: int) -> int:
+        """A new non-blocking stream on ``device`` (never synchronizes with the legacy
+        default stream)."""
+        out = ctypes.c_void_p()
+        self.call_in(
+            device,
+            lambda: int(self.cuda.cuStreamCreate(ctypes.byref(out), _CU_STREAM_NON_BLOCKING)),
+            "cuStreamCreate",
+        )
+        return int(out.value or 0)
+
+    def destroy_stream(self, device: int, stream: int) -> None:
+        """Release ``stream``; work still queued on it completes first (driver semantics)."""
+        self.call_in(
+            device, lambda: int(self.cuda.cuStreamDestroy_v2(ctypes.c_void_p(stream))), "destroy"
+        )
+
+    def new_semaphore(self) -> ctypes.Array[ctypes.c_char]:
+        sem = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on glibc
+        if self.libc.sem_init(sem, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        _KEEPALIVE.append(sem)
+        return sem
+
+
+_DRIVER: _Driver | None = None
+_DRIVER_ERROR: BaseException | None = None
+_DRIVER_LOCK = threading.Lock()
+
+
+def _driver() -> _Driver:
+    global _DRIVER, _DRIVER_ERROR
+    with _DRIVER_LOCK:
+        if _DRIVER is None and _DRIVER_ERROR is None:
+            try:
+                _DRIVER = _Driver()
+            except (OSError, AttributeError, RuntimeError) as exc:
+                _DRIVER_ERROR = exc
+        if _DRIVER is None:
+            raise RuntimeError(f"the CUDA driver API is unavailable: {_DRIVER_ERROR}")
+        return _DRIVER
+
+
+def hostfunc_available() -> bool:
+    """Whether ``libcuda.so.1`` loads and offers ``cuLaunchHostFunc`` (CUDA 10+ drivers)."""
+    try:
+        _driver()
+    except RuntimeError:
+        return False
+    return True
+
+
+def shared_driver() -> Any:
+    """The process's driver wrapper (for backends that create dedicated streams); raises
+    ``RuntimeError`` when the driver API is unavailable."""
+    return _driver()
+
+
+# ------------------------------------------------------------------ the waiter
+
+
+class _Pending:
+    __slots__ = ("event", "fut", "loop")
+
+    def __init__(self, event: Any, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]):
+        self.event = event
+        self.loop = loop
+        self.fut = fut
+
+
+class EventWaiter:
+    """Parks tasks until CUDA events complete; one background thread, see the module docstring.
+
+    State: ``_pending`` (the awaited events and their futures, guarded by ``_cond``),
+    ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_closed``.
+    Invariants: an entry leaves ``_pending`` only when its event has completed (its future is
+    then resolved) or when the waiter closes (its future then fails with ``RuntimeError``);
+    every event passed to :meth:`arm` posts the semaphore once after it completes.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        *,
+        poll_min_s: float = 50e-6,
+        poll_max_s: float = 1e-3,
+        hybrid_poll_s: float = 75e-6,
+        window_s: float = 4e-3,
+        safety_timeout_s: float = 0.05,
+    ) -> None:
+        if strategy == "auto":
+            strategy = "hybrid" if hostfunc_available() else "poll"
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown waiting strategy {strategy!r}: expected one of {STRATEGIES}")
+        self.strategy = strategy
+        self.poll_min_s = poll_min_s
+        self.poll_max_s = poll_max_s
+        self.hybrid_poll_s = hybrid_poll_s
+        self.window_s = window_s
+        self._added = 0  # entries ever added (the hybrid thread opens a window on news)
+        # hostfunc: a sweep happens at least this often while something is awaited, so a
+        # notification that never comes (an event not armed in time) delays, never hangs.
+        self.safety_timeout_s = safety_timeout_s
+        self._cond = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._notify: dict[tuple[int, int | None], int] = {}
+        self._driver: _Driver | None = None
+        self._sem: ctypes.Array[ctypes.c_char] | None = None
+        self.wakeups = 0  # times the thread woke up (diagnostics, benchmarks)
+        self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
+        if strategy in ("hybrid", "hostfunc"):
+            self._driver = _driver()
+            self._sem = self._driver.new_semaphore()
+
+    @property
+    def blocking_events(self) -> bool:
+        """Whether events to be awaited must be created with ``blocking=True``."""
+        return self.strategy == "blocking"
+
+    def start(self) -> None:
+        """Start the thread (idempotent). Called on the loop by the backend's ``start``."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the event waiter is closed")
+            if self._thread is not None:
+                return
+            target = {
+                "hybrid": self._run_hybrid,
+                "hostfunc": self._run_hostfunc,
+                "poll": self._run_poll,
+                "blocking": self._run_blocking,
+            }[self.strategy]
+            self._thread = threading.Thread(
+                target=target, name=f"aresidency-waiter-{self.strategy}", daemon=True
+            )
+            self._thread.start()
+
+    # -- arming (hostfunc)
+
+    def arm(self, event: Any, stream: Any) -> None:
+        """Call right after recording ``event`` on the CUDA ``stream``: enqueue its
+        notification (``hostfunc`` only; a no-op otherwise). The host does not wait; the
+        origin stream gets no work. Thread-safe."""
+        if self.strategy not in ("hybrid", "hostfunc") or self._closed:
+            return
+        try:
+            self._arm_on(event, int(stream.device_index), int(stream.cuda_stream))
+        except RuntimeError as exc:
+            self._degrade(exc)
+
+    def _degrade(self, exc: BaseException) -> None:
+        """A driver call failed: fall back to polling (the thread switches when woken)."""
+        with self._cond:
+            if self.strategy not in ("hybrid", "hostfunc"):
+                return
+            self.strategy = "poll"
+            self.degraded = f"hostfunc notification failed ({exc}); polling instead"
+            self._cond.notify_all()
+        assert self._driver is not None and self._sem is not None
+        self._driver.libc.sem_post(ctypes.addressof(self._sem))
+
+    def _arm_on(self, event: Any, device: int, key: int | None) -> None:
+        driver = self._driver
+        assert driver is not None and self._sem is not None
+        with self._cond:
+            notify = self._notify.get((device, key))
+            if notify is None:
+                notify = self._notify[(device, key)] = driver.create_stream(device)
+            sem = ctypes.addressof(self._sem)
+            handle = int(event.cuda_event)
+
+            def enqueue() -> int:
+                code = int(driver.cuda.cuStreamWaitEvent(notify, handle, 0))
+                if code != 0:
+                    return code
+                return int(driver.cuda.cuLaunchHostFunc(notify, driver.sem_post_ptr, sem))
+
+            # Under the lock: the notify stream receives its waits in record order.
+            driver.call_in(device, enqueue, "cuStreamWaitEvent/cuLaunchHostFunc")
+        event._aresidency_armed = True
+
+    # -- waiting
+
+    async def wait(self, event: Any) -> None:
+        """Park the task until ``event`` completes. The loop is not blocked and no thread
+        spins; the waiter thread wakes the loop with one ``call_soon_threadsafe`` per batch.
+        Raises ``RuntimeError`` if the waiter closes first."""
+        if event.query():
+            return
+        if self._closed:
+            raise RuntimeError("the event waiter is closed; the event was not awaited")
+        if self._thread is None:
+            self.start()
+        if self.strategy in ("hybrid", "hostfunc") and not getattr(
+            event, "_aresidency_armed", False
+        ):
+            # Recorded elsewhere (not by the backend): notify through a per-device stream.
+            device = getattr(event, "device", None)
+            try:
+                self._arm_on(event, int(device.index if device is not None else 0), None)
+            except RuntimeError as exc:
+                self._degrade(exc)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = _Pending(event, loop, fut)
+        with self._cond:
+            self._pending.append(entry)
+            self._added += 1
+            self._cond.notify()
+        if self.strategy == "hybrid" and self._driver is not None and self._sem is not None:
+            self._driver.libc.sem_post(ctypes.addressof(self._sem))  # open a polling window
+        # The notification may have come and gone between the first query and the append
+        # (the thread then swept without this entry): query again now that it is visible.
+        # If this query says pending, the completion, hence the post, comes after the append.
+        if event.query():
+            with self._cond:
+                if entry in self._pending:
+                    self._pending.remove(entry)
+            return
+        await fut
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def _sweep(self) -> int:
+        """Resolve the entries whose event completed; returns how many. Waiter thread only."""
+        with self._cond:
+            entries = list(self._pending)
+        done = [p for p in entries if p.fut.done() or p.event.query()]
+        if not done:
+            return 0
+        finished = {id(p) for p in done}
+        with self._cond:
+            self._pending = [p for p in self._pending if id(p) not in finished]
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for p in done:
+            by_loop.setdefault(p.loop, []).append(p.fut)
+        for loop, futs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_batch, futs)
+            except RuntimeError:
+                pass  # loop closed
+        return len(done)
+
+    def _run_hostfunc(self) -> None:
+        driver = self._driver
+        assert driver is not None and self._sem is not None
+        sem = ctypes.addressof(self._sem)
+        libc = driver.libc
+        timeout = _Timespec()
+        while True:
+            with self._cond:
+                idle = not self._pending
+            if idle:
+                libc.sem_wait(sem)  # EINTR simply loops
+            else:
+                deadline = time.time() + self.safety_timeout_s
+                timeout.tv_sec = int(deadline)
+                timeout.tv_nsec = int((deadline - int(deadline)) * 1e9)
+                libc.sem_timedwait(sem, ctypes.byref(timeout))
+            while libc.sem_trywait(sem) == 0:
+                pass  # one sweep serves every notification that arrived meanwhile
+            self.wakeups += 1
+            if self._closed:
+                return
+            if self.strategy != "hostfunc":
+                self._run_poll()  # degraded
+                return
+            self._sweep()
+
+    def _run_hybrid(self) -> None:
+        driver = self._driver
+        assert driver is not None and self._sem is not None
+        _set_timer_slack()
+        sem = ctypes.addressof(self._sem)
+        libc = driver.libc
+        timeout = _Timespec()
+        window_until = 0.0
+        seen = 0
+        while True:
+            with self._cond:
+                idle = not self._pending
+                added = self._added
+            if added != seen:
+                seen = added
+                window_until = time.monotonic() + self.window_s
+            if idle:
+                libc.sem_wait(sem)
+            else:
+                polling = time.monotonic() < window_until
+                delay = self.hybrid_poll_s if polling else self.safety_timeout_s
+                deadline = time.time() + delay
+                timeout.tv_sec = int(deadline)
+                timeout.tv_nsec = int((deadline - int(deadline)) * 1e9)
+                libc.sem_timedwait(sem, ctypes.byref(timeout))
+            while libc.sem_trywait(sem) == 0:
+                pass
+            self.wakeups += 1
+            if self._closed:
+                return
+            if self.strategy != "hybrid":
+                self._run_poll()  # degraded
+                return
+            if self._sweep():
+                window_until = time.monotonic() + self.window_s
+
+    def _run_poll(self) -> None:
+        _set_timer_slack()
+        interval = self.poll_min_s
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                    interval = self.poll_min_s
+                if self._closed:
+                    return
+            self.wakeups += 1
+            found = self._sweep()
+            interval = self.poll_min_s if found else min(interval * 2, self.poll_max_s)
+            time.sleep(interval)
+
+    def _run_blocking(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                head = self._pending[0].event
+            head.synchronize()  # sleeps for a blocking-sync event; releases the GIL
+            self.wakeups += 1
+            self._sweep()
+
+    # -- shutdown
+
+    def close(self, join_timeout: float = 1.0) -> None:
+        """Stop the thread; fail every pending wait with ``RuntimeError``. Any thread; blocks
+        at most ``join_timeout`` (call it from a worker thread, not the loop)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending = self._pending, []
+            self._cond.notify_all()
+            notify = dict(self._notify)
+            self._notify.clear()
+        error = RuntimeError("the backend closed while a task was waiting for a device event")
+        for p in pending:
+            resolve_threadsafe(p.loop, p.fut, error)
+        if self._driver is not None and self._sem is not None:
+            self._driver.libc.sem_post(ctypes.addressof(self._sem))
+            for (device, _key), stream in notify.items():
+                try:
+                    self._driver.destroy_stream(device, stream)
+                except RuntimeError:
+                    pass
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(join_timeout)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._thread else "idle"
+        degraded = " (degraded)" if self.degraded else ""
+        return (
+            f"<EventWaiter {self.strategy}{degraded} {state} pending={len(self._pending)} "
+            f"notify_streams={len(self._notify)}>"
+        )
+
+
+def _set_timer_slack(nanoseconds: int = 1000) -> None:
+    """Make this thread's timed sleeps precise (Linux ``PR_SET_TIMERSLACK``; the default slack
+    of 50 us would dominate a 75 us polling interval). Best effort."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(29, ctypes.c_ulong(nanoseconds), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _resolve_batch(futs: list[asyncio.Future[None]]) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(None)
+
+
+def spin_wait(event: Any, spin_s: float = 200e-6) -> None:
+    """Block the calling thread (never the loop) until ``event`` completes: query it for up to
+    ``spin_s`` (a chunk copy usually finishes that soon), then ``synchronize()``, which sleeps
+    for a blocking-sync event."""
+    if event.query():
+        return
+    deadline = time.perf_counter() + spin_s
+    while time.perf_counter() < deadline:
+        if event.query():
+            return
+        os.sched_yield()
+    event.synchronize()

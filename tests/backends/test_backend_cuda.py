@@ -1,0 +1,420 @@
+"""CudaBackend on a real GPU: copies in every direction, staging, exact pinned memory, event
+waiting, fault injection, no loop blocking. Marked ``cuda``; skipped without a GPU. Every test
+leak-checks device memory."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aresidency.backends import STRATEGIES, CudaBackend, hostfunc_available, is_poisoned
+from aresidency.backends.staging import as_bytes
+from aresidency.core.locations import Location
+
+pytestmark = pytest.mark.cuda
+
+CHUNK = 1 << 20  # small staging chunks: sizes below cross several chunks
+HOST_AND_DEVICE = ["pageable-host", "pinned-host", "cuda:0"]
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: roughly 0.1 s on current GPUs
+
+
+def _pattern(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.arange(numel) % 3 == 0
+    raw = (torch.arange(numel * torch.empty((), dtype=dtype).element_size()) * 7 + 3) % 251
+    out = raw.to(torch.uint8).view(dtype)
+    if out.is_floating_point():
+        out = torch.nan_to_num(out, nan=1.5, posinf=2.5, neginf=-2.5)
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu().contiguous(), b.cpu().contiguous()
+    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def _allocated() -> list[int]:
+    return [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
+
+
+@pytest_asyncio.fixture
+async def backend():
+    gc.collect()
+    torch.cuda.synchronize()
+    before = _allocated()
+    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=2)
+    b.start()
+    yield b
+    await b.aclose()
+    gc.collect()
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+    assert _allocated() == before, "device memory leaked"
+
+
+def _loc(name: str) -> Location:
+    return Location.parse(name)
+
+
+async def _until(predicate, timeout: float = 2.0) -> None:
+    deadline = time.perf_counter() + timeout
+    while not predicate():
+        assert time.perf_counter() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(HOST_AND_DEVICE, 2)))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 1000, CHUNK // 2 + 7, 3 * CHUNK // 2 + 123])
+async def test_copies_in_every_direction_are_bit_exact(
+    backend: CudaBackend, src: str, dst: str, dtype: torch.dtype, numel: int
+) -> None:
+    data = _pattern(numel, dtype)
+    placed = backend.place(data, _loc(src))
+    transfer = backend.copy(placed, _loc(src), _loc(dst))
+    await transfer.wait()
+    out = transfer.tensor
+    assert _same_bits(out, data)
+    assert _same_bits(placed, data), "the source is intact"
+    if dst == "cuda:0":
+        assert out.device == torch.device("cuda", 0)
+    elif dst == "pinned-host":
+        assert out.is_pinned()
+        assert out.untyped_storage().nbytes() == data.numel() * data.element_size()
+    else:
+        assert out.device.type == "cpu"
+    backend.free(out, _loc(dst))
+    backend.free(placed, _loc(src))
+
+
+@pytest.mark.asyncio
+async def test_large_pageable_copies_go_through_the_staging_pool(backend: CudaBackend) -> None:
+    data = _pattern(5 * CHUNK + 3, torch.uint8)
+    up = backend.copy(data, _loc("pageable-host"), _loc("cuda:0"))
+    assert "staged" in repr(up)
+    await up.wait()
+    down = backend.copy(up.tensor, _loc("cuda:0"), _loc("pageable-host"))
+    assert "staged" in repr(down)
+    await down.wait()
+    assert _same_bits(down.tensor, data)
+    assert backend.pool.h2d.jobs_run == 1 and backend.pool.d2h.jobs_run == 1
+    assert backend.staging_nbytes() == 2 * 2 * CHUNK
+
+
+@pytest.mark.asyncio
+async def test_non_contiguous_sources_are_copied_by_value(backend: CudaBackend) -> None:
+    base = _pattern(4 * CHUNK, torch.uint8).view(2048, -1)
+    view = base.t()[3:]
+    for src in HOST_AND_DEVICE:
+        placed = backend.place(base, _loc(src))
+        piece = placed.t()[3:]
+        for dst in HOST_AND_DEVICE:
+            if dst == src:
+                continue
+            transfer = backend.copy(piece, _loc(src), _loc(dst))
+            await transfer.wait()
+            assert torch.equal(transfer.tensor.cpu(), view), (src, dst)
+            backend.free(transfer.tensor, _loc(dst))
+        backend.free(placed, _loc(src))
+
+
+@pytest.mark.asyncio
+async def test_pinned_destinations_are_exactly_sized_and_unpinned_on_free(
+    backend: CudaBackend,
+) -> None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    host_before = stats().get("allocated_bytes.current") if stats else None
+    for nbytes in (12_345, 3 * CHUNK + 5):  # pinned inline, pinned in a worker thread
+        src = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda:0")
+        pinned_before = backend.pinned.pinned_bytes
+        transfer = backend.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await transfer.wait()
+        out = transfer.tensor
+        assert out.is_pinned()
+        assert out.untyped_storage().nbytes() == nbytes
+        assert backend.pinned.pinned_bytes - pinned_before == nbytes
+        assert bool((out == 7).all())
+        backend.free(out, _loc("pinned-host"))  # large ones are unlocked in a worker
+        await _until(lambda out=out: not out.is_pinned())
+        await _until(lambda before=pinned_before: backend.pinned.pinned_bytes == before)
+    if stats:
+        # Nothing went through torch's power-of-two pinned caching allocator.
+        assert stats().get("allocated_bytes.current") == host_before
+
+
+@pytest.mark.asyncio
+async def test_pinned_cache_reuses_exactly_sized_memory() -> None:
+    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=2, pinned_cache_bytes=8 << 20)
+    b.start()
+    try:
+        assert b.staging_nbytes() == 4 * CHUNK + (8 << 20)
+        src = torch.ones(3 * CHUNK, dtype=torch.uint8, device="cuda:0")
+        first = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await first.wait()
+        ptr = first.tensor.data_ptr()
+        b.free(first.tensor, _loc("pinned-host"))
+        del first
+        gc.collect()
+        await _until(lambda: b.pinned._cached_bytes == 3 * CHUNK)
+        second = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await second.wait()
+        assert second.tensor.data_ptr() == ptr and b.pinned.cache_hits == 1
+        assert second.tensor.is_pinned() and bool((second.tensor == 1).all())
+    finally:
+        await b.aclose()
+
+
+@pytest.mark.asyncio
+async def test_copy_waits_for_the_source_devices_current_stream(backend: CudaBackend) -> None:
+    for dst in ("pageable-host", "pinned-host", "cuda:0"):
+        src = torch.zeros(2 * CHUNK + 1, dtype=torch.int32, device="cuda:0")
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        src.fill_(3)  # on the current stream, after the sleep
+        transfer = backend.copy(src, _loc("cuda:0"), _loc(dst))
+        await transfer.wait()
+        assert bool((transfer.tensor == 3).all()), dst
+        backend.free(transfer.tensor, _loc(dst))
+
+
+@pytest.mark.asyncio
+async def test_copy_waits_for_wait_events_and_consumers_wait_on_wait_issued(
+    backend: CudaBackend,
+) -> None:
+    writer = torch.cuda.Stream()
+    src = torch.empty(CHUNK, dtype=torch.float32, device="cuda:0")
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        src.fill_(2.0)
+    written = backend.record_event(writer)
+    transfer = backend.copy(src, _loc("cuda:0"), _loc("pinned-host"), wait_events=[written])
+    back = backend.copy(
+        transfer.tensor,
+        _loc("pinned-host"),
+        _loc("cuda:0"),
+        wait_events=[await transfer.wait_issued()],
+    )
+    consumer = torch.cuda.Stream()
+    backend.stream_wait(consumer, await back.wait_issued())
+    with torch.cuda.stream(consumer):
+        total = back.tensor.sum()
+    reader = backend.record_event(consumer)
+    await backend.wait_event(reader)
+    assert total.item() == 2.0 * CHUNK
+    await back.wait()
+    src.record_stream(writer)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
+    strategy: str,
+) -> None:
+    if strategy in ("hybrid", "hostfunc") and not hostfunc_available():
+        pytest.skip("cuLaunchHostFunc is unavailable")
+    b = CudaBackend(waiter=strategy, staging_chunk_bytes=CHUNK, staging_buffers=1)
+    b.start()
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0.002)
+
+    task = asyncio.ensure_future(ticker())
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        event = b.record_event(stream)
+        assert not event.query()
+        await asyncio.wait_for(b.wait_event(event), 10.0)
+        assert event.query()
+        # An event recorded by the caller rather than the backend is awaited as well.
+        foreign = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+        foreign.record(stream)
+        await asyncio.wait_for(b.wait_event(foreign), 10.0)
+        assert foreign.query()
+        assert b.waiter.strategy == strategy and b.waiter.degraded is None
+    finally:
+        done = True
+        await task
+        await b.aclose()
+    assert ticks >= 10, "the loop kept running while the task waited"
+
+
+@pytest.mark.asyncio
+async def test_many_concurrent_waits_on_several_streams_all_resolve(backend: CudaBackend) -> None:
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    events = []
+    for _ in range(5):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(SLEEP_CYCLES // (50 * (i + 1)))
+            events.append(backend.record_event(s))
+    # Awaited in reverse record order: later events must not hide earlier ones.
+    await asyncio.wait_for(asyncio.gather(*(backend.wait_event(e) for e in reversed(events))), 10.0)
+    assert all(e.query() for e in events)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("src", "dst", "numel"),
+    [
+        ("pinned-host", "cuda:0", 1000),
+        ("pageable-host", "cuda:0", 3 * CHUNK),
+        ("cuda:0", "pinned-host", 1000),
+        ("cuda:0", "pinned-host", 3 * CHUNK),
+        ("cuda:0", "pageable-host", 3 * CHUNK),
+        ("cuda:0", "cuda:0", 1000),
+        ("pageable-host", "pinned-host", 1000),
+    ],
+)
+async def test_injected_transfer_failure_poisons_the_destination_and_keeps_the_source(
+    backend: CudaBackend, src: str, dst: str, numel: int
+) -> None:
+    data = torch.arange(numel, dtype=torch.float32)
+    placed = backend.place(data, _loc(src))
+    backend.faults.fail_transfer_at = 1
+    transfer = backend.copy(placed, _loc(src), _loc(dst))
+    with pytest.raises(RuntimeError, match="injected transfer failure"):
+        await transfer.wait()
+    assert bool(is_poisoned(transfer.tensor).all())
+    assert torch.equal(placed.cpu(), data)
+    again = backend.copy(placed, _loc(src), _loc(dst))
+    await again.wait()
+    assert torch.equal(again.tensor.cpu(), data)
+    for t, loc in ((transfer.tensor, dst), (again.tensor, dst), (placed, src)):
+        backend.free(t, _loc(loc))
+
+
+@pytest.mark.asyncio
+async def test_injected_oom_is_raised_synchronously(backend: CudaBackend) -> None:
+    src = torch.ones(100, device="cuda:0")
+    backend.faults.oom_at_allocation = 1
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        backend.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+    ok = backend.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+    await ok.wait()
+    backend.free(ok.tensor, _loc("pinned-host"))
+
+
+@pytest.mark.asyncio
+async def test_cancel_stops_a_staged_copy(backend: CudaBackend) -> None:
+    data = torch.ones(64 * CHUNK, dtype=torch.uint8)
+    transfer = backend.copy(data, _loc("pageable-host"), _loc("cuda:0"))
+    transfer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await transfer.wait()
+    event = await transfer.wait_issued()
+    assert event.query(), "enqueued chunks completed before wait returned"
+
+
+@pytest.mark.asyncio
+async def test_large_copies_do_not_block_the_loop() -> None:
+    b = CudaBackend()  # default 32 MiB chunks
+    b.start()
+    n = 256 << 20
+    host = torch.ones(n, dtype=torch.uint8)
+    gaps: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    gc.collect()
+    gc.disable()  # a full collection would stall the loop by itself
+    task = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.sleep(0.01)
+        start = time.perf_counter()
+        up = b.copy(host, _loc("pageable-host"), _loc("cuda:0"))
+        issue_s = time.perf_counter() - start
+        await up.wait()
+        down = b.copy(up.tensor, _loc("cuda:0"), _loc("pageable-host"))
+        pinned = b.copy(up.tensor, _loc("cuda:0"), _loc("pinned-host"))
+        await asyncio.gather(down.wait(), pinned.wait())
+    finally:
+        done = True
+        await task
+        gc.enable()
+    try:
+        assert bool((down.tensor == 1).all()) and bool((pinned.tensor == 1).all())
+        b.free(pinned.tensor, _loc("pinned-host"))
+    finally:
+        await b.aclose()
+    # Generous bounds: they catch a copy done on the loop (tens to hundreds of ms), not speed.
+    assert issue_s < 0.05
+    assert max(gaps) < 0.05, f"the loop stalled for {max(gaps) * 1e3:.1f} ms"
+
+
+@pytest.mark.asyncio
+async def test_both_directions_at_once_are_correct(backend: CudaBackend) -> None:
+    up_data = _pattern(6 * CHUNK + 5, torch.uint8)
+    dev = backend.place(_pattern(5 * CHUNK + 9, torch.uint8), _loc("cuda:0"))
+    up = backend.copy(up_data, _loc("pageable-host"), _loc("cuda:0"))
+    down = backend.copy(dev, _loc("cuda:0"), _loc("pageable-host"))
+    await asyncio.gather(up.wait(), down.wait())
+    assert _same_bits(up.tensor, up_data)
+    assert _same_bits(down.tensor, dev)
+
+
+@pytest.mark.asyncio
+async def test_aclose_fails_pending_waits() -> None:
+    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=1)
+    b.start()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    event = b.record_event(stream)
+    pending = asyncio.ensure_future(b.wait_event(event))
+    await asyncio.sleep(0.01)
+    await b.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(pending, 5.0)
+    stream.synchronize()
+
+
+def test_check_location_and_host_streams() -> None:
+    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=1)
+    n = torch.cuda.device_count()
+    b.check_location(_loc(f"cuda:{n - 1}"))
+    with pytest.raises(ValueError, match=f"cuda:{n}"):
+        b.check_location(_loc(f"cuda:{n}"))
+    assert b.current_stream(_loc("pageable-host")) is None
+    assert b.record_event(None).query()
+    assert b.name == "cuda" and not b.simulated
+
+
+@pytest.mark.cuda2
+@pytest.mark.asyncio
+async def test_peer_copies_are_bit_exact_and_ordered(backend: CudaBackend) -> None:
+    for i, j in ((0, 1), (1, 0)):
+        src = torch.zeros(3 * CHUNK + 1, dtype=torch.int32, device=f"cuda:{i}")
+        with torch.cuda.device(i):
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            src.fill_(5 + i)
+        transfer = backend.copy(src, _loc(f"cuda:{i}"), _loc(f"cuda:{j}"))
+        assert transfer.tensor.device == torch.device("cuda", j)
+        await transfer.wait()
+        assert bool((transfer.tensor == 5 + i).all())
+        data = _pattern(2 * CHUNK + 3, torch.bfloat16)
+        a = backend.place(data, _loc(f"cuda:{i}"))
+        b = backend.copy(a, _loc(f"cuda:{i}"), _loc(f"cuda:{j}"))
+        await b.wait()
+        assert _same_bits(b.tensor, data)

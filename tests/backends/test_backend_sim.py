@@ -1,0 +1,350 @@
+"""SimBackend: the SIMULATED devices keep the CUDA backend's semantics on a CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import threading
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aresidency.backends import FaultInjector, SimBackend, SimStream, is_poisoned
+from aresidency.backends.staging import as_bytes
+from aresidency.core.locations import Location
+
+LOCATIONS = ["pageable-host", "pinned-host", "cuda:0", "cuda:1"]
+
+
+def _pattern(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A deterministic tensor whose every byte matters (bit-exact comparisons)."""
+    if dtype == torch.bool:
+        return torch.arange(numel) % 3 == 0
+    raw = (torch.arange(numel * torch.empty((), dtype=dtype).element_size()) * 7 + 3) % 251
+    out = raw.to(torch.uint8).view(dtype)
+    if out.is_floating_point():
+        out = torch.nan_to_num(out, nan=1.5, posinf=2.5, neginf=-2.5)
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(as_bytes(a.contiguous()), as_bytes(b.contiguous()))
+
+
+@pytest_asyncio.fixture
+async def sim():
+    backend = SimBackend(num_devices=2, chunk_bytes=1000)
+    backend.start()
+    yield backend
+    await backend.aclose()
+
+
+def test_sim_is_named_a_simulation() -> None:
+    backend = SimBackend()
+    assert backend.name == "sim"
+    assert backend.simulated is True
+    assert "SIMULATION" in repr(backend)
+    assert "simulated" in repr(backend.device_streams(0).compute)
+    assert "simulated" in (SimBackend.__doc__ or "").lower()
+
+
+def test_check_location_rejects_a_missing_device() -> None:
+    backend = SimBackend(num_devices=2)
+    backend.check_location(Location.parse("cuda:1"))
+    backend.check_location(Location.parse("pinned-host"))
+    with pytest.raises(ValueError, match="cuda:2"):
+        backend.check_location(Location.parse("cuda:2"))
+    assert backend.device_count() == 2
+
+
+def test_staging_nbytes_is_configurable_and_zero_by_default() -> None:
+    assert SimBackend().staging_nbytes() == 0
+    assert SimBackend(staging_nbytes=64 << 20).staging_nbytes() == 64 << 20
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(LOCATIONS, 2)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+async def test_copies_in_every_direction_are_bit_exact(
+    sim: SimBackend, src: str, dst: str, dtype: torch.dtype
+) -> None:
+    # 3001 elements: several 1000-byte chunks plus a remainder for every dtype.
+    data = _pattern(3001, dtype).reshape(3001)
+    placed = sim.place(data, Location.parse(src))
+    transfer = sim.copy(placed, Location.parse(src), Location.parse(dst))
+    await transfer.wait()
+    assert _same_bits(transfer.tensor, data)
+    assert transfer.nbytes == data.numel() * data.element_size()
+    assert _same_bits(placed, data), "the source is intact"
+    if dst != "pageable-host":
+        assert sim.location_of(transfer.tensor) == Location.parse(dst)
+
+
+@pytest.mark.asyncio
+async def test_non_contiguous_source_is_copied_by_value(sim: SimBackend) -> None:
+    base = sim.place(_pattern(64, torch.float32).reshape(8, 8), Location.parse("cuda:0"))
+    view = base.t()[2:6]
+    transfer = sim.copy(view, Location.parse("cuda:0"), Location.parse("pageable-host"))
+    await transfer.wait()
+    assert torch.equal(transfer.tensor, view)
+    assert transfer.tensor.is_contiguous()
+
+
+@pytest.mark.asyncio
+async def test_destination_is_poisoned_until_the_copy_completes(sim: SimBackend) -> None:
+    h2d = sim.device_streams(0).h2d
+    h2d.sleep(0.1)
+    src = torch.ones(100)
+    transfer = sim.copy(src, Location.parse("pageable-host"), Location.parse("cuda:0"))
+    assert bool(is_poisoned(transfer.tensor).all())
+    await transfer.wait()
+    assert torch.equal(transfer.tensor, src)
+
+
+@pytest.mark.asyncio
+async def test_copy_waits_for_the_source_device_compute_stream(sim: SimBackend) -> None:
+    src = sim.allocate((256,), torch.int32, "cuda:0")
+    compute = sim.device_streams(0).compute
+    compute.sleep(0.05)
+    compute.submit(lambda: src.fill_(7))
+    transfer = sim.copy(src, Location.parse("cuda:0"), Location.parse("pinned-host"))
+    await transfer.wait()
+    assert bool((transfer.tensor == 7).all())
+
+
+@pytest.mark.asyncio
+async def test_copy_waits_for_wait_events(sim: SimBackend) -> None:
+    src = sim.allocate((256,), torch.float32, "cuda:1")
+    writer = sim.new_stream("cuda:1")
+    writer.sleep(0.05)
+    writer.submit(lambda: src.fill_(2.0))
+    written = sim.record_event(writer)
+    transfer = sim.copy(
+        src, Location.parse("cuda:1"), Location.parse("cuda:0"), wait_events=[written]
+    )
+    await transfer.wait()
+    assert bool((transfer.tensor == 2.0).all())
+
+
+@pytest.mark.asyncio
+async def test_event_completes_only_when_its_stream_reaches_it(sim: SimBackend) -> None:
+    stream = sim.current_stream(Location.parse("cuda:0"))
+    assert isinstance(stream, SimStream)
+    stream.sleep(0.1)
+    start = time.perf_counter()
+    event = sim.record_event(stream)
+    assert not event.query()
+    await sim.wait_event(event)
+    assert event.query()
+    assert time.perf_counter() - start >= 0.09
+
+
+@pytest.mark.asyncio
+async def test_waiting_for_an_event_does_not_block_the_loop(sim: SimBackend) -> None:
+    stream = sim.device_streams(1).compute
+    stream.sleep(0.2)
+    event = sim.record_event(stream)
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    task = asyncio.ensure_future(ticker())
+    await sim.wait_event(event)
+    done = True
+    await task
+    assert ticks >= 10
+
+
+@pytest.mark.asyncio
+async def test_stream_wait_orders_one_stream_after_another(sim: SimBackend) -> None:
+    box = sim.allocate((4,), torch.float32, "cuda:0")
+    first = sim.new_stream("cuda:0")
+    second = sim.new_stream("cuda:0")
+    first.sleep(0.05)
+    first.submit(lambda: box.fill_(5.0))
+    sim.stream_wait(second, sim.record_event(first))
+    seen: list[torch.Tensor] = []
+    second.submit(lambda: seen.append(box.clone()))
+    await sim.wait_event(sim.record_event(second))
+    assert torch.equal(seen[0], torch.full((4,), 5.0))
+
+
+def test_host_locations_have_no_stream_and_complete_events() -> None:
+    backend = SimBackend()
+    assert backend.current_stream(Location.parse("pinned-host")) is None
+    assert backend.record_event(None).query()
+    with pytest.raises(TypeError):
+        backend.stream_wait(None, backend.record_event(None))
+
+
+@pytest.mark.asyncio
+async def test_free_poisons_storage_nan_for_floats_a5_otherwise(sim: SimBackend) -> None:
+    floats = sim.place(torch.ones(10), Location.parse("cuda:0"))
+    ints = sim.place(torch.ones(10, dtype=torch.int16), Location.parse("pinned-host"))
+    sim.free(floats[2:4], Location.parse("cuda:0"))  # a view poisons the whole storage
+    sim.free(ints, Location.parse("pinned-host"))
+    assert bool(torch.isnan(floats).all())
+    assert bool((as_bytes(ints) == 0xA5).all())
+    assert bool(is_poisoned(ints).all())
+    assert sim.location_of(floats) is None
+
+
+def test_free_leaves_a_users_own_pageable_tensor_alone() -> None:
+    backend = SimBackend()
+    mine = torch.ones(10)
+    assert backend.place(mine, Location.parse("pageable-host")) is mine
+    backend.free(mine, Location.parse("pageable-host"))
+    assert torch.equal(mine, torch.ones(10))
+
+
+@pytest.mark.asyncio
+async def test_read_after_release_without_the_reader_event_sees_poison(sim: SimBackend) -> None:
+    compute = sim.device_streams(0).compute
+    loc = Location.parse("cuda:0")
+
+    async def read_then_release(wait_for_reader: bool) -> torch.Tensor:
+        tensor = sim.place(torch.full((8,), 3.0), loc)
+        out: list[torch.Tensor] = []
+        compute.sleep(0.05)
+        compute.submit(lambda: out.append(tensor.clone()))
+        reader = sim.record_event(compute)
+        if wait_for_reader:
+            await sim.wait_event(reader)
+        sim.free(tensor, loc)
+        await sim.wait_event(sim.record_event(compute))
+        return out[0]
+
+    assert bool(torch.isnan(await read_then_release(False)).all())
+    assert torch.equal(await read_then_release(True), torch.full((8,), 3.0))
+
+
+@pytest.mark.asyncio
+async def test_injected_transfer_failure_raises_from_wait_and_poisons_the_destination() -> None:
+    faults = FaultInjector()
+    faults.fail_transfer_at = 2
+    sim = SimBackend(faults=faults)
+    sim.start()
+    try:
+        src = sim.place(torch.arange(100, dtype=torch.float32), Location.parse("cuda:0"))
+        ok = sim.copy(src, Location.parse("cuda:0"), Location.parse("pinned-host"))
+        bad = sim.copy(src, Location.parse("cuda:0"), Location.parse("pageable-host"))
+        await ok.wait()
+        with pytest.raises(RuntimeError, match="injected transfer failure"):
+            await bad.wait()
+        assert bool(torch.isnan(bad.tensor).all())
+        assert torch.equal(src, torch.arange(100, dtype=torch.float32)), "source intact"
+        assert bad.event.query(), "its device work ran"
+    finally:
+        await sim.aclose()
+
+
+@pytest.mark.asyncio
+async def test_injected_oom_is_raised_synchronously_by_copy() -> None:
+    faults = FaultInjector()
+    sim = SimBackend(faults=faults)
+    sim.start()
+    try:
+        src = sim.place(torch.ones(10), Location.parse("cuda:0"))
+        faults.oom_at_allocation = 1  # counted from now: the next allocation
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            sim.copy(src, Location.parse("cuda:0"), Location.parse("cuda:1"))
+        again = sim.copy(src, Location.parse("cuda:0"), Location.parse("cuda:1"))
+        await again.wait()
+        assert torch.equal(again.tensor, torch.ones(10))
+    finally:
+        await sim.aclose()
+
+
+@pytest.mark.asyncio
+async def test_cancel_stops_issuing_chunks_and_wait_raises_cancelled() -> None:
+    sim = SimBackend(copy_gbps=0.001, chunk_bytes=1000)  # 1 us per byte: 1 ms per chunk
+    sim.start()
+    try:
+        src = torch.ones(100_000, dtype=torch.uint8)  # 100 chunks, ~100 ms
+        transfer = sim.copy(src, Location.parse("pageable-host"), Location.parse("cuda:0"))
+        await asyncio.sleep(0.01)
+        transfer.cancel()
+        start = time.perf_counter()
+        with pytest.raises(asyncio.CancelledError):
+            await transfer.wait()
+        assert time.perf_counter() - start < 0.09
+        assert bool(is_poisoned(transfer.tensor).any()), "chunks after the cancel never ran"
+    finally:
+        await sim.aclose()
+
+
+@pytest.mark.asyncio
+async def test_aclose_fails_pending_waits_with_runtime_error() -> None:
+    sim = SimBackend()
+    sim.start()
+    stream = sim.device_streams(0).compute
+    stream.sleep(5.0)
+    event = sim.record_event(stream)
+    waiter = asyncio.ensure_future(sim.wait_event(event))
+    await asyncio.sleep(0.01)
+    await sim.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(waiter, 1.0)
+    with pytest.raises(RuntimeError):
+        sim.copy(torch.ones(1), Location.parse("pageable-host"), Location.parse("cuda:0"))
+
+
+@pytest.mark.asyncio
+async def test_throttled_copies_in_both_directions_overlap() -> None:
+    # 5 MB at 0.05 GB/s is ~100 ms per copy; h2d and d2h run on different streams.
+    sim = SimBackend(copy_gbps=0.05, chunk_bytes=1 << 20)
+    sim.start()
+    try:
+        host = torch.ones(5_000_000, dtype=torch.uint8)
+        dev = sim.place(host, Location.parse("cuda:0"))
+
+        async def up() -> None:
+            await sim.copy(host, Location.parse("pageable-host"), Location.parse("cuda:0")).wait()
+
+        async def down() -> None:
+            await sim.copy(dev, Location.parse("cuda:0"), Location.parse("pageable-host")).wait()
+
+        gc.collect()  # a full collection inside the timed part would take ~0.1 s here
+        gc.disable()
+        start = time.perf_counter()
+        await up()
+        await down()
+        one_after_the_other = time.perf_counter() - start
+        start = time.perf_counter()
+        await asyncio.gather(up(), down())
+        both = time.perf_counter() - start
+        assert both < 0.8 * one_after_the_other
+    finally:
+        gc.enable()
+        await sim.aclose()
+
+
+def test_place_returns_a_tensor_already_there_and_copies_otherwise() -> None:
+    sim = SimBackend()
+    user = torch.arange(6.0)
+    on_dev = sim.place(user, Location.parse("cuda:1"))
+    assert on_dev is not user and torch.equal(on_dev, user)
+    assert sim.location_of(on_dev) == Location.parse("cuda:1")
+    assert sim.place(on_dev, Location.parse("cuda:1")) is on_dev
+    assert sim.location_of(user) is None
+    back = sim.place(on_dev, Location.parse("pageable-host"))
+    assert back is not on_dev and torch.equal(back, user)
+
+
+def test_stream_work_runs_in_order_on_one_thread() -> None:
+    stream = SimBackend().new_stream("cuda:0")
+    seen: list[tuple[int, str]] = []
+    for i in range(20):
+        stream.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+    stream.synchronize(timeout=5)
+    assert [i for i, _ in seen] == list(range(20))
+    assert len({name for _, name in seen}) == 1
+    stream.close()

@@ -1,0 +1,119 @@
+"""Exactly-sized pinned memory (GPU) and byte views (CPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from aresidency.backends.staging import PAGE_BYTES, PinnedAllocator, as_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64])
+def test_as_bytes_is_a_flat_uint8_view_without_copy(dtype: torch.dtype) -> None:
+    t = torch.zeros(3, 5, dtype=dtype)
+    raw = as_bytes(t)
+    assert raw.dtype == torch.uint8
+    assert raw.numel() == t.numel() * t.element_size()
+    assert raw.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, (3 << 20) + 5, 65 << 20])
+def test_pinned_allocations_are_exactly_sized_page_aligned_and_unpinned_on_release(
+    nbytes: int,
+) -> None:
+    alloc = PinnedAllocator()
+    assert alloc.exact, "cudaHostRegister is available through torch.cuda.cudart()"
+    t = alloc.empty((nbytes,), torch.uint8)
+    assert t.untyped_storage().nbytes() == nbytes
+    assert t.data_ptr() % PAGE_BYTES == 0
+    assert t.is_pinned()
+    assert alloc.pinned_bytes == nbytes
+    t.fill_(3)
+    assert alloc.release(t)
+    assert not t.is_pinned()
+    assert alloc.pinned_bytes == 0
+    assert bool((t == 3).all()), "still readable as pageable memory"
+
+
+@pytest.mark.cuda
+def test_a_tensor_dropped_without_release_is_unregistered() -> None:
+    alloc = PinnedAllocator()
+    t = alloc.empty((1000,), torch.float32)
+    assert alloc.pinned_bytes == 4000
+    del t
+    gc.collect()
+    assert alloc.pinned_bytes == 0
+
+
+@pytest.mark.cuda
+def test_release_of_a_foreign_tensor_is_refused_quietly() -> None:
+    alloc = PinnedAllocator()
+    assert not alloc.release(torch.ones(10))
+    assert not alloc.release(torch.ones(10, pin_memory=True))
+
+
+class FakeRegistry:
+    """Stands in for cudaHostRegister: refuses an overlapping range, as the driver does."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        for start, size in self.ranges.items():
+            if ptr < start + size and start < ptr + nbytes:
+                raise torch.OutOfMemoryError("part or all of the range is already mapped")
+        self.ranges[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.ranges[ptr]
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> FakeRegistry:
+    from aresidency.backends import staging
+
+    fake = FakeRegistry()
+    monkeypatch.setattr(staging, "_register", fake.register)
+    monkeypatch.setattr(staging, "_unregister", fake.unregister)
+    monkeypatch.setattr(staging, "register_available", lambda: True)
+    return fake
+
+
+def test_allocator_lifecycle_never_leaves_a_dead_range_registered(registry: FakeRegistry) -> None:
+    alloc = PinnedAllocator(cache_bytes=10_000)
+    for _ in range(3):
+        a = alloc.empty((1000,), torch.float32)  # 4000 B: cacheable
+        b = alloc.empty((5000,), torch.float32)  # 20000 B: larger than the cache
+        ptr = a.data_ptr()
+        assert len(registry.ranges) == 2 and alloc.pinned_bytes == 24_000
+        assert alloc.release(a) and alloc.release(b)
+        assert b.data_ptr() not in registry.ranges, "released at once"
+        view = a[10:20]
+        del a
+        gc.collect()
+        assert ptr in registry.ranges, "a view keeps the tensor alive"
+        del view, b
+        gc.collect()
+        assert list(registry.ranges) == [ptr], "cached, still registered"
+        again = alloc.empty((1000,), torch.float32)
+        assert again.data_ptr() == ptr
+        del again
+        gc.collect()
+    assert alloc.cache_hits == 5  # "again" each round, "a" from the second round on
+    alloc.trim()
+    assert registry.ranges == {} and alloc.pinned_bytes == 0
+
+
+def test_unpinned_allocation_is_pinned_later_exactly_once(registry: FakeRegistry) -> None:
+    alloc = PinnedAllocator()
+    t = alloc.empty((3, 7), torch.int16, pin=False)
+    assert registry.ranges == {} and not alloc.is_pinned_by_us(t)
+    alloc.pin(t)
+    alloc.pin(t)
+    assert registry.ranges == {t.data_ptr(): 42} and alloc.is_pinned_by_us(t)
+    del t
+    gc.collect()
+    assert registry.ranges == {} and alloc.pinned_bytes == 0

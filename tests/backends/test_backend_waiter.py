@@ -1,0 +1,259 @@
+"""Event waiting: host events wake the loop from their setter; the waiter thread strategies
+resolve awaited events without blocking the loop. CPU tests use stand-in events."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from aresidency.backends import waiter as waiter_module
+from aresidency.backends.waiter import STRATEGIES, EventWaiter, HostEvent, hostfunc_available
+
+
+class FakeEvent:
+    """Completes ``delay`` seconds after creation; ``synchronize`` sleeps until then."""
+
+    def __init__(self, delay: float) -> None:
+        self._flag = threading.Event()
+        timer = threading.Timer(delay, self._flag.set)
+        timer.daemon = True  # a long fake must not hold up interpreter exit
+        timer.start()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+
+def test_host_event_runs_each_callback_once() -> None:
+    event = HostEvent()
+    calls: list[str] = []
+    event.add_done_callback(lambda: calls.append("before"))
+    assert not event.query()
+    event.set()
+    event.set()
+    event.add_done_callback(lambda: calls.append("after"))
+    assert calls == ["before", "after"]
+    assert event.query() and event.wait_blocking(0)
+
+
+def test_host_event_wait_blocking_times_out() -> None:
+    assert not HostEvent().wait_blocking(0.01)
+
+
+@pytest.mark.asyncio
+async def test_host_event_set_from_a_thread_wakes_the_awaiting_task() -> None:
+    event = HostEvent()
+    timer = threading.Timer(0.05, event.set)
+    timer.daemon = True
+    timer.start()
+    start = time.perf_counter()
+    await asyncio.wait_for(event.wait(), 2.0)
+    assert time.perf_counter() - start >= 0.04
+
+
+@pytest.mark.asyncio
+async def test_cancelled_wait_on_a_host_event_is_harmless() -> None:
+    event = HostEvent()
+    task = asyncio.ensure_future(event.wait())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    event.set()
+    await asyncio.sleep(0.01)  # the late wake-up of a cancelled future does nothing
+
+
+def test_unknown_strategy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="strategy"):
+        EventWaiter("spin")
+
+
+def test_auto_picks_hybrid_only_where_the_driver_offers_it() -> None:
+    waiter = EventWaiter("auto")
+    assert waiter.strategy == ("hybrid" if hostfunc_available() else "poll")
+    assert waiter.strategy in STRATEGIES
+    waiter.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("strategy", ["poll", "blocking"])
+async def test_waiter_thread_resolves_events_without_blocking_the_loop(strategy: str) -> None:
+    waiter = EventWaiter(strategy)
+    waiter.start()
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    task = asyncio.ensure_future(ticker())
+    try:
+        events = [FakeEvent(0.05 + 0.02 * i) for i in range(5)]
+        await asyncio.wait_for(asyncio.gather(*(waiter.wait(e) for e in events)), 5.0)
+        assert all(e.query() for e in events)
+        assert waiter.pending_count() == 0
+    finally:
+        done = True
+        await task
+        waiter.close()
+    assert ticks >= 10
+
+
+@pytest.mark.asyncio
+async def test_closing_the_waiter_fails_pending_waits() -> None:
+    waiter = EventWaiter("poll")
+    waiter.start()
+    pending = asyncio.ensure_future(waiter.wait(FakeEvent(10.0)))
+    await asyncio.sleep(0.01)
+    await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(pending, 1.0)
+    with pytest.raises(RuntimeError, match="closed"):
+        await waiter.wait(FakeEvent(10.0))
+
+
+@pytest.mark.asyncio
+async def test_a_completed_event_returns_at_once() -> None:
+    waiter = EventWaiter("poll")
+    event = FakeEvent(0.0)
+    await asyncio.sleep(0.01)
+    await waiter.wait(event)  # never started a thread
+    assert "idle" in repr(waiter)
+    waiter.close()
+
+
+class FakeDriver:
+    """Stands in for the CUDA driver: a "host function" enqueued after a wait on a fake event
+    runs libc's sem_post from another thread once the event completes, as the driver's
+    callback thread would."""
+
+    def __init__(self) -> None:
+        self.libc = waiter_module.load_libc()
+        self.sem_post_ptr = ctypes.cast(self.libc.sem_post, ctypes.c_void_p).value
+        self.events: dict[int, FakeEvent] = {}
+        self.streams = itertools.count(1)
+        self.waiting: dict[int, int] = {}
+        self.cuda = self
+        self.launched = 0
+
+    def new_semaphore(self) -> Any:
+        return waiter_module._Driver.new_semaphore(self)  # type: ignore[arg-type]
+
+    def create_stream(self, device: int) -> int:
+        return next(self.streams)
+
+    def destroy_stream(self, device: int, stream: int) -> None:
+        pass
+
+    def call_in(self, device: int, fn: Any, what: str) -> None:
+        code = fn()
+        if code != 0:
+            raise RuntimeError(f"{what} failed with CUresult {code}")
+
+    def cuStreamWaitEvent(self, stream: int, handle: int, flags: int) -> int:
+        self.waiting[stream] = handle
+        return 0
+
+    def cuLaunchHostFunc(self, stream: int, fn: int, sem: int) -> int:
+        assert fn == self.sem_post_ptr
+        event = self.events[self.waiting[stream]]
+        self.launched += 1
+
+        def callback() -> None:
+            event.synchronize()
+            self.libc.sem_post(sem)
+
+        threading.Thread(target=callback, daemon=True).start()
+        return 0
+
+
+class ArmableEvent(FakeEvent):
+    ids = itertools.count(1)
+
+    def __init__(self, delay: float, driver: FakeDriver) -> None:
+        super().__init__(delay)
+        self.cuda_event = next(self.ids)
+        self.device = None
+        driver.events[self.cuda_event] = self
+
+
+class FakeStream:
+    device_index = 0
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("strategy", ["hybrid", "hostfunc"])
+async def test_notified_strategies_resolve_armed_and_unarmed_events(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter(strategy)
+    waiter.start()
+    try:
+        armed = []
+        for i in range(6):
+            event = ArmableEvent(0.02 + 0.01 * i, driver)
+            waiter.arm(event, FakeStream(100 + i % 2))
+            armed.append(event)
+        unarmed = ArmableEvent(0.03, driver)  # armed lazily by wait()
+        await asyncio.wait_for(
+            asyncio.gather(*(waiter.wait(e) for e in [unarmed, *reversed(armed)])), 5.0
+        )
+        assert all(e.query() for e in armed) and unarmed.query()
+        assert driver.launched == 7
+        assert waiter.pending_count() == 0 and waiter.degraded is None
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
+async def test_hybrid_polls_briefly_after_a_wait_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.2)
+    waiter.start()
+    try:
+        event = ArmableEvent(0.05, driver)
+        event.cuda_event = -1  # its notification never comes: only polling can see it
+        driver.events[-1] = FakeEvent(3600.0)
+        waiter.arm(event, FakeStream(7))
+        start = time.perf_counter()
+        await asyncio.wait_for(waiter.wait(event), 5.0)
+        assert time.perf_counter() - start < 0.04 + 0.05  # not the 50 ms safety sweep
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid")
+    waiter.start()
+
+    def broken(stream: int, fn: int, sem: int) -> int:
+        return 999
+
+    driver.cuLaunchHostFunc = broken  # type: ignore[method-assign]
+    try:
+        event = ArmableEvent(0.03, driver)
+        waiter.arm(event, FakeStream(1))
+        assert waiter.strategy == "poll" and waiter.degraded
+        await asyncio.wait_for(waiter.wait(event), 5.0)
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
