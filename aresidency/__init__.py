@@ -44,6 +44,7 @@ from .core import (
     ValueHandle,
     ValueSnapshot,
 )
+from .integrations import StreamedModule, stream_module
 from .runtime import (
     CallableSource,
     Hold,
@@ -96,8 +97,10 @@ __all__ = [
     "SafetensorsSource",
     "Scope",
     "Source",
+    "StreamedModule",
     "Transition",
     "ValueHandle",
     "ValueSnapshot",
     "__version__",
+    "stream_module",
 ]

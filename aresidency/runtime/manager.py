@@ -293,8 +293,27 @@ class ResidencyManager:
         payload = self._payloads.get((handle, location))
         if payload is not None and event in payload.events:
             payload.events.remove(event)
-        self._state.reap_events(handle, location, 1)
+        value = self._state.value(handle, allow_discarded=True)
+        mat = value.materializations.get(location)
+        if mat is not None and mat.pending_event_count > 0:
+            self._state.reap_events(handle, location, 1)
         self._notify()
+
+    async def _settle_unused(self, handle: ValueHandle, location: Location) -> None:
+        """Wait until nothing uses, holds or reads the materialization (shielded: the wait
+        continues through cancellation, which is re-raised afterwards)."""
+        cancelled = False
+        while True:
+            value = self._state.value(handle, allow_discarded=True)
+            mat = value.materializations.get(location)
+            if mat is None or not mat.protected:
+                break
+            try:
+                await self._wait_change()
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _settle(self, handle: ValueHandle, location: Location, keep: int = 0) -> None:
         """Wait until the materialization has at most ``keep`` pending events."""
@@ -355,7 +374,13 @@ class ResidencyManager:
             return
         if transfer is None:
             transfer = self._start_copy(ticket)
-        await transfer.wait()
+        try:
+            await transfer.wait()
+        except BaseException:
+            # Leases entered on the incoming copy may have enqueued readers: its storage is
+            # freed (by the abort) only once they have exited and their events completed.
+            await self._settle_unused(ticket.handle, ticket.destination)
+            raise
         if ticket.move:
             # The source is freed at commit: its consumers and the copies out of it begun
             # elsewhere must have completed first. Copies of the same request that read it

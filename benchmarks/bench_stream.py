@@ -1,0 +1,634 @@
+"""Layer-by-layer weight streaming on one GPU, side by side with the alternatives, in one run.
+
+The workload of ANCHORS.md ("Streaming 16 layers of 8192x8192 bf16 weights (128 MiB each) from
+pinned host, x @ W per layer", batch 8192) and two variants of it, a copy-bound one (batch
+1024) and a compute-bound one (4096x4096 weights, batch 32768). For each, in ms (median wall
+time from the call to ``torch.cuda.synchronize()`` returning, after warm-up):
+
+* compute only: the weights already on the GPU;
+* copies only: the 16 host-to-device copies from pinned memory, back to back on one stream;
+* serial: copy, then compute, layer by layer on one stream;
+* double buffering: hand-written, two device buffers, a copy stream and events;
+* accelerate ``cpu_offload`` on the same layers (weights in pageable host memory, as there);
+* aresidency: ``stream_module(manager, model, prefetch=2)`` with a ``cuda:0`` budget of three
+  layers, weights in pinned host memory.
+
+For the ANCHORS workload also: aresidency with other prefetch depths (budget = prefetch + 1
+layers), with the weights in pageable host memory (staged through pinned buffers), and rebuilt
+from a safetensors checkpoint for every call. For every aresidency run, device memory: the peak
+of ``torch.cuda.max_memory_allocated`` above what was allocated before, against the budget
+plus the activations (measured in the compute-only run), and the manager's own ledger peak.
+
+Goals (from the issue): aresidency within 5% of max(copies, compute), at least as fast as the
+hand-written double buffering, at least 7x faster than ``cpu_offload``.
+
+usage: python3 benchmarks/bench_stream.py [--quick] [--sim] [--json PATH] [--markdown PATH]
+
+``--quick`` runs fewer iterations; ``--sim`` runs tiny sizes on the simulated backend without a
+GPU (a smoke test of this script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aresidency import ResidencyManager
+from aresidency.integrations import StreamedModule, stream_module
+
+MiB = 1 << 20
+ANCHOR_MS = {
+    "compute": 23.0,
+    "copies": 38.9,
+    "serial": 60.1,
+    "double buffer": 40.3,
+    "cpu_offload": 315.9,
+}
+METHODS = ["compute", "copies", "serial", "double buffer", "cpu_offload", "aresidency"]
+T0 = time.perf_counter()
+TIME_LIMIT_S = 200.0  # optional variants are skipped past this (the whole run: < 4 min)
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {message}", flush=True)
+
+
+@dataclass
+class Workload:
+    name: str
+    layers: int
+    n: int
+    batch: int
+    variants: bool = False  # also the prefetch, pageable and checkpoint variants
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.n * self.n * 2
+
+    def describe(self) -> str:
+        return (
+            f"{self.layers} x {self.n}x{self.n} bf16 ({self.layer_bytes / MiB:.0f} MiB each), "
+            f"batch {self.batch}"
+        )
+
+
+@dataclass
+class Result:
+    ms: float | None = None
+    error: str | None = None
+    samples: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cell(self) -> str:
+        if self.error is not None:
+            return f"error: {self.error[:60]}"
+        if self.ms is None:
+            return "n/a"
+        return f"{self.ms:.1f}"
+
+
+class MatMul(nn.Module):
+    """``x @ W``: one layer of the workload."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class Device:
+    """CUDA, or (``--sim``) the CPU with no-op streams, so the script can be smoke-tested."""
+
+    def __init__(self, sim: bool) -> None:
+        self.sim = sim
+        self.name = "cpu" if sim else "cuda:0"
+
+    def sync(self) -> None:
+        if not self.sim:
+            torch.cuda.synchronize()
+
+    def stream(self) -> Any:
+        return None if self.sim else torch.cuda.Stream()
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.sim else torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return None if self.sim else torch.cuda.Event()
+
+    def reset_peak(self) -> int:
+        if self.sim:
+            return 0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return int(torch.cuda.memory_allocated())
+
+    def peak_since(self, base: int) -> int | None:
+        if self.sim:
+            return None
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated()) - base
+
+
+class LedgerWatch:
+    """The manager's own evidence: replays its trace from now on to find the largest charge
+    ``cuda:0`` had (the trace is the ledger's history, one entry per transition)."""
+
+    def __init__(self, manager: ResidencyManager) -> None:
+        self.manager = manager
+        self.start = manager.snapshot().location("cuda:0").charged_bytes
+        transitions = manager.trace().transitions
+        self.seq = transitions[-1].seq if transitions else -1
+
+    def peak(self) -> int:
+        trace = self.manager.trace()
+        transitions = [t for t in trace.transitions if t.seq > self.seq]
+        if transitions and transitions[0].seq != self.seq + 1:
+            raise RuntimeError("the trace overwrote entries: raise trace_capacity")
+        current = peak = self.start
+        for t in transitions:
+            if t.location is not None and str(t.location) == "cuda:0":
+                current += t.nbytes
+                peak = max(peak, current)
+        return peak
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def time_sync(dev: Device, fn: Callable[[], Any], iters: int, warmup: int) -> Result:
+    for _ in range(warmup):
+        fn()
+        dev.sync()
+    samples = []
+    for _ in range(iters):
+        dev.sync()
+        start = time.perf_counter()
+        fn()
+        dev.sync()
+        samples.append(time.perf_counter() - start)
+    return Result(median_ms(samples), samples=samples)
+
+
+async def time_async(
+    dev: Device,
+    fn: Callable[[], Awaitable[Any]],
+    after: Callable[[], Awaitable[None]],
+    iters: int,
+    warmup: int,
+) -> tuple[Result, Any]:
+    out = None
+    for _ in range(warmup):
+        out = await fn()
+        dev.sync()
+        await after()
+    samples = []
+    for _ in range(iters):
+        dev.sync()
+        start = time.perf_counter()
+        out = await fn()
+        dev.sync()
+        samples.append(time.perf_counter() - start)
+        await after()  # the releases finish (not timed: the device work is done)
+    return Result(median_ms(samples), samples=samples), out
+
+
+# ---------------------------------------------------------------- the methods
+
+
+def compute_only(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    for w in weights:
+        x = x @ w
+    return x
+
+
+def copies_only(dev: Device, host: list[torch.Tensor], bufs: list[torch.Tensor], s: Any) -> None:
+    with dev.on(s):
+        for i, w in enumerate(host):
+            bufs[i % 2].copy_(w, non_blocking=True)
+    if not dev.sim:
+        torch.cuda.current_stream().wait_stream(s)
+
+
+def serial(x: torch.Tensor, host: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+    for w in host:
+        buf.copy_(w, non_blocking=True)
+        x = x @ buf
+    return x
+
+
+def double_buffer(
+    dev: Device, x: torch.Tensor, host: list[torch.Tensor], bufs: list[torch.Tensor], s: Any
+) -> torch.Tensor:
+    """Copy layer i+1 on the copy stream while layer i computes; a buffer is overwritten only
+    after the compute that read it (events, no host waits)."""
+    if dev.sim:
+        return serial(x, host, bufs[0])
+    compute = torch.cuda.current_stream()
+    copied = [torch.cuda.Event(), torch.cuda.Event()]
+    consumed = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def issue(i: int) -> None:
+        with torch.cuda.stream(s):
+            if i >= 2:
+                s.wait_event(consumed[i % 2])
+            bufs[i % 2].copy_(host[i], non_blocking=True)
+            copied[i % 2].record(s)
+
+    issue(0)
+    for i in range(len(host)):
+        if i + 1 < len(host):
+            issue(i + 1)
+        compute.wait_event(copied[i % 2])
+        x = x @ bufs[i % 2]
+        consumed[i % 2].record(compute)
+    return x
+
+
+# ---------------------------------------------------------------- one workload
+
+
+async def run_workload(
+    dev: Device, wl: Workload, iters: int, warmup: int, report: dict[str, Any]
+) -> None:
+    log(f"== {wl.name}: {wl.describe()}")
+    results: dict[str, Result] = {}
+    variants: dict[str, Result] = {}
+    report[wl.name] = {"workload": wl.__dict__, "methods": results, "variants": variants}
+
+    # Weights: made on the GPU (fast), kept in pageable host memory, scaled to keep |x| ~ 1.
+    gen_device = "cpu" if dev.sim else "cuda:0"
+    torch.manual_seed(0)
+    pageable = []
+    for _ in range(wl.layers):
+        w = torch.randn(wl.n, wl.n, device=gen_device, dtype=torch.bfloat16) * wl.n**-0.5
+        pageable.append(w.cpu())
+        del w
+    x = torch.randn(wl.batch, wl.n, device=dev.name, dtype=torch.bfloat16)
+    layer = wl.layer_bytes
+    budget = 3 * layer
+
+    async with ResidencyManager(
+        budgets={"cuda:0": budget}, backend="sim" if dev.sim else "cuda", trace_capacity=1 << 17
+    ) as manager:
+        # aresidency first: registration copies the weights into pinned host memory and the
+        # model's parameters become views of it, which the hand-written methods reuse.
+        model = nn.Sequential(*(MatMul(w) for w in pageable))
+        streamed: StreamedModule | None = None
+        try:
+            start = time.perf_counter()
+            streamed = stream_module(manager, model, "cuda:0", prefetch=2, host="pinned-host")
+            elapsed = time.perf_counter() - start
+            log(f"registered {wl.layers} layers in pinned memory in {elapsed:.1f} s")
+            pinned = [layer.weight.detach() for layer in model if isinstance(layer, MatMul)]
+        except Exception as error:
+            traceback.print_exc()
+            results["aresidency"] = Result(error=repr(error))
+            pinned = [w.pin_memory() if not dev.sim else w for w in pageable]
+
+        # compute only (also the reference output and the activations' peak)
+        reference = None
+        activations = 0
+        try:
+            on_gpu = [w.to(dev.name) for w in pinned]
+            dev.sync()
+            base = dev.reset_peak()
+            with torch.no_grad():
+                res = time_sync(dev, lambda: compute_only(x, on_gpu), iters, warmup)
+                reference = compute_only(x, on_gpu)
+            peak = dev.peak_since(base)
+            activations = peak or 0
+            res.extra["activations_bytes"] = activations
+            results["compute"] = res
+            on_gpu.clear()
+        except Exception as error:
+            traceback.print_exc()
+            results["compute"] = Result(error=repr(error))
+        log(f"compute only: {results['compute'].cell()} ms")
+        gc.collect()
+
+        bufs = [torch.empty(wl.n, wl.n, device=dev.name, dtype=torch.bfloat16) for _ in range(2)]
+        copy_stream = dev.stream()
+        for name, fn in (
+            ("copies", lambda: copies_only(dev, pinned, bufs, copy_stream)),
+            ("serial", lambda: serial(x, pinned, bufs[0])),
+            ("double buffer", lambda: double_buffer(dev, x, pinned, bufs, copy_stream)),
+        ):
+            try:
+                with torch.no_grad():
+                    results[name] = time_sync(dev, fn, iters, warmup)
+                if name == "double buffer" and reference is not None:
+                    with torch.no_grad():
+                        out = fn()
+                    dev.sync()
+                    exact = isinstance(out, torch.Tensor) and torch.equal(out, reference)
+                    results[name].extra["bit_exact"] = exact
+            except Exception as error:
+                traceback.print_exc()
+                results[name] = Result(error=repr(error))
+            log(f"{name}: {results[name].cell()} ms")
+        if "copies" in results and results["copies"].ms:
+            gbps = wl.layers * layer / (results["copies"].ms / 1e3) / 1e9
+            results["copies"].extra["GB/s"] = round(gbps, 1)
+        bufs.clear()
+        gc.collect()
+
+        async def measure(name: str, sm: StreamedModule, budget_bytes: int) -> Result:
+            manager.set_budget("cuda:0", budget_bytes)
+            ledger = LedgerWatch(manager)
+            base = dev.reset_peak()
+            with torch.no_grad():
+                res, out = await time_async(dev, lambda: sm(x), sm.drain, iters, warmup)
+            peak = dev.peak_since(base)
+            ledger_peak = ledger.peak()
+            res.extra.update(
+                budget_bytes=budget_bytes,
+                peak_bytes=peak,
+                activations_bytes=activations,
+                within_budget_plus_activations=None
+                if peak is None
+                else peak <= budget_bytes + activations,
+                ledger_peak_bytes=ledger_peak,
+                ledger_within_budget=ledger_peak <= budget_bytes,
+                bit_exact=None if reference is None else bool(torch.equal(out, reference)),
+            )
+            log(
+                f"{name}: {res.cell()} ms, peak {(peak or 0) / MiB:.0f} MiB above base "
+                f"(budget {budget_bytes / MiB:.0f} + activations {activations / MiB:.0f} MiB), "
+                f"ledger peak {ledger_peak / MiB:.0f} MiB, bit-exact {res.extra['bit_exact']}"
+            )
+            return res
+
+        if streamed is not None:
+            try:
+                results["aresidency"] = await measure("aresidency", streamed, budget)
+            except Exception as error:
+                traceback.print_exc()
+                results["aresidency"] = Result(error=repr(error))
+
+        if wl.variants and streamed is not None:
+            for depth in (1, 3):
+                if time.perf_counter() - T0 > TIME_LIMIT_S:
+                    break
+                name = f"pinned, prefetch={depth}, budget {depth + 1} layers"
+                try:
+                    streamed.prefetch = depth
+                    variants[name] = await measure(name, streamed, (depth + 1) * layer)
+                except Exception as error:
+                    traceback.print_exc()
+                    variants[name] = Result(error=repr(error))
+            streamed.prefetch = 2
+        if streamed is not None:
+            await streamed.aclose()  # the model gets its own (pageable) tensors back
+        pinned, model = [], nn.Sequential()
+        gc.collect()
+
+        if wl.variants and time.perf_counter() - T0 < TIME_LIMIT_S:
+            name = "pageable-host, prefetch=2, budget 3 layers"
+            try:
+                model_pg = nn.Sequential(*(MatMul(w) for w in pageable))
+                sm = stream_module(manager, model_pg, "cuda:0", prefetch=2, host="pageable-host")
+                variants[name] = await measure(name, sm, budget)
+                await sm.aclose()
+                del sm, model_pg
+            except Exception as error:
+                traceback.print_exc()
+                variants[name] = Result(error=repr(error))
+            gc.collect()
+
+        if wl.variants and time.perf_counter() - T0 < TIME_LIMIT_S:
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="bench_stream_") as tmp:
+                path = Path(tmp) / "layers.safetensors"
+                name = "checkpoint"
+                try:
+                    start = time.perf_counter()
+                    save_file({f"{i}.weight": w for i, w in enumerate(pageable)}, str(path))
+                    log(f"checkpoint written in {time.perf_counter() - start:.1f} s")
+                    with torch.device("meta"):
+                        skeleton = nn.Sequential(
+                            *(
+                                MatMul(torch.empty(wl.n, wl.n, dtype=torch.bfloat16))
+                                for _ in range(wl.layers)
+                            )
+                        )
+                    for depth in (2, 5):
+                        if time.perf_counter() - T0 > TIME_LIMIT_S:
+                            break
+                        name = f"checkpoint, prefetch={depth}, budget {depth + 1} layers"
+                        sm = stream_module(manager, skeleton, prefetch=depth, checkpoint=path)
+                        variants[name] = await measure(name, sm, (depth + 1) * layer)
+                        await sm.aclose()
+                        del sm
+                except Exception as error:
+                    traceback.print_exc()
+                    variants[name] = Result(error=repr(error))
+
+    # accelerate's cpu_offload last: it rewrites the model it is given.
+    if time.perf_counter() - T0 < TIME_LIMIT_S + 20:
+        try:
+            from accelerate import cpu_offload
+
+            offloaded = nn.Sequential(*(MatMul(w.clone()) for w in pageable))
+            cpu_offload(offloaded, execution_device=torch.device(dev.name))
+            with torch.no_grad():
+                res = time_sync(dev, lambda: offloaded(x), max(2, iters // 3), 1)
+                if reference is not None:
+                    res.extra["bit_exact"] = bool(torch.equal(offloaded(x), reference))
+            results["cpu_offload"] = res
+            del offloaded
+        except ImportError:
+            results["cpu_offload"] = Result(error="accelerate is not installed")
+        except Exception as error:
+            traceback.print_exc()
+            results["cpu_offload"] = Result(error=repr(error))
+        log(f"cpu_offload: {results['cpu_offload'].cell()} ms")
+    pageable.clear()
+    gc.collect()
+    if not dev.sim:
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratio(a: Result | None, b: Result | None) -> float | None:
+    if a is None or b is None or a.ms is None or b.ms is None or b.ms == 0:
+        return None
+    return a.ms / b.ms
+
+
+def fmt(value: float | None, suffix: str = "", digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown(report: dict[str, Any], env: str) -> str:
+    lines = [f"Weight streaming, {env}. Median ms; ANCHORS.md in brackets (anchor workload).", ""]
+    head = [
+        "workload",
+        *METHODS,
+        "floor = max(copies, compute)",
+        "aresidency / floor",
+        "aresidency / double buffer",
+        "cpu_offload / aresidency",
+    ]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    goals: list[str] = []
+    for name, entry in report.items():
+        res: dict[str, Result] = entry["methods"]
+        cells = [name]
+        for method in METHODS:
+            cell = res.get(method, Result()).cell()
+            if name == "anchor" and method in ANCHOR_MS:
+                cell += f" [{ANCHOR_MS[method]}]"
+            cells.append(cell)
+        copies, compute = res.get("copies"), res.get("compute")
+        floor = None
+        if copies and compute and copies.ms is not None and compute.ms is not None:
+            floor = max(copies.ms, compute.ms)
+        ours = res.get("aresidency")
+        to_floor = None if floor is None or ours is None or ours.ms is None else ours.ms / floor
+        to_dbuf = ratio(ours, res.get("double buffer"))
+        offload = ratio(res.get("cpu_offload"), ours)
+        cells += [fmt(floor, digits=1), fmt(to_floor), fmt(to_dbuf), fmt(offload, "x", 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+        goals.append(
+            f"- {name}: aresidency / floor {fmt(to_floor)} (goal <= 1.05: "
+            f"{'PASS' if to_floor is not None and to_floor <= 1.05 else 'FAIL'}); "
+            f"/ double buffer {fmt(to_dbuf)} (goal <= 1.00: "
+            f"{'PASS' if to_dbuf is not None and to_dbuf <= 1.0 else 'FAIL'}); "
+            f"cpu_offload / aresidency {fmt(offload, 'x', 1)} (goal >= 7x: "
+            f"{'PASS' if offload is not None and offload >= 7 else 'FAIL'})"
+        )
+    lines += ["", "Goals:", *goals, ""]
+    lines.append(
+        "| workload | aresidency variant | ms | / floor | weights GB/s | peak above base MiB | "
+        "budget + activations MiB | within | ledger peak MiB | ledger <= budget | bit-exact |"
+    )
+    lines.append("|" + "---|" * 11)
+    for name, entry in report.items():
+        res = entry["methods"]
+        copies, compute = res.get("copies"), res.get("compute")
+        floor = None
+        if copies and compute and copies.ms is not None and compute.ms is not None:
+            floor = max(copies.ms, compute.ms)
+        wl = entry["workload"]
+        total = wl["layers"] * wl["n"] * wl["n"] * 2
+        rows = {"pinned, prefetch=2, budget 3 layers": res.get("aresidency", Result())}
+        rows.update(entry["variants"])
+        for variant, r in rows.items():
+            ex = r.extra
+            peak = ex.get("peak_bytes")
+            limit = ex.get("budget_bytes", 0) + ex.get("activations_bytes", 0)
+            gbps = None if r.ms is None else total / (r.ms / 1e3) / 1e9
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        name,
+                        variant,
+                        r.cell(),
+                        fmt(None if floor is None or r.ms is None else r.ms / floor),
+                        fmt(gbps, digits=1),
+                        fmt(None if peak is None else peak / MiB, digits=0),
+                        fmt(limit / MiB if limit else None, digits=0),
+                        str(ex.get("within_budget_plus_activations", "n/a")),
+                        fmt(ex.get("ledger_peak_bytes", 0) / MiB, digits=0),
+                        str(ex.get("ledger_within_budget", "n/a")),
+                        str(ex.get("bit_exact", "n/a")),
+                    ]
+                )
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def environment(dev: Device) -> str:
+    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}"]
+    if not dev.sim:
+        parts.insert(0, torch.cuda.get_device_name(0))
+    else:
+        parts.insert(0, "SIMULATED backend on the CPU (smoke test, not a measurement)")
+    try:
+        import accelerate
+
+        parts.append(f"accelerate {accelerate.__version__}")
+    except ImportError:
+        parts.append("no accelerate")
+    return ", ".join(parts)
+
+
+async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    dev = Device(sim=args.sim or not torch.cuda.is_available())
+    if dev.sim and not args.sim:
+        print("no CUDA device: running the --sim smoke test instead", flush=True)
+    if dev.sim:
+        workloads = [
+            Workload("anchor", 4, 256, 64, variants=True),
+            Workload("copy-bound", 4, 256, 16),
+            Workload("compute-bound", 4, 128, 256),
+        ]
+    else:
+        workloads = [
+            Workload("anchor", 16, 8192, 8192, variants=True),
+            Workload("copy-bound", 16, 8192, 1024),
+            Workload("compute-bound", 16, 4096, 32768),
+        ]
+    iters, warmup = (3, 1) if args.quick else (7, 2)
+    env = environment(dev)
+    log(env)
+    report: dict[str, Any] = {}
+    for wl in workloads:
+        try:
+            await run_workload(dev, wl, iters, warmup, report)
+        except Exception:
+            traceback.print_exc()
+            log(f"workload {wl.name} failed; continuing")
+    text = markdown(report, env)
+    print("\n" + text, flush=True)
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, Result):
+            return {"ms": obj.ms, "error": obj.error, "samples_s": obj.samples, **obj.extra}
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        return obj
+
+    return text, {"env": env, **plain(report)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--sim", action="store_true", help="tiny smoke test, no GPU needed")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--markdown", help="write the markdown tables to this path")
+    arguments = parser.parse_args()
+    text, data = asyncio.run(main(arguments))
+    if arguments.markdown:
+        Path(arguments.markdown).write_text(text + "\n")
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps(data, indent=1, default=str))
+    log("done")

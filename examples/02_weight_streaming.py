@@ -1,0 +1,128 @@
+"""Weight streaming: run a model whose weights do not fit the GPU budget, block by block.
+
+The model keeps its weights in pinned host memory; a budget of three blocks on ``cuda:0`` is
+all it gets. While block ``i`` computes, the copies of blocks ``i+1`` and ``i+2`` are already on
+the copy stream, and block ``i``'s weights leave the budget as soon as its kernels finished
+(the manager's reaper sees the event; nobody synchronizes). The result is the same, bit for
+bit, as running the whole model on the GPU.
+
+Runs on a GPU when there is one (backend "auto") and on the simulated backend otherwise, which
+makes ``cuda:N`` out of host memory (a simulation, said so in the output; smaller sizes).
+
+    python examples/02_weight_streaming.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aresidency import ResidencyManager
+from aresidency.integrations import stream_module
+
+MiB = 1 << 20
+
+
+class Block(nn.Module):
+    """A transformer-style MLP block."""
+
+    def __init__(self, d: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d, dtype=dtype)
+        self.up = nn.Linear(d, 4 * d, dtype=dtype)
+        self.down = nn.Linear(4 * d, d, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    """Embedding, a list of blocks, a head: the usual shape of a large model."""
+
+    def __init__(self, vocab: int, d: int, n: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(d, dtype) for _ in range(n))
+        self.head = nn.Linear(d, vocab, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+async def main() -> None:
+    gpu = torch.cuda.is_available()
+    # On a GPU: 24 blocks of 64 MiB (bf16, d=2048) = 1.5 GiB of blocks. Simulated: small.
+    d, n, dtype = (2048, 24, torch.bfloat16) if gpu else (128, 12, torch.float32)
+    torch.manual_seed(0)
+    model = Model(vocab=1000, d=d, n=n, dtype=dtype).eval()
+    reference_model = copy.deepcopy(model)  # to check the result against, at the end
+
+    async with ResidencyManager(backend="auto") as manager:
+        simulated = manager.backend.simulated
+        note = " (a simulation of CUDA devices in host memory)" if simulated else ""
+        print(f"backend: {manager.backend.name}{note}")
+
+        # 1. Register: each block's parameters become one managed value in pinned host memory
+        #    (the module's parameters now point into it: no second host copy).
+        streamed = stream_module(manager, model, "cuda:0", prefetch=2, host="pinned-host")
+        block = max(streamed.block_bytes)
+        total = sum(streamed.block_bytes)
+        print(
+            f"{len(streamed.block_bytes)} blocks of {block / MiB:.1f} MiB "
+            f"({total / MiB:.0f} MiB in all), {streamed.resident_bytes / MiB:.1f} MiB "
+            "outside the blocks (embedding, head: held for the whole call)"
+        )
+
+        # 2. Choose a budget: the resident tensors and three blocks. The model does not fit.
+        budget = streamed.resident_bytes + 3 * block
+        manager.set_budget("cuda:0", budget)
+        print(f"cuda:0 budget: {budget / MiB:.1f} MiB for a {total / MiB:.0f} MiB model")
+
+        # 3. Call the module as usual (awaited). Inputs live on the device.
+        device = "cuda:0" if not simulated else "cpu"  # simulated cuda:0 is host memory
+        tokens = torch.randint(0, 1000, (8, 256), device=device)
+        with torch.no_grad():
+            for attempt in range(3):
+                start = time.perf_counter()
+                logits = await streamed(tokens)
+                if gpu:
+                    torch.cuda.synchronize()
+                elapsed = (time.perf_counter() - start) * 1e3
+                print(f"call {attempt}: {elapsed:.1f} ms")
+        await streamed.drain()  # every released replica has left the budget
+
+        # 4. The evidence: the ledger never went past the budget; nothing is left on cuda:0.
+        record = manager.snapshot().location("cuda:0")
+        print(
+            f"cuda:0 peak charge {record.peak_bytes / MiB:.1f} MiB <= budget "
+            f"{budget / MiB:.1f} MiB; now used {record.used_bytes} B"
+        )
+        assert record.peak_bytes <= budget and record.used_bytes == 0
+        kinds = [t.kind for t in manager.trace().transitions]
+        print(
+            f"trace: {kinds.count('copy_begin')} copies, {kinds.count('event_reaped')} "
+            f"compute events reaped, {kinds.count('release')} releases"
+        )
+
+        # 5. Same result as the model run in one piece on the device.
+        on_device = reference_model.to(device)
+        with torch.no_grad():
+            expected = on_device(tokens)
+        print(
+            f"bit-identical to the model run entirely on {device}: {torch.equal(logits, expected)}"
+        )
+
+        # 6. Close: the module gets its own host tensors back; the values are discarded.
+        await streamed.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,587 @@
+"""Layer-by-layer weight streaming on the simulated backend (a simulation of CUDA devices in
+host memory: its streams run work in order on worker threads, released memory is poisoned).
+
+Outputs are compared bit for bit with the plain module run on the CPU: the simulation computes
+with the same CPU kernels, so any difference is a streaming bug (a read of poisoned memory, a
+wrong view, a block run with the wrong weights)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from aresidency import (
+    ReplicaMode,
+    ResidencyManager,
+    ResidencyTrace,
+)
+from aresidency.backends.sim import SimBackend
+from aresidency.integrations import StreamedModule, find_blocks, stream_module
+
+from ._models import Block, Boom, Net, Sleepy, SleepyNet, linears, sequential
+
+pytestmark = pytest.mark.asyncio
+
+KiB = 1 << 10
+
+
+def reference(module: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+    """The plain module's output on the CPU (slow blocks made quick: this runs on the loop)."""
+    sleepy = [(sub, sub.seconds) for sub in module.modules() if isinstance(sub, Sleepy)]
+    for sub, _ in sleepy:
+        sub.seconds = 0.0
+    try:
+        with torch.no_grad():
+            out = module(*args, **kwargs)
+    finally:
+        for sub, seconds in sleepy:
+            sub.seconds = seconds
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def max_charge(trace: ResidencyTrace, location: str = "cuda:0") -> int:
+    """Replay the trace: the largest charge the location ever had."""
+    assert trace.overwritten == 0
+    current = peak = 0
+    for transition in trace.transitions:
+        if transition.location is not None and str(transition.location) == location:
+            current += transition.nbytes
+            peak = max(peak, current)
+    assert current >= 0
+    return peak
+
+
+def assert_all_released(
+    manager: ResidencyManager, streamed: StreamedModule, host: str = "pinned-host"
+) -> None:
+    snap = manager.snapshot()
+    assert snap.location("cuda:0").used_bytes == 0
+    for handle in streamed.handles:
+        value = snap.value(handle)
+        assert [str(loc) for loc in value.locations] == ([] if host == "none" else [host])
+        for record in value.materializations:
+            assert record.use_count == 0 and record.pending_event_count == 0
+
+
+def kinds_for(trace: ResidencyTrace, name: str) -> list[str]:
+    return [t.kind for t in trace.transitions if t.handle is not None and t.handle.name == name]
+
+
+def own_tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+# ---------------------------------------------------------------- nn.Sequential
+
+
+async def test_sequential_output_is_bit_identical_to_the_cpu_module() -> None:
+    model = sequential()
+    x = torch.randn(8, 32)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, "cuda:0", prefetch=2)
+        with torch.no_grad():
+            y = await streamed(x)
+        assert torch.equal(y, expected)
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_sequential_stays_within_budget_and_releases_every_replica() -> None:
+    model = sequential(n=8)
+    x = torch.randn(4, 32)
+    expected = reference(model, x)
+    async with ResidencyManager(budgets={"cuda:0": 40 * KiB}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=4)
+        block = streamed.block_bytes[0]
+        assert block == 4 * KiB + 512  # weight, then the bias on the next 512-byte boundary
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_all_released(m, streamed)
+        budget = 40 * KiB
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert max_charge(m.trace()) <= budget
+        # prefetch=4 asked for five blocks at once; the budget admits only nine KiB-blocks
+        assert max_charge(m.trace()) > block
+
+
+async def test_a_budget_of_two_blocks_streams_all_of_them() -> None:
+    model = sequential(n=10)
+    x = torch.randn(4, 32)
+    expected = reference(model, x)
+    async with ResidencyManager(budgets={"cuda:0": 2 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=3)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert max_charge(m.trace()) <= 2 * 4608
+        assert_all_released(m, streamed)
+
+
+async def test_prefetch_starts_copies_ahead_of_the_running_block() -> None:
+    model = linears(n=6)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2, name="net")
+        with torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        await streamed.drain()
+        trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
+        first_lease = trace.index(("lease", "net.block0"))
+        begun = {name for kind, name in trace[:first_lease] if kind == "copy_begin"}
+        assert begun == {"net.block0", "net.block1", "net.block2"}
+
+
+async def test_prefetch_zero_copies_one_block_at_a_time() -> None:
+    model = linears(n=4)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=0, name="net")
+        with torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        await streamed.drain()
+        trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
+        for i in range(3):
+            assert trace.index(("unlease", f"net.block{i}")) < trace.index(
+                ("copy_begin", f"net.block{i + 1}")
+            )
+
+
+async def test_release_waits_for_the_blocks_compute_event() -> None:
+    # The blocks run on the simulated compute stream (50 ms each) while the host has long
+    # moved on: every release must wait for the event recorded after its block, or the block
+    # would read poisoned memory.
+    torch.manual_seed(3)
+    model = nn.Sequential(*(Sleepy(16, 0.05) for _ in range(4)))
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend=SimBackend(copy_gbps=0.05)) as m:
+        streamed = stream_module(m, model, prefetch=1, name="net")
+        with torch.no_grad():
+            y = await streamed(x)
+        assert torch.equal(y, expected)
+        await streamed.drain()
+        trace = m.trace()
+        for i in range(4):
+            kinds = kinds_for(trace, f"net.block{i}")
+            assert kinds.index("event_recorded") < kinds.index("event_reaped")
+            assert kinds.index("event_reaped") < kinds.index("release")
+        assert_all_released(m, streamed)
+
+
+async def test_the_host_does_not_wait_for_the_blocks_to_run() -> None:
+    # With a generous budget the whole forward is enqueued before the first block finished
+    # computing: the call awaits only admissions and the final result.
+    torch.manual_seed(4)
+    model = nn.Sequential(*(Sleepy(16, 0.03) for _ in range(5)))
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=8, name="net")
+        with torch.no_grad():
+            await streamed(torch.randn(2, 16))
+        trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
+        last_unlease = trace.index(("unlease", "net.block4"))
+        first_reap = trace.index(("event_reaped", "net.block0"))
+        assert last_unlease < first_reap
+        await streamed.drain()
+
+
+async def test_repeated_calls_give_identical_results() -> None:
+    model = sequential(n=5)
+    xs = [torch.randn(3, 32) for _ in range(4)]
+    async with ResidencyManager(budgets={"cuda:0": 3 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2)
+        with torch.no_grad():
+            results = [await streamed(x) for x in xs]
+        for x, y in zip(xs, results):
+            assert torch.equal(y, reference(model, x))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+# ---------------------------------------------------------------- models with a list of blocks
+
+
+async def test_module_list_model_runs_its_own_forward_bit_identically() -> None:
+    model = Net()
+    x = torch.randn(4, 16)
+    expected = reference(model, x, shift=0.25)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2)
+        assert len(streamed.block_bytes) == 5 and streamed.resident_bytes > 0
+        with torch.no_grad():
+            y = await streamed(x, shift=0.25)
+        assert torch.equal(y, expected)
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_module_list_model_within_budget_with_resident_tensors() -> None:
+    model = Net(n=6)
+    x = torch.randn(4, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, Net(n=6), prefetch=0)
+        block, resident = max(probe.block_bytes), probe.resident_bytes
+        await probe.aclose()
+    budget = resident + 2 * block
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=3, name="net")
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        trace = m.trace()
+        assert max_charge(trace) <= budget
+        # the resident group is leased for the whole call, the blocks one after the other
+        kinds = kinds_for(trace, "net.resident")
+        assert kinds.count("lease") == 2 and kinds.count("release") == 2
+        assert_all_released(m, streamed)
+
+
+async def test_threaded_forward_carries_no_grad_into_the_worker() -> None:
+    model = Net()
+    x = torch.randn(2, 16)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            y = await streamed(x)
+        assert not y.requires_grad
+        with torch.inference_mode():
+            z = await streamed(x)
+        assert z.is_inference()
+        assert torch.equal(y, z)
+        await streamed.drain()
+
+
+async def test_explicit_blocks_and_a_subclassed_sequential() -> None:
+    model = Net()
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, blocks=[model.embed, *model.layers])
+        assert len(streamed.block_bytes) == 6
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_find_blocks_picks_the_largest_module_list() -> None:
+    model = Net(n=3)
+    assert find_blocks(model) == list(model.layers)
+    seq = sequential(n=2)
+    assert find_blocks(seq) == list(seq)
+    with pytest.raises(ValueError, match="blocks="):
+        find_blocks(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- host variants and sources
+
+
+async def test_pageable_host_variant_is_bit_identical() -> None:
+    model = Net()
+    x = torch.randn(4, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, host="pageable-host")
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_all_released(m, streamed, host="pageable-host")
+
+
+async def test_checkpoint_source_rebuilds_each_block_from_safetensors(tmp_path: Path) -> None:
+    model = sequential(n=6)
+    x = torch.randn(4, 32)
+    expected = reference(model, x)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        skeleton = sequential(n=6)
+    async with ResidencyManager(budgets={"cuda:0": 3 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, skeleton, prefetch=2, checkpoint=path, name="ckpt")
+        snap = m.snapshot()
+        for handle in streamed.handles:
+            value = snap.value(handle)
+            assert value.has_source and value.locations == ()
+            assert value.replica_mode is ReplicaMode.REPLICABLE
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert max_charge(m.trace()) <= 3 * 4608
+        assert_all_released(m, streamed, host="none")
+        assert all(t.is_meta for t in own_tensors(skeleton))  # the module is left as it was
+        kinds = kinds_for(m.trace(), "ckpt.block0")
+        assert kinds.count("load_begin") == 2  # rebuilt for each call
+
+
+async def test_checkpoint_takes_what_the_file_lacks_from_the_module(tmp_path: Path) -> None:
+    # Net's 'pos' buffer is not persistent, so it is not in the file: it is copied from the
+    # module. Strides in a checkpoint are contiguous, so the transposed weights are saved so.
+    model = Net()
+    x = torch.randn(4, 16)
+    path = tmp_path / "net.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    assert "pos" not in model.state_dict()
+    fresh = Net(seed=99)  # different weights, all replaced from the file except 'pos'
+    for block in fresh.layers:
+        assert isinstance(block, Block)
+        block.mix = nn.Parameter(block.mix.detach().contiguous())
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, fresh, checkpoint=path)
+        with torch.no_grad():
+            y = await streamed(x)
+        await streamed.drain()
+    for block in model.layers:
+        assert isinstance(block, Block)
+        block.mix = nn.Parameter(block.mix.detach().contiguous())
+    assert torch.equal(y, reference(model, x))
+
+
+async def test_checkpoint_with_a_wrong_shape_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    save_file({"0.weight": torch.zeros(3, 3), "0.bias": torch.zeros(3)}, str(path))
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match=r"0\.weight"):
+            stream_module(m, nn.Sequential(nn.Linear(4, 4)), checkpoint=path)
+        with pytest.raises(KeyError, match="meta"):
+            with torch.device("meta"):
+                other = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+            stream_module(m, other, checkpoint=path)
+
+
+# ---------------------------------------------------------------- the module itself
+
+
+async def test_parameters_become_views_of_the_managed_host_copy() -> None:
+    model = Net()
+    before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        handle = streamed.handles[0]
+        host = m.tensor(handle, "pinned-host")
+        start, end = host.data_ptr(), host.data_ptr() + host.numel()
+        block = model.layers[0]
+        assert isinstance(block, Block)
+        for tensor in own_tensors(block):
+            assert start <= tensor.data_ptr() < end
+        assert block.mix.stride() == (1, 32)  # the transposed layout is kept
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name])
+        await streamed.aclose()
+        # closed: the module owns its memory again, with the same values
+        for tensor in own_tensors(block):
+            assert not (start <= tensor.data_ptr() < end)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name])
+        snap = m.snapshot()
+        assert all(snap.value(h).discarded for h in streamed.handles)
+        assert snap.location("pinned-host").used_bytes == 0
+
+
+async def test_module_is_restored_after_a_call_and_after_a_failing_block() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 8), Boom(8), nn.Linear(8, 8))
+    originals = [id(t) for t in own_tensors(model)]
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            await streamed(torch.randn(2, 8))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+        assert [id(t) for t in own_tensors(model)] == originals
+        assert [id(p) for p in model[0]._parameters.values()] == originals[:2]
+    net = Net()
+    net.layers[2] = Boom(32)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, net)
+        with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            await streamed(torch.randn(2, 16))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+        for sub in net.modules():
+            for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+                assert tensor is None or isinstance(tensor, nn.Parameter) or tensor.device.type
+        assert all(isinstance(p, nn.Parameter) for p in net.parameters())
+
+
+async def test_hooks_do_nothing_outside_a_call() -> None:
+    model = Net()
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        assert torch.equal(reference(model, x), expected)  # plain CPU call, hooks idle
+        await streamed.aclose()
+
+
+async def test_tied_weights_are_packed_once() -> None:
+    torch.manual_seed(6)
+    first, second = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+    second.weight = first.weight
+    model = nn.Sequential(nn.Sequential(first, nn.Tanh(), second))
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        assert streamed.block_bytes == [16 * 16 * 4]
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.aclose()
+    assert second.weight is first.weight
+
+
+# ---------------------------------------------------------------- refusals and failures
+
+
+async def test_a_budget_smaller_than_one_block_is_refused_at_once() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        with pytest.raises(ValueError, match="could never run"):
+            stream_module(m, sequential())
+        with pytest.raises(ValueError, match="prefetch"):
+            stream_module(m, sequential(), prefetch=-1)
+        with pytest.raises(ValueError, match="cuda"):
+            stream_module(m, sequential(), device="pinned-host")
+
+
+async def test_an_input_requiring_grad_is_refused_under_grad_mode() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, sequential())
+        with pytest.raises(ValueError, match="inference"):
+            await streamed(torch.randn(2, 32, requires_grad=True))
+        y = await streamed(torch.randn(2, 32))  # grad mode on, nothing requires grad: fine
+        assert not y.requires_grad
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 12 * KiB}, backend="sim") as m:
+        other = m.register(torch.zeros(2 * KiB), name="other", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(other, "cuda:0")  # 8 KiB of the 12 KiB budget
+        streamed = stream_module(m, sequential(n=2), timeout=0.05)
+        with pytest.raises(TimeoutError, match="not admitted"), torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        await streamed.drain()
+        assert m.snapshot().location("cuda:0").used_bytes == 8 * KiB
+
+        # Without a timeout it waits until the other tenant releases, then runs.
+        model = sequential(n=2)
+        x = torch.randn(2, 32)
+        patient = stream_module(m, model)
+        task = asyncio.ensure_future(patient(x))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        await m.release(other, "cuda:0")
+        with torch.no_grad():
+            assert torch.equal(await task, reference(model, x))
+        await patient.drain()
+        assert_all_released(m, patient)
+
+
+async def test_a_cancelled_call_leaves_no_charge_or_protection() -> None:
+    torch.manual_seed(7)
+    models: list[nn.Module] = [nn.Sequential(*(Sleepy(16, 0.02) for _ in range(6))), SleepyNet()]
+    for model in models:
+        async with ResidencyManager(backend=SimBackend(copy_gbps=0.01)) as m:
+            streamed = stream_module(m, model, prefetch=2)
+            x = torch.randn(2, 16)
+            task = asyncio.ensure_future(streamed(x))
+            await asyncio.sleep(0.03)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await streamed.drain()
+            assert_all_released(m, streamed)
+            with torch.no_grad():  # and it still works
+                assert torch.equal(await streamed(x), reference(model, x))
+            await streamed.aclose()
+
+
+async def test_a_failed_copy_is_raised_and_nothing_leaks() -> None:
+    model = sequential(n=3)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=0)
+        m.backend.faults.fail_transfer_at = 2
+        with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_calls_on_one_module_are_serialized() -> None:
+    model = Net()
+    xs = [torch.randn(2, 16) for _ in range(3)]
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1)
+        with torch.no_grad():
+            ys = await asyncio.gather(*(streamed(x) for x in xs))
+        for x, y in zip(xs, ys):
+            assert torch.equal(y, reference(model, x))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_call_threadsafe_from_another_thread() -> None:
+    model = sequential(n=3)
+    x = torch.randn(2, 32)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+
+        def other_thread() -> torch.Tensor:
+            assert threading.current_thread() is not threading.main_thread()
+            with torch.no_grad():
+                result = streamed.call_threadsafe(x)
+            assert isinstance(result, torch.Tensor)
+            return result
+
+        out = await asyncio.get_running_loop().run_in_executor(None, other_thread)
+        assert torch.equal(out, reference(model, x))
+        with pytest.raises(RuntimeError, match="deadlock"):
+            streamed.call_threadsafe(x)
+        await streamed.aclose()
+
+
+async def test_a_given_compute_stream_runs_the_blocks() -> None:
+    model = linears(n=4)
+    x = torch.randn(2, 32)
+    async with ResidencyManager(backend="sim") as m:
+        side = m.backend.new_stream("cuda:0")  # type: ignore[attr-defined]
+        streamed = stream_module(m, model, stream=side)
+        assert "idle" in repr(streamed)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), reference(model, x))
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
+async def test_checkpoint_loads_in_flight_count_against_the_budget(tmp_path: Path) -> None:
+    # A load charges the device only once it is loaded; with prefetch 5 and room for two
+    # blocks, loads must not all start and then fail the budget (each would be read again).
+    model = linears(n=8)
+    x = torch.randn(2, 32)
+    path = tmp_path / "linears.safetensors"
+    save_file(dict(model.state_dict()), str(path))
+    with torch.device("meta"):
+        skeleton = linears(n=8)
+    async with ResidencyManager(budgets={"cuda:0": 2 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, skeleton, prefetch=5, checkpoint=path, name="ck")
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), reference(model, x))
+        await streamed.drain()
+        trace = m.trace()
+        assert max_charge(trace) <= 2 * 4608
+        loads = [t for t in trace.transitions if t.kind == "load_begin"]
+        assert len(loads) == 8  # each block read once
+        assert not [t for t in trace.transitions if t.kind == "copy_abort"]
+        assert_all_released(m, streamed, host="none")
