@@ -192,8 +192,13 @@ class ResidencyManager:
     ) -> None:
         """Wait for in-flight transfers and consumer events, then stop the backend."""
         try:
-            while self._background:
-                await asyncio.gather(*list(self._background), return_exceptions=True)
+            while True:
+                # Only tasks still running are awaited: a finished one whose done-callback has
+                # not removed it yet must not make this loop spin.
+                self._background.difference_update([t for t in self._background if t.done()])
+                if not self._background:
+                    break
+                await asyncio.wait(list(self._background))
         finally:
             self._running = False
             self._closed = True
@@ -289,7 +294,7 @@ class ResidencyManager:
     async def _reap(self, handle: ValueHandle, location: Location, event: DeviceEvent) -> None:
         # The device event will complete whatever happens to the awaiting task; this task is
         # never cancelled by the manager, so no event is ever forgotten (rule 3).
-        await self.backend.wait_event(event)
+        await self._wait_device_event(event)
         payload = self._payloads.get((handle, location))
         if payload is not None and event in payload.events:
             payload.events.remove(event)
@@ -298,6 +303,23 @@ class ResidencyManager:
         if mat is not None and mat.pending_event_count > 0:
             self._state.reap_events(handle, location, 1)
         self._notify()
+
+    async def _wait_device_event(self, event: DeviceEvent) -> None:
+        """``backend.wait_event``, with a safety net: every 50 ms of waiting the event is also
+        queried here, so a wake-up the backend lost can delay reaping but never hang it. The
+        net costs nothing on waits shorter than 50 ms."""
+        waiting = asyncio.ensure_future(self.backend.wait_event(event))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=0.05)
+                if done:
+                    waiting.result()
+                    return
+                if event.query():
+                    return
+        finally:
+            if not waiting.done():
+                waiting.cancel()
 
     async def _settle_unused(self, handle: ValueHandle, location: Location) -> None:
         """Wait until nothing uses, holds or reads the materialization (shielded: the wait
