@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -56,7 +55,14 @@ from .staging import (
     copy_h2d_staged,
     cuda_event,
 )
-from .waiter import EventWaiter, HostEvent, resolve_threadsafe, shared_driver, spin_wait
+from .waiter import (
+    EventWaiter,
+    HostEvent,
+    park_host_event,
+    resolve_threadsafe,
+    shared_driver,
+    spin_wait,
+)
 
 __all__ = ["CopyStreams", "CudaBackend"]
 
@@ -389,18 +395,9 @@ class CudaBackend(Backend):
                 await asyncio.sleep(0.0005)
 
     async def _park(self, event: HostEvent) -> None:
-        if event.query():
-            return
-        if self._closed:
+        if not event.query() and self._closed:
             raise RuntimeError("the CUDA backend is closed")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waits.add(fut)
-        event.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
-        try:
-            await fut
-        finally:
-            self._waits.discard(fut)
+        await park_host_event(event, self._waits)
 
     # -------------------------------------------------------------- copies
 

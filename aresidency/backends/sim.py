@@ -38,7 +38,7 @@ from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
 from .base import Backend, DeviceEvent, FaultInjector, Transfer
 from .staging import as_bytes
-from .waiter import HostEvent, resolve_threadsafe
+from .waiter import HostEvent, park_host_event, resolve_threadsafe
 
 __all__ = [
     "POISON_BYTE",
@@ -465,14 +465,7 @@ class SimBackend(Backend):
                 if event.query():
                     return
                 await asyncio.sleep(0.001)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waits.add(fut)
-        event.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
-        try:
-            await fut
-        finally:
-            self._waits.discard(fut)
+        await park_host_event(event, self._waits)
 
     # -------------------------------------------------------------- copies
 

@@ -56,6 +56,7 @@ __all__ = [
     "EventWaiter",
     "HostEvent",
     "hostfunc_available",
+    "park_host_event",
     "resolve_threadsafe",
     "shared_driver",
     "spin_wait",
@@ -143,6 +144,22 @@ class HostEvent:
     def __repr__(self) -> str:
         label = f" {self.label}" if self.label else ""
         return f"<HostEvent{label} {'done' if self._done else 'pending'}>"
+
+
+async def park_host_event(event: HostEvent, waits: set[asyncio.Future[None]]) -> None:
+    """Park the task until the host ``event`` is set: its setter wakes the loop with
+    ``call_soon_threadsafe``; nobody polls. The parked future is kept in ``waits`` meanwhile, so
+    that a closing backend can fail it."""
+    if event.query():
+        return
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    waits.add(fut)
+    event.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
+    try:
+        await fut
+    finally:
+        waits.discard(fut)
 
 
 # ------------------------------------------------------------------ driver access (ctypes)

@@ -1,24 +1,14 @@
-"""Streaming tests fail if anything blocks the event loop (as in tests/runtime/conftest.py).
-
-A ticker task runs beside every async test and records the longest gap between its wake-ups;
-a gap over ``MAX_LOOP_STALL`` means something ran on the loop for that long without awaiting
-(a synchronize, a blocking copy, a busy wait). The threshold is loose enough for a slow CI
-machine and tight enough to catch a blocking wait on the 300 ms simulated kernels of the tests.
-"""
+"""Streaming tests: one intra-op thread, and the loop-stall guard of tests/_loop_guard.py."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import inspect
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-import pytest_asyncio
 import torch
+from _loop_guard import loop_never_blocked
 
-MAX_LOOP_STALL = 0.1  # seconds
+__all__ = ["loop_never_blocked"]
 
 
 @pytest.fixture(autouse=True)
@@ -32,34 +22,3 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@pytest_asyncio.fixture(autouse=True)
-async def loop_never_blocked(request: pytest.FixtureRequest) -> AsyncIterator[None]:
-    if not inspect.iscoroutinefunction(request.function) or request.node.get_closest_marker("cuda"):
-        # GPU tests synchronize the device on purpose (to read memory peaks and compare).
-        yield
-        return
-    worst = 0.0
-    stop = False
-
-    async def ticker() -> None:
-        nonlocal worst
-        last = time.perf_counter()
-        while not stop:
-            await asyncio.sleep(0.002)
-            now = time.perf_counter()
-            worst = max(worst, now - last - 0.002)
-            last = now
-
-    # Automatic garbage collection is paused during the test: a full collection under pytest
-    # can stall any Python code for 0.1 s or more, and that is not the runtime blocking.
-    gc.disable()
-    task = asyncio.ensure_future(ticker())
-    try:
-        yield
-    finally:
-        stop = True
-        await task
-        gc.enable()
-    assert worst < MAX_LOOP_STALL, f"the event loop was blocked for {worst * 1e3:.0f} ms"
