@@ -199,11 +199,15 @@ async def time_async(
 ) -> tuple[Result, Any]:
     out = None
     for _ in range(warmup):
+        out = None
         out = await fn()
         dev.sync()
         await after()
     samples = []
     for _ in range(iters):
+        # The previous output must not be alive during the next call: it would count in the
+        # call's memory peak (one output tensor above budget + activations).
+        out = None
         dev.sync()
         start = time.perf_counter()
         out = await fn()
