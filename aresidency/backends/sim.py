@@ -183,6 +183,7 @@ class SimStream:
             except BaseException as exc:  # a failed "kernel": keep it for the test to see
                 self.errors.append(exc)
             finally:
+                del fn  # an idle stream must not keep the last work item's tensors alive
                 with self._cond:
                     self._running = False
 

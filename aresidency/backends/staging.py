@@ -365,6 +365,9 @@ class StagingLane:
                 return
             self.jobs_run += 1  # counted when started: the job reports its own completion
             job(self)
+            # The job's closure holds its tensors: drop it now, not when the next job arrives
+            # (an idle lane would otherwise keep the last destination alive).
+            del job
 
     def close(self, join_timeout: float = 5.0) -> None:
         """Finish the queued jobs, then stop the thread (call off the event loop)."""

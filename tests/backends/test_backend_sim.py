@@ -348,3 +348,22 @@ def test_stream_work_runs_in_order_on_one_thread() -> None:
     assert [i for i, _ in seen] == list(range(20))
     assert len({name for _, name in seen}) == 1
     stream.close()
+
+
+def test_an_idle_stream_keeps_no_reference_to_its_last_work_item() -> None:
+    import gc
+    import weakref
+
+    from aresidency.backends.sim import SimStream
+
+    stream = SimStream("sim", 0, "test")
+    try:
+        tensor = torch.ones(16)
+        ref = weakref.ref(tensor)
+        stream.submit(lambda t=tensor: t.add_(1))
+        stream.synchronize(5)
+        del tensor
+        gc.collect()
+        assert ref() is None
+    finally:
+        stream.close()
