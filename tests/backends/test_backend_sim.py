@@ -352,6 +352,8 @@ def test_stream_work_runs_in_order_on_one_thread() -> None:
 
 def test_an_idle_stream_keeps_no_reference_to_its_last_work_item() -> None:
     import gc
+    import threading
+    import time
     import weakref
 
     from aresidency.backends.sim import SimStream
@@ -360,10 +362,19 @@ def test_an_idle_stream_keeps_no_reference_to_its_last_work_item() -> None:
     try:
         tensor = torch.ones(16)
         ref = weakref.ref(tensor)
-        stream.submit(lambda t=tensor: t.add_(1))
-        stream.synchronize(5)
-        del tensor
+        ran = threading.Event()
+
+        def work(t: torch.Tensor = tensor) -> None:
+            t.add_(1)
+            ran.set()
+
+        stream.submit(work)
+        del work, tensor
+        assert ran.wait(5)
+        deadline = time.monotonic() + 5
+        while stream.queued and time.monotonic() < deadline:
+            time.sleep(0.001)  # the worker finishes the item and goes idle
         gc.collect()
-        assert ref() is None
+        assert ref() is None  # the idle worker holds nothing of the last item
     finally:
         stream.close()
