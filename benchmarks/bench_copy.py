@@ -240,7 +240,7 @@ async def bench_both_directions(
 async def bench_staging_configs(n: int, label: str, rows: list[dict[str, Any]]) -> None:
     pageable = host_data(n)
     on_dev = pageable.to("cuda:0")
-    for chunk_mb, buffers in ((8, 2), (32, 2), (32, 3), (64, 2)):
+    for chunk_mb, buffers in ((8, 2), (32, 2), (32, 3), (32, 4), (64, 2)):
         b = CudaBackend(staging_chunk_bytes=chunk_mb * MB, staging_buffers=buffers)
         b.start()
         try:

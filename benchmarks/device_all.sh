@@ -19,7 +19,7 @@ cat "$OUT/env.txt"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests -q -rfE -p no:cacheprovider -m "cuda or cuda2" \
-    -o faulthandler_timeout=90 > "$OUT/pytest_cuda.log" 2>&1
+    --timeout=${PER_TEST_TIMEOUT:-45} > "$OUT/pytest_cuda.log" 2>&1
   echo "== pytest -m 'cuda or cuda2' rc=$?"
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -n 2
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -n 30

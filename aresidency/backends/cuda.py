@@ -217,7 +217,7 @@ class CudaBackend(Backend):
         *,
         waiter: str | EventWaiter = "auto",
         staging_chunk_bytes: int = 32 << 20,
-        staging_buffers: int = 2,
+        staging_buffers: int = 3,
         pinned_cache_bytes: int = 0,
         inline_pageable_bytes: int = 256 << 10,
         inline_register_bytes: int = 1 << 20,

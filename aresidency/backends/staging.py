@@ -15,7 +15,10 @@ Pinned memory
 Staging pool
     ANCHORS.md (H200): a plain pageable copy reaches 9-17 GB/s of a 55 GB/s link; chunked
     double-buffered staging through pinned memory reaches 50.4 GB/s with 32 MB chunks (32.3
-    with 8 MB chunks). :class:`StagingPool` has two lanes, host-to-device and device-to-host,
+    with 8 MB chunks). With two buffers a refill waits out the previous chunk's wake-up and
+    memcpy while only one device copy is queued; the CUDA backend's default is three 32 MB
+    buffers per lane, which measured 49.5 GB/s against 43.1 for two (benchmarks/RESULTS.md).
+    :class:`StagingPool` has two lanes, host-to-device and device-to-host,
     so both copy engines can be fed at once. Each lane owns ``buffers`` pinned buffers of
     ``chunk_bytes`` and one thread that runs its jobs in FIFO order: the host-side memcpy
     between pageable memory and a buffer runs in that thread (torch's ``copy_`` releases the
