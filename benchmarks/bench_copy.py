@@ -370,7 +370,7 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
     ]
     waiters: list[CudaBackend] = []
     choices: list[tuple[str, Any]] = [
-        ("hybrid (default: hostfunc + 75 us polls for 4 ms)", "hybrid"),
+        ("hybrid (default: hostfunc + 75 us polls near the predicted end)", "hybrid"),
         ("hybrid, 40 us polls", EventWaiter("hybrid", hybrid_poll_s=40e-6)),
         ("hostfunc only", "hostfunc"),
         ("poll thread (50 us .. 1 ms backoff)", "poll"),

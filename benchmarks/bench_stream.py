@@ -217,6 +217,37 @@ async def time_async(
     return Result(median_ms(samples), samples=samples), out
 
 
+async def paired(
+    dev: Device,
+    ours: Callable[[], Awaitable[Any]],
+    after: Callable[[], Awaitable[None]],
+    theirs: Callable[[], Any],
+    rounds: int,
+) -> dict[str, float]:
+    """aresidency and double buffering timed in alternating rounds (ABBA order), so that
+    drift in the link or the clocks during the run falls on both alike."""
+    ours_s: list[float] = []
+    theirs_s: list[float] = []
+    with torch.no_grad():
+        for r in range(rounds):
+            for which in (0, 1) if r % 2 == 0 else (1, 0):
+                dev.sync()
+                start = time.perf_counter()
+                out = await ours() if which == 0 else theirs()
+                dev.sync()
+                (ours_s if which == 0 else theirs_s).append(time.perf_counter() - start)
+                del out
+                if which == 0:
+                    await after()
+    ratios = [a / b for a, b in zip(ours_s, theirs_s, strict=True)]
+    return {
+        "rounds": rounds,
+        "aresidency_ms": round(median_ms(ours_s), 2),
+        "double_buffer_ms": round(median_ms(theirs_s), 2),
+        "ratio_median": round(statistics.median(ratios), 4),
+    }
+
+
 # ---------------------------------------------------------------- the methods
 
 
@@ -354,8 +385,6 @@ async def run_workload(
         if "copies" in results and results["copies"].ms:
             gbps = wl.layers * layer / (results["copies"].ms / 1e3) / 1e9
             results["copies"].extra["GB/s"] = round(gbps, 1)
-        bufs.clear()
-        gc.collect()
 
         async def measure(name: str, sm: StreamedModule, budget_bytes: int) -> Result:
             manager.set_budget("cuda:0", budget_bytes)
@@ -389,6 +418,20 @@ async def run_workload(
             except Exception as error:
                 traceback.print_exc()
                 results["aresidency"] = Result(error=repr(error))
+            if results["aresidency"].ms is not None:
+                try:
+                    report[wl.name]["paired"] = await paired(
+                        dev,
+                        lambda: streamed(x),
+                        streamed.drain,
+                        lambda: double_buffer(dev, x, pinned, bufs, copy_stream),
+                        max(iters, 15),
+                    )
+                    log(f"paired: {report[wl.name]['paired']}")
+                except Exception:
+                    traceback.print_exc()
+        bufs.clear()
+        gc.collect()
 
         if wl.variants and streamed is not None:
             for depth in (1, 3):
@@ -514,17 +557,32 @@ def markdown(report: dict[str, Any], env: str) -> str:
             floor = max(copies.ms, compute.ms)
         ours = res.get("aresidency")
         to_floor = None if floor is None or ours is None or ours.ms is None else ours.ms / floor
-        to_dbuf = ratio(ours, res.get("double buffer"))
+        # aresidency against double buffering: from the alternating rounds when measured
+        # (drift between the two separate measurements is often larger than the difference)
+        pair = entry.get("paired")
+        to_dbuf = pair["ratio_median"] if pair else ratio(ours, res.get("double buffer"))
         offload = ratio(res.get("cpu_offload"), ours)
         cells += [fmt(floor, digits=1), fmt(to_floor), fmt(to_dbuf), fmt(offload, "x", 1)]
         lines.append("| " + " | ".join(cells) + " |")
+        reachable = ""
+        offload_floor = None if floor is None else ratio(res.get("cpu_offload"), Result(floor))
+        if offload_floor is not None and offload_floor < 7:
+            reachable = (
+                f"; out of reach for any method here: cpu_offload / floor {offload_floor:.1f}x"
+            )
+        paired_note = (
+            f" [alternating rounds: {pair['aresidency_ms']} vs {pair['double_buffer_ms']} ms, "
+            f"median of {pair['rounds']} per-round ratios]"
+            if pair
+            else ""
+        )
         goals.append(
             f"- {name}: aresidency / floor {fmt(to_floor)} (goal <= 1.05: "
             f"{'PASS' if to_floor is not None and to_floor <= 1.05 else 'FAIL'}); "
-            f"/ double buffer {fmt(to_dbuf)} (goal <= 1.00: "
+            f"/ double buffer {fmt(to_dbuf)}{paired_note} (goal <= 1.00: "
             f"{'PASS' if to_dbuf is not None and to_dbuf <= 1.0 else 'FAIL'}); "
             f"cpu_offload / aresidency {fmt(offload, 'x', 1)} (goal >= 7x: "
-            f"{'PASS' if offload is not None and offload >= 7 else 'FAIL'})"
+            f"{'PASS' if offload is not None and offload >= 7 else 'FAIL'}{reachable})"
         )
     lines += ["", "Goals:", *goals, ""]
     lines.append(

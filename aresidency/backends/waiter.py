@@ -9,13 +9,18 @@ Two kinds of completion live here:
   of three strategies:
 
   ``"hybrid"`` (the default when the driver offers it)
-      ``"hostfunc"`` notifications plus a short polling window: for ``window_s`` (4 ms) after
-      a task starts waiting or an event completes, the thread also queries the awaited
-      events every ``hybrid_poll_s`` (75 us). On an H200 (benchmarks/bench_copy.py, 2 ms
-      kernel) a host function, like every interrupt-driven wake-up (blocking sync, a thread
-      in ``synchronize()``), reached the loop 0.3-0.6 ms after the event; hybrid woke the
-      task 48 us after it (p90 99 us) on uvloop and 215 us on asyncio, with 6.6% of a core
-      for 20 ms waits. Long waits cost only the notification.
+      ``"hostfunc"`` notifications plus polling where the completion is expected: the
+      thread queries an awaited event every ``hybrid_poll_s`` (75 us) for at most
+      ``window_s`` (4 ms) from its *predicted* completion on. The prediction is per origin
+      stream: the shortest of its last eight waits (from ``wait`` to seen complete), less a
+      lead of 15% + 100 us (capped at ``window_s``), so a stream whose waits shrink is caught
+      up in a few waits and one whose waits grow costs a few extra polls. With no history
+      the polling starts at once. On an H200 (benchmarks/bench_copy.py, 2 ms kernel) a host
+      function, like every interrupt-driven wake-up (blocking sync, a thread in
+      ``synchronize()``), reached the loop 0.3-0.6 ms after the event, while a poll sees it
+      within one interval; polling only near the predicted end keeps back-to-back waits
+      from polling all the time. A completion earlier than predicted is still seen through
+      its notification.
   ``"hostfunc"``
       Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
       stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the
@@ -310,12 +315,26 @@ def shared_driver() -> Any:
 
 
 class _Pending:
-    __slots__ = ("event", "fut", "loop")
+    __slots__ = ("added", "event", "fut", "key", "loop", "poll_from")
 
-    def __init__(self, event: Any, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]):
+    def __init__(
+        self,
+        event: Any,
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future[None],
+        key: Any = None,
+        added: float = 0.0,
+        poll_from: float = 0.0,
+    ):
         self.event = event
         self.loop = loop
         self.fut = fut
+        self.key = key  # the origin stream (its waits feed one prediction)
+        self.added = added  # time.monotonic() when the wait began
+        self.poll_from = poll_from  # hybrid: polling starts here
+
+
+_HISTORY: Final = 8  # waits remembered per origin stream (hybrid prediction)
 
 
 class EventWaiter:
@@ -347,7 +366,8 @@ class EventWaiter:
         self.poll_max_s = poll_max_s
         self.hybrid_poll_s = hybrid_poll_s
         self.window_s = window_s
-        self._added = 0  # entries ever added (the hybrid thread opens a window on news)
+        # hybrid: origin stream -> the durations of its last waits, newest last (under _cond)
+        self._durations: dict[Any, list[float]] = {}
         # hostfunc: a sweep happens at least this often while something is awaited, so a
         # notification that never comes (an event not armed in time) delays, never hangs.
         self.safety_timeout_s = safety_timeout_s
@@ -359,6 +379,7 @@ class EventWaiter:
         self._driver: _Driver | None = None
         self._sem: ctypes.Array[ctypes.c_char] | None = None
         self.wakeups = 0  # times the thread woke up (diagnostics, benchmarks)
+        self.poll_hits = 0  # hybrid: completions first seen by a poll, not a notification
         self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
         if strategy in ("hybrid", "hostfunc"):
             self._driver = _driver()
@@ -430,6 +451,7 @@ class EventWaiter:
             # Under the lock: the notify stream receives its waits in record order.
             driver.call_in(device, enqueue, "cuStreamWaitEvent/cuLaunchHostFunc")
         event._aresidency_armed = True
+        event._aresidency_key = (device, key)
 
     # -- waiting
 
@@ -454,13 +476,15 @@ class EventWaiter:
                 self._degrade(exc)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        entry = _Pending(event, loop, fut)
+        key = getattr(event, "_aresidency_key", None)
+        now = time.monotonic()
+        entry = _Pending(event, loop, fut, key, now, now)
         with self._cond:
+            entry.poll_from = now + self._predicted_wait(key)
             self._pending.append(entry)
-            self._added += 1
             self._cond.notify()
         if self.strategy == "hybrid" and self._driver is not None and self._sem is not None:
-            self._driver.libc.sem_post(ctypes.addressof(self._sem))  # open a polling window
+            self._driver.libc.sem_post(ctypes.addressof(self._sem))  # reschedule the polls
         # The notification may have come and gone between the first query and the append
         # (the thread then swept without this entry): query again now that it is visible.
         # If this query says pending, the completion, hence the post, comes after the append.
@@ -475,6 +499,16 @@ class EventWaiter:
         with self._cond:
             return len(self._pending)
 
+    def _predicted_wait(self, key: Any) -> float:
+        """Hybrid: seconds from the start of a wait on ``key``'s stream until polling should
+        begin (0 without history). Caller holds ``_cond``."""
+        history = self._durations.get(key)
+        if not history or self.strategy != "hybrid":
+            return 0.0
+        shortest = min(history)
+        lead = min(0.15 * shortest + 100e-6, self.window_s)
+        return max(shortest - lead, 0.0)
+
     def _sweep(self) -> int:
         """Resolve the entries whose event completed; returns how many. Waiter thread only."""
         with self._cond:
@@ -483,8 +517,14 @@ class EventWaiter:
         if not done:
             return 0
         finished = {id(p) for p in done}
+        now = time.monotonic()
         with self._cond:
             self._pending = [p for p in self._pending if id(p) not in finished]
+            for p in done:
+                if not p.fut.done():  # a cancelled wait says nothing about the duration
+                    history = self._durations.setdefault(p.key, [])
+                    history.append(now - p.added)
+                    del history[:-_HISTORY]
         by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
         for p in done:
             by_loop.setdefault(p.loop, []).append(p.fut)
@@ -528,34 +568,37 @@ class EventWaiter:
         sem = ctypes.addressof(self._sem)
         libc = driver.libc
         timeout = _Timespec()
-        window_until = 0.0
-        seen = 0
         while True:
+            now = time.monotonic()
             with self._cond:
-                idle = not self._pending
-                added = self._added
-            if added != seen:
-                seen = added
-                window_until = time.monotonic() + self.window_s
-            if idle:
+                # Poll while some entry is inside its window; otherwise sleep until the next
+                # window opens, a notification (or a new wait) posts, or the safety sweep.
+                delay: float | None = None
+                for p in self._pending:
+                    if p.poll_from <= now < p.poll_from + self.window_s:
+                        delay = self.hybrid_poll_s
+                        break
+                    ahead = p.poll_from - now if p.poll_from > now else self.safety_timeout_s
+                    delay = min(ahead, self.safety_timeout_s if delay is None else delay)
+            if delay is None:
                 libc.sem_wait(sem)
+                posted = True
             else:
-                polling = time.monotonic() < window_until
-                delay = self.hybrid_poll_s if polling else self.safety_timeout_s
                 deadline = time.time() + delay
                 timeout.tv_sec = int(deadline)
                 timeout.tv_nsec = int((deadline - int(deadline)) * 1e9)
-                libc.sem_timedwait(sem, ctypes.byref(timeout))
+                posted = libc.sem_timedwait(sem, ctypes.byref(timeout)) == 0
             while libc.sem_trywait(sem) == 0:
-                pass
+                posted = True
             self.wakeups += 1
             if self._closed:
                 return
             if self.strategy != "hybrid":
                 self._run_poll()  # degraded
                 return
-            if self._sweep():
-                window_until = time.monotonic() + self.window_s
+            found = self._sweep()
+            if found and not posted:
+                self.poll_hits += found
 
     def _run_poll(self) -> None:
         _set_timer_slack()

@@ -146,6 +146,7 @@ class FakeDriver:
         self.waiting: dict[int, int] = {}
         self.cuda = self
         self.launched = 0
+        self.notify_lag = 0.0  # seconds from completion to the host function's sem_post
 
     def new_semaphore(self) -> Any:
         return waiter_module._Driver.new_semaphore(self)  # type: ignore[arg-type]
@@ -172,6 +173,7 @@ class FakeDriver:
 
         def callback() -> None:
             event.synchronize()
+            time.sleep(self.notify_lag)
             self.libc.sem_post(sem)
 
         threading.Thread(target=callback, daemon=True).start()
@@ -235,6 +237,63 @@ async def test_hybrid_polls_briefly_after_a_wait_starts(monkeypatch: pytest.Monk
         start = time.perf_counter()
         await asyncio.wait_for(waiter.wait(event), 5.0)
         assert time.perf_counter() - start < 0.04 + 0.05  # not the 50 ms safety sweep
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
+async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waits of 50 ms on one stream, notifications 10 ms late. The first wait polls for a
+    window at its start, sees nothing, and is woken by the late notification; later waits are
+    seen by polls near their predicted end, so they neither poll from their start nor wait
+    for the notification."""
+    driver = FakeDriver()
+    driver.notify_lag = 0.010
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
+    waiter.start()
+    try:
+        wakeups = []
+        for _ in range(6):
+            event = ArmableEvent(0.05, driver)
+            waiter.arm(event, FakeStream(11))
+            before = waiter.wakeups
+            await asyncio.wait_for(waiter.wait(event), 5.0)
+            wakeups.append(waiter.wakeups - before)
+        # The first wait has no history: its polls end 4 ms in, the notification wakes it.
+        # Each later prediction starts polls before the completion (the lead shrinks the
+        # 60 ms first sample to below 50 ms within two waits), so polls see most of them.
+        assert waiter.poll_hits >= 3, (waiter.poll_hits, wakeups)
+        # A poll every 75 us across the whole 50 ms would be ~600 wake-ups per wait; a 4 ms
+        # window at most ~55 (fewer where the sleep overshoots).
+        assert max(wakeups[2:]) < 120, wakeups
+        history = waiter._durations[(0, 11)]
+        assert len(history) == 6 and history[-1] < history[0]  # the late first sample fades
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
+async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose waits suddenly get shorter: the polls come too late, the notification
+    still wakes the task, and the prediction follows the shorter waits."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
+    waiter.start()
+    try:
+        for delay in (0.08, 0.08, 0.01, 0.01):
+            event = ArmableEvent(delay, driver)
+            waiter.arm(event, FakeStream(12))
+            start = time.perf_counter()
+            await asyncio.wait_for(waiter.wait(event), 5.0)
+            assert time.perf_counter() - start < delay + 0.5  # never the 1 s safety sweep
+        with waiter._cond:
+            assert waiter._predicted_wait((0, 12)) < 0.01
     finally:
         await asyncio.get_running_loop().run_in_executor(None, waiter.close)
 
