@@ -109,14 +109,73 @@ def report(label: str, trace_path: Path, verbose: bool, n_bytes: int) -> None:
     if kernels:
         end = max(k["ts"] + k["dur"] for k in kernels)
         kbusy = sum(k["dur"] for k in kernels)
+        kgaps = [
+            kernels[i + 1]["ts"] - (kernels[i]["ts"] + kernels[i]["dur"])
+            for i in range(len(kernels) - 1)
+        ]
         print(
-            f"  kernels: {len(kernels)}, busy {kbusy / 1e3:.2f} ms, "
-            f"last ends {(end - t0) / 1e3:.2f} ms after the call began"
+            f"  kernels: {len(kernels)}, first starts {(kernels[0]['ts'] - t0) / 1e3:.2f} ms, "
+            f"busy {kbusy / 1e3:.2f} ms, last ends {(end - t0) / 1e3:.2f} ms after the call "
+            f"began; idle between kernels {sum(max(g, 0) for g in kgaps) / 1e3:.2f} ms "
+            f"(largest gaps us: {sorted((round(g, 1) for g in kgaps), reverse=True)[:6]})"
         )
     if verbose:
         print("  host-side calls:")
         for m in marks:
             print(f"    {m['ts'] - t0:9.1f} us +{m['dur']:7.1f}  {m['name']}")
+
+
+async def host_trace(manager: Any, call: Any, drain: Any) -> None:
+    """One unprofiled call with the host side logged: copies issued, event waits begun (with
+    the waiter's predicted start of polling), waiter sweeps that found completions, reaps."""
+    backend = manager.backend
+    waiter = backend.waiter
+    log: list[tuple[float, str]] = []
+    orig_copy, orig_sweep, orig_wait = backend.copy, waiter._sweep, waiter.wait
+    orig_reap_events = manager._state.reap_events
+
+    def copy(*a: Any, **k: Any) -> Any:
+        log.append((time.perf_counter(), "copy issued"))
+        return orig_copy(*a, **k)
+
+    def sweep() -> int:
+        found = orig_sweep()
+        if found:
+            log.append((time.perf_counter(), f"waiter sweep found {found}"))
+        return int(found)
+
+    async def wait(event: Any) -> None:
+        log.append(
+            (time.perf_counter(), f"wait begins key={getattr(event, '_aresidency_key', None)}")
+        )
+        await orig_wait(event)
+        log.append((time.perf_counter(), "wait returns"))
+
+    def reap_events(*a: Any, **k: Any) -> Any:
+        log.append((time.perf_counter(), "reaped"))
+        return orig_reap_events(*a, **k)
+
+    backend.copy, waiter._sweep, waiter.wait = copy, sweep, wait
+    manager._state.reap_events = reap_events
+    try:
+        torch.cuda.synchronize()
+        hits = waiter.poll_hits
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            await call()
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+        synced = time.perf_counter()
+        await drain()
+    finally:
+        backend.copy, waiter._sweep, waiter.wait = orig_copy, orig_sweep, orig_wait
+        manager._state.reap_events = orig_reap_events
+    print(
+        f"\n=== host trace (call returned {(returned - t0) * 1e3:.2f} ms, GPU done "
+        f"{(synced - t0) * 1e3:.2f} ms, poll hits {waiter.poll_hits - hits})"
+    )
+    for t, what in log:
+        print(f"  {(t - t0) * 1e3:8.3f} ms  {what}")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -147,6 +206,8 @@ async def main(args: argparse.Namespace) -> None:
                 walls.append((time.perf_counter() - t) * 1e3)
                 await sm.drain()
             print(f"aresidency wall ms (5 calls): {[round(w, 2) for w in walls]}")
+            if args.host_trace:
+                await host_trace(manager, lambda: sm(x), sm.drain)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 with record_function("call"):
                     await sm(x)
@@ -182,4 +243,5 @@ if __name__ == "__main__":
     parser.add_argument("--workload", choices=sorted(SHAPES), default="copy-bound")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--host-trace", action="store_true", help="log one call's host side")
     asyncio.run(main(parser.parse_args()))

@@ -417,6 +417,11 @@ class _Call:
     ``leases`` (groups in use), ``requested`` (the group a caller waits for), ``promised``
     (device bytes of started checkpoint loads, charged at the device only once loaded).
 
+    ``window_open`` is False until the first block has been handed to the compute stream (or
+    a caller had to wait): until then only the first block is started, so that its kernels
+    are enqueued right behind its copy instead of behind the Python work of issuing the
+    prefetches (which the copy stream does not need yet: the first copy keeps it busy).
+
     Invariants: a group is started at most once at a time; groups are started in block order
     from ``pos`` (the requested one first), never more than ``prefetch`` ahead of it, and never
     while the module still releases an earlier use of that group.
@@ -436,6 +441,7 @@ class _Call:
         self.pending_exits: set[asyncio.Task[None]] = set()
         self.tasks: list[asyncio.Task[None]] = []  # every materialization this call started
         self.active = True
+        self.window_open = False
         self._watcher: asyncio.Task[None] | None = None
 
     # -- admission
@@ -457,7 +463,13 @@ class _Call:
         if self.requested is not None:
             yield self.requested
         order = s._order
-        yield from order[self.pos : self.pos + s.prefetch + 1]
+        ahead = s.prefetch + 1 if self.window_open else 1
+        yield from order[self.pos : self.pos + ahead]
+
+    def open_window(self) -> None:
+        """Prefetch from now on (the first block is on its way), and start what fits."""
+        self.window_open = True
+        self.pump()
 
     def pump(self) -> None:
         """Start materializations in order while the budget admits them (synchronous: each
@@ -558,6 +570,10 @@ class _Call:
             self.pump()
             if index in self.started or index in self.failures:
                 continue
+            if not self.window_open:
+                self.open_window()  # about to wait: let the prefetches use the time
+                if index in self.started or index in self.failures:
+                    continue
             if deadline is None:
                 await waiter
                 continue
@@ -606,6 +622,7 @@ class _Call:
                             continue  # it lost the budget and will be started again
                         task.result()
                         raise
+                    self.open_window()  # the load takes a while: start the next ones
                     await self.manager._wait_change()
                     continue
                 break
@@ -616,12 +633,14 @@ class _Call:
         self.promised.pop(index, None)
         try:
             if wait_copy:
+                self.open_window()
                 await task
             tensors = group.views(lease.tensor)
         except BaseException:
             await self._exit(index)
             raise
-        self.pump()
+        if self.window_open:
+            self.pump()
         return tensors
 
     async def _exit(self, index: int) -> None:
@@ -639,7 +658,7 @@ class _Call:
             if position is not None and position + 1 > self.pos:
                 self.pos = position + 1
         self.s._spawn_release(index, task)
-        self.pump()
+        self.open_window()
 
     async def exit(self, index: int) -> None:
         await self._exit(index)

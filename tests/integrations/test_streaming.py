@@ -137,9 +137,18 @@ async def test_prefetch_starts_copies_ahead_of_the_running_block() -> None:
             await streamed(torch.randn(2, 32))
         await streamed.drain()
         trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
+        # The first block's kernels are enqueued right behind its copy; the prefetches are
+        # issued once it is on its way, so the next block finds two more already copying.
         first_lease = trace.index(("lease", "net.block0"))
         begun = {name for kind, name in trace[:first_lease] if kind == "copy_begin"}
-        assert begun == {"net.block0", "net.block1", "net.block2"}
+        assert begun == {"net.block0"}
+        second_lease = trace.index(("lease", "net.block1"))
+        begun = {name for kind, name in trace[:second_lease] if kind == "copy_begin"}
+        assert begun == {"net.block0", "net.block1", "net.block2", "net.block3"}
+        for i in range(2, 5):
+            assert trace.index(("copy_begin", f"net.block{i + 1}")) < trace.index(
+                ("lease", f"net.block{i}")
+            )
 
 
 async def test_prefetch_zero_copies_one_block_at_a_time() -> None:
