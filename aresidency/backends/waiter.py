@@ -19,8 +19,13 @@ Two kinds of completion live here:
       function, like every interrupt-driven wake-up (blocking sync, a thread in
       ``synchronize()``), reached the loop 0.3-0.6 ms after the event, while a poll sees it
       within one interval; polling only near the predicted end keeps back-to-back waits
-      from polling all the time. A completion earlier than predicted is still seen through
-      its notification.
+      from polling all the time. The notification itself costs CPU (the driver's callback
+      thread, a wake-up of ours): it is enqueued when the wait begins, except for a wait
+      predicted to end within ``lazy_arm_s`` (3 ms), whose notification is enqueued only if
+      its polling window closes without the event (a notification enqueued after the
+      completion fires at once). Such a short wait that ends before its predicted window is
+      seen by the window's first poll, at most ``lazy_arm_s`` late, and only until the
+      prediction has followed (the next wait).
   ``"hostfunc"``
       Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
       stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the
@@ -315,7 +320,7 @@ def shared_driver() -> Any:
 
 
 class _Pending:
-    __slots__ = ("added", "event", "fut", "key", "loop", "poll_from")
+    __slots__ = ("added", "armed", "event", "fut", "key", "loop", "poll_from")
 
     def __init__(
         self,
@@ -329,9 +334,10 @@ class _Pending:
         self.event = event
         self.loop = loop
         self.fut = fut
-        self.key = key  # the origin stream (its waits feed one prediction)
+        self.key = key  # the origin stream (device, stream handle): one prediction each
         self.added = added  # time.monotonic() when the wait began
         self.poll_from = poll_from  # hybrid: polling starts here
+        self.armed = True  # hybrid: False while the notification is not enqueued yet
 
 
 _HISTORY: Final = 8  # waits remembered per origin stream (hybrid prediction)
@@ -356,6 +362,7 @@ class EventWaiter:
         hybrid_poll_s: float = 75e-6,
         window_s: float = 4e-3,
         safety_timeout_s: float = 0.05,
+        lazy_arm_s: float = 3e-3,
     ) -> None:
         if strategy == "auto":
             strategy = "hybrid" if hostfunc_available() else "poll"
@@ -366,6 +373,7 @@ class EventWaiter:
         self.poll_max_s = poll_max_s
         self.hybrid_poll_s = hybrid_poll_s
         self.window_s = window_s
+        self.lazy_arm_s = lazy_arm_s
         # hybrid: origin stream -> the durations of its last waits, newest last (under _cond)
         self._durations: dict[Any, list[float]] = {}
         # hostfunc: a sweep happens at least this often while something is awaited, so a
@@ -411,13 +419,17 @@ class EventWaiter:
     # -- arming (hostfunc)
 
     def arm(self, event: Any, stream: Any) -> None:
-        """Call right after recording ``event`` on the CUDA ``stream``: enqueue its
-        notification (``hostfunc`` only; a no-op otherwise). The host does not wait; the
-        origin stream gets no work. Thread-safe."""
+        """Call right after recording ``event`` on the CUDA ``stream``: note its origin
+        stream, and (``hostfunc``) enqueue its notification; ``hybrid`` enqueues it when the
+        event is awaited (see the module docstring). The host does not wait; the origin
+        stream gets no work. Thread-safe."""
         if self.strategy not in ("hybrid", "hostfunc") or self._closed:
             return
+        event._aresidency_key = (int(stream.device_index), int(stream.cuda_stream))
+        if self.strategy == "hybrid":
+            return
         try:
-            self._arm_on(event, int(stream.device_index), int(stream.cuda_stream))
+            self._arm_on(event, *event._aresidency_key)
         except RuntimeError as exc:
             self._degrade(exc)
 
@@ -465,22 +477,32 @@ class EventWaiter:
             raise RuntimeError("the event waiter is closed; the event was not awaited")
         if self._thread is None:
             self.start()
-        if self.strategy in ("hybrid", "hostfunc") and not getattr(
-            event, "_aresidency_armed", False
-        ):
+        key = getattr(event, "_aresidency_key", None)
+        if key is None:
             # Recorded elsewhere (not by the backend): notify through a per-device stream.
             device = getattr(event, "device", None)
-            try:
-                self._arm_on(event, int(device.index if device is not None else 0), None)
-            except RuntimeError as exc:
-                self._degrade(exc)
+            key = (
+                int(device.index) if device is not None and device.index is not None else 0,
+                None,
+            )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        key = getattr(event, "_aresidency_key", None)
         now = time.monotonic()
         entry = _Pending(event, loop, fut, key, now, now)
         with self._cond:
-            entry.poll_from = now + self._predicted_wait(key)
+            predicted = self._predicted_wait(key)
+        entry.poll_from = now + predicted
+        if self.strategy in ("hybrid", "hostfunc") and not getattr(
+            event, "_aresidency_armed", False
+        ):
+            if self.strategy == "hybrid" and 0 < predicted <= self.lazy_arm_s:
+                entry.armed = False  # the thread arms it if its polls miss the completion
+            else:
+                try:
+                    self._arm_on(event, *key)
+                except RuntimeError as exc:
+                    self._degrade(exc)
+        with self._cond:
             self._pending.append(entry)
             self._cond.notify()
         if self.strategy == "hybrid" and self._driver is not None and self._sem is not None:
@@ -573,13 +595,24 @@ class EventWaiter:
             with self._cond:
                 # Poll while some entry is inside its window; otherwise sleep until the next
                 # window opens, a notification (or a new wait) posts, or the safety sweep.
+                # An unarmed entry whose window closed gets its notification now.
                 delay: float | None = None
+                unarmed = []
                 for p in self._pending:
-                    if p.poll_from <= now < p.poll_from + self.window_s:
+                    end = p.poll_from + self.window_s
+                    if not p.armed and now >= end:
+                        p.armed = True
+                        unarmed.append(p)
+                    if p.poll_from <= now < end:
                         delay = self.hybrid_poll_s
-                        break
-                    ahead = p.poll_from - now if p.poll_from > now else self.safety_timeout_s
-                    delay = min(ahead, self.safety_timeout_s if delay is None else delay)
+                    elif delay != self.hybrid_poll_s:
+                        ahead = p.poll_from - now if p.poll_from > now else self.safety_timeout_s
+                        delay = min(ahead, self.safety_timeout_s if delay is None else delay)
+            for p in unarmed:
+                try:
+                    self._arm_on(p.event, *p.key)
+                except RuntimeError as exc:
+                    self._degrade(exc)
             if delay is None:
                 libc.sem_wait(sem)
                 posted = True

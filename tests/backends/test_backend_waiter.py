@@ -299,6 +299,52 @@ async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
 
 
 @pytest.mark.asyncio
+async def test_hybrid_enqueues_no_notification_for_waits_its_polls_catch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Short, regular waits on one stream: once predicted, their completion is seen by the
+    polls around it and no host function is enqueued for them (each costs the driver's
+    callback thread and a wake-up)."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.1, lazy_arm_s=0.05, safety_timeout_s=1.0)
+    waiter.start()
+    try:
+        for _ in range(8):
+            event = ArmableEvent(0.02, driver)
+            waiter.arm(event, FakeStream(13))
+            await asyncio.wait_for(waiter.wait(event), 5.0)
+        # the first wait (no history) is notified; the later ones are caught by polls
+        assert driver.launched < 8 and waiter.poll_hits >= 8 - driver.launched
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
+async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait predicted short but much longer (the stream got slower): its polls end without
+    the completion, the notification is enqueued then, and it wakes the task long before the
+    safety sweep."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.004, lazy_arm_s=0.05, safety_timeout_s=5.0)
+    waiter.start()
+    try:
+        for delay in (0.02, 0.02, 0.3):
+            event = ArmableEvent(delay, driver)
+            waiter.arm(event, FakeStream(14))
+            start = time.perf_counter()
+            await asyncio.wait_for(waiter.wait(event), 10.0)
+            elapsed = time.perf_counter() - start
+        assert elapsed < 2.0  # the notification, not the 5 s safety sweep
+        assert driver.launched >= 2  # the first wait's and the late one's
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+
+
+@pytest.mark.asyncio
 async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
@@ -311,8 +357,11 @@ async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.Mon
     driver.cuLaunchHostFunc = broken  # type: ignore[method-assign]
     try:
         event = ArmableEvent(0.03, driver)
-        waiter.arm(event, FakeStream(1))
-        assert waiter.strategy == "poll" and waiter.degraded
+        waiter.arm(event, FakeStream(1))  # hybrid enqueues the notification at the wait
         await asyncio.wait_for(waiter.wait(event), 5.0)
+        assert waiter.strategy == "poll" and waiter.degraded
+        later = ArmableEvent(0.03, driver)
+        waiter.arm(later, FakeStream(1))
+        await asyncio.wait_for(waiter.wait(later), 5.0)  # polled
     finally:
         await asyncio.get_running_loop().run_in_executor(None, waiter.close)
