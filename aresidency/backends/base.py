@@ -63,6 +63,11 @@ class Transfer(abc.ABC):
 
         The host does not block: the task parks until the backend sees the event complete."""
 
+    def issued(self) -> bool:
+        """Whether every piece of device work is enqueued now (:meth:`wait_issued` would
+        return at once). Direct copies are issued when ``copy`` returns."""
+        return True
+
     @abc.abstractmethod
     def cancel(self) -> None:
         """Stop issuing further chunks of a host-driven copy (best effort); already-enqueued

@@ -155,6 +155,9 @@ class _CudaTransfer(Transfer):
     def cancelled(self) -> bool:
         return self._cancelled
 
+    def issued(self) -> bool:
+        return self._issued.query()
+
     async def wait_issued(self) -> DeviceEvent:
         """Return once all device work is enqueued (at once for inline routes; after the lane
         or worker thread issued the last chunk for staged ones). The returned event completes

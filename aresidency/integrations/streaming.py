@@ -418,7 +418,8 @@ class _Call:
     (device bytes of started checkpoint loads, charged at the device only once loaded).
 
     ``window_open`` is False until the first block has been handed to the compute stream (or
-    a caller had to wait): until then only the first block is started, so that its kernels
+    a caller has to wait: for admission, a checkpoint load, or a staged copy still being
+    issued): until then only the first block is started, so that its kernels
     are enqueued right behind its copy instead of behind the Python work of issuing the
     prefetches (which the copy stream does not need yet: the first copy keeps it busy).
 
@@ -628,6 +629,8 @@ class _Call:
                 break
         finally:
             self.requested = None
+        if not self.window_open and not self.manager._issued(group.handle, self.s.device):
+            self.open_window()  # the lease waits for a staged copy to be issued: prefetch
         await lease.__aenter__()
         self.leases[index] = lease
         self.promised.pop(index, None)

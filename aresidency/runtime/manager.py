@@ -616,6 +616,13 @@ class ResidencyManager:
         task.add_done_callback(self._background.discard)
         return task
 
+    def _issued(self, handle: ValueHandle, location: Location) -> bool:
+        """Whether a lease at ``location`` could order its stream after the data now: the
+        payload exists and its copy's device work is all enqueued (a staged or loaded copy
+        takes a while to issue; the lease then waits for it)."""
+        payload = self._payloads.get((handle, location))
+        return payload is not None and (payload.transfer is None or payload.transfer.issued())
+
     async def _finish_nowait(
         self,
         gen: Any,

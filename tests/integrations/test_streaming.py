@@ -151,6 +151,50 @@ async def test_prefetch_starts_copies_ahead_of_the_running_block() -> None:
             )
 
 
+class SlowIssueBackend(SimBackend):
+    """SIMULATED backend whose first copy takes 50 ms to be issued, as a pageable copy staged
+    chunk by chunk through pinned buffers does on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow_left = 1
+
+    def copy(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        transfer = super().copy(*args, **kwargs)  # type: ignore[arg-type]
+        if self.slow_left:
+            self.slow_left -= 1
+            issued_at = asyncio.get_running_loop().time() + 0.05
+            real_wait_issued = transfer.wait_issued
+
+            def issued() -> bool:
+                return asyncio.get_running_loop().time() >= issued_at
+
+            async def wait_issued() -> object:
+                await asyncio.sleep(max(issued_at - asyncio.get_running_loop().time(), 0))
+                return await real_wait_issued()
+
+            transfer.issued = issued  # type: ignore[method-assign]
+            transfer.wait_issued = wait_issued  # type: ignore[method-assign]
+        return transfer
+
+
+async def test_prefetches_start_while_the_first_copy_is_still_being_issued() -> None:
+    """The first block's lease waits until its copy is issued: the prefetches use that time
+    instead of waiting for the first block to run."""
+    model = linears(n=5)
+    async with ResidencyManager(backend=SlowIssueBackend()) as m:
+        streamed = stream_module(m, model, prefetch=2, name="net")
+        x = torch.randn(2, 32)
+        with torch.no_grad():
+            y = await streamed(x)
+        await streamed.drain()
+        trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
+        first_lease = trace.index(("lease", "net.block0"))
+        begun = {name for kind, name in trace[:first_lease] if kind == "copy_begin"}
+        assert begun == {"net.block0", "net.block1", "net.block2"}
+        assert torch.equal(y, reference(model, x))
+
+
 async def test_prefetch_zero_copies_one_block_at_a_time() -> None:
     model = linears(n=4)
     async with ResidencyManager(backend="sim") as m:
