@@ -82,6 +82,11 @@ _STREAMS: dict[int, CopyStreams] = {}
 _STREAMS_LOCK = threading.Lock()
 
 
+def _done(event: Any) -> bool:
+    """``event.query()``: whether the device passed it (torch's method is untyped)."""
+    return bool(event.query())
+
+
 def copy_streams(device: int) -> CopyStreams:
     """The dedicated copy streams of ``cuda:device`` (created on first use)."""
     with _STREAMS_LOCK:
@@ -432,7 +437,8 @@ class CudaBackend(Backend):
         nbytes = src.numel() * src.element_size()
         self._maybe_injected_oom(src.numel(), src.dtype, dst_loc)
 
-        device_waits = [e for e in wait_events if isinstance(e, torch.cuda.Event)]
+        # An event already complete orders nothing: skip its device-side wait.
+        device_waits = [e for e in wait_events if isinstance(e, torch.cuda.Event) and not _done(e)]
         host_waits = [e for e in wait_events if not isinstance(e, torch.cuda.Event)]
         if src_loc.is_cuda:
             # Work already queued on the source device's current stream comes first.

@@ -254,6 +254,29 @@ async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
 
 
 @pytest.mark.asyncio
+async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end() -> None:
+    """Back-to-back waits of a few ms on one stream: after the first, the hybrid waiter
+    predicts their end, polls there and enqueues no notification for the waits it catches."""
+    if not hostfunc_available():
+        pytest.skip("cuLaunchHostFunc is unavailable")
+    b = CudaBackend(waiter="hybrid", staging_chunk_bytes=CHUNK, staging_buffers=1)
+    b.start()
+    try:
+        stream = torch.cuda.Stream()
+        for _ in range(12):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES // 50)
+            event = b.record_event(stream)
+            await asyncio.wait_for(b.wait_event(event), 10.0)
+            assert event.query()
+        waiter = b.waiter
+        assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter._durations)
+        assert waiter.degraded is None
+    finally:
+        await b.aclose()
+
+
+@pytest.mark.asyncio
 async def test_many_concurrent_waits_on_several_streams_all_resolve(backend: CudaBackend) -> None:
     streams = [torch.cuda.Stream() for _ in range(4)]
     events = []
