@@ -1,0 +1,67 @@
+"""Layer-by-layer weight streaming: run an ``nn.Module`` whose weights do not fit a GPU budget.
+
+``stream_module(manager, module, device="cuda:0", prefetch=2)`` packs the tensors (parameters and
+buffers) of each *block* of ``module`` into one flat byte buffer and registers it with the
+manager as one REPLICABLE value: either kept in host memory (``host="pinned-host"`` or
+``"pageable-host"``; the module's own parameters then become views of that managed host copy, so
+host memory is not doubled), or rebuilt from a safetensors checkpoint each time
+(``checkpoint=path``; the module may then live on the ``meta`` device). ``await streamed(x)``
+runs the module as usual while, block by block:
+
+* the copies of the next ``prefetch`` blocks are started with
+  :meth:`~aresidency.ResidencyManager.materialize_nowait` (the budget is charged at once and the
+  host-to-device copy is enqueued on the manager's copy stream; the host waits for nothing), as
+  far as the ``device`` budget allows, in block order;
+* block ``i`` runs on the compute stream (the caller's current stream at call time, or
+  ``stream=``) under a lease, which makes that stream wait *on the device* for the copy;
+* when block ``i`` has been enqueued its lease exits (an event is recorded on the compute stream)
+  and its GPU replica is released in the background: the release waits for that event (the
+  reaper sees it complete; nothing synchronizes) and then frees the budget, which starts the next
+  prefetch. The host copy stays, so nothing is ever copied back.
+
+One block's tensors form one value, so a block costs one copy, one lease, one event and one
+release whatever its number of parameters (a many-parameter block would otherwise pay per tensor
+in both Python overhead and small-copy bandwidth: ANCHORS.md, 44.6 GB/s at 4 MB against 55 GB/s
+for large copies). Inside the flat buffer each tensor starts on a 512-byte boundary (the CUDA
+caching allocator's granularity) and keeps its strides, so kernels see the same alignment and
+layout as for a tensor of its own and give bit-identical results.
+
+Blocks are found as: the children of an ``nn.Sequential``; otherwise the ``nn.ModuleList`` of
+``module`` holding the most parameter and buffer bytes (ties: the first); or ``blocks=`` given
+explicitly. Tensors of ``module`` outside the blocks (embeddings, final norm, head) form one
+*resident* group, materialized at the start of each call and released at its end.
+
+How a call runs:
+
+* ``nn.Sequential`` (no ``blocks=``): the blocks are run one after the other on the event loop,
+  awaiting only when a block's weights are not admitted yet.
+* any other module: ``module(*args, **kwargs)`` runs in a worker thread (one per streamed module);
+  forward hooks on the blocks ask the event loop for each block's leased weights and hand the
+  block back after it ran. The caller's grad mode, inference mode, autocast state and stream are
+  carried into that thread.
+* the simulated backend (``backend="sim"``): its ``cuda:N`` tensors live in host memory and
+  blocks run on the CPU. An ``nn.Sequential``'s blocks are submitted to the simulated compute
+  stream, so they run after their copies and before their releases exactly as kernels would
+  (a read after release would see the simulation's poison); in the worker thread a block
+  starts once its copy has landed. Leases, events and releases are the same as on a GPU.
+
+During a call the module's parameters and buffers are replaced by the leased device tensors
+(``module._parameters[name] = tensor``, the way ``torch.func.functional_call`` does it) just for
+the block's forward, and put back right after, so the module never points at freed device
+memory. Inference only: a call with grad mode enabled and an input that requires grad is
+refused (autograd would keep the weights past their release). Calls on one streamed module are
+serialized; do not run the module elsewhere while a call is in flight.
+
+Failures and the end: a block that raises, or a cancelled call, exits every lease and releases
+every replica (in the background; :meth:`StreamedModule.drain` waits for them). A failed copy
+fails the call when it is known by then (always on the simulated backend, which waits for its
+blocks); one still in flight when a CUDA call returns is raised by ``drain``. ``aclose`` gives
+the module its own host tensors back and discards the values.
+"""
+
+from __future__ import annotations
+
+from .module import HostKind, StreamedModule, stream_module
+from .packing import find_blocks
+
+__all__ = ["HostKind", "StreamedModule", "find_blocks", "stream_module"]

@@ -1,0 +1,241 @@
+"""Packing a module's tensors into flat byte buffers: one buffer per block, pure layout.
+
+Each *block* (see :func:`find_blocks`) becomes one :class:`TensorGroup`: its parameters and
+buffers laid out in one flat ``uint8`` buffer, each starting on an ``ALIGN``-byte boundary (the
+CUDA caching allocator's granularity) with its own dense strides, so kernels see the alignment and
+layout a tensor of its own would have and give bit-identical results. Tensors outside every block
+form the *resident* group. Nothing here touches a device or the manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import torch
+from torch import nn
+
+from ...core.state import ValueHandle
+from ...runtime.leases import Hold
+
+__all__ = [
+    "ALIGN",
+    "PackedTensor",
+    "TensorGroup",
+    "collect_groups",
+    "find_blocks",
+]
+
+#: Every tensor of a packed block starts on this boundary (the CUDA caching allocator rounds
+#: blocks to 512 bytes), so kernels see the alignment a tensor of its own would have.
+ALIGN: Final = 512
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(stride))
+
+
+def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
+    """``tensor``'s strides if they lay it out densely without overlap (contiguous, channels-last,
+    transposed...), else contiguous strides. Keeping them keeps the kernels the same."""
+    shape, stride = tuple(tensor.shape), tuple(tensor.stride())
+    if tensor.numel() == 0:
+        return _contiguous_stride(shape)
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return _contiguous_stride(shape)
+        expected *= size
+    return stride
+
+
+# ---------------------------------------------------------------- block discovery
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def find_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks streaming runs one by one: the children of an ``nn.Sequential``, else the
+    ``nn.ModuleList`` inside ``module`` holding the most parameter and buffer bytes (ties: the
+    first in ``named_modules`` order). ``ValueError`` if there is none: pass ``blocks=``."""
+    if isinstance(module, nn.Sequential):
+        return list(module)
+    best: nn.ModuleList | None = None
+    best_bytes = -1
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0:
+            nbytes = _tensor_bytes(sub)
+            if nbytes > best_bytes:
+                best, best_bytes = sub, nbytes
+    if best is None:
+        raise ValueError(
+            f"{type(module).__name__} is not an nn.Sequential and holds no nn.ModuleList of "
+            "blocks; pass blocks=[...] (the submodules to stream one at a time, in call order)"
+        )
+    return list(best)
+
+
+# ---------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTensor:
+    """One tensor of a group: where it sits in the flat buffer and every slot that names it."""
+
+    tensor: torch.Tensor  # the module's own Parameter or buffer object
+    names: tuple[str, ...]  # qualified names in the root module (state_dict keys)
+    slots: tuple[tuple[dict[str, Any], str], ...]  # (module._parameters or _buffers, attribute)
+    dtype: torch.dtype
+    element_size: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # bytes from the start of the flat buffer, a multiple of ALIGN
+    span_bytes: int  # bytes the strided layout covers
+
+
+class TensorGroup:
+    """The tensors of one block (or the resident rest) packed into one managed value.
+
+    State: ``entries`` (the layout), ``nbytes`` (the flat buffer's size, a multiple of ALIGN),
+    ``handle`` (the value), ``hold`` (keeps the host copy from being moved away while the
+    module's parameters point into it), ``from_source`` (rebuilt from a checkpoint).
+    """
+
+    def __init__(self, index: int, name: str, entries: list[PackedTensor], nbytes: int) -> None:
+        self.index = index
+        self.name = name
+        self.entries = entries
+        self.nbytes = nbytes
+        self.charge_bytes = nbytes
+        self.handle: ValueHandle | None = None
+        self.hold: Hold | None = None
+        self.from_source = False
+        self.host_flat: torch.Tensor | None = None
+        self._dtypes = sorted({e.dtype for e in entries}, key=str)
+        # (slot dict, attribute, entry index) flattened once: swapping is the per-call hot path.
+        self._slots = [(d, attr, i) for i, e in enumerate(entries) for d, attr in e.slots]
+        self._originals = [e.tensor for e in entries]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each entry's tensor as a strided view of ``flat`` (one op per tensor; no copy)."""
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        for dtype in self._dtypes:
+            view = flat.view(dtype)
+            typed[dtype] = (view, int(view.storage_offset()))
+        out = []
+        for e in self.entries:
+            view, base = typed[e.dtype]
+            out.append(view.as_strided(e.shape, e.stride, base + e.offset // e.element_size))
+        return out
+
+    def swap_in(self, tensors: Sequence[torch.Tensor]) -> None:
+        for slots, attr, i in self._slots:
+            slots[attr] = tensors[i]
+
+    def restore(self) -> None:
+        originals = self._originals
+        for slots, attr, i in self._slots:
+            slots[attr] = originals[i]
+
+    def pack_from(
+        self, flat: torch.Tensor, skip: Callable[[PackedTensor], bool] | None = None
+    ) -> None:
+        """Copy the module's tensors into ``flat`` (host side, at start-up or in a load)."""
+        for entry, view in zip(self.entries, self.views(flat)):
+            if skip is None or not skip(entry):
+                view.copy_(entry.tensor.detach())
+
+    def __repr__(self) -> str:
+        return f"<TensorGroup {self.name!r} {len(self.entries)} tensors {self.nbytes} B>"
+
+
+def pack_layout(
+    modules: Sequence[nn.Module], qualified: dict[int, list[str]], keep_strides: bool
+) -> list[PackedTensor]:
+    """Lay out the tensors held directly by ``modules`` (each module's own tables only; a tensor
+    held twice, a tied weight, is laid out once and every slot naming it is kept). Strides are
+    the tensor's own when ``keep_strides`` and dense, else contiguous (a checkpoint's)."""
+    found: dict[int, tuple[torch.Tensor, list[str], list[tuple[dict[str, Any], str]]]] = {}
+    seen_slots: set[tuple[int, str]] = set()
+    for sub in modules:
+        for table in (sub._parameters, sub._buffers):
+            for attr, tensor in table.items():
+                if tensor is None or (id(sub), attr) in seen_slots:
+                    continue
+                seen_slots.add((id(sub), attr))
+                record = found.setdefault(id(tensor), (tensor, [], []))
+                for base in qualified.get(id(sub), []):
+                    record[1].append(f"{base}.{attr}" if base else attr)
+                record[2].append((cast(dict[str, Any], table), attr))
+    entries: list[PackedTensor] = []
+    offset = 0
+    for tensor, names, slots in found.values():
+        stride = _dense_stride(tensor) if keep_strides else _contiguous_stride(tensor.shape)
+        span = 0
+        if tensor.numel():
+            span = 1 + sum((size - 1) * st for size, st in zip(tensor.shape, stride))
+        span_bytes = span * tensor.element_size()
+        entries.append(
+            PackedTensor(
+                tensor=tensor,
+                names=tuple(names),
+                slots=tuple(slots),
+                dtype=tensor.dtype,
+                element_size=tensor.element_size(),
+                shape=tuple(tensor.shape),
+                stride=stride,
+                offset=offset,
+                span_bytes=span_bytes,
+            )
+        )
+        offset = _align(offset + span_bytes)
+    return entries
+
+
+def make_group(index: int, name: str, entries: list[PackedTensor]) -> TensorGroup | None:
+    if not entries:
+        return None
+    return TensorGroup(index, name, entries, _align(entries[-1].offset + entries[-1].span_bytes))
+
+
+def collect_groups(
+    root: nn.Module, blocks: Sequence[nn.Module], prefix: str, keep_strides: bool
+) -> tuple[list[TensorGroup | None], TensorGroup | None]:
+    """One group per block (``None`` for a block without tensors) and the resident group: the
+    tensors of ``root``'s modules outside every block."""
+    qualified: dict[int, list[str]] = {}
+    for name, sub in root.named_modules(remove_duplicate=False):
+        qualified.setdefault(id(sub), []).append(name)
+    groups: list[TensorGroup | None] = []
+    inside: set[int] = set()
+    for index, block in enumerate(blocks):
+        modules = list(block.modules())
+        inside.update(id(sub) for sub in modules)
+        groups.append(
+            make_group(
+                index, f"{prefix}.block{index}", pack_layout(modules, qualified, keep_strides)
+            )
+        )
+    outside = [sub for sub in root.modules() if id(sub) not in inside]
+    resident = make_group(
+        len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides)
+    )
+    return groups, resident
