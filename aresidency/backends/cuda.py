@@ -32,37 +32,32 @@ runtime frees a tensor only after every event that used it completed, so no
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
-from .base import Backend, DeviceEvent, FaultInjector, Transfer
-from .sim import poison_
+from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
+from .bridge import LoopBridge
+from .events import HostEvent, OnceCallbacks
+from .memory import as_bytes, poison_
 from .staging import (
     PinnedAllocator,
     StagingLane,
     StagingPool,
-    as_bytes,
     copy_d2h_staged,
     copy_h2d_staged,
     cuda_event,
 )
-from .waiter import (
-    EventWaiter,
-    HostEvent,
-    park_host_event,
-    resolve_threadsafe,
-    shared_driver,
-    spin_wait,
-)
+from .waiter import EventWaiter, shared_driver, spin_wait
 
 __all__ = ["CopyStreams", "CudaBackend"]
 
@@ -120,85 +115,6 @@ def _host_wait(event: DeviceEvent) -> None:
             threading.Event().wait(0.0005)
 
 
-class _CudaTransfer(Transfer):
-    """A copy started by :class:`CudaBackend`.
-
-    State: ``_issued`` (set once every piece of device work is enqueued), ``_event`` (the
-    event after which the data is at the destination; set before ``_issued``), ``_error``,
-    ``_cancelled``, ``_fail`` (fault injection).
-    """
-
-    def __init__(
-        self,
-        backend: CudaBackend,
-        tensor: torch.Tensor,
-        nbytes: int,
-        src_location: Location,
-        dst_location: Location,
-        route: str,
-        *,
-        fail: bool,
-    ) -> None:
-        self.tensor = tensor
-        self.nbytes = nbytes
-        self.src_location = src_location
-        self.dst_location = dst_location
-        self.route = route
-        self._backend = backend
-        self._fail = fail
-        self._cancelled = False
-        self._error: BaseException | None = None
-        self._event: DeviceEvent | None = None
-        self._issued = HostEvent(label="issued")
-
-    def _finish_issue(self, event: DeviceEvent, error: BaseException | None = None) -> None:
-        """Any thread: every piece of device work is enqueued (``event`` covers it)."""
-        self._event = event
-        self._error = error
-        self._issued.set()
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def issued(self) -> bool:
-        return self._issued.query()
-
-    async def wait_issued(self) -> DeviceEvent:
-        """Return once all device work is enqueued (at once for inline routes; after the lane
-        or worker thread issued the last chunk for staged ones). The returned event completes
-        when the data is at the destination; a stream that waits on it may read ``tensor``."""
-        await self._backend._park(self._issued)
-        assert self._event is not None
-        return self._event
-
-    async def wait(self) -> None:
-        """Park until the data is at the destination (no host blocking, no polling); raise the
-        copy's error, ``CancelledError`` after :meth:`cancel`, or the injected failure."""
-        event = await self.wait_issued()
-        await self._backend.wait_event(event)
-        if self._error is not None:
-            raise self._error
-        if self._cancelled:
-            raise asyncio.CancelledError(f"{self!r} was cancelled")
-        if self._fail:
-            raise RuntimeError("injected transfer failure")
-
-    def cancel(self) -> None:
-        """Staged copies stop issuing chunks; enqueued device work still completes, and
-        :meth:`wait` then raises ``CancelledError``."""
-        self._cancelled = True
-
-    def __repr__(self) -> str:
-        if not self._issued.query():
-            state = "issuing"
-        else:
-            state = "done" if self._event is not None and self._event.query() else "in flight"
-        return (
-            f"<CudaTransfer {self.src_location}->{self.dst_location} {format_bytes(self.nbytes)}"
-            f" {self.route} {state}>"
-        )
-
-
 class CudaBackend(Backend):
     """Device backend on torch CUDA streams and events (see the module docstring).
 
@@ -213,7 +129,7 @@ class CudaBackend(Backend):
     destinations up to this size are page-locked inside ``copy``; larger ones in a worker.
 
     State: the waiter thread, the staging pool (two lane threads), a worker pool for host
-    copies and deferred issues, the pinned allocator, ``_waits`` (tasks parked on host
+    copies and deferred issues, the pinned allocator, ``_host_waits`` (completions of host
     events), ``_closed``.
     """
 
@@ -246,7 +162,7 @@ class CudaBackend(Backend):
             max_workers=host_workers, thread_name_prefix="aresidency-host"
         )
         self._num_devices = torch.cuda.device_count()
-        self._waits: set[asyncio.Future[None]] = set()
+        self._host_waits = OnceCallbacks()
         self._closed = False
         self._started = False
 
@@ -268,23 +184,20 @@ class CudaBackend(Backend):
 
     # -------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
+    def start(self, bridge: LoopBridge | None = None) -> None:
         """Start the event waiter's thread (on the loop)."""
-        if self._closed:
-            raise RuntimeError("this CudaBackend is closed; create a new one")
+        super().start(bridge)
         self.waiter.start()
         self._started = True
 
     async def aclose(self) -> None:
-        """Fail pending waits with ``RuntimeError``; stop the waiter, the staging lanes (after
-        their queued jobs) and the worker pool, in a worker thread, not on the loop."""
+        """Fail pending completions with ``BackendClosedError``; stop the waiter, the staging
+        lanes (after their queued jobs) and the worker pool, in a worker thread, not on the
+        loop."""
         if self._closed:
             return
         self._closed = True
-        error = RuntimeError("the CUDA backend closed while a task was waiting")
-        for fut in list(self._waits):
-            resolve_threadsafe(fut.get_loop(), fut, error)
-        self._waits.clear()
+        self._close_waits()
 
         def close_all() -> None:
             self.waiter.close()
@@ -292,7 +205,7 @@ class CudaBackend(Backend):
             self._executor.shutdown(wait=True)
             self.pinned.trim()
 
-        await asyncio.get_running_loop().run_in_executor(None, close_all)
+        await anyio.to_thread.run_sync(close_all)
 
     def staging_nbytes(self) -> int:
         """Pinned bytes of the staging pool plus the pinned reuse cache (constant)."""
@@ -386,26 +299,35 @@ class CudaBackend(Backend):
                 "await backend.wait_event(event) first"
             )
 
-    async def wait_event(self, event: DeviceEvent) -> None:
-        """Park the task until ``event`` completes: CUDA events through the waiter thread
-        (no host blocking, no spinning), host events through their setter's
-        ``call_soon_threadsafe``. Raises ``RuntimeError`` if the backend closes first."""
-        if event.query():
+    def check_stream(self, stream: Any, location: Location) -> None:
+        """A lease at ``cuda:N`` needs a ``torch.cuda.Stream`` of device N; host locations take
+        ``None`` (their users run on the CPU)."""
+        loc = Location.parse(location)
+        if not loc.is_cuda:  # None (CPU users) or a device stream reading host memory
+            if stream is not None and not isinstance(stream, torch.cuda.Stream):
+                raise TypeError(
+                    f"a reader of {loc} runs on the CPU (None) or a stream, got {stream!r}"
+                )
             return
-        if isinstance(event, HostEvent):
-            await self._park(event)
-        elif isinstance(event, torch.cuda.Event):
-            await self.waiter.wait(event)
-        else:
-            while True:  # a foreign event type: poll gently
-                if event.query():
-                    return
-                await asyncio.sleep(0.0005)
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"a lease at {loc} needs a torch.cuda.Stream, got {stream!r}")
+        if stream.device_index != loc.device_index:
+            raise ValueError(f"{stream!r} belongs to cuda:{stream.device_index}, not to {loc}")
 
-    async def _park(self, event: HostEvent) -> None:
-        if not event.query() and self._closed:
-            raise RuntimeError("the CUDA backend is closed")
-        await park_host_event(event, self._waits)
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """``torch.cuda.stream(stream)``: kernels the calling thread enqueues go to it."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def _notify_device(self, event: DeviceEvent, callback: CompletionCallback) -> None:
+        """CUDA events go to the waiter thread (see :mod:`~aresidency.backends.waiter`)."""
+        if not isinstance(event, torch.cuda.Event):
+            raise TypeError(
+                f"the CUDA backend awaits torch.cuda.Event and host events, not {event!r}"
+            )
+        assert self._bridge is not None
+        self.waiter.watch(event, self._bridge, callback)
 
     # -------------------------------------------------------------- copies
 
@@ -456,7 +378,7 @@ class CudaBackend(Backend):
 
     # -- helpers shared by the routes
 
-    def _defer(self, transfer: _CudaTransfer, fn: Callable[[], DeviceEvent]) -> None:
+    def _defer(self, transfer: Transfer, fn: Callable[[], DeviceEvent]) -> None:
         """Run ``fn`` (which issues the work and returns its event) in a worker thread."""
 
         def run() -> None:
@@ -471,7 +393,7 @@ class CudaBackend(Backend):
 
     def _issue_inline_or_deferred(
         self,
-        transfer: _CudaTransfer,
+        transfer: Transfer,
         host_waits: list[DeviceEvent],
         issue: Callable[[], DeviceEvent],
         *,
@@ -510,7 +432,7 @@ class CudaBackend(Backend):
             dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
         fail = self.faults.next_transfer_fails()
         route = "peer" if i != j else "device"
-        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
+        transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
 
         def issue() -> DeviceEvent:
             for event in device_waits:
@@ -547,7 +469,7 @@ class CudaBackend(Backend):
         fail = self.faults.next_transfer_fails()
         direct = src.is_pinned() or nbytes <= self.inline_pageable_bytes
         route = "direct" if src.is_pinned() else "inline-pageable" if direct else "staged"
-        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
+        transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
 
         if direct:
 
@@ -598,7 +520,7 @@ class CudaBackend(Backend):
             pin_now = nbytes <= self.inline_register_bytes
             dst = self.pinned.empty(src.shape, src.dtype, pin=pin_now)
             fail = self.faults.next_transfer_fails()
-            transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
+            transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
             needs_pin = not (pin_now or self.pinned.is_pinned_by_us(dst) or nbytes == 0)
 
             def issue() -> DeviceEvent:
@@ -622,7 +544,7 @@ class CudaBackend(Backend):
 
         dst = torch.empty(src.shape, dtype=src.dtype)
         fail = self.faults.next_transfer_fails()
-        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "staged", fail=fail)
+        transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "staged", fail=fail)
         # Enqueued now, in stream order before the lane's chunks.
         for event in device_waits:
             stream.wait_event(event)
@@ -660,7 +582,7 @@ class CudaBackend(Backend):
         else:
             dst = torch.empty(src.shape, dtype=src.dtype)
         fail = self.faults.next_transfer_fails()
-        transfer = _CudaTransfer(self, dst, nbytes, src_loc, dst_loc, "host", fail=fail)
+        transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "host", fail=fail)
 
         def issue() -> DeviceEvent:
             for event in waits:

@@ -22,7 +22,6 @@ the semantics of the CUDA one, so that the whole runtime runs and is tested on a
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import math
@@ -32,13 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
-from .base import Backend, DeviceEvent, FaultInjector, Transfer
-from .staging import as_bytes
-from .waiter import HostEvent, park_host_event, resolve_threadsafe
+from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
+from .bridge import LoopBridge
+from .events import HostEvent, OnceCallbacks
+from .memory import POISON_BYTE, as_bytes, is_poisoned, poison_
 
 __all__ = [
     "POISON_BYTE",
@@ -49,39 +50,6 @@ __all__ = [
     "is_poisoned",
     "poison_",
 ]
-
-POISON_BYTE = 0xA5
-
-
-def poison_(tensor: torch.Tensor) -> torch.Tensor:
-    """Overwrite the whole storage under ``tensor`` (not just its view) with poison: NaN for
-    floating and complex dtypes, the byte 0xA5 otherwise. Synchronous on the tensor's device's
-    current stream (the simulation's tensors are on the CPU)."""
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    if nbytes == 0:
-        return tensor
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-    raw.fill_(POISON_BYTE)
-    if tensor.is_floating_point() or tensor.is_complex():
-        itemsize = tensor.element_size()
-        count = nbytes // itemsize
-        typed = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        typed.set_(storage, 0, (count,), (1,))
-        try:
-            typed.fill_(float("nan"))
-        except RuntimeError:
-            pass  # a float format without NaN keeps the byte pattern
-    return tensor
-
-
-def is_poisoned(tensor: torch.Tensor) -> torch.Tensor:
-    """Element-wise: does ``tensor`` hold the poison pattern (NaN, or 0xA5 bytes)?"""
-    if tensor.is_floating_point() or tensor.is_complex():
-        return torch.isnan(tensor)
-    raw = as_bytes(tensor.contiguous())
-    per_elem = (raw == POISON_BYTE).view(-1, tensor.element_size()).all(dim=1)
-    return per_elem.view(tensor.shape)
 
 
 class SimEvent(HostEvent):
@@ -210,57 +178,16 @@ class SimDeviceStreams:
     peer: SimStream
 
 
-class _SimTransfer(Transfer):
-    """A SIMULATED copy: its chunks are enqueued on one stream when ``copy`` returns."""
+class _SimCopy:
+    """Host-side state of one SIMULATED copy, touched by its stream's worker thread only: the
+    source bytes (captured once the stream reaches the copy), the error of a chunk."""
 
-    def __init__(
-        self,
-        backend: SimBackend,
-        tensor: torch.Tensor,
-        nbytes: int,
-        src_location: Location,
-        dst_location: Location,
-        stream: SimStream,
-        *,
-        fail: bool,
-        chunks: int,
-    ) -> None:
-        self.tensor = tensor
-        self.nbytes = nbytes
-        self.src_location = src_location
-        self.dst_location = dst_location
-        self.stream = stream
-        self.chunks = chunks
-        self._backend = backend
-        self._fail = fail
-        self._cancelled = False
-        self._error: BaseException | None = None
-        self._src_bytes: torch.Tensor | None = None
-        self.event: SimEvent = SimEvent(done=True)  # replaced before copy() returns
+    __slots__ = ("error", "src_bytes", "transfer")
 
-    async def wait_issued(self) -> DeviceEvent:
-        return self.event
-
-    async def wait(self) -> None:
-        """Park until the simulated stream reached the end of the copy; raise its error."""
-        await self._backend.wait_event(self.event)
-        if self._error is not None:
-            raise self._error
-        if self._cancelled:
-            raise asyncio.CancelledError(f"{self!r} was cancelled")
-        if self._fail:
-            raise RuntimeError("injected transfer failure")
-
-    def cancel(self) -> None:
-        """Chunks not yet run are skipped; :meth:`wait` raises ``CancelledError``."""
-        self._cancelled = True
-
-    def __repr__(self) -> str:
-        state = "done" if self.event.query() else "in flight"
-        return (
-            f"<SimTransfer (simulated) {self.src_location}->{self.dst_location} "
-            f"{format_bytes(self.nbytes)} on {self.stream.name} chunks={self.chunks} {state}>"
-        )
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
+        self.src_bytes: torch.Tensor | None = None
+        self.error: BaseException | None = None
 
 
 class SimBackend(Backend):
@@ -273,12 +200,13 @@ class SimBackend(Backend):
     reservation.
 
     State: the streams of every device, ``_owned`` (storage data pointer -> the location of
-    memory this backend handed out), ``_waits`` (futures of tasks parked in
-    :meth:`wait_event`), ``_closed``.
+    memory this backend handed out), ``_host_waits`` (completions still to deliver),
+    ``_closed``.
     """
 
     name = "sim"
     simulated = True
+    host_compute = True
 
     def __init__(
         self,
@@ -309,7 +237,7 @@ class SimBackend(Backend):
         self._extra_streams: list[SimStream] = []
         self._lock = threading.Lock()
         self._owned: dict[int, Location] = {}
-        self._waits: set[asyncio.Future[None]] = set()
+        self._host_waits = OnceCallbacks()
         self._closed = False
         self._started = False
 
@@ -347,41 +275,44 @@ class SimBackend(Backend):
 
     # -------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
+    def start(self, bridge: LoopBridge | None = None) -> None:
         """Nothing to create: stream workers start on their first work. On the loop."""
-        if self._closed:
-            raise RuntimeError("this SimBackend is closed; create a new one")
+        super().start(bridge)
         self._started = True
 
     async def aclose(self) -> None:
-        """Fail pending waits with ``RuntimeError``, stop every stream's worker (queued work
-        that has not started is dropped). Joins the workers in a thread, not on the loop."""
+        """Fail pending completions with ``BackendClosedError``, stop every stream's worker
+        (queued work that has not started is dropped). Joins the workers in a worker thread,
+        not on the loop."""
         if self._closed:
             return
         self._closed = True
-        error = RuntimeError("the simulated backend closed while a task was waiting for an event")
-        for fut in list(self._waits):
-            resolve_threadsafe(fut.get_loop(), fut, error)
-        self._waits.clear()
+        self._close_waits()
         streams = self._all_streams()
 
         def close_all() -> None:
             for stream in streams:
                 stream.close()
 
-        await asyncio.get_running_loop().run_in_executor(None, close_all)
+        await anyio.to_thread.run_sync(close_all)
 
     def staging_nbytes(self) -> int:
         return self._staging_nbytes
 
     # -------------------------------------------------------------- memory
 
-    def location_of(self, tensor: torch.Tensor) -> Location | None:
+    def owned_location(self, tensor: torch.Tensor) -> Location | None:
         """Where the simulation placed ``tensor``'s storage (None: not its memory)."""
         if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == 0:
             return None
         with self._lock:
             return self._owned.get(tensor.untyped_storage().data_ptr())
+
+    def location_of(self, tensor: torch.Tensor) -> Location:
+        """Where ``tensor`` lives in the simulation: the location the simulation allocated it
+        at (its ``cuda:N`` tensors are host memory), else as for any host tensor."""
+        owned = self.owned_location(tensor)
+        return owned if owned is not None else super().location_of(tensor)
 
     def allocate(
         self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, location: LocationLike
@@ -409,8 +340,6 @@ class SimBackend(Backend):
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         here = self.location_of(tensor)
-        if here is None:
-            here = Location("pinned-host") if tensor.is_pinned() else Location("pageable-host")
         if here == loc:
             return tensor
         out = self.allocate(tensor.shape, tensor.dtype, loc)
@@ -437,6 +366,24 @@ class SimBackend(Backend):
         self.check_location(loc)
         return self._devices[loc.device_index].compute if loc.is_cuda else None
 
+    def check_stream(self, stream: Any, location: Location) -> None:
+        """A lease at a simulated ``cuda:N`` needs a :class:`SimStream` of that device; host
+        locations take ``None`` (their users run on the CPU)."""
+        loc = Location.parse(location)
+        if not loc.is_cuda:  # None (CPU users) or a device stream reading host memory
+            if stream is not None and not isinstance(stream, SimStream):
+                raise TypeError(
+                    f"a reader of {loc} runs on the CPU (None) or a stream, got {stream!r}"
+                )
+            return
+        if not isinstance(stream, SimStream):
+            raise TypeError(
+                f"the simulated backend needs a SimStream for {loc}, got {stream!r} "
+                f"(use backend.current_stream({str(loc)!r}) or backend.new_stream(...))"
+            )
+        if stream.device_index != loc.device_index:
+            raise ValueError(f"{stream.name} belongs to cuda:{stream.device_index}, not to {loc}")
+
     def record_event(self, stream: Any) -> DeviceEvent:
         """An event on ``stream`` (completes when its worker reaches it); ``None`` (host
         users run on the CPU) gives a completed event. The host does not wait."""
@@ -450,23 +397,19 @@ class SimBackend(Backend):
         """Later work on ``stream`` waits for ``event``; the host does not wait."""
         if not isinstance(stream, SimStream):
             raise TypeError(
-                f"stream_wait needs a SimStream, got {stream!r} (host users await wait_event)"
+                f"stream_wait needs a SimStream, got {stream!r} (host users await the event)"
             )
         stream.wait_event(event)
 
-    async def wait_event(self, event: DeviceEvent) -> None:
-        """Park until ``event`` completes; its worker wakes the loop with
-        ``call_soon_threadsafe``. Raises ``RuntimeError`` if the backend closes first."""
-        if event.query():
-            return
-        if self._closed:
-            raise RuntimeError("the simulated backend is closed")
-        if not isinstance(event, HostEvent):
-            while True:  # a foreign event type: poll gently
-                if event.query():
-                    return
-                await asyncio.sleep(0.001)
-        await park_host_event(event, self._waits)
+    def run_in_stream_order(self, stream: Any, fn: Callable[[], object]) -> None:
+        """Enqueue ``fn`` on the simulated ``stream``: its worker thread runs it after the
+        work queued before, as a device would run kernels. The caller does not wait."""
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"run_in_stream_order needs a SimStream, got {stream!r}")
+        stream.submit(fn)
+
+    def _notify_device(self, event: DeviceEvent, callback: CompletionCallback) -> None:
+        raise TypeError(f"the simulated backend completes SimEvents and host events, not {event!r}")
 
     # -------------------------------------------------------------- copies
 
@@ -510,44 +453,53 @@ class SimBackend(Backend):
         )
         chunk = self.chunk_bytes if staged else max(nbytes, 1)
         offsets = list(range(0, nbytes, chunk))
-        transfer = _SimTransfer(
-            self, dst, nbytes, src_loc, dst_loc, stream, fail=fail, chunks=len(offsets)
-        )
+        route = f"simulated {stream.kind}, {len(offsets)} chunk(s)"
+        transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
+        copy = _SimCopy(transfer)
         for event in wait_events:
             stream.wait_event(event)
         if src_loc.is_cuda:
             stream.wait_event(self._devices[src_loc.device_index].compute.record_event())
-        stream.submit(functools.partial(self._prepare, transfer, src))
+        stream.submit(functools.partial(self._prepare, copy, src))
         for off in offsets:
             length = min(chunk, nbytes - off)
-            stream.submit(functools.partial(self._copy_chunk, transfer, off, length))
+            stream.submit(functools.partial(self._copy_chunk, copy, off, length))
+        stream.submit(functools.partial(self._finish, copy))
         if fail:
             stream.submit(functools.partial(poison_, dst))
-        transfer.event = stream.record_event()
+        transfer._finish_issue(stream.record_event())
         return transfer
 
-    def _prepare(self, transfer: _SimTransfer, src: torch.Tensor) -> None:
+    @staticmethod
+    def _prepare(copy: _SimCopy, src: torch.Tensor) -> None:
         # Runs on the stream, after the waits: only now may the source be read.
         try:
-            transfer._src_bytes = as_bytes(src.contiguous())
+            copy.src_bytes = as_bytes(src.contiguous())
         except BaseException as exc:
-            transfer._error = exc
+            copy.error = exc
 
-    def _copy_chunk(self, transfer: _SimTransfer, off: int, length: int) -> None:
-        if transfer._cancelled or transfer._error is not None:
+    def _copy_chunk(self, copy: _SimCopy, off: int, length: int) -> None:
+        if copy.transfer.cancelled() or copy.error is not None:
             return
-        src = transfer._src_bytes
+        src = copy.src_bytes
         assert src is not None
         start = time.perf_counter()
         try:
-            as_bytes(transfer.tensor)[off : off + length].copy_(src[off : off + length])
+            as_bytes(copy.transfer.tensor)[off : off + length].copy_(src[off : off + length])
         except BaseException as exc:
-            transfer._error = exc
+            copy.error = exc
             return
         if self.copy_gbps is not None:
             remaining = length / (self.copy_gbps * 1e9) - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
+
+    @staticmethod
+    def _finish(copy: _SimCopy) -> None:
+        # Before the completion event: the outcome is known when the event completes.
+        copy.src_bytes = None
+        if copy.error is not None:
+            copy.transfer._error = copy.error
 
     def __repr__(self) -> str:
         with self._lock:

@@ -42,6 +42,7 @@ from typing import Any, Final
 
 import torch
 
+from .memory import as_bytes
 from .waiter import spin_wait
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
     "PinnedAllocator",
     "StagingLane",
     "StagingPool",
-    "as_bytes",
     "copy_d2h_staged",
     "copy_h2d_staged",
     "cuda_event",
@@ -63,11 +63,6 @@ _HUGE_BYTES: Final = 2 << 20
 # ``pinned_num_register_threads``), by cudaHostRegister itself below it. H200 host, 1 GB:
 # 230 ms with the parallel fill, 363 ms without, 364 ms for torch's cudaHostAlloc.
 _PREFAULT_BYTES: Final = 4 << 20
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a contiguous tensor's elements (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _cudart() -> Any:

@@ -1,12 +1,10 @@
-"""Waking asyncio tasks when device events complete, without blocking the loop or spinning.
+"""Telling the event loop when CUDA events complete, without blocking the loop or spinning.
 
-Two kinds of completion live here:
-
-* :class:`HostEvent`: a flag that a host thread sets (a staging copy finished, a simulated
-  stream reached its marker). Waiters are woken with ``loop.call_soon_threadsafe``; nothing
-  polls.
-* CUDA events, awaited through :class:`EventWaiter`, which owns one background thread and one
-  of four strategies:
+:class:`EventWaiter` watches CUDA events for the CUDA backend: :meth:`EventWaiter.watch` runs a
+callback on the owning loop (asyncio, uvloop or trio, through a
+:class:`~aresidency.backends.bridge.LoopBridge`) once the event completed. (Host-side
+completions, :class:`~aresidency.backends.events.HostEvent`, need no waiter: their setter
+calls back.) The waiter owns one background thread and one of four strategies:
 
   ``"hybrid"`` (the default when the driver offers it)
       ``"hostfunc"`` notifications plus polling where the completion is expected: the
@@ -56,125 +54,31 @@ measures the strategies side by side (``--uvloop`` for uvloop).
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
-import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
+
+import anyio
+
+from .base import BackendClosedError
+from .bridge import LoopBridge
 
 __all__ = [
     "STRATEGIES",
     "EventWaiter",
-    "HostEvent",
     "hostfunc_available",
-    "park_host_event",
-    "resolve_threadsafe",
     "shared_driver",
     "spin_wait",
 ]
 
+Callback = Callable[[BaseException | None], None]
+
 STRATEGIES: Final = ("hybrid", "hostfunc", "poll", "blocking")
-
-
-def resolve_threadsafe(
-    loop: asyncio.AbstractEventLoop,
-    fut: asyncio.Future[None],
-    exc: BaseException | None = None,
-) -> None:
-    """Resolve ``fut`` (with ``exc`` when given) on its loop, from any thread."""
-
-    def _resolve() -> None:
-        if fut.done():
-            return  # the awaiting task was cancelled meanwhile
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    try:
-        loop.call_soon_threadsafe(_resolve)
-    except RuntimeError:
-        pass  # the loop is closed: nobody is left to wake
-
-
-class HostEvent:
-    """A completion flag set once by a host thread; a ``DeviceEvent`` (it has ``query``).
-
-    State: ``_done`` (set once, under ``_lock``) and ``_callbacks`` (run once, in the thread
-    that sets the flag, outside the lock). Invariant: every callback added before or after
-    :meth:`set` runs exactly once.
-    """
-
-    __slots__ = ("__weakref__", "_callbacks", "_done", "_lock", "label")
-
-    def __init__(self, *, done: bool = False, label: str = "") -> None:
-        self._lock = threading.Lock()
-        self._done = done
-        self._callbacks: list[Callable[[], None]] = []
-        self.label = label
-
-    def query(self) -> bool:
-        """True once set. Never blocks."""
-        return self._done
-
-    def set(self) -> None:
-        """Mark complete and run the callbacks (any thread; idempotent)."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the event is set: now, in this thread, if it already is."""
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def wait_blocking(self, timeout: float | None = None) -> bool:
-        """Block the calling thread (never the loop) until set; False on timeout."""
-        if self._done:
-            return True
-        flag = threading.Event()
-        self.add_done_callback(flag.set)
-        return flag.wait(timeout)
-
-    async def wait(self) -> None:
-        """Park the task until the event is set; the setter wakes the loop, nobody polls."""
-        if self._done:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
-        await fut
-
-    def __repr__(self) -> str:
-        label = f" {self.label}" if self.label else ""
-        return f"<HostEvent{label} {'done' if self._done else 'pending'}>"
-
-
-async def park_host_event(event: HostEvent, waits: set[asyncio.Future[None]]) -> None:
-    """Park the task until the host ``event`` is set: its setter wakes the loop with
-    ``call_soon_threadsafe``; nobody polls. The parked future is kept in ``waits`` meanwhile, so
-    that a closing backend can fail it."""
-    if event.query():
-        return
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    waits.add(fut)
-    event.add_done_callback(functools.partial(resolve_threadsafe, loop, fut))
-    try:
-        await fut
-    finally:
-        waits.discard(fut)
 
 
 # ------------------------------------------------------------------ driver access (ctypes)
@@ -325,20 +229,20 @@ def shared_driver() -> Any:
 
 
 class _Pending:
-    __slots__ = ("added", "armed", "event", "fut", "key", "loop", "poll_from")
+    __slots__ = ("added", "armed", "bridge", "callback", "event", "key", "poll_from")
 
     def __init__(
         self,
         event: Any,
-        loop: asyncio.AbstractEventLoop,
-        fut: asyncio.Future[None],
+        bridge: LoopBridge,
+        callback: Callback,
         key: Any = None,
         added: float = 0.0,
         poll_from: float = 0.0,
     ):
         self.event = event
-        self.loop = loop
-        self.fut = fut
+        self.bridge = bridge  # the loop the callback runs on
+        self.callback = callback
         self.key = key  # the origin stream (device, stream handle): one prediction each
         self.added = added  # time.monotonic() when the wait began
         self.poll_from = poll_from  # hybrid: polling starts here
@@ -351,11 +255,13 @@ _HISTORY: Final = 8  # waits remembered per origin stream (hybrid prediction)
 class EventWaiter:
     """Parks tasks until CUDA events complete; one background thread, see the module docstring.
 
-    State: ``_pending`` (the awaited events and their futures, guarded by ``_cond``),
-    ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_closed``.
-    Invariants: an entry leaves ``_pending`` only when its event has completed (its future is
-    then resolved) or when the waiter closes (its future then fails with ``RuntimeError``);
-    every event passed to :meth:`arm` posts the semaphore once after it completes.
+    State: ``_pending`` (the watched events and their callbacks, guarded by ``_cond``),
+    ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_origins``
+    (event -> its origin stream key, noted by :meth:`arm`), ``_armed`` (events whose
+    notification is enqueued), ``_closed``.
+    Invariants: an entry leaves ``_pending`` only when its event has completed (its callback
+    then runs on its loop with ``None``) or when the waiter closes (its callback then gets a
+    ``BackendClosedError``); every event armed posts the semaphore once after it completes.
     """
 
     def __init__(
@@ -391,6 +297,11 @@ class EventWaiter:
         self._notify: dict[tuple[int, int | None], int] = {}
         self._driver: _Driver | None = None
         self._sem: ctypes.Array[ctypes.c_char] | None = None
+        # Per-event bookkeeping lives here, not on the torch.cuda.Event objects.
+        self._origins: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._armed: weakref.WeakSet[Any] = weakref.WeakSet()
         self.wakeups = 0  # times the thread woke up (diagnostics, benchmarks)
         self.poll_hits = 0  # hybrid: completions first seen by a poll, not a notification
         self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
@@ -430,11 +341,13 @@ class EventWaiter:
         stream gets no work. Thread-safe."""
         if self.strategy not in ("hybrid", "hostfunc") or self._closed:
             return
-        event._aresidency_key = (int(stream.device_index), int(stream.cuda_stream))
+        key = (int(stream.device_index), int(stream.cuda_stream))
+        with self._cond:  # events are recorded on several threads (loop, lanes, streaming)
+            self._origins[event] = key
         if self.strategy == "hybrid":
             return
         try:
-            self._arm_on(event, *event._aresidency_key)
+            self._arm_on(event, *key)
         except RuntimeError as exc:
             self._degrade(exc)
 
@@ -467,22 +380,25 @@ class EventWaiter:
 
             # Under the lock: the notify stream receives its waits in record order.
             driver.call_in(device, enqueue, "cuStreamWaitEvent/cuLaunchHostFunc")
-        event._aresidency_armed = True
-        event._aresidency_key = (device, key)
+            self._armed.add(event)
 
     # -- waiting
 
-    async def wait(self, event: Any) -> None:
-        """Park the task until ``event`` completes. The loop is not blocked and no thread
-        spins; the waiter thread wakes the loop with one ``call_soon_threadsafe`` per batch.
-        Raises ``RuntimeError`` if the waiter closes first."""
+    def watch(self, event: Any, bridge: LoopBridge, callback: Callback) -> None:
+        """Run ``callback(None)`` on ``bridge``'s loop once ``event`` completes (or
+        ``callback(BackendClosedError)`` if the waiter closes first); never in this call. The
+        loop is not blocked and no thread spins: the waiter thread hands each batch of
+        completions to a loop with one ``call_soon_threadsafe``. Thread-safe."""
         if event.query():
+            bridge.call_soon_quietly(callback, None)
             return
         if self._closed:
-            raise RuntimeError("the event waiter is closed; the event was not awaited")
+            bridge.call_soon_quietly(callback, _closed_error())
+            return
         if self._thread is None:
             self.start()
-        key = getattr(event, "_aresidency_key", None)
+        with self._cond:
+            key = self._origins.get(event)
         if key is None:
             # Recorded elsewhere (not by the backend): notify through a per-device stream.
             device = getattr(event, "device", None)
@@ -490,16 +406,12 @@ class EventWaiter:
                 int(device.index) if device is not None and device.index is not None else 0,
                 None,
             )
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
         now = time.monotonic()
-        entry = _Pending(event, loop, fut, key, now, now)
+        entry = _Pending(event, bridge, callback, key, now, now)
         with self._cond:
             predicted = self._predicted_wait(key)
         entry.poll_from = now + predicted
-        if self.strategy in ("hybrid", "hostfunc") and not getattr(
-            event, "_aresidency_armed", False
-        ):
+        if self.strategy in ("hybrid", "hostfunc") and event not in self._armed:
             if self.strategy == "hybrid" and 0 < predicted <= self.lazy_arm_s:
                 entry.armed = False  # the thread arms it if its polls miss the completion
             else:
@@ -519,8 +431,26 @@ class EventWaiter:
             with self._cond:
                 if entry in self._pending:
                     self._pending.remove(entry)
+                else:
+                    return  # the thread swept it meanwhile: its callback is on its way
+            bridge.call_soon_quietly(callback, None)
+
+    async def wait(self, event: Any) -> None:
+        """Park the task until ``event`` completes (:meth:`watch` with an ``anyio.Event``).
+        Raises ``BackendClosedError`` if the waiter closes first."""
+        if event.query():
             return
-        await fut
+        done = anyio.Event()
+        outcome: list[BaseException | None] = []
+
+        def complete(error: BaseException | None) -> None:
+            outcome.append(error)
+            done.set()
+
+        self.watch(event, LoopBridge.current(), complete)
+        await done.wait()
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def pending_count(self) -> int:
         with self._cond:
@@ -540,7 +470,7 @@ class EventWaiter:
         """Resolve the entries whose event completed; returns how many. Waiter thread only."""
         with self._cond:
             entries = list(self._pending)
-        done = [p for p in entries if p.fut.done() or p.event.query()]
+        done = [p for p in entries if p.event.query()]
         if not done:
             return 0
         finished = {id(p) for p in done}
@@ -548,18 +478,14 @@ class EventWaiter:
         with self._cond:
             self._pending = [p for p in self._pending if id(p) not in finished]
             for p in done:
-                if not p.fut.done():  # a cancelled wait says nothing about the duration
-                    history = self._durations.setdefault(p.key, [])
-                    history.append(now - p.added)
-                    del history[:-_HISTORY]
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+                history = self._durations.setdefault(p.key, [])
+                history.append(now - p.added)
+                del history[:-_HISTORY]
+        by_loop: dict[LoopBridge, list[Callback]] = {}
         for p in done:
-            by_loop.setdefault(p.loop, []).append(p.fut)
-        for loop, futs in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve_batch, futs)
-            except RuntimeError:
-                pass  # loop closed
+            by_loop.setdefault(p.bridge, []).append(p.callback)
+        for bridge, callbacks in by_loop.items():
+            bridge.call_soon_quietly(_run_batch, callbacks)
         return len(done)
 
     def _run_hostfunc(self) -> None:
@@ -678,9 +604,8 @@ class EventWaiter:
             self._cond.notify_all()
             notify = dict(self._notify)
             self._notify.clear()
-        error = RuntimeError("the backend closed while a task was waiting for a device event")
         for p in pending:
-            resolve_threadsafe(p.loop, p.fut, error)
+            p.bridge.call_soon_quietly(p.callback, _closed_error())
         if self._driver is not None and self._sem is not None:
             self._driver.libc.sem_post(ctypes.addressof(self._sem))
             for (device, _key), stream in notify.items():
@@ -711,10 +636,14 @@ def _set_timer_slack(nanoseconds: int = 1000) -> None:
         pass
 
 
-def _resolve_batch(futs: list[asyncio.Future[None]]) -> None:
-    for fut in futs:
-        if not fut.done():
-            fut.set_result(None)
+def _run_batch(callbacks: list[Callback]) -> None:
+    """On the loop: the completions one sweep found."""
+    for callback in callbacks:
+        callback(None)
+
+
+def _closed_error() -> BaseException:
+    return BackendClosedError("the event waiter closed before the event completed")
 
 
 def spin_wait(event: Any, spin_s: float = 200e-6) -> None:

@@ -21,7 +21,8 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from ..core.errors import ResidencyPlanError, ResidencySearchLimitError, ResidencyStaleStateError
-from ..core.plans import PlanExplanation, ResidencyPlan
+from ..core.explain import PlanExplanation
+from ..core.plans import ResidencyPlan
 from ..core.state import ResidencyState
 from ..core.trace import Transition
 from .index import CandidateIndex, Slicer

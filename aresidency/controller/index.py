@@ -33,7 +33,6 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import ResidencyError
 from ..core.locations import Location
 from ..core.state import MaterializationState, ResidencyState, ValueHandle
 from ..core.trace import Transition
@@ -110,8 +109,6 @@ def classify(
     """The candidate entries of one value (a ``core.state._Value``) under ``graph``.
 
     ``classes`` interns the classes (equal classes are one object, which keeps hashing cheap)."""
-    if value.discarded:
-        return []
     mats = value.materializations
     if classes is None:
         classes = {}
@@ -199,6 +196,7 @@ class CandidateIndex:
         self._dirty: set[ValueHandle] = set()
         self._built = False
         self._observer: _Observer | None = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._classes: dict[_ClassKey, EvictionClass] = {}
 
     def __repr__(self) -> str:
@@ -223,15 +221,13 @@ class CandidateIndex:
         self.detach()
         self.state = state
         self._observer = _Observer(self)
-        state.observers.append(self._observer)
+        self._unsubscribe = state.subscribe(self._observer)
         self._built = False
 
     def detach(self) -> None:
-        if self.state is not None and self._observer is not None:
-            try:
-                self.state.observers.remove(self._observer)
-            except ValueError:
-                pass
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self._unsubscribe = None
         self._observer = None
         self._built = False
 
@@ -257,9 +253,8 @@ class CandidateIndex:
         while self._dirty:
             handle = self._dirty.pop()
             self._remove(handle)
-            try:
-                value = state.value(handle, allow_discarded=True)
-            except ResidencyError:
+            value = state.find_value(handle)
+            if value is None:  # discarded: it left the state
                 continue
             self._insert(handle, classify(value, self.graph, self._classes))
             count += 1

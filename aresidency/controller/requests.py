@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import format_bytes
+from ..core.explain import PlanExplanation
 from ..core.locations import Location, LocationLike
-from ..core.plans import MemoryReservation, PlanExplanation, ResidencyPlan
+from ..core.plans import MemoryReservation, ResidencyPlan
 from ..core.state import ValueHandle
 
 __all__ = [

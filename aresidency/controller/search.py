@@ -61,18 +61,9 @@ from ..core.errors import (
     ResidencySearchLimitError,
     format_bytes,
 )
+from ..core.explain import PlanExplanation, explain_plan, simulate_requests
 from ..core.locations import Location
-from ..core.plans import (
-    ActionFailed,
-    Materialize,
-    Move,
-    PlanExplanation,
-    Release,
-    ResidencyPlan,
-    _simulate_requests,
-    explain_plan,
-    run_phase,
-)
+from ..core.plans import ActionFailed, Materialize, Move, Release, ResidencyPlan, run_phase
 from ..core.state import MaterializationState, ReplicaMode, ResidencyState, ValueHandle
 from .index import Bucket, CandidateIndex, LocationCandidates, Slicer
 from .policy import CostModel, FallbackGraph
@@ -249,7 +240,7 @@ def _enter_profile(
     try:
         for reservation in request.reservations:
             sim.reserve(reservation.name, reservation.location, reservation.nbytes)
-        _simulate_requests(sim, run_phase(sim, "enter", actions))
+        simulate_requests(sim, run_phase(sim, "enter", actions))
     except ActionFailed as failed:
         return _Profile({}, f"{actions[failed.index]} cannot run: {failed.cause}")
     except (ResidencyError, ValueError) as error:
@@ -265,10 +256,10 @@ def simulate_entry(state: ResidencyState, plan: ResidencyPlan) -> ResidencyState
     Raises what the phases raise (``ActionFailed``, ``ResidencyError``) when the plan cannot
     run. Used to check that every requested endpoint is in the simulated final state."""
     sim = state.clone(plan.handles())
-    _simulate_requests(sim, run_phase(sim, "reclaim", plan.reclaim))
+    simulate_requests(sim, run_phase(sim, "reclaim", plan.reclaim))
     for reservation in plan.reserve:
         sim.reserve(reservation.name, reservation.location, reservation.nbytes)
-    _simulate_requests(sim, run_phase(sim, "enter", plan.enter))
+    simulate_requests(sim, run_phase(sim, "enter", plan.enter))
     return sim
 
 

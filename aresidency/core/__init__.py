@@ -1,4 +1,4 @@
-"""The pure residency model: no asyncio, no device calls (see STYLE.md, "layers you can see").
+"""The pure residency model: no event loop, no device calls.
 
 Everything here is synchronous and deterministic. The runtime owns one ``ResidencyState`` and
 turns its transitions into device work; ``explain`` runs the same transitions on a copy.
@@ -14,18 +14,9 @@ from .errors import (
     ResidencyStaleStateError,
     ResidencyUnavailableError,
 )
+from .explain import PeakLedger, PlanExplanation, explain_plan, plan_fits
 from .locations import PAGEABLE_HOST, PINNED_HOST, Location, LocationLike
-from .plans import (
-    ExecutionReport,
-    Materialize,
-    MemoryReservation,
-    Move,
-    PeakLedger,
-    PlanExplanation,
-    Release,
-    ResidencyPlan,
-    explain_plan,
-)
+from .plans import Materialize, MemoryReservation, Move, Release, ResidencyPlan
 from .snapshot import (
     LocationRecord,
     MaterializationRecord,
@@ -42,7 +33,7 @@ from .state import (
     ValueHandle,
     value_charge,
 )
-from .trace import ResidencyTrace, Transition
+from .trace import ExecutionReport, ResidencyTrace, Transition
 
 __all__ = [
     "DEFAULT_GRANULARITY",
@@ -78,6 +69,7 @@ __all__ = [
     "ValueHandle",
     "ValueSnapshot",
     "explain_plan",
+    "plan_fits",
     "take_snapshot",
     "value_charge",
 ]

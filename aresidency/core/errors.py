@@ -20,12 +20,10 @@ travel).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .locations import Location
-
-if TYPE_CHECKING:
-    from .plans import ExecutionReport
+from .trace import ExecutionReport
 
 __all__ = [
     "ResidencyBudgetError",

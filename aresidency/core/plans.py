@@ -1,4 +1,4 @@
-"""Plans, their actions, the phase runner shared by ``explain`` and execution, and ``explain``.
+"""Plans, their actions, and the phase runner shared by ``explain`` and execution.
 
 One function decides, another does: :func:`run_phase` is a generator that applies a phase's
 actions to a :class:`ResidencyState` and *yields* the device work it needs (transfers to carry
@@ -41,17 +41,17 @@ from .trace import Transition
 
 __all__ = [
     "Action",
-    "ExecutionReport",
+    "ActionFailed",
     "Materialize",
     "MemoryReservation",
     "Move",
-    "PeakLedger",
-    "PlanExplanation",
+    "PhaseRequest",
     "Release",
     "ResidencyPlan",
     "SettleRequest",
     "TransferRequest",
-    "explain_plan",
+    "TransitionRecorder",
+    "choose_source",
     "run_phase",
 ]
 
@@ -193,21 +193,8 @@ class ResidencyPlan:
             seen.add(key)
 
     def handles(self) -> list[ValueHandle]:
-        out: list[ValueHandle] = []
-        for action in (*self.reclaim, *self.enter, *self.exit):
-            if action.handle not in out:
-                out.append(action.handle)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionReport:
-    """Every transition a plan run committed, in order."""
-
-    transitions: tuple[Transition, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.transitions)
+        """The values the plan's actions name, each once, in first-appearance order."""
+        return list(dict.fromkeys(a.handle for a in (*self.reclaim, *self.enter, *self.exit)))
 
 
 # ----------------------------------------------------------------- the phase runner
@@ -246,18 +233,27 @@ class ActionFailed(Exception):
 
 
 class TransitionRecorder:
-    """Collects the transitions that a sequence of state calls committed."""
+    """``with TransitionRecorder(state, origin) as rec``: the transitions that the synchronous
+    state calls made inside the block commit are appended to ``rec.transitions`` (and only
+    those: not what other tasks commit while the owner of ``origin`` awaits elsewhere)."""
 
-    def __init__(self, state: ResidencyState) -> None:
+    def __init__(
+        self, state: ResidencyState, origin: object, transitions: list[Transition] | None = None
+    ) -> None:
         self.state = state
-        self.transitions: list[Transition] = []
+        self.origin = origin
+        self.transitions: list[Transition] = [] if transitions is None else transitions
+        self._previous: object | None = None
 
     def __enter__(self) -> TransitionRecorder:
-        self.state.recorders.append(self.transitions)
+        state = self.state
+        self._previous, state.origin = state.origin, self.origin
+        state.origin_recorders[self.origin] = self.transitions
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.state.recorders.remove(self.transitions)
+        self.state.origin = self._previous
+        self.state.origin_recorders.pop(self.origin, None)
 
 
 _SOURCE_PREFERENCE: dict[str, tuple[str, ...]] = {
@@ -285,22 +281,12 @@ def choose_source(
     return None
 
 
-def transfer_reads(
-    state: ResidencyState, handle: ValueHandle, location: Location
-) -> list[CopyTicket]:
-    """The open transfers that read the materialization. Each holds one of its
-    ``pending_event_count`` until it commits or aborts: those are not consumer events to reap.
-    A driver lets the ones begun elsewhere complete; the ones of the same request commit first
-    (in action order), so a move of the request waits for neither."""
-    return [t for t in state.open_tickets() if t.handle == handle and t.source == location]
-
-
 def _first_step(
     state: ResidencyState,
     action: Action,
     index: int,
     targets: Mapping[ValueHandle, set[Location]],
-    begun: Sequence[tuple[int, CopyTicket]],
+    reading: set[tuple[ValueHandle, Location]],
 ) -> Generator[PhaseRequest, Any, CopyTicket | None]:
     """Begin action ``index``: return its ticket, or None if it is already done.
 
@@ -309,7 +295,7 @@ def _first_step(
     from a wanted replica instead) and an EXCLUSIVE value may be asked at one location only."""
     if isinstance(action, Release):
         mat = state.materialization(action.handle, action.location)
-        if any(t.handle == action.handle and t.source == mat.location for _, t in begun):
+        if (action.handle, mat.location) in reading:
             # A copy out of it begun by this phase commits only after every action has begun:
             # waiting for it here would never end, and reaping it would free what it reads.
             raise ResidencyInUseError(
@@ -369,9 +355,10 @@ def run_phase(
             targets.setdefault(action.handle, set()).add(action.location)
     failure: ActionFailed | None = None
     tickets: list[tuple[int, CopyTicket]] = []
+    reading: set[tuple[ValueHandle, Location]] = set()  # what this phase's copies read
     for index, action in enumerate(actions):
         try:
-            ticket = yield from _first_step(state, action, index, targets, tickets)
+            ticket = yield from _first_step(state, action, index, targets, reading)
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break
@@ -383,6 +370,8 @@ def run_phase(
             raise
         if ticket is not None:
             tickets.append((index, ticket))
+            if ticket.source is not None:
+                reading.add((ticket.handle, ticket.source))
     failure = yield from _carry_out(state, tickets, failure)
     if failure is not None:
         raise failure
@@ -414,269 +403,3 @@ def _carry_out(
     if failure is None and transfer_failure is not None:
         return transfer_failure
     return failure
-
-
-# ------------------------------------------------------------------------ explain
-
-
-@dataclass(frozen=True, slots=True)
-class PeakLedger:
-    """What makes up the predicted peak at one location (the guide's accounting review).
-
-    At the moment of the peak: ``resident_bytes`` (values resident there and not moving),
-    ``reserved_bytes`` (active named reservations, the plan's and others'),
-    ``destination_bytes`` (materializations being copied in), ``transfer_overlap_bytes``
-    (sources still charged while their move is in flight), ``reconstruction_bytes`` (temporary
-    loads from a source at its ``source_location``); they add up to ``peak_bytes``.
-    ``start_bytes`` is the charge before the plan; ``reclaimed_bytes`` what its reclaim phase
-    freed before reservations were admitted. ``value_charges`` lists the fixed conservative
-    charge of each value the plan brings here; ``peak_at`` says where in the plan the peak fell.
-    """
-
-    location: Location
-    budget_bytes: int | None
-    start_bytes: int
-    reclaimed_bytes: int
-    resident_bytes: int
-    reserved_bytes: int
-    destination_bytes: int
-    transfer_overlap_bytes: int
-    reconstruction_bytes: int
-    peak_bytes: int
-    peak_at: str
-    reservations: tuple[tuple[str, int], ...]
-    value_charges: tuple[tuple[ValueHandle, int], ...]
-
-    @property
-    def headroom_bytes(self) -> int | None:
-        return None if self.budget_bytes is None else self.budget_bytes - self.peak_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PlanExplanation:
-    """``feasible``, the ``reason`` naming the first blocking fact, the predicted peak per
-    location and the ledger behind it. ``transient`` is true when the plan is blocked only by
-    state that will change on its own (leases, holds, pending events, others' reservations)."""
-
-    feasible: bool
-    reason: str
-    predicted_peak_bytes: Mapping[Location, int]
-    ledger: Mapping[Location, PeakLedger]
-    failed_phase: str | None = None
-    failed_action_index: int | None = None
-    blocking_error: BaseException | None = field(default=None, compare=False, repr=False)
-    transient: bool = False
-
-
-class _PeakWatcher:
-    """Observes every transition on a cloned state and keeps each location's peak breakdown."""
-
-    def __init__(self, state: ResidencyState, plan: ResidencyPlan) -> None:
-        self.state = state
-        self.where = "start"
-        self.reclaimed: dict[Location, int] = {}
-        self.start = {loc: state.ledger(loc).charged_bytes for loc in state.locations()}
-        self.best: dict[Location, tuple[int, dict[str, int], str, tuple[tuple[str, int], ...]]] = {}
-        self.charges: dict[Location, dict[ValueHandle, int]] = {}
-        for loc in state.locations():
-            self._snap(loc)
-
-    def _snap(self, loc: Location) -> None:
-        entry = self.state.ledger(loc)
-        charged = entry.charged_bytes
-        best = self.best.get(loc)
-        if best is not None and charged <= best[0]:
-            return
-        # Only the plan's values are in the (partial) copy; everything else at the location is
-        # resident and untouched, so "resident" is what remains of the charge.
-        parts = {"destination": 0, "overlap": 0, "reconstruction": 0}
-        for ticket in self.state.open_tickets():
-            if ticket.via == loc:
-                parts["reconstruction"] += ticket.nbytes
-        for value in self.state.values():
-            mat = value.materializations.get(loc)
-            if mat is None:
-                continue
-            if mat.state is MaterializationState.INCOMING:
-                parts["destination"] += mat.charged_bytes
-            elif mat.state is MaterializationState.OUTGOING:
-                parts["overlap"] += mat.charged_bytes
-        parts["reserved"] = entry.reserved_bytes
-        parts["resident"] = charged - sum(parts.values())
-        reservations = tuple(sorted((n, b) for n, (b, _) in entry.reservations.items()))
-        self.best[loc] = (charged, parts, self.where, reservations)
-
-    def observe(self, transition: Transition) -> None:
-        loc = transition.location
-        if loc is None:
-            return
-        if self.where.startswith("reclaim") and transition.nbytes < 0:
-            self.reclaimed[loc] = self.reclaimed.get(loc, 0) - transition.nbytes
-        if transition.kind in ("copy_begin", "move_begin", "load_begin", "rebuild_temp"):
-            self.charges.setdefault(loc, {})[transition.handle] = transition.nbytes
-        self._snap(loc)
-
-    def result(self) -> tuple[dict[Location, int], dict[Location, PeakLedger]]:
-        peaks: dict[Location, int] = {}
-        ledgers: dict[Location, PeakLedger] = {}
-        for loc in self.state.locations():
-            self._snap(loc)
-            peak, parts, where, reservations = self.best[loc]
-            peaks[loc] = peak
-            ledgers[loc] = PeakLedger(
-                location=loc,
-                budget_bytes=self.state.ledger(loc).budget_bytes,
-                start_bytes=self.start.get(loc, 0),
-                reclaimed_bytes=self.reclaimed.get(loc, 0),
-                resident_bytes=parts["resident"],
-                reserved_bytes=parts["reserved"],
-                destination_bytes=parts["destination"],
-                transfer_overlap_bytes=parts["overlap"],
-                reconstruction_bytes=parts["reconstruction"],
-                peak_bytes=peak,
-                peak_at=where,
-                reservations=reservations,
-                value_charges=tuple(
-                    sorted(self.charges.get(loc, {}).items(), key=lambda i: i[0].value_id)
-                ),
-            )
-        return peaks, ledgers
-
-
-def _complete_reads_elsewhere(
-    state: ResidencyState,
-    handle: ValueHandle,
-    location: Location,
-    ours: Sequence[CopyTicket],
-) -> None:
-    """On a quiet manager, the copies in flight elsewhere that read the materialization
-    complete (the runtime waits for them before freeing it)."""
-    mine = {t.ticket_id for t in ours}
-    for ticket in transfer_reads(state, handle, location):
-        if ticket.ticket_id not in mine and not ticket.move:
-            state.commit_copy(ticket)
-
-
-def _simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, None]) -> None:
-    """Drive a phase as if every transfer succeeds and every pending event completes."""
-    try:
-        request = next(gen)
-        while True:
-            if isinstance(request, SettleRequest):
-                _complete_reads_elsewhere(state, request.handle, request.location, ())
-                mat = state.materialization(request.handle, request.location)
-                consumers = mat.pending_event_count - len(
-                    transfer_reads(state, request.handle, mat.location)
-                )
-                if consumers > 0:
-                    state.reap_events(request.handle, request.location, consumers)
-                request = gen.send(None)
-                continue
-            for ticket in request.tickets:
-                value = state.value(ticket.handle, allow_discarded=True)
-                if ticket.source is not None and ticket.move:
-                    _complete_reads_elsewhere(state, ticket.handle, ticket.source, request.tickets)
-                    src = value.materializations[ticket.source]
-                    # consumer events only: the request's own copies commit before the move
-                    extra = src.pending_event_count - len(
-                        transfer_reads(state, ticket.handle, ticket.source)
-                    )
-                    if extra > 0:
-                        state.reap_events(ticket.handle, ticket.source, extra)
-            request = gen.send({})
-    except StopIteration:
-        return
-
-
-def plan_phases(plan: ResidencyPlan) -> list[tuple[str, Sequence[Any]]]:
-    """The phases in execution order; ``unreserve`` ends the plan's reservations."""
-    return [
-        ("reclaim", plan.reclaim),
-        ("reserve", plan.reserve),
-        ("enter", plan.enter),
-        ("unreserve", plan.reserve),
-        ("exit", plan.exit),
-    ]
-
-
-_Failure: TypeAlias = tuple[str, int | None, BaseException]
-
-
-def _simulate_plan(
-    sim: ResidencyState, plan: ResidencyPlan, watcher: _PeakWatcher | None = None
-) -> _Failure | None:
-    """Run ``plan`` on ``sim`` (a copy) as execution would; return the first failure."""
-    for phase, items in plan_phases(plan):
-        if phase == "reserve":
-            for index, reservation in enumerate(items):
-                if watcher is not None:
-                    watcher.where = f"reserve #{index}"
-                try:
-                    sim.reserve(reservation.name, reservation.location, reservation.nbytes)
-                except (ResidencyError, ValueError) as error:
-                    return (phase, index, error)
-            continue
-        if phase == "unreserve":
-            if watcher is not None:
-                watcher.where = "scope end"
-            for reservation in items:
-                sim.unreserve(reservation.name, reservation.location)
-            continue
-        if watcher is not None:
-            watcher.where = phase
-        try:
-            _simulate_requests(sim, run_phase(sim, phase, items))
-        except ActionFailed as failed:
-            return (phase, failed.index, failed.cause)
-        except (ResidencyError, ValueError) as error:
-            return (phase, None, error)
-    return None
-
-
-def plan_fits(state: ResidencyState, plan: ResidencyPlan) -> bool:
-    """``explain_plan(state, plan).feasible``, without building the evidence (admission's fast
-    path: the simulation only, on a copy of the plan's own values)."""
-    return _simulate_plan(state.clone(plan.handles()), plan) is None
-
-
-def explain_plan(state: ResidencyState, plan: ResidencyPlan) -> PlanExplanation:
-    """Simulate ``plan`` on a copy of ``state``; the real state is not touched.
-
-    The simulation runs the same transitions as execution (see :func:`run_phase`), assuming every
-    transfer succeeds and every pending consumer event completes. Its peaks are therefore the
-    peaks execution charges on a quiet manager."""
-    if not isinstance(plan, ResidencyPlan):
-        raise TypeError(f"explain takes a ResidencyPlan, got {plan!r}")
-    sim = state.clone(plan.handles())
-    sim.reset_peaks()
-    watcher = _PeakWatcher(sim, plan)
-    sim.observers.append(watcher.observe)
-    failure = _simulate_plan(sim, plan, watcher)
-    peaks, ledgers = watcher.result()
-    if failure is None:
-        return PlanExplanation(True, "feasible", peaks, ledgers)
-    phase, index, error = failure
-    where = f"{phase} #{index}" if index is not None else phase
-    transient = _is_transient(state, plan, error)
-    return PlanExplanation(
-        False,
-        f"infeasible at {where}: {error}",
-        peaks,
-        ledgers,
-        failed_phase=phase,
-        failed_action_index=index,
-        blocking_error=error,
-        transient=transient,
-    )
-
-
-def _is_transient(state: ResidencyState, plan: ResidencyPlan, error: BaseException) -> bool:
-    """Would the plan fit if everything it does not touch went away and nothing were protected?"""
-    from .errors import ResidencyBudgetError
-    from .state import DuplicateReservationError
-
-    if not isinstance(
-        error, (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError)
-    ):
-        return False
-    return _simulate_plan(state.isolated(plan.handles()), plan) is None

@@ -190,18 +190,62 @@ class _Value:
 
 
 class _LocationLedger:
-    __slots__ = ("budget_bytes", "location", "peak_bytes", "reservations", "used_bytes")
+    """One location's budget and charges.
+
+    ``used_bytes`` counts every materialization here plus temporary reconstruction charges;
+    of it, ``incoming_bytes`` are destinations of transfers in flight, ``outgoing_bytes``
+    sources of moves in flight, ``reconstruction_bytes`` temporary loads from a source passing
+    through (kept up to date by the transitions, so ``explain`` reads its breakdown in O(1));
+    ``protected_bytes`` are materializations in use, held or read (what admission may wait
+    for, since protection ends on its own).
+    ``reserved_bytes`` is the sum of the named reservations (kept, not recomputed).
+    """
+
+    __slots__ = (
+        "budget_bytes",
+        "incoming_bytes",
+        "location",
+        "outgoing_bytes",
+        "peak_bytes",
+        "protected_bytes",
+        "reconstruction_bytes",
+        "reservations",
+        "reserved_bytes",
+        "used_bytes",
+    )
 
     def __init__(self, location: Location, budget_bytes: int | None) -> None:
         self.location = location
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
+        self.incoming_bytes = 0
+        self.outgoing_bytes = 0
+        self.reconstruction_bytes = 0
+        self.protected_bytes = 0
         self.reservations: dict[str, tuple[int, Any]] = {}  # name -> (nbytes, owner)
+        self.reserved_bytes = 0
         self.peak_bytes = 0
 
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(nbytes for nbytes, _ in self.reservations.values())
+    def add_reservation(self, name: str, nbytes: int, owner: Any) -> None:
+        self.reservations[name] = (nbytes, owner)
+        self.reserved_bytes += nbytes
+
+    def pop_reservation(self, name: str) -> int:
+        nbytes, _ = self.reservations.pop(name)
+        self.reserved_bytes -= nbytes
+        return nbytes
+
+    def copy(self) -> _LocationLedger:
+        twin = _LocationLedger(self.location, self.budget_bytes)
+        twin.used_bytes = self.used_bytes
+        twin.incoming_bytes = self.incoming_bytes
+        twin.outgoing_bytes = self.outgoing_bytes
+        twin.reconstruction_bytes = self.reconstruction_bytes
+        twin.protected_bytes = self.protected_bytes
+        twin.reservations = dict(self.reservations)
+        twin.reserved_bytes = self.reserved_bytes
+        twin.peak_bytes = self.peak_bytes
+        return twin
 
     @property
     def charged_bytes(self) -> int:
@@ -258,14 +302,22 @@ class ResidencyState:
         self._locations: dict[Location, _LocationLedger] = {}
         self._values: dict[ValueHandle, _Value] = {}
         self._tickets: dict[int, CopyTicket] = {}
+        # (handle, source location) -> open transfers reading it: O(1) answers for the
+        # phase runner, which asks once per action.
+        self._reads: dict[tuple[ValueHandle, Location], list[CopyTicket]] = {}
         self._next_id = 1
         self._seq = 0
         self._trace = TraceRing(trace_capacity)
         self._clock_ns = clock_ns
-        # Lists that collect every committed transition (plan runs) and callbacks told of each
-        # (explain's peak watcher); both usually empty.
+        # Lists that collect every committed transition (the runtime's journal) and callbacks
+        # told of each (explain's peak watcher, the controller's index); usually short.
         self.recorders: list[list[Transition]] = []
         self.observers: list[Any] = []
+        # The runtime sets ``origin`` while it advances one plan run synchronously; transitions
+        # committed meanwhile also go to ``origin_recorders[origin]``, so that a run reports
+        # its own transitions and not those other tasks commit while it awaits.
+        self.origin: object | None = None
+        self.origin_recorders: dict[object, list[Transition]] = {}
         parsed: list[tuple[Location, int | None]] = []
         for key, budget in (budgets or {}).items():
             location = Location.parse(key)
@@ -287,7 +339,7 @@ class ResidencyState:
     def locations(self) -> list[Location]:
         return sorted(self._locations)
 
-    def value(self, handle: Any, *, allow_discarded: bool = False) -> _Value:
+    def value(self, handle: Any) -> _Value:
         """The value for ``handle``; raises for a foreign, unknown or discarded handle."""
         if not isinstance(handle, ValueHandle):
             raise TypeError(f"expected a ValueHandle, got {handle!r} ({type(handle).__name__})")
@@ -300,12 +352,24 @@ class ResidencyState:
             )
         value = self._values.get(handle)
         if value is None:
-            raise ResidencyUnavailableError(handle, None, "no such value in this manager")
-        if value.discarded and not allow_discarded:
+            # Discarded values leave the state (a long-running manager would otherwise grow
+            # without bound); every other handle of this manager names a live value.
             raise ResidencyUnavailableError(
-                handle, None, "the value was discarded; register it again to use it"
+                handle,
+                None,
+                "the value was discarded (or the handle was not made by register): register "
+                "the tensor again to use it",
             )
         return value
+
+    def find_value(self, handle: ValueHandle) -> _Value | None:
+        """The value for ``handle``, or ``None`` if this state has none (never raises)."""
+        return self._values.get(handle)
+
+    def find_ledger(self, location: Location) -> _LocationLedger | None:
+        """The ledger of ``location`` if the state has one (unlike :meth:`ledger`, never adds
+        one)."""
+        return self._locations.get(location)
 
     def values(self) -> Iterator[_Value]:
         return iter(self._values.values())
@@ -351,8 +415,31 @@ class ResidencyState:
         self._trace.append(transition)
         for recorder in self.recorders:
             recorder.append(transition)
+        if self.origin is not None:
+            own = self.origin_recorders.get(self.origin)
+            if own is not None:
+                own.append(transition)
         for observer in self.observers:
             observer(transition)
+
+    def subscribe(self, observer: Any) -> Any:
+        """Call ``observer(transition)`` after every committed transition (synchronously, in
+        the committing call: keep it short and never mutate the state from it). Returns a
+        function that ends the subscription."""
+        self.observers.append(observer)
+
+        def unsubscribe() -> None:
+            if observer in self.observers:
+                self.observers.remove(observer)
+
+        return unsubscribe
+
+    def _protection_changed(self, mat: _Materialization, was: bool) -> None:
+        """Keep ``protected_bytes`` of the materialization's ledger in step with its counts."""
+        now = mat.protected
+        if now != was:
+            ledger = self._locations[mat.location]
+            ledger.protected_bytes += mat.charged_bytes if now else -mat.charged_bytes
 
     def _charge(self, location: Location, nbytes: int) -> None:
         entry = self.ledger(location)
@@ -453,7 +540,7 @@ class ResidencyState:
                 f"a reservation named {name!r} is already active at {loc}"
             )
         entry.check_admit(nbytes, f"reservation {name!r}")
-        entry.reservations[name] = (nbytes, owner)
+        entry.add_reservation(name, nbytes, owner)
         entry.note_peak()
         self._commit("reserve", None, loc, nbytes, name)
 
@@ -462,20 +549,24 @@ class ResidencyState:
         entry = self._locations.get(loc)  # not ledger(): a refused call must add no location
         if entry is None or name not in entry.reservations:
             raise ValueError(f"no active reservation named {name!r} at {loc}")
-        nbytes, _ = entry.reservations.pop(name)
+        nbytes = entry.pop_reservation(name)
         self._commit("unreserve", None, loc, -nbytes, name)
         return nbytes
 
     def hold(self, handle: ValueHandle, location: LocationLike) -> None:
         mat = self._usable(handle, location, "hold")
+        was = mat.protected
         mat.hold_count += 1
+        self._protection_changed(mat, was)
         self._commit("hold", handle, mat.location, 0)
 
     def unhold(self, handle: ValueHandle, location: LocationLike) -> None:
         mat = self.materialization(handle, location)
         if mat.hold_count <= 0:
             raise ValueError(f"{handle} has no hold at {mat.location}")
+        was = mat.protected
         mat.hold_count -= 1
+        self._protection_changed(mat, was)
         self._commit("unhold", handle, mat.location, 0)
 
     def _usable(self, handle: ValueHandle, location: LocationLike, what: str) -> _Materialization:
@@ -529,7 +620,9 @@ class ResidencyState:
                 mat.pending_event_count,
                 operation="read-lease (a write lease is active)",
             )
+        was = mat.protected
         mat.use_count += 1
+        self._protection_changed(mat, was)
         self._commit("lease", handle, mat.location, 0)
 
     def unlease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
@@ -548,24 +641,30 @@ class ResidencyState:
             )
         if mode == "write":
             mat.write_count -= 1
+        was = mat.protected
         mat.use_count -= 1
+        self._protection_changed(mat, was)
         self._commit("unlease", handle, mat.location, 0)
 
     def record_events(self, handle: ValueHandle, location: LocationLike, count: int = 1) -> None:
         """``count`` consumer events were recorded against the materialization."""
         check_nbytes(count, "event count", allow_zero=False)
         mat = self.materialization(handle, location)
+        was = mat.protected
         mat.pending_event_count += count
+        self._protection_changed(mat, was)
         self._commit("event_recorded", handle, mat.location, 0)
 
     def reap_events(self, handle: ValueHandle, location: LocationLike, count: int = 1) -> None:
         """``count`` consumer events completed."""
         check_nbytes(count, "event count", allow_zero=False)
-        value = self.value(handle, allow_discarded=True)
+        value = self.value(handle)
         mat = value.materializations.get(Location.parse(location))
         if mat is None or mat.pending_event_count < count:
             raise ValueError(f"{handle} has fewer than {count} pending events at {location}")
+        was = mat.protected
         mat.pending_event_count -= count
+        self._protection_changed(mat, was)
         self._commit("event_reaped", handle, mat.location, 0)
 
     def release(self, handle: ValueHandle, location: LocationLike) -> int:
@@ -609,6 +708,7 @@ class ResidencyState:
             freed += mat.charged_bytes
         value.materializations.clear()
         value.discarded = True
+        del self._values[handle]
         self._commit("discard", handle, None, -freed)
         return freed
 
@@ -632,6 +732,16 @@ class ResidencyState:
             )
         if dst in value.materializations:
             raise ValueError(f"{handle} already has a materialization at {dst}")
+        if mat.write_count:
+            # A copy would read it while the writer changes it: a torn or stale replica.
+            raise ResidencyInUseError(
+                handle,
+                src,
+                mat.use_count,
+                mat.hold_count,
+                mat.pending_event_count,
+                operation="copy from (a write lease is active)",
+            )
         if move:
             if mat.use_count or mat.hold_count:
                 raise ResidencyInUseError(
@@ -647,17 +757,20 @@ class ResidencyState:
                 f"{handle} is EXCLUSIVE and already at {src}: a second materialization at {dst} "
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
-        self.ledger(dst).check_admit(value.charge_bytes, f"{handle} ({'move' if move else 'copy'})")
-        ticket = CopyTicket(self._new_id(), handle, src, dst, value.charge_bytes, move)
-        value.materializations[dst] = _Materialization(
-            dst, value.charge_bytes, MaterializationState.INCOMING
-        )
-        self._charge(dst, value.charge_bytes)
+        charge = value.charge_bytes
+        self.ledger(dst).check_admit(charge, f"{handle} ({'move' if move else 'copy'})")
+        ticket = CopyTicket(self._new_id(), handle, src, dst, charge, move)
+        value.materializations[dst] = _Materialization(dst, charge, MaterializationState.INCOMING)
+        self._charge(dst, charge)
+        self._locations[dst].incoming_bytes += charge
+        was = mat.protected
         mat.pending_event_count += 1
+        self._protection_changed(mat, was)
         if move:
             mat.state = MaterializationState.OUTGOING
-        self._tickets[ticket.ticket_id] = ticket
-        self._commit("move_begin" if move else "copy_begin", handle, dst, value.charge_bytes)
+            self._locations[src].outgoing_bytes += charge
+        self._open(ticket)
+        self._commit("move_begin" if move else "copy_begin", handle, dst, charge)
         return ticket
 
     def begin_load(
@@ -688,12 +801,14 @@ class ResidencyState:
         if dst in self._locations:
             self._locations[dst].check_admit(charge, f"{handle} (rebuilt from its source)")
         ticket = CopyTicket(self._new_id(), handle, None, dst, charge, False, via)
-        self._tickets[ticket.ticket_id] = ticket
+        self._open(ticket)
         if via is not None:
             self._charge(via, charge)
+            self._locations[via].reconstruction_bytes += charge
             self._commit("rebuild_temp", handle, via, charge)
         value.materializations[dst] = _Materialization(dst, charge, MaterializationState.INCOMING)
         self._charge(dst, charge)
+        self._locations[dst].incoming_bytes += charge
         self._commit("load_begin", handle, dst, charge)
         return ticket
 
@@ -703,7 +818,7 @@ class ResidencyState:
         A move's source must have no other pending events (its readers were reaped)."""
         if ticket.ticket_id not in self._tickets:
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
-        value = self.value(ticket.handle, allow_discarded=True)
+        value = self.value(ticket.handle)
         dst = value.materializations[ticket.destination]
         src = None if ticket.source is None else value.materializations[ticket.source]
         if src is not None and ticket.move and (src.pending_event_count > 1 or src.use_count):
@@ -715,14 +830,18 @@ class ResidencyState:
                 src.pending_event_count - 1,
                 operation="complete the move out of",
             )
-        del self._tickets[ticket.ticket_id]
+        self._close(ticket)
         dst.state = MaterializationState.RESIDENT
+        self._locations[ticket.destination].incoming_bytes -= ticket.nbytes
         freed = 0
         if src is not None:
+            was = src.protected
             src.pending_event_count -= 1
+            self._protection_changed(src, was)
             if ticket.move:
                 del value.materializations[src.location]
                 self._uncharge(src.location, src.charged_bytes)
+                self._locations[src.location].outgoing_bytes -= src.charged_bytes
                 freed = src.charged_bytes
         if src is not None and ticket.move:
             # The bytes change at the source: record the transition there.
@@ -730,6 +849,7 @@ class ResidencyState:
         elif ticket.via is not None:
             # The temporary charge ends at the source location: record it there.
             self._uncharge(ticket.via, ticket.nbytes)
+            self._locations[ticket.via].reconstruction_bytes -= ticket.nbytes
             self._commit("load_commit", ticket.handle, ticket.via, -ticket.nbytes)
         else:
             kind = "load_commit" if src is None else "copy_commit"
@@ -739,19 +859,44 @@ class ResidencyState:
         """The transfer failed: drop the destination; the source stays intact."""
         if ticket.ticket_id not in self._tickets:
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
-        del self._tickets[ticket.ticket_id]
-        value = self.value(ticket.handle, allow_discarded=True)
+        self._close(ticket)
+        value = self.value(ticket.handle)
         dst = value.materializations.pop(ticket.destination)
+        if dst.protected:  # a driver waits for that; a simulation may not
+            self._locations[ticket.destination].protected_bytes -= dst.charged_bytes
         self._uncharge(ticket.destination, dst.charged_bytes)
+        self._locations[ticket.destination].incoming_bytes -= dst.charged_bytes
         if ticket.source is not None:
             src = value.materializations[ticket.source]
+            was = src.protected
             src.pending_event_count -= 1
+            self._protection_changed(src, was)
             if ticket.move:
                 src.state = MaterializationState.RESIDENT
+                self._locations[ticket.source].outgoing_bytes -= src.charged_bytes
         self._commit("copy_abort", ticket.handle, ticket.destination, -dst.charged_bytes)
         if ticket.via is not None:
             self._uncharge(ticket.via, ticket.nbytes)
+            self._locations[ticket.via].reconstruction_bytes -= ticket.nbytes
             self._commit("rebuild_abort", ticket.handle, ticket.via, -ticket.nbytes)
+
+    def _open(self, ticket: CopyTicket) -> None:
+        self._tickets[ticket.ticket_id] = ticket
+        if ticket.source is not None:
+            self._reads.setdefault((ticket.handle, ticket.source), []).append(ticket)
+
+    def _close(self, ticket: CopyTicket) -> None:
+        del self._tickets[ticket.ticket_id]
+        if ticket.source is not None:
+            key = (ticket.handle, ticket.source)
+            reads = self._reads[key]
+            reads.remove(ticket)
+            if not reads:
+                del self._reads[key]
+
+    def reads_of(self, handle: ValueHandle, location: Location) -> list[CopyTicket]:
+        """The open transfers that read the materialization (in the order they began)."""
+        return list(self._reads.get((handle, location), ()))
 
     # ---------------------------------------------------------------- utilities
 
@@ -759,7 +904,12 @@ class ResidencyState:
         """Start peak tracking afresh (one location, or all): a transition like any other."""
         locs = self.locations() if location is None else [Location.parse(location)]
         for loc in locs:
-            entry = self.ledger(loc)
+            entry = self._locations.get(loc)
+            if entry is None:  # validated before anything changes: no phantom location
+                known = ", ".join(str(known) for known in self.locations()) or "none"
+                raise ValueError(f"{loc} is not a location of this manager (it has: {known})")
+        for loc in locs:
+            entry = self._locations[loc]
             entry.peak_bytes = entry.charged_bytes
         self._commit("peak_reset", None, None if location is None else locs[0], 0)
 
@@ -778,24 +928,22 @@ class ResidencyState:
         other.manager_id = self.manager_id
         other.state_version = self.state_version
         other.granularity = self.granularity
-        other._locations = {}
-        for loc, entry in self._locations.items():
-            twin = _LocationLedger(loc, entry.budget_bytes)
-            twin.used_bytes = entry.used_bytes
-            twin.peak_bytes = entry.peak_bytes
-            twin.reservations = dict(entry.reservations)
-            other._locations[loc] = twin
+        other._locations = {loc: entry.copy() for loc, entry in self._locations.items()}
         if handles is None:
             selected: Iterable[_Value] = self._values.values()
         else:
             selected = [self._values[h] for h in dict.fromkeys(handles) if h in self._values]
         other._values = {}
+        other._reads = {}
+        reads = self._reads
         for value in selected:
             twin_value = copy.copy(value)
             twin_value.materializations = {}
             for loc, mat in value.materializations.items():
-                twin_mat = copy.copy(mat)
-                twin_value.materializations[loc] = twin_mat
+                twin_value.materializations[loc] = copy.copy(mat)
+                open_reads = reads.get((value.handle, loc))
+                if open_reads:
+                    other._reads[(value.handle, loc)] = list(open_reads)
             other._values[value.handle] = twin_value
         other._tickets = dict(self._tickets)
         other._next_id = self._next_id
@@ -804,50 +952,107 @@ class ResidencyState:
         other._clock_ns = self._clock_ns
         other.recorders = []
         other.observers = []
+        other.origin = None
+        other.origin_recorders = {}
         return other
 
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
 
-    def isolated(self, handles: Iterable[ValueHandle]) -> ResidencyState:
-        """A copy holding only ``handles``, unprotected, with no reservations and no transfers
-        in flight: what the manager would look like if everything else went away."""
-        keep = set(handles)
+    def settled(
+        self, handles: Iterable[ValueHandle], scoped: Iterable[ValueHandle] = ()
+    ) -> ResidencyState:
+        """A partial copy (``handles`` only) of what this state becomes once everything
+        *transient* has ended: every transfer in flight completed (its destination resident,
+        a move's source and a load's temporary charge gone); no lease, hold or pending event;
+        no reservation but the backend's own (scopes and reservation blocks end); and, of the
+        other values, every materialization that is protected now (in use, held or read) or
+        belongs to a value in ``scoped`` (the values of entered scopes, whose exit may move
+        them) assumed gone. Resident values that nothing protects stay where they are and
+        stay charged: nothing moves them on its own.
+
+        A plan that fails on this copy could not be admitted by waiting. O(len(handles) +
+        len(scoped) + open transfers + locations), whatever the number of values."""
+        keep = dict.fromkeys(handles)
         other = self.clone(keep)
+        ledgers = other._locations
+        for entry in ledgers.values():
+            entry.used_bytes -= entry.protected_bytes + entry.reconstruction_bytes
+        for handle in keep:
+            value = self._values.get(handle)
+            if value is None:
+                continue
+            for mat in value.materializations.values():
+                if mat.protected:  # the plan's own values stay: count them back
+                    ledgers[mat.location].used_bytes += mat.charged_bytes
+        for ticket in self._tickets.values():
+            if ticket.move and ticket.source is not None:
+                src = self._values[ticket.handle].materializations[ticket.source]
+                if not src.protected:  # protected ones were taken out above
+                    ledgers[ticket.source].used_bytes -= ticket.nbytes
+        for handle in dict.fromkeys(scoped):
+            value = self._values.get(handle)
+            if value is None or handle in keep:
+                continue
+            for mat in value.materializations.values():
+                if not mat.protected and mat.state is not MaterializationState.OUTGOING:
+                    ledgers[mat.location].used_bytes -= mat.charged_bytes
         other._tickets.clear()
-        for entry in other._locations.values():
+        other._reads.clear()
+        for entry in ledgers.values():
+            entry.incoming_bytes = entry.outgoing_bytes = entry.reconstruction_bytes = 0
+            entry.protected_bytes = 0
             # Reservations of the backend itself (the staging pool) never go away.
             entry.reservations = {
                 name: held for name, held in entry.reservations.items() if held[1] == "backend"
             }
-            entry.used_bytes = 0
-        for handle in list(other._values):
-            value = other._values[handle]
-            if handle not in keep:
-                del other._values[handle]
-                continue
+            entry.reserved_bytes = sum(nbytes for nbytes, _ in entry.reservations.values())
+        for value in other._values.values():
             for loc, mat in list(value.materializations.items()):
-                if mat.state == MaterializationState.INCOMING:
+                if mat.state == MaterializationState.OUTGOING:
                     del value.materializations[loc]
+                    ledgers[loc].used_bytes -= mat.charged_bytes
                     continue
                 mat.state = MaterializationState.RESIDENT
                 mat.use_count = mat.hold_count = mat.pending_event_count = mat.write_count = 0
-                other._locations.setdefault(loc, _LocationLedger(loc, None))
-                other._locations[loc].used_bytes += mat.charged_bytes
+        other.reset_peaks()
+        return other
+
+    def isolated(self, handles: Iterable[ValueHandle]) -> ResidencyState:
+        """A copy holding only ``handles``, unprotected, with no reservations but the
+        backend's and no transfers in flight: the manager as if everything else went away
+        (the controller's test for a request that waiting could admit, since it may evict
+        any other value that nothing protects)."""
+        keep = dict.fromkeys(handles)
+        other = self.settled(keep)
+        for entry in other._locations.values():
+            entry.used_bytes = entry.incoming_bytes = entry.outgoing_bytes = 0
+            entry.reconstruction_bytes = 0
+        for value in other._values.values():
+            for loc, mat in value.materializations.items():
+                other.ledger(loc).used_bytes += mat.charged_bytes
         other.reset_peaks()
         return other
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any invariant in the module docstring is broken."""
         used: dict[Location, int] = {}
+        incoming: dict[Location, int] = {}
+        outgoing: dict[Location, int] = {}
+        protected: dict[Location, int] = {}
+        temporary: dict[Location, int] = {}
+        reads: dict[tuple[ValueHandle, Location], int] = {}
         for ticket in self._tickets.values():
             if ticket.via is not None:
                 used[ticket.via] = used.get(ticket.via, 0) + ticket.nbytes
+                temporary[ticket.via] = temporary.get(ticket.via, 0) + ticket.nbytes
+            if ticket.source is not None:
+                key = (ticket.handle, ticket.source)
+                reads[key] = reads.get(key, 0) + 1
+        assert reads == {k: len(v) for k, v in self._reads.items()}, "reads index drifted"
         for value in self._values.values():
-            if value.discarded:
-                assert not value.materializations, f"{value.handle} discarded but materialized"
-                continue
+            assert not value.discarded, f"{value.handle} discarded but still in the state"
             if not value.has_source:
                 assert value.holders(), f"{value.handle} has no source and no data"
             if value.replica_mode is ReplicaMode.EXCLUSIVE:
@@ -860,11 +1065,23 @@ class ResidencyState:
             for mat in value.materializations.values():
                 assert mat.charged_bytes == value.charge_bytes
                 assert min(mat.use_count, mat.hold_count, mat.pending_event_count) >= 0
-                used[mat.location] = used.get(mat.location, 0) + mat.charged_bytes
+                loc = mat.location
+                used[loc] = used.get(loc, 0) + mat.charged_bytes
+                if mat.protected:
+                    protected[loc] = protected.get(loc, 0) + mat.charged_bytes
+                if mat.state is MaterializationState.INCOMING:
+                    incoming[loc] = incoming.get(loc, 0) + mat.charged_bytes
+                elif mat.state is MaterializationState.OUTGOING:
+                    outgoing[loc] = outgoing.get(loc, 0) + mat.charged_bytes
         for loc, entry in self._locations.items():
             assert entry.used_bytes == used.get(loc, 0), (
                 f"{loc}: used_bytes {entry.used_bytes} != sum of charges {used.get(loc, 0)}"
             )
+            assert entry.incoming_bytes == incoming.get(loc, 0), f"{loc}: incoming drifted"
+            assert entry.outgoing_bytes == outgoing.get(loc, 0), f"{loc}: outgoing drifted"
+            assert entry.reconstruction_bytes == temporary.get(loc, 0), f"{loc}: temp drifted"
+            assert entry.protected_bytes == protected.get(loc, 0), f"{loc}: protected drifted"
+            assert entry.reserved_bytes == sum(n for n, _ in entry.reservations.values())
             if entry.budget_bytes is not None:
                 assert entry.charged_bytes <= entry.budget_bytes, (
                     f"{loc}: charged {format_bytes(entry.charged_bytes)} over budget "

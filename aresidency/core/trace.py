@@ -8,7 +8,7 @@ from typing import Any
 
 from .locations import Location
 
-__all__ = ["ResidencyTrace", "TraceRing", "Transition"]
+__all__ = ["ExecutionReport", "ResidencyTrace", "TraceRing", "Transition"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +86,13 @@ class TraceRing:
             overwritten=self._overwritten,
             transitions=tuple(self._entries),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionReport:
+    """Every transition a plan run committed, in order."""
+
+    transitions: tuple[Transition, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.transitions)

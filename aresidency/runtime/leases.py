@@ -1,4 +1,9 @@
-"""Leases (active uses) and holds (protection without use)."""
+"""Leases (active uses) and holds (protection without use).
+
+A :class:`Lease` is made by ``manager.acquire(handle, location, stream=..., mode=...)``; a
+:class:`Hold` by ``manager.hold(handle, location)``. Both work on the manager's
+:class:`~aresidency.runtime.context.Runtime` and never place a value.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,17 @@ import torch
 from ..core.errors import ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.state import ValueHandle
+from .payloads import Payload
 
 if TYPE_CHECKING:
-    from .manager import ResidencyManager
+    from .context import Runtime
 
-__all__ = ["Hold", "Lease"]
+__all__ = ["Hold", "Lease", "LeaseWouldWait"]
+
+
+class LeaseWouldWait(Exception):
+    """:meth:`Lease.enter_nowait` could not enter without waiting (the data is still being
+    loaded, a staged copy is still being issued, or a host reader must wait for its copy)."""
 
 
 class Lease:
@@ -24,34 +35,54 @@ class Lease:
     For a ``cuda`` location the lease's stream (``stream=``, default the device's current
     stream) is made to wait *on the device* for the transfer that brought the value there, so
     the host never waits: kernels the body enqueues on that stream see the data. For a host
-    location the host awaits (without blocking the loop) any transfer still writing it.
+    location the host awaits (without blocking the loop) any transfer still writing it. A write
+    lease also orders its stream after the consumers recorded by earlier leases.
 
     Exiting records an event on every reader stream (the lease's own and each one given to
     :meth:`register_stream`); the materialization keeps ``pending_event_count`` until the
-    reaper sees them complete, so it cannot be removed while a kernel may still read it.
-    State: ``handle``, ``location``, ``mode``, ``stream``, ``tensor`` (while entered).
+    reaper sees them complete, so it cannot be removed while a kernel may still read it. The
+    use ends whatever happens while recording. If the lease was entered on an incoming copy,
+    exiting then waits for that copy (without blocking the loop) and raises
+    ``ResidencyUnavailableError`` if it failed: what the body read was not the value.
+
+    For pipelines whose consumer runs on another thread (weight streaming), a lease can also
+    be entered without ordering any stream (``order_stream=False``: the consumer makes its own
+    stream wait for :attr:`ready_event` right before its kernels, as a stream wait enqueued
+    from another thread could land between earlier kernels) and exited with reader events the
+    consumer recorded itself (``exit_nowait(reader_events=...)``).
+
+    State: ``handle``, ``location``, ``mode``, ``stream``, ``tensor`` (while entered),
+    ``ready_event`` (what a stream must wait for before reading, ``None`` once the data is
+    there), ``status`` (``new`` -> ``entered`` -> ``exited``).
     """
 
     def __init__(
         self,
-        manager: ResidencyManager,
+        runtime: Runtime,
         handle: ValueHandle,
         location: Location,
         *,
         stream: Any = None,
         mode: str = "read",
+        order_stream: bool = True,
     ) -> None:
         if mode not in ("read", "write"):
             raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
-        self._manager = manager
+        self._rt = runtime
+        self.order_stream = order_stream
+        self.ready_event: Any = None
         self.handle = handle
         self.location = location
         self.mode = mode
+        if stream is None and location.is_cuda:
+            stream = runtime.backend.current_stream(location)
+        else:
+            runtime.backend.check_stream(stream, location)
         self.stream = stream
-        self._streams: list[Any] = []
+        self._streams: list[Any] = [] if stream is None else [stream]
         self._tensor: torch.Tensor | None = None
-        self._entered = False
-        self._exited = False
+        self._payload: Payload | None = None
+        self.status = "new"
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -61,55 +92,146 @@ class Lease:
 
     def register_stream(self, stream: Any) -> None:
         """Also record a reader event on ``stream`` when the lease exits (a stream other than the
-        lease's own that reads the tensor). Registering a stream twice records it once."""
-        if self._exited:
+        lease's own that reads the tensor). Registering a stream twice records it once. A
+        stream of another device, or not a stream, is refused here rather than at exit."""
+        if self.status == "exited":
             raise RuntimeError("register_stream after the lease exited protects nothing")
         if stream is None:
             raise ValueError("register_stream needs a stream")
+        self._rt.backend.check_stream(stream, self.location)
         if all(stream is not s for s in self._streams):
             self._streams.append(stream)
 
-    async def __aenter__(self) -> Lease:
-        if self._entered:
+    # ------------------------------------------------------------------ entry
+
+    def _begin(self) -> Payload | None:
+        if self.status != "new":
             raise RuntimeError("a lease is single use; call manager.acquire again")
-        self._entered = True
-        manager = self._manager
-        manager._check_loop()
-        if self.location.is_cuda and self.stream is None:
-            self.stream = manager.backend.current_stream(self.location)
-        manager._state.lease(self.handle, self.location, self.mode)
+        rt = self._rt
+        rt.check_thread()
+        rt.state.lease(self.handle, self.location, self.mode)
+        self.status = "entering"
+        rt.settle()  # a write lease may have invalidated other replicas
+        return rt.payloads.get(self.handle, self.location)
+
+    def _ready(self, payload: Payload) -> bool:
+        """Whether the lease can be entered now without waiting."""
+        transfer = payload.transfer
+        if transfer is None:
+            return True
+        if self.location.is_cuda:
+            return transfer.issued()
+        return transfer.query()
+
+    def _complete_entry(self, payload: Payload) -> None:
+        if payload.aborting:
+            raise ResidencyUnavailableError(
+                self.handle,
+                self.location,
+                "the transfer bringing it there is being cancelled; materialize it again",
+            )
+        if payload.failure is not None:
+            raise ResidencyUnavailableError(
+                self.handle,
+                self.location,
+                f"the transfer bringing it there failed: {payload.failure}",
+            ) from payload.failure
+        backend = self._rt.backend
+        transfer = payload.transfer
+        self.ready_event = None if transfer is None else transfer.event
+        if not self.order_stream:
+            pass  # the consumer waits for ready_event itself
+        elif self.location.is_cuda:
+            if transfer is not None:
+                assert transfer.event is not None
+                backend.stream_wait(self.stream, transfer.event)
+            if self.mode == "write":  # after the earlier readers' (and writers') kernels
+                for event in payload.readers:
+                    backend.stream_wait(self.stream, event)
+        self._payload = payload
+        self._tensor = payload.tensor
+        self.status = "entered"
+
+    def enter_nowait(self) -> Lease:
+        """Enter now, synchronously, when no wait is needed (the copy is issued, or for a host
+        location complete); else raise :class:`LeaseWouldWait`, changing nothing. The weight
+        streaming pipeline enters its leases this way."""
+        payload = self._rt.payloads.get(self.handle, self.location)
+        if payload is None or not self._ready(payload):
+            self._rt.state.materialization(self.handle, self.location)  # a clear error first
+            raise LeaseWouldWait(f"{self.handle} at {self.location} is not ready yet")
+        payload = self._begin()
         try:
-            key = (self.handle, self.location)
-            while key not in manager._payloads:  # a load from the source is still running
-                manager._state.materialization(self.handle, self.location)
-                await manager._wait_change()
-            payload = manager._payloads[key]
-            if payload.transfer is not None:
-                if self.location.is_cuda:
-                    event = await payload.transfer.wait_issued()
-                    manager.backend.stream_wait(self.stream, event)
-                else:
-                    await payload.transfer.wait()
-            elif payload.ready_event is not None and self.location.is_cuda:
-                manager.backend.stream_wait(self.stream, payload.ready_event)
-            # A writer's or reader's work still pending on other streams: order after writers.
-            if self.location.is_cuda and self.mode == "write":
-                for event in payload.events:
-                    manager.backend.stream_wait(self.stream, event)
-            self._tensor = payload.tensor
+            if payload is None:  # pragma: no cover - checked just above, on the same loop step
+                raise LeaseWouldWait(f"{self.handle} at {self.location} is not ready yet")
+            self._complete_entry(payload)
         except BaseException:
-            self._unlease_quietly()
+            self._abandon()
             raise
-        if self.stream is not None:
-            self.register_stream(self.stream)
         return self
 
-    def _unlease_quietly(self) -> None:
+    async def __aenter__(self) -> Lease:
+        payload = self._begin()
+        rt = self._rt
         try:
-            self._manager._state.unlease(self.handle, self.location, self.mode)
-        except (ResidencyUnavailableError, ValueError):
-            pass
-        self._manager._notify()
+            while payload is None:  # a load from the source is still running
+                rt.state.materialization(self.handle, self.location)  # raises once it failed
+                await rt.signal.wait()
+                payload = rt.payloads.get(self.handle, self.location)
+            transfer = payload.transfer
+            if transfer is not None and not self._ready(payload):
+                if self.location.is_cuda:
+                    await transfer.wait_issued()
+                else:
+                    await rt.backend.wait(transfer)
+                    if payload.failure is None and transfer.query():
+                        payload.failure = transfer.outcome()
+            self._complete_entry(payload)
+        except BaseException:
+            self._abandon()
+            raise
+        return self
+
+    def _abandon(self) -> None:
+        """End a use whose entry failed (nothing was handed out, so no reader to record)."""
+        self.status = "exited"
+        self._rt.state.unlease(self.handle, self.location, self.mode)
+        self._rt.settle()
+
+    # ------------------------------------------------------------------ exit
+
+    def exit_nowait(self, reader_events: Any = None) -> BaseException | None:
+        """End the use now, synchronously: record the reader events (on the lease's streams,
+        or use ``reader_events`` recorded by the consumer itself) and end the lease, whatever
+        fails while recording (that error is returned, the use ends anyway). Returns ``None``
+        when nothing went wrong. Does not wait for an incoming copy: see :meth:`failure`."""
+        if self.status != "entered":
+            raise RuntimeError(f"the lease is {self.status}, not entered")
+        self.status = "exited"
+        self._tensor = None
+        rt = self._rt
+        error: BaseException | None = None
+        events: list[Any] = []
+        try:
+            if reader_events is not None:
+                events = [e for e in reader_events if not e.query()]
+            else:
+                events = [rt.backend.record_event(stream) for stream in self._streams]
+        except BaseException as exc:  # a closing backend: the use still ends
+            error = exc
+        try:
+            if events:
+                rt.reaper.track_readers(self.handle, self.location, events)
+        finally:
+            rt.state.unlease(self.handle, self.location, self.mode)
+            rt.settle()
+        return error
+
+    def failure(self) -> BaseException | None:
+        """The error of the transfer that was bringing the data when the lease was entered,
+        if it failed (known once it completed)."""
+        payload = self._payload
+        return None if payload is None else payload.failure
 
     async def __aexit__(
         self,
@@ -117,41 +239,48 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._exited = True
-        manager = self._manager
-        self._tensor = None
-        state = manager._state
-        value = state.value(self.handle, allow_discarded=True)
-        mat = value.materializations.get(self.location)
-        if mat is None:
-            return  # the transfer that was bringing it failed; its error was reported there
-        if self._streams:
-            events = [manager.backend.record_event(stream) for stream in self._streams]
-            manager._track_events(self.handle, self.location, events)
-        self._unlease_quietly()
+        if self.status != "entered":
+            return
+        payload = self._payload
+        error = self.exit_nowait()
+        transfer = None if payload is None else payload.transfer
+        if transfer is not None and not transfer.query():
+            # Entered on an incoming copy: the body's reads are valid only if it succeeds.
+            await self._rt.backend.wait(transfer)
+        if payload is not None and payload.failure is None and transfer is not None:
+            payload.failure = transfer.outcome()
+        if payload is not None and payload.failure is not None:
+            raise ResidencyUnavailableError(
+                self.handle,
+                self.location,
+                "the transfer that was bringing it when the lease was entered failed, so what "
+                f"the lease read was not the value: {payload.failure}",
+            ) from payload.failure
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
-        state = "entered" if self._entered and not self._exited else "idle"
-        return f"<Lease {self.handle.name!r} @ {self.location} {self.mode} {state}>"
+        return f"<Lease {self.handle.name!r} @ {self.location} {self.mode} {self.status}>"
 
 
 class Hold:
     """Protects a materialization from removal without using it. ``release()`` ends it; also a
     context manager (``with`` or ``async with``). Releasing twice is an error."""
 
-    def __init__(self, manager: ResidencyManager, handle: ValueHandle, location: Location):
-        self._manager = manager
+    def __init__(self, runtime: Runtime, handle: ValueHandle, location: Location) -> None:
+        self._rt = runtime
         self.handle = handle
         self.location = location
+        runtime.state.hold(handle, location)
         self.active = True
+        runtime.settle()
 
     def release(self) -> None:
         if not self.active:
             raise RuntimeError(f"{self!r} was already released")
-        self._manager._check_loop()
-        self._manager._state.unhold(self.handle, self.location)
+        self._rt.state.unhold(self.handle, self.location)
         self.active = False
-        self._manager._notify()
+        self._rt.settle()
 
     def __enter__(self) -> Hold:
         return self

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..core.locations import Location, LocationLike
+from .checkpoints import Checkpoint
 
 __all__ = ["CallableSource", "SafetensorsSource", "Source"]
 
@@ -82,53 +83,34 @@ class CallableSource:
         return f"<CallableSource {self.shape} {self.dtype} at {self.source_location}>"
 
 
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 class SafetensorsSource:
-    """One tensor of a safetensors file, memory-mapped; loads into ``pageable-host``.
+    """One tensor of a safetensors checkpoint; loads into ``pageable-host``.
 
-    Shape and dtype are read from the file's header at construction (no data is read then);
-    ``load`` maps the file and copies the one tensor out, so the page cache serves repeats.
+    ``path`` is anything :meth:`Checkpoint.open <aresidency.runtime.checkpoints.Checkpoint.open>`
+    takes (a ``.safetensors`` file, a directory holding one or a sharded checkpoint, an index
+    JSON) or an open :class:`~aresidency.runtime.checkpoints.Checkpoint` (to share one among many
+    sources). Construction reads the headers, not the data, and blocks for that; a missing
+    tensor is a ``KeyError`` naming the checkpoint and the tensor. ``load`` (in a worker thread)
+    copies the tensor out of the file's mapping into new memory: one copy, served by the page
+    cache on repeats.
     """
 
-    def __init__(self, path: str | Path, tensor_name: str) -> None:
-        from safetensors import safe_open
-
-        self.path = Path(path)
+    def __init__(self, path: str | Path | Checkpoint, tensor_name: str) -> None:
+        self._checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
+        self.path = self._checkpoint.path
         self.tensor_name = tensor_name
         self.source_location = Location("pageable-host")
-        with safe_open(str(self.path), framework="pt") as handle:
-            if tensor_name not in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                raise KeyError(f"{self.path} has no tensor named {tensor_name!r}")
-            piece: Any = handle.get_slice(tensor_name)
-            self.shape = tuple(int(d) for d in piece.get_shape())
-            dtype_name = str(piece.get_dtype())
-        if dtype_name not in _ST_DTYPES:
-            raise ValueError(f"unsupported safetensors dtype {dtype_name} for {tensor_name!r}")
-        self.dtype = _ST_DTYPES[dtype_name]
+        info = self._checkpoint.info(tensor_name)  # KeyError naming both if it has none
+        self.shape: tuple[int, ...] = info.shape
+        self.dtype: torch.dtype = info.dtype
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.shape, self.dtype)
 
     def load(self) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.path), framework="pt") as handle:
-            tensor: torch.Tensor = handle.get_tensor(self.tensor_name)
-        return tensor
+        """The tensor in new host memory; blocks the calling thread for the copy."""
+        return self._checkpoint.read(self.tensor_name)
 
     def __repr__(self) -> str:
         return f"<SafetensorsSource {self.path}:{self.tensor_name} {self.shape} {self.dtype}>"

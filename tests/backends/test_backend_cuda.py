@@ -13,8 +13,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aresidency.backends import STRATEGIES, CudaBackend, hostfunc_available, is_poisoned
-from aresidency.backends.staging import as_bytes
+from aresidency.backends import (
+    STRATEGIES,
+    CudaBackend,
+    TransferCancelledError,
+    hostfunc_available,
+    is_poisoned,
+)
+from aresidency.backends.memory import as_bytes
 from aresidency.core.locations import Location
 
 pytestmark = pytest.mark.cuda
@@ -337,7 +343,7 @@ async def test_cancel_stops_a_staged_copy(backend: CudaBackend) -> None:
     data = torch.ones(64 * CHUNK, dtype=torch.uint8)
     transfer = backend.copy(data, _loc("pageable-host"), _loc("cuda:0"))
     transfer.cancel()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(TransferCancelledError):
         await transfer.wait()
     event = await transfer.wait_issued()
     assert event.query(), "enqueued chunks completed before wait returned"

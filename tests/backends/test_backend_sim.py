@@ -12,8 +12,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aresidency.backends import FaultInjector, SimBackend, SimStream, is_poisoned
-from aresidency.backends.staging import as_bytes
+from aresidency.backends import (
+    FaultInjector,
+    SimBackend,
+    SimStream,
+    TransferCancelledError,
+    is_poisoned,
+)
+from aresidency.backends.memory import as_bytes
 from aresidency.core.locations import Location
 
 LOCATIONS = ["pageable-host", "pinned-host", "cuda:0", "cuda:1"]
@@ -80,7 +86,7 @@ async def test_copies_in_every_direction_are_bit_exact(
     assert transfer.nbytes == data.numel() * data.element_size()
     assert _same_bits(placed, data), "the source is intact"
     if dst != "pageable-host":
-        assert sim.location_of(transfer.tensor) == Location.parse(dst)
+        assert sim.owned_location(transfer.tensor) == Location.parse(dst)
 
 
 @pytest.mark.asyncio
@@ -194,7 +200,7 @@ async def test_free_poisons_storage_nan_for_floats_a5_otherwise(sim: SimBackend)
     assert bool(torch.isnan(floats).all())
     assert bool((as_bytes(ints) == 0xA5).all())
     assert bool(is_poisoned(ints).all())
-    assert sim.location_of(floats) is None
+    assert sim.owned_location(floats) is None
 
 
 def test_free_leaves_a_users_own_pageable_tensor_alone() -> None:
@@ -273,7 +279,7 @@ async def test_cancel_stops_issuing_chunks_and_wait_raises_cancelled() -> None:
         await asyncio.sleep(0.01)
         transfer.cancel()
         start = time.perf_counter()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(TransferCancelledError):
             await transfer.wait()
         assert time.perf_counter() - start < 0.09
         assert bool(is_poisoned(transfer.tensor).any()), "chunks after the cancel never ran"
@@ -332,9 +338,9 @@ def test_place_returns_a_tensor_already_there_and_copies_otherwise() -> None:
     user = torch.arange(6.0)
     on_dev = sim.place(user, Location.parse("cuda:1"))
     assert on_dev is not user and torch.equal(on_dev, user)
-    assert sim.location_of(on_dev) == Location.parse("cuda:1")
+    assert sim.owned_location(on_dev) == Location.parse("cuda:1")
     assert sim.place(on_dev, Location.parse("cuda:1")) is on_dev
-    assert sim.location_of(user) is None
+    assert sim.owned_location(user) is None
     back = sim.place(on_dev, Location.parse("pageable-host"))
     assert back is not on_dev and torch.equal(back, user)
 

@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from aresidency.backends.staging import PAGE_BYTES, PinnedAllocator, as_bytes
+from aresidency.backends.memory import as_bytes
+from aresidency.backends.staging import PAGE_BYTES, PinnedAllocator
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64])

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from aresidency.backends import waiter as waiter_module
-from aresidency.backends.waiter import STRATEGIES, EventWaiter, HostEvent, hostfunc_available
+from aresidency.backends.events import HostEvent
+from aresidency.backends.sim import SimBackend
+from aresidency.backends.waiter import STRATEGIES, EventWaiter, hostfunc_available
 
 
 class FakeEvent:
@@ -50,25 +52,32 @@ def test_host_event_wait_blocking_times_out() -> None:
 
 @pytest.mark.asyncio
 async def test_host_event_set_from_a_thread_wakes_the_awaiting_task() -> None:
+    backend = SimBackend()
+    backend.start()
     event = HostEvent()
     timer = threading.Timer(0.05, event.set)
     timer.daemon = True
     timer.start()
     start = time.perf_counter()
-    await asyncio.wait_for(event.wait(), 2.0)
+    await asyncio.wait_for(backend.wait(event), 2.0)
     assert time.perf_counter() - start >= 0.04
+    await backend.aclose()
 
 
 @pytest.mark.asyncio
 async def test_cancelled_wait_on_a_host_event_is_harmless() -> None:
+    backend = SimBackend()
+    backend.start()
     event = HostEvent()
-    task = asyncio.ensure_future(event.wait())
+    task = asyncio.ensure_future(backend.wait(event))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     event.set()
-    await asyncio.sleep(0.01)  # the late wake-up of a cancelled future does nothing
+    await backend.wait(HostEvent(done=True))  # the late completion of the cancelled wait
+    await asyncio.sleep(0)  # runs on the loop and does nothing
+    await backend.aclose()
 
 
 def test_unknown_strategy_is_rejected() -> None:

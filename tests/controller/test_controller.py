@@ -35,7 +35,8 @@ from aresidency.core import (
     ResidencyState,
     ValueHandle,
 )
-from aresidency.core.plans import _simulate_requests, run_phase
+from aresidency.core.explain import simulate_requests
+from aresidency.core.plans import run_phase
 
 pytestmark = pytest.mark.asyncio
 
@@ -79,10 +80,10 @@ class StandInScope:
                 self.decision.expected_state_version, state.state_version
             )
         plan = self.decision.plan
-        _simulate_requests(state, run_phase(state, "reclaim", plan.reclaim))
+        simulate_requests(state, run_phase(state, "reclaim", plan.reclaim))
         for reservation in plan.reserve:
             state.reserve(reservation.name, reservation.location, reservation.nbytes)
-        _simulate_requests(state, run_phase(state, "enter", plan.enter))
+        simulate_requests(state, run_phase(state, "enter", plan.enter))
         return self
 
     async def __aexit__(

@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 
 from aresidency.core import ResidencyPlan, ResidencyState, take_snapshot
-from aresidency.core.plans import (
-    ActionFailed,
-    SettleRequest,
-    TransferRequest,
-    plan_phases,
-    run_phase,
-)
+from aresidency.core.explain import plan_phases
+from aresidency.core.plans import ActionFailed, SettleRequest, TransferRequest, run_phase
 
 CUDA0 = "cuda:0"
 CUDA1 = "cuda:1"

@@ -105,7 +105,7 @@ CASES: list[Case] = [
         None,
         lambda w: w.state.hold(ValueHandle("m-test", 999), CUDA0),
         ResidencyUnavailableError,
-        "no such value",
+        "discarded",
     ),
     ("not-a-handle", None, lambda w: w.state.hold("exc", CUDA0), TypeError, "ValueHandle"),
     (

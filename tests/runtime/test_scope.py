@@ -174,33 +174,37 @@ async def test_enter_failure_reports_phase_action_and_committed_prefix() -> None
 
 
 async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -> None:
-    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+    async with ResidencyManager(budgets={"cuda:0": 40 * KiB}, backend="sim") as m:
         a = m.register(tensor(), name="a")
+        b = m.register(tensor(seed=2), name="b", location="pinned-host")
+        await m.materialize(b, "cuda:0")
+        stream = m.backend.current_stream("cuda:0")
+        async with m.acquire(b, "cuda:0", stream=stream):
+            stream.sleep(0.05)  # the reader's event completes 50 ms from now
         plan = ResidencyPlan(
+            reclaim=[Move(b, "pinned-host")],
             reserve=[
                 MemoryReservation("r0", "cuda:0", 8 * KiB),
-                MemoryReservation("r1", "cuda:0", 8 * KiB),
+                MemoryReservation("r1", "cuda:0", 16 * KiB),
             ],
             enter=[Move(a, "cuda:0")],
         )
+        # Admitted (16 + 8 + 16 fit once b left); then, while the reclaim phase waits for b's
+        # reader, another task takes 20 KiB: the second reservation fails after preflight.
         scope = m.scope(plan)
-        # Make the second reservation fail after preflight: take the room during admission.
-        original = m._admit
-
-        async def admit_then_squeeze(*args: object) -> None:
-            await original(*args)  # type: ignore[arg-type]
-            m._state.reserve("other", "cuda:0", 20 * KiB)
-
-        m._admit = admit_then_squeeze  # type: ignore[method-assign]
-        with pytest.raises(ResidencyPlanExecutionError) as info:
-            async with scope:
-                pass
-        error = info.value
-        assert error.phase == "reserve"
-        assert error.failed_reservation == plan.reserve[1]
-        assert error.failed_reservation_index == 1
-        assert [t.kind for t in error.partial_report.transitions] == ["reserve", "unreserve"]
-        assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
+        entering = asyncio.ensure_future(scope.__aenter__())
+        while m.state.ledger("cuda:0").outgoing_bytes == 0:
+            await m.wait_for_change()  # until the reclaim phase began its move
+        async with m.reservation("other", "cuda:0", 20 * KiB):
+            with pytest.raises(ResidencyPlanExecutionError) as info:
+                await entering
+            error = info.value
+            assert error.phase == "reserve"
+            assert error.failed_reservation == plan.reserve[1]
+            assert error.failed_reservation_index == 1
+            kinds = [t.kind for t in error.partial_report.transitions]
+            assert kinds == ["move_begin", "move_commit", "reserve", "unreserve"]
+            assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
 
 
 async def test_body_exception_stays_primary_and_exit_error_is_kept() -> None:
@@ -245,7 +249,7 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
                 async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0):
                     pass
             hold.release()
-        assert not m._admission
+        assert m.waiting == 0
         assert_no_leak(m)
 
 
@@ -298,11 +302,11 @@ async def test_cancelling_a_waiting_scope_leaves_no_charge_or_queue_entry() -> N
 
         task = asyncio.ensure_future(enter())
         await asyncio.sleep(0.01)
-        assert len(m._admission) == 1
+        assert m.waiting == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not m._admission
+        assert m.waiting == 0
         hold.release()
         assert_no_leak(m)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import functools
@@ -13,17 +12,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import anyio
 import torch
 from torch import nn
 
-from ...core.errors import ResidencyBudgetError
+from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
 from ...core.state import ReplicaMode, ValueHandle
+from ...runtime.admission import check_timeout
 from ...runtime.manager import ResidencyManager
+from ...runtime.pending import PendingOperation
 from ...runtime.sources import CallableSource
 from .checkpoint import checkpoint_plan, read_safetensors_header
 from .packing import TensorGroup, collect_groups, find_blocks
-from .pipeline import CallPipeline, await_shielded, finish_shielded
+from .pipeline import CallPipeline, Slot
 
 __all__ = ["HostKind", "StreamedModule", "stream_module"]
 
@@ -61,29 +63,23 @@ class _TorchState:
 
 HostKind = Literal["pinned-host", "pageable-host"]
 
-_BACKGROUND: set[asyncio.Task[None]] = set()  # discards of failed constructions, kept alive
-
-
-def _forget(task: asyncio.Task[None]) -> None:
-    _BACKGROUND.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: a discard that failed leaves the value registered
-
 
 class StreamedModule:
     """An ``nn.Module`` whose blocks' weights are streamed through a device budget.
 
     Made by :func:`stream_module`; call it as ``y = await streamed(*args, **kwargs)``. See the
-    module docstring for how a call runs. On CUDA the call returns once every block's work is
+    package docstring for how a call runs. On CUDA the call returns once every block's work is
     enqueued on the compute stream (like any PyTorch call, the host does not wait for the
     device); its result is ready for work ordered after it on that stream.
 
     State: ``manager``, ``module``, ``device``, ``prefetch``, ``host`` (``None`` with a
     checkpoint), ``handles`` (one value per block with tensors, then the resident group's),
-    ``_releasing`` (group index -> the background task releasing its device replica).
+    ``releasing`` (group index -> the release of its device replica in flight),
+    ``kept`` (group indexes whose device replica stays between calls).
     Invariants: outside a call, every parameter and buffer of ``module`` is its own tensor
     again (``host`` mode: a view of the managed host copy); a group's device replica exists
-    only while a call uses or prefetches it, or while its release waits for its readers.
+    only while a call uses or prefetches it, while its release waits for its readers, or while
+    it is kept resident.
     """
 
     def __init__(
@@ -99,13 +95,13 @@ class StreamedModule:
         stream: Any = None,
         timeout: float | None = None,
         name: str | None = None,
+        keep_resident: bool = True,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"stream_module takes an nn.Module, got {type(module).__name__}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
+        self.timeout = check_timeout(timeout)
         self.manager = manager
         self.module = module
         self.device = Location.parse(device)
@@ -114,19 +110,21 @@ class StreamedModule:
         if checkpoint is None and host not in ("pinned-host", "pageable-host"):
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
         self.prefetch = prefetch
-        self.timeout = timeout
+        self.keep_resident = bool(keep_resident)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.host: HostKind | None = None if checkpoint is not None else host
         self.name = name or f"{type(module).__name__}-{id(module):x}"
         self._stream = stream
-        manager._check_loop()
+        manager.check_thread()
         backend = manager.backend
         backend.check_location(self.device)
-        self._host_compute = bool(getattr(backend, "simulated", False))
+        if stream is not None:
+            backend.check_stream(stream, self.device)
+        self._host_compute = backend.host_compute
         self._blocks = list(find_blocks(module) if blocks is None else blocks)
         if not self._blocks:
             raise ValueError("no blocks to stream: the module has no children")
-        groups, self._resident = collect_groups(
+        groups, self.resident_group = collect_groups(
             module, self._blocks, self.name, keep_strides=checkpoint is None
         )
         # A plain nn.Sequential is run block by block on the loop; anything else (a subclass
@@ -135,25 +133,28 @@ class StreamedModule:
             blocks is None
             and isinstance(module, nn.Sequential)
             and type(module).forward is nn.Sequential.forward
-            and self._resident is None
+            and self.resident_group is None
         )
         self._block_groups = groups
         self._groups: list[TensorGroup] = [g for g in groups if g is not None]
-        self._order = [g.index for g in self._groups]
-        self._position = {index: pos for pos, index in enumerate(self._order)}
+        self.order = [g.index for g in self._groups]
+        self.position = {index: pos for pos, index in enumerate(self.order)}
         self._by_index = {g.index: g for g in self._groups}
-        if self._resident is not None:
-            self._by_index[self._resident.index] = self._resident
-        self._releasing: dict[int, asyncio.Task[None]] = {}
+        if self.resident_group is not None:
+            self._by_index[self.resident_group.index] = self.resident_group
+        self.releasing: dict[int, PendingOperation] = {}
+        self.settling: set[PendingOperation] = set()  # prefetches a finished call cancelled
+        self.kept: set[int] = set()
         self._release_errors: list[BaseException] = []
-        self._raised: set[BaseException] = set()  # errors a call raised (drain skips them)
-        self._lock = asyncio.Lock()
+        self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
+        self._lock = anyio.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_ident: int | None = None
         self._call: CallPipeline | None = None
         self._hooks: list[Any] = []
         self._closed = False
         self._registered: list[TensorGroup] = []
+        self.calls = 0
         try:
             self._register_all()
             self._check_budget()
@@ -165,15 +166,18 @@ class StreamedModule:
 
     # -- set-up
 
-    def _group(self, index: int) -> TensorGroup:
+    def group(self, index: int) -> TensorGroup:
         return self._by_index[index]
 
     @property
+    def all_groups(self) -> list[TensorGroup]:
+        """Every group: the blocks' (in call order), then the resident one."""
+        rest = [self.resident_group] if self.resident_group is not None else []
+        return [*self._groups, *rest]
+
+    @property
     def handles(self) -> list[ValueHandle]:
-        out = [g.handle for g in self._groups]
-        if self._resident is not None:
-            out.append(self._resident.handle)
-        return [h for h in out if h is not None]
+        return [g.handle for g in self.all_groups if g.handle is not None]
 
     @property
     def block_bytes(self) -> list[int]:
@@ -183,10 +187,7 @@ class StreamedModule:
     @property
     def resident_bytes(self) -> int:
         """The device charge of the tensors outside the blocks (held for a whole call)."""
-        return 0 if self._resident is None else self._resident.charge_bytes
-
-    def _all_groups(self) -> list[TensorGroup]:
-        return [*self._groups, *([self._resident] if self._resident is not None else [])]
+        return 0 if self.resident_group is None else self.resident_group.charge_bytes
 
     def _register_all(self) -> None:
         manager = self.manager
@@ -194,7 +195,7 @@ class StreamedModule:
         if self.checkpoint is not None:
             header = read_safetensors_header(self.checkpoint)
         repointed: set[int] = set()
-        for group in self._all_groups():
+        for group in self.all_groups:
             if header is not None:
                 assert self.checkpoint is not None
                 load = checkpoint_plan(group, self.checkpoint, *header)
@@ -231,13 +232,13 @@ class StreamedModule:
                 continue
             self._registered.append(group)
         snap = manager.snapshot()
-        for group in self._all_groups():
+        for group in self.all_groups:
             assert group.handle is not None
             group.charge_bytes = snap.value(group.handle).charge_bytes
         self._largest = max((g.charge_bytes for g in self._groups), default=0)
 
     def _never_fits(self, group: TensorGroup) -> ResidencyBudgetError:
-        ledger = self.manager._state.ledger(self.device)
+        ledger = self.manager.state.ledger(self.device)
         return ResidencyBudgetError(
             self.device,
             ledger.budget_bytes,
@@ -249,7 +250,7 @@ class StreamedModule:
 
     def _check_budget(self) -> None:
         # The ledger itself (not a snapshot): this runs at the start of every call.
-        record = self.manager._state.ledger(self.device)
+        record = self.manager.state.ledger(self.device)
         if record.budget_bytes is None:
             return
         need = self._largest + self.resident_bytes
@@ -276,8 +277,8 @@ class StreamedModule:
             )
 
     def _unregister_now(self) -> None:
-        """Undo a failed construction: hooks, the module's tensors, holds now; the values are
-        discarded by background tasks (``discard`` awaits)."""
+        """Undo a failed construction: hooks, the module's tensors, holds and values, now (a
+        value just registered has no consumer events: it can be discarded at once)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -286,9 +287,8 @@ class StreamedModule:
             if group.hold is not None and group.hold.active:
                 group.hold.release()
             if group.handle is not None:
-                task = asyncio.ensure_future(self.manager.discard(group.handle))
-                _BACKGROUND.add(task)
-                task.add_done_callback(_forget)
+                with contextlib.suppress(ResidencyError):
+                    self.manager.discard_nowait(group.handle)
         self._registered.clear()
 
     def _restore_host_tensors(self) -> None:
@@ -308,75 +308,164 @@ class StreamedModule:
                     entry.tensor.data = own
                 group.host_flat = None
 
-    # -- hooks (worker thread)
+    # -- residency between calls ("budgets that remember")
 
-    def _pre_hook(self, group: TensorGroup, module: nn.Module, args: Any) -> None:
-        if self._worker_ident != threading.get_ident():
-            return
-        call = self._call
-        assert call is not None
-        loop = self.manager._loop
-        assert loop is not None
-        entering = call.enter(group.index, wait_copy=self._host_compute)
-        tensors = asyncio.run_coroutine_threadsafe(entering, loop).result()
-        group.swap_in(tensors)
+    def _window_bytes(self) -> int:
+        """Device bytes the prefetch window may need at once: the block in use and
+        ``prefetch`` more, counted at the largest block."""
+        return (self.prefetch + 1) * self._largest
 
-    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
-        if self._worker_ident != threading.get_ident():
-            return
-        group.restore()
-        call = self._call
-        loop = self.manager._loop
-        assert call is not None and loop is not None
-        loop.call_soon_threadsafe(call.exit_soon, group.index)
+    def _plan_keep(self) -> set[int]:
+        """The groups to keep on the device after this call: the resident group, then blocks
+        in call order while they fit beside the window in what the budget leaves us (what
+        other tenants hold is not ours to take). A call then copies only the rest."""
+        if not self.keep_resident:
+            return set()
+        ledger = self.manager.state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return set()  # without a strict budget nothing says how much may stay
+        ours = 0
+        for group in self.all_groups:
+            assert group.handle is not None
+            value = self.manager.state.find_value(group.handle)
+            if value is not None and self.device in value.materializations:
+                ours += group.charge_bytes
+        room = ledger.budget_bytes - (ledger.charged_bytes - ours) - self._window_bytes()
+        keep: set[int] = set()
+        if self.resident_group is not None:
+            room -= self.resident_group.charge_bytes
+            if room < 0:
+                return set()
+            keep.add(self.resident_group.index)
+        for index in self.order:
+            charge = self.group(index).charge_bytes
+            if charge > room:
+                break
+            room -= charge
+            keep.add(index)
+        return keep
+
+    def residency(self) -> dict[str, Any]:
+        """Which groups stay on the device between calls, and why (the budget arithmetic of
+        the last call's plan): ``kept`` (group names), ``kept_bytes``, ``streamed_bytes``
+        (copied on each call), ``window_bytes``, ``budget_bytes``, ``others_bytes`` (what other
+        tenants held at the device), ``reason``."""
+        ledger = self.manager.state.find_ledger(self.device)
+        budget = None if ledger is None else ledger.budget_bytes
+        kept = [self.group(i) for i in sorted(self.kept, key=self._kept_order)]
+        kept_bytes = sum(g.charge_bytes for g in kept)
+        total = sum(g.charge_bytes for g in self.all_groups)
+        if not self.keep_resident:
+            reason = "keep_resident=False: every block is released after use"
+        elif budget is None:
+            reason = f"{self.device} has no strict budget, so nothing stays between calls"
+        elif len(self.kept) == len(self.all_groups):
+            reason = "the whole model fits beside the prefetch window: nothing is copied"
+        else:
+            reason = (
+                f"blocks stay in call order while they fit in the budget beside the prefetch "
+                f"window ({self.prefetch + 1} x the largest block) and what other tenants hold"
+            )
+        others = None
+        if ledger is not None:
+            ours = 0
+            for group in self.all_groups:
+                assert group.handle is not None
+                value = self.manager.state.find_value(group.handle)
+                if value is not None and self.device in value.materializations:
+                    ours += group.charge_bytes
+            others = ledger.charged_bytes - ours
+        return {
+            "kept": [g.name for g in kept],
+            "kept_bytes": kept_bytes,
+            "streamed_bytes": total - kept_bytes,
+            "window_bytes": self._window_bytes(),
+            "budget_bytes": budget,
+            "others_bytes": others,
+            "reason": reason,
+        }
+
+    def _kept_order(self, index: int) -> int:
+        return self.position.get(index, -1)
 
     # -- releases
 
-    def _spawn_release(self, index: int, materialized: asyncio.Task[None]) -> None:
-        task = asyncio.ensure_future(self._release(index, materialized))
-        self._releasing[index] = task
-
-    async def _release(self, index: int, materialized: asyncio.Task[None]) -> None:
-        group = self._group(index)
+    def release_replica(self, index: int, arriving: PendingOperation | None = None) -> None:
+        """Release group ``index``'s device replica in the background (the release waits for
+        the readers' events; nothing synchronizes). With ``arriving`` (the materialization
+        still bringing it), only once that completed: a copy that failed is aborted by the
+        manager instead, and one in flight cannot be released yet. Loop thread."""
+        if arriving is not None and not arriving.done():
+            arriving.add_done_callback(
+                lambda done: None if done.exception() else self.release_replica(index)
+            )
+            return
+        if arriving is not None and arriving.exception() is not None:
+            return  # the failed copy was aborted: nothing to release
+        group = self.group(index)
         assert group.handle is not None
+        if index in self.releasing:
+            return
         try:
-            try:
-                await materialized
-            except ResidencyBudgetError:
-                return  # a checkpoint load that lost the device budget: nothing arrived
-            # Waits for the compute events the leases recorded (the reaper sees them
-            # complete), then frees the budget: no synchronization.
-            await self.manager.release(group.handle, self.device)
-        except BaseException as error:
+            pending = self.manager.release_nowait(group.handle, self.device)
+        except ResidencyError as error:
             self._release_errors.append(error)
-        finally:
-            if self._releasing.get(index) is asyncio.current_task():
-                del self._releasing[index]
-            if self._call is not None:
-                self._call.pump()
+            return
+        self.releasing[index] = pending
+        pending.add_done_callback(functools.partial(self._released, index))
+
+    def _released(self, index: int, pending: PendingOperation) -> None:
+        if self.releasing.get(index) is pending:
+            del self.releasing[index]
+        error = pending.exception()
+        if error is not None:
+            self._release_errors.append(error)
+        call = self._call
+        if call is not None:
+            call.pump()
+
+    def settle_later(self, pending: PendingOperation) -> None:
+        """Keep track of a prefetch its call no longer needs until it settled (for drain)."""
+        self.settling.add(pending)
+        pending.add_done_callback(self.settling.discard)
 
     async def drain(self) -> None:
         """Wait until every device replica this module released has left the budget (its
-        readers' events completed and the release committed). Raises the first release error."""
-        while self._releasing:
-            await asyncio.gather(*list(self._releasing.values()), return_exceptions=True)
+        readers' events completed and the release committed) and every prefetch a call no
+        longer needed has settled. Raises the first release error, or a copy failure no call
+        reported."""
+        while self.releasing or self.settling:
+            if self.settling:
+                pending = next(iter(self.settling))
+            else:
+                pending = next(iter(self.releasing.values()))
+            await pending.wait_settled()
         errors, self._release_errors = self._release_errors, []
         raised, self._raised = self._raised, set()
         for error in errors:
-            if error not in raised:  # a copy failure its call raised already is not repeated
+            if id(error) not in raised:  # a copy failure its call raised already
                 raise error
 
     # -- calls
+
+    def deadline(self) -> float | None:
+        """When a block waiting for budget now gives up (``anyio.current_time`` clock)."""
+        return None if self.timeout is None else anyio.current_time() + self.timeout
+
+    def timeout_message(self, group: TensorGroup) -> str:
+        ledger = self.manager.state.find_ledger(self.device)
+        if ledger is None:
+            return f"{group.name} was not admitted at {self.device} within {self.timeout} s"
+        return (
+            f"{group.name} was not admitted at {self.device} within {self.timeout} s (used "
+            f"{ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
+            f"{ledger.budget_bytes} B)"
+        )
 
     def _compute_stream(self) -> Any:
         if self._stream is not None:
             return self._stream
         return self.manager.backend.current_stream(self.device)
-
-    def _stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        if not self._host_compute and isinstance(stream, torch.cuda.Stream):
-            return torch.cuda.stream(stream)
-        return contextlib.nullcontext()
 
     @staticmethod
     def _check_inference(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
@@ -393,62 +482,53 @@ class StreamedModule:
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module with its blocks' weights streamed through the device budget.
 
-        Awaits only for admission (a block's weights waiting for budget); copies are waited for
-        on the device by the compute stream. Returns the module's output, enqueued on the
-        compute stream (CUDA) or computed (simulated backend)."""
+        Awaits only when a block's weights are not admitted yet (waiting for budget); copies
+        are waited for on the device by the compute stream. Returns the module's output,
+        enqueued on the compute stream (CUDA) or computed (simulated backend)."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        self.manager._check_loop()
+        self.manager.check_thread()
         self._check_inference(args, kwargs)
         async with self._lock:
             self._check_budget()
+            keep = self._plan_keep()
+            for index in list(self.kept - keep):
+                self.release_replica(index)  # the budget shrank: no longer ours to keep
+            self.kept = keep
             stream = self._compute_stream()
-            call = CallPipeline(self, stream)
+            host_wait = self._host_compute and not self._sequential
+            call = CallPipeline(self, stream, host_wait=host_wait, keep=keep)
             self._call = call
-            call.start()
+            self.calls += 1
             try:
+                call.start()
                 if self._sequential:
                     result = await self._run_sequential(call, stream, args, kwargs)
                 else:
                     result = await self._run_threaded(call, stream, args, kwargs)
-                if self._host_compute and call.tasks:
-                    # Simulation: the blocks ran, so their copies completed; let the tasks
-                    # that commit them finish too, so that a failed copy fails this call.
-                    await asyncio.wait(call.tasks)
-                self._raise_copy_failure(call)
+                if call.failures:
+                    raise call.failures[0]
                 return result
             except Exception as error:
-                self._raised.add(error)
+                self._raised.add(id(error))
                 raise
             finally:
-                try:
-                    await finish_shielded(call.finish())
-                finally:
-                    self._call = None
-
-    def _raise_copy_failure(self, call: CallPipeline) -> None:
-        """A copy of this call that already failed fails the call (its block read garbage).
-        One still in flight when the call returns (CUDA) is raised by :meth:`drain`."""
-        for task in call.tasks:
-            if task.done() and not task.cancelled():
-                error = task.exception()
-                if error is not None and not isinstance(error, ResidencyBudgetError):
-                    raise error
+                call.finish()
+                self._call = None
 
     async def _run_sequential(
         self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run the children in order on the loop. Each block's work is enqueued on the compute
-        stream: kernels on CUDA; on the simulated backend the block itself is submitted to the
-        simulated stream, so it runs after the copy and before the release exactly as kernels
-        would (a read after release would see the simulation's poison)."""
+        """Run the children in order, enqueuing each block's work on the compute stream from
+        the loop: kernels on CUDA; where compute runs on the host (the simulation) the block is
+        run by the stream's worker, so it runs after its copy and before its release exactly as
+        kernels would (a read after release would see the simulation's poison)."""
         if kwargs or len(args) != 1:
             raise TypeError("an nn.Sequential takes exactly one positional input")
+        backend = self.manager.backend
         box: list[Any] = [args[0]]
         errors: list[BaseException] = []
-        submit = getattr(stream, "submit", None) if self._host_compute else None
-        torch_state = _TorchState.capture() if submit is not None else None
-        context = self._stream_context(stream)
+        torch_state = _TorchState.capture() if self._host_compute else None
 
         def run(block: nn.Module, group: TensorGroup | None, tensors: list[torch.Tensor]) -> None:
             if errors:
@@ -460,8 +540,7 @@ class StreamedModule:
                     with torch_state.enter():
                         box[0] = block(box[0])
                 else:
-                    with context:
-                        box[0] = block(box[0])
+                    box[0] = block(box[0])
             except BaseException as error:
                 errors.append(error)
             finally:
@@ -470,27 +549,25 @@ class StreamedModule:
 
         try:
             for block, group in zip(self._blocks, self._block_groups):
-                tensors = [] if group is None else await call.enter(group.index)
-                try:
-                    if submit is not None:
-                        # the stream keeps the tensors until it ran the block
-                        submit(functools.partial(run, block, group, tensors))
-                    else:
-                        run(block, group, tensors)
-                finally:
-                    # No reference may outlive the lease: once released, the memory is the
-                    # allocator's (and the next block's budget).
-                    del tensors
-                    if group is not None:
-                        await call.exit(group.index)
+                if group is None:
+                    backend.run_in_stream_order(stream, functools.partial(run, block, None, []))
+                    continue
+                slot = await call.take(group.index)
+                tensors = slot.tensors
+                assert tensors is not None
+                if slot.ready_event is not None:
+                    backend.stream_wait(stream, slot.ready_event)
+                backend.run_in_stream_order(stream, functools.partial(run, block, group, tensors))
+                del tensors  # no reference may outlive the lease
+                call.give_back(group.index, backend.record_event(stream))
                 if errors:
                     break
         finally:
-            if submit is not None:
+            if self._host_compute:
                 # The result exists once the stream ran the blocks; wait for it even when
                 # cancelled, so that no block touches the module after the call returned.
-                backend = self.manager.backend
-                await finish_shielded(backend.wait_event(backend.record_event(stream)))
+                with anyio.CancelScope(shield=True):
+                    await backend.wait(backend.record_event(stream))
         if errors:
             raise errors[0]
         return box[0]
@@ -498,54 +575,106 @@ class StreamedModule:
     async def _run_threaded(
         self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        resident = self._resident
+        """Run the module's own forward in a worker thread; its blocks' hooks take and give
+        back their weights through the pipeline (no round trip to the loop when ready)."""
+        resident = self.resident_group
+        resident_slot: Slot | None = None
         if resident is not None:
-            resident.swap_in(await call.enter(resident.index, wait_copy=self._host_compute))
+            resident_slot = await call.take(resident.index)
+            assert resident_slot.tensors is not None
+            resident.swap_in(resident_slot.tensors)
         try:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"aresidency-stream-{self.name}"
                 )
-            work = functools.partial(self._work, stream, _TorchState.capture(), args, kwargs)
-            future = asyncio.get_running_loop().run_in_executor(self._executor, work)
+            work = functools.partial(
+                self._work, call, stream, resident_slot, _TorchState.capture(), args, kwargs
+            )
+            future = self._executor.submit(work)
+            done = anyio.Event()
+            bridge = self.manager.bridge
+            future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
             try:
-                return await asyncio.shield(future)
-            except asyncio.CancelledError:
-                call.abort()  # the worker's next enter fails; wait for it to unwind
-                await await_shielded(future)
+                await done.wait()
+            except anyio.get_cancelled_exc_class():
+                call.abort()  # the worker's next block fails; wait for it to unwind
+                with anyio.CancelScope(shield=True):
+                    await done.wait()
                 raise
+            result, event = future.result()
+            if resident is not None:
+                call.give_back(resident.index, event)
+            return result
         finally:
             if resident is not None:
                 resident.restore()
 
     def _work(
-        self, stream: Any, torch_state: _TorchState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The worker thread: run the module with the caller's thread-local torch state."""
-        with torch_state.enter(), self._stream_context(stream):
+        self,
+        call: CallPipeline,
+        stream: Any,
+        resident: Slot | None,
+        torch_state: _TorchState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """The worker thread: run the module with the caller's thread-local torch state;
+        return its output and an event after its last kernel."""
+        backend = self.manager.backend
+        with torch_state.enter(), backend.stream_context(stream):
             self._worker_ident = threading.get_ident()
             try:
-                return self.module(*args, **kwargs)
+                if resident is not None and resident.ready_event is not None:
+                    backend.stream_wait(stream, resident.ready_event)
+                output = self.module(*args, **kwargs)
+                return output, self._reader_event(stream)
             finally:
                 self._worker_ident = None
                 for group in self._groups:
                     group.restore()
 
+    def _reader_event(self, stream: Any) -> Any:
+        """An event after the work this thread enqueued (compute on the host: done now)."""
+        backend = self.manager.backend
+        return backend.record_event(None if self._host_compute else stream)
+
+    # -- hooks (worker thread)
+
+    def _pre_hook(self, group: TensorGroup, module: nn.Module, args: Any) -> None:
+        if self._worker_ident != threading.get_ident():
+            return
+        call = self._call
+        assert call is not None
+        slot = call.take_blocking(group.index)
+        if slot.ready_event is not None and not self._host_compute:
+            self.manager.backend.stream_wait(call.stream, slot.ready_event)
+        tensors = slot.tensors
+        assert tensors is not None
+        group.swap_in(tensors)
+
+    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
+        if self._worker_ident != threading.get_ident():
+            return
+        group.restore()
+        call = self._call
+        assert call is not None
+        call.give_back_threadsafe(group.index, self._reader_event(call.stream))
+
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
         event loop: blocks that thread (not the loop) until the call returns."""
-        loop = self.manager._loop
-        if loop is None:
-            raise RuntimeError("the manager is not running")
-        if threading.get_ident() == self.manager._thread:
+        bridge = self.manager.bridge
+        if bridge.on_loop():
             raise RuntimeError("call_threadsafe from the event loop's thread would deadlock")
-        return asyncio.run_coroutine_threadsafe(self(*args, **kwargs), loop).result()
+        return bridge.run_async(self.__call__, *args, **kwargs)
 
     # -- end
 
     async def aclose(self) -> None:
         """Finish releases, remove the hooks, give the module its own host tensors back, and
-        discard the values. The streamed module cannot be called afterwards."""
+        discard the values (their kept device replicas with them). The streamed module cannot
+        be called afterwards."""
         if self._closed:
             return
         async with self._lock:
@@ -565,6 +694,7 @@ class StreamedModule:
                     if group.handle is not None:
                         await self.manager.discard(group.handle)
                 self._registered.clear()
+                self.kept.clear()
 
     async def __aenter__(self) -> StreamedModule:
         return self
@@ -583,7 +713,7 @@ class StreamedModule:
         return (
             f"<StreamedModule {self.name!r} {len(self._groups)} blocks -> {self.device} "
             f"prefetch={self.prefetch} from {where} {state} "
-            f"[{len(self._releasing)} releasing]>"
+            f"[{len(self.kept)} kept, {len(self.releasing)} releasing]>"
         )
 
 
@@ -599,6 +729,7 @@ def stream_module(
     stream: Any = None,
     timeout: float | None = None,
     name: str | None = None,
+    keep_resident: bool = True,
 ) -> StreamedModule:
     """Register ``module``'s weights with ``manager`` for streaming to ``device``.
 
@@ -610,7 +741,9 @@ def stream_module(
     taken from the module). ``blocks``: the submodules to stream, in call order (default: see
     :func:`find_blocks`). ``stream``: the compute stream (default: the caller's current stream
     at each call). ``timeout``: seconds a block may wait for budget before ``TimeoutError``
-    (``None``: as long as it takes).
+    (``None``: as long as it takes). ``keep_resident``: between calls, keep on the device the
+    blocks that fit beside the prefetch window (first blocks first), so a call copies only
+    what does not fit (see :meth:`StreamedModule.residency`); needs a strict ``device`` budget.
 
     Call on the manager's event loop (registration copies the weights into host memory
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors
@@ -627,4 +760,5 @@ def stream_module(
         stream=stream,
         timeout=timeout,
         name=name,
+        keep_resident=keep_resident,
     )

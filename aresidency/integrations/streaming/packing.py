@@ -109,6 +109,9 @@ class PackedTensor:
     stride: tuple[int, ...]
     offset: int  # bytes from the start of the flat buffer, a multiple of ALIGN
     span_bytes: int  # bytes the strided layout covers
+    # in its module's state_dict: a parameter, or a buffer not in its owner's
+    # _non_persistent_buffers_set (True if any slot naming the tensor is)
+    persistent: bool = True
 
 
 class TensorGroup:
@@ -174,6 +177,7 @@ def pack_layout(
     held twice, a tied weight, is laid out once and every slot naming it is kept). Strides are
     the tensor's own when ``keep_strides`` and dense, else contiguous (a checkpoint's)."""
     found: dict[int, tuple[torch.Tensor, list[str], list[tuple[dict[str, Any], str]]]] = {}
+    persistent: set[int] = set()
     seen_slots: set[tuple[int, str]] = set()
     for sub in modules:
         for table in (sub._parameters, sub._buffers):
@@ -185,6 +189,8 @@ def pack_layout(
                 for base in qualified.get(id(sub), []):
                     record[1].append(f"{base}.{attr}" if base else attr)
                 record[2].append((cast(dict[str, Any], table), attr))
+                if table is sub._parameters or attr not in sub._non_persistent_buffers_set:
+                    persistent.add(id(tensor))
     entries: list[PackedTensor] = []
     offset = 0
     for tensor, names, slots in found.values():
@@ -204,6 +210,7 @@ def pack_layout(
                 stride=stride,
                 offset=offset,
                 span_bytes=span_bytes,
+                persistent=id(tensor) in persistent,
             )
         )
         offset = _align(offset + span_bytes)

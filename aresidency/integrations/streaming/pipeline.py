@@ -1,337 +1,408 @@
-"""The per-call prefetch pipeline of a streamed module (all on the event loop)."""
+"""The per-call prefetch pipeline of a streamed module.
+
+One :class:`CallPipeline` per call. It runs on the event loop, without a task of its own: it
+advances whenever something changes (the manager's change signal, a copy being issued, a block
+handed back) and keeps, for each group of weights, a :class:`Slot` that goes
+
+``idle`` -> ``starting`` (materialization begun: charged, copy enqueued) -> ``ready`` (leased;
+its views made) -> ``returning`` -> back to ``idle`` once the consumer handed it back (lease
+exited with the consumer's reader event; the device replica released in the background, or
+kept resident).
+
+The *consumer* runs the blocks: the event loop itself for an ``nn.Sequential``, or the worker
+thread that runs the module's own forward (through forward hooks). Either way the common case
+crosses no thread and awaits nothing: the consumer finds the slot ready (its copy already
+issued, its lease already entered), makes its own stream wait for the copy on the device right
+before the block's kernels, runs the block, records one event and hands the slot back; a
+thread hands it back through a lock-protected queue that wakes the loop once per batch. Only
+when a slot is not ready yet does the consumer wait (a task parks on the slot; a thread blocks
+on it, never the loop).
+
+Order: groups start in call order (the resident group first), at most ``prefetch`` ahead of
+the block in use, never out of order (a later block never takes an earlier one's room), and
+only the first block until the consumer has enqueued its kernels (or has to wait), so that they
+are enqueued right behind its copy and not behind the Python work of issuing the prefetches.
+Groups in ``keep`` stay resident on the device after use ("budgets that remember": see
+:meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
-from collections.abc import Iterator
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import torch
 
-from ...core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
-from ...runtime.leases import Lease
+from ...core.errors import ResidencyBudgetError, ResidencyError
+from ...runtime.leases import Lease, LeaseWouldWait
+from ...runtime.pending import PendingOperation
 from .packing import TensorGroup
 
 if TYPE_CHECKING:
     from .module import StreamedModule
 
-__all__ = ["CallPipeline", "await_shielded", "finish_shielded"]
+__all__ = ["CallAborted", "CallPipeline", "Slot"]
+
+
+class CallAborted(Exception):
+    """The call ended (cancelled or failed elsewhere) while a consumer waited for a block."""
+
+
+class Slot:
+    """One group of weights in one call. The loop writes it; a consumer thread reads it only
+    after ``flag`` is set (``ready`` or ``failed``), which orders the reads after the writes."""
+
+    __slots__ = (
+        "failure",
+        "flag",
+        "group",
+        "lease",
+        "pending",
+        "ready_event",
+        "state",
+        "tensors",
+        "waiter",
+    )
+
+    def __init__(self, group: TensorGroup) -> None:
+        self.group = group
+        self.state = "idle"  # idle -> starting -> ready (or failed) -> idle
+        self.pending: PendingOperation | None = None
+        self.lease: Lease | None = None
+        self.tensors: list[torch.Tensor] | None = None
+        self.ready_event: Any = None  # what the consumer's stream waits for (None: data there)
+        self.failure: BaseException | None = None
+        self.flag = threading.Event()  # set while ready or failed (thread consumers)
+        self.waiter: anyio.Event | None = None  # a loop consumer parked on this slot
+
+    def _signal(self) -> None:
+        self.flag.set()
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None:
+            waiter.set()
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.group.name} {self.state}>"
 
 
 class CallPipeline:
-    """The pipeline state of one call (all on the event loop).
+    """The pipeline state of one call (see the module docstring).
 
-    State: ``pos`` (the order position of the block expected next), ``started`` (group index ->
-    the task completing its materialization at the device: charged, copy enqueued),
-    ``leases`` (groups in use), ``requested`` (the group a caller waits for), ``promised``
-    (device bytes of started checkpoint loads, charged at the device only once loaded).
-
-    ``window_open`` is False until the first block has been handed to the compute stream (or
-    a caller has to wait: for admission, a checkpoint load, or a staged copy still being
-    issued): until then only the first block is started, so that its kernels
-    are enqueued right behind its copy instead of behind the Python work of issuing the
-    prefetches (which the copy stream does not need yet: the first copy keeps it busy).
-
-    Invariants: a group is started at most once at a time; groups are started in block order
-    from ``pos`` (the requested one first), never more than ``prefetch`` ahead of it, and never
-    while the module still releases an earlier use of that group.
+    ``host_wait``: a slot is ready only once its copy completed (a consumer that computes on
+    the host, the simulation's worker thread); otherwise once its copy is issued.
+    State (loop thread): ``slots`` (group index -> slot), ``pos`` (order position of the block
+    expected next), ``requested`` (a group asked for out of order), ``window_open``,
+    ``active``, ``failures`` (copy errors seen after their block ran), ``_returns`` (blocks
+    handed back by a thread, under ``_lock``).
+    Invariants: a slot is ready only while its lease is entered; a slot returns to idle only
+    after its lease exited; groups start in order from ``pos``.
     """
 
-    def __init__(self, streamed: StreamedModule, stream: Any) -> None:
+    def __init__(
+        self,
+        streamed: StreamedModule,
+        stream: Any,
+        *,
+        host_wait: bool,
+        keep: set[int],
+    ) -> None:
         self.streamed = streamed
         self.manager = streamed.manager
+        self.bridge = streamed.manager.bridge  # consumer threads call back through it
         self.stream = stream
+        self.host_wait = host_wait
+        self.keep = keep
+        self.slots: dict[int, Slot] = {g.index: Slot(g) for g in streamed.all_groups}
         self.pos = 0
         self.requested: int | None = None
-        self.started: dict[int, asyncio.Task[None]] = {}
-        self.leases: dict[int, Lease] = {}
-        self.promised: dict[int, int] = {}
-        self.waiters: dict[int, asyncio.Future[None]] = {}
-        self.failures: dict[int, BaseException] = {}
-        self.pending_exits: set[asyncio.Task[None]] = set()
-        self.tasks: list[asyncio.Task[None]] = []  # every materialization this call started
-        self.active = True
         self.window_open = False
-        self._watcher: asyncio.Task[None] | None = None
+        self.active = True
+        self.failures: list[BaseException] = []
+        self.returned: set[int] = set()  # groups the consumer handed back in this call
+        self._returns: deque[tuple[int, Any]] = deque()
+        self._lock = threading.Lock()
+        self._drain_scheduled = False
+        self._pumping = False
+        self._pump_again = False
+        self._window_asked = False  # a consumer thread asked the loop to open the window
+        self._unlisten: Callable[[], None] | None = None
 
-    # -- admission
+    # ------------------------------------------------------------------ driving
 
     def start(self) -> None:
+        """Start the first groups now and follow the manager's state from here on."""
+        self._unlisten = self.manager.add_change_listener(self.pump)
         self.pump()
-        self._watcher = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        """Re-pump after every state change (budget freed by releases, ours or others')."""
-        while self.active:
-            await self.manager._wait_change()
-            self.pump()
 
     def _candidates(self) -> Iterator[int]:
         streamed = self.streamed
-        if streamed._resident is not None:
-            yield streamed._resident.index
+        resident = streamed.resident_group
+        if resident is not None and resident.index not in self.returned:
+            yield resident.index
         if self.requested is not None:
             yield self.requested
-        order = streamed._order
         ahead = streamed.prefetch + 1 if self.window_open else 1
-        yield from order[self.pos : self.pos + ahead]
+        yield from streamed.order[self.pos : self.pos + ahead]
+
+    def pump(self) -> None:
+        """Start what the budget admits, in order; make started slots ready. Synchronous and
+        not re-entrant: starting a copy changes the state, which notifies, which pumps; that
+        nested pump is folded into a further round of this one."""
+        if self._pumping:
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            while self.active:
+                self._pump_again = False
+                self._pump_once()
+                if not self._pump_again:
+                    return
+        finally:
+            self._pumping = False
+
+    def _pump_once(self) -> None:
+        releasing = self.streamed.releasing
+        for index in self._candidates():
+            slot = self.slots[index]
+            if slot.state == "idle" and (index in releasing or not self._start(slot)):
+                break  # keep block order: a later block never takes an earlier one's room
+            if slot.state == "starting":
+                self._make_ready(slot)
+
+    def _start(self, slot: Slot) -> bool:
+        group = slot.group
+        assert group.handle is not None
+        device = self.streamed.device
+        try:
+            pending = self.manager.materialize_nowait(group.handle, device)
+        except ResidencyBudgetError as error:
+            if error.budget_bytes is not None and error.requested_bytes > error.budget_bytes:
+                self._fail(slot, error)  # it could never fit
+            return False
+        except ResidencyError as error:
+            self._fail(slot, error)
+            return False
+        slot.pending = pending
+        slot.state = "starting"
+        pending.add_done_callback(lambda done: self._materialized(slot, done))
+        if not self.host_wait and not pending.done():
+            # A staged copy takes a while to issue: look again once it is.
+            self.manager.when_copy_issued(group.handle, device, self.pump)
+        return True
+
+    def _make_ready(self, slot: Slot) -> None:
+        pending = slot.pending
+        if self.host_wait and (pending is None or not pending.done()):
+            return
+        group = slot.group
+        assert group.handle is not None
+        if not self.manager.copy_issued(group.handle, self.streamed.device):
+            return  # pumped again once it is (or once the load put its data there)
+        try:
+            lease = self.manager.acquire(
+                group.handle, self.streamed.device, stream=self.stream, order_stream=False
+            )
+            lease.enter_nowait()
+        except LeaseWouldWait:
+            return  # not issued (or not loaded) yet: pumped again when it is
+        except ResidencyError as error:
+            self._fail(slot, error)
+            return
+        slot.lease = lease
+        slot.tensors = group.views(lease.tensor)
+        slot.ready_event = lease.ready_event
+        slot.state = "ready"
+        slot._signal()
+
+    def _materialized(self, slot: Slot, pending: PendingOperation) -> None:
+        error = pending.exception()
+        if error is None:
+            if slot.state == "starting":
+                self.pump()
+            return
+        if slot.state == "starting" and slot.pending is pending:
+            self._fail(slot, error)
+        elif slot.pending is pending:
+            # Its block may have run already (CUDA): the call (or drain) reports it.
+            self.failures.append(error)
+
+    def _fail(self, slot: Slot, error: BaseException) -> None:
+        slot.failure = error
+        slot.state = "failed"
+        slot._signal()
 
     def open_window(self) -> None:
         """Prefetch from now on (the first block is on its way), and start what fits."""
-        self.window_open = True
-        self.pump()
-
-    def pump(self) -> None:
-        """Start materializations in order while the budget admits them (synchronous: each
-        charge happens now and its copy is enqueued now)."""
-        if not self.active:
-            return
-        for index in self._candidates():
-            if index in self.started:
-                continue
-            if index in self.streamed._releasing or not self._start(index):
-                break  # keep block order: a later block never takes an earlier one's room
-
-    def _fits(self, group: TensorGroup) -> bool:
-        """Whether the device budget has room for ``group`` now, counting our checkpoint loads
-        in flight (a load may charge the device only once loaded). A cheap pre-check: the
-        manager's own admission stays the authority."""
-        ledger = self.manager._state.ledger(self.streamed.device)
-        if ledger.budget_bytes is None:
-            return True
-        promised = sum(self.promised.values())
-        return ledger.charged_bytes + promised + group.charge_bytes <= ledger.budget_bytes
-
-    def _start(self, index: int) -> bool:
-        group = self.streamed._group(index)
-        assert group.handle is not None
-        if not self._fits(group):
-            if group.charge_bytes > (
-                self.manager._state.ledger(self.streamed.device).budget_bytes or 0
-            ):
-                self._fail(index, self.streamed._never_fits(group))
-            return False
-        ledger = self.manager._state.ledger(self.streamed.device)
-        before = ledger.charged_bytes
-        try:
-            task = self.manager.materialize_nowait(group.handle, self.streamed.device)
-        except ResidencyBudgetError as error:
-            if error.budget_bytes is not None and error.requested_bytes > error.budget_bytes:
-                self._fail(index, error)  # it could never fit
-            return False
-        except ResidencyError as error:
-            self._fail(index, error)
-            return False
-        self.started[index] = task
-        self.tasks.append(task)
-        if ledger.charged_bytes - before < group.charge_bytes and not task.done():
-            self.promised[index] = group.charge_bytes  # charged at the device once loaded
-        task.add_done_callback(functools.partial(self._on_materialized, index))
-        waiter = self.waiters.pop(index, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        return True
-
-    def _on_materialized(self, index: int, task: asyncio.Task[None]) -> None:
-        self.promised.pop(index, None)
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is None:
-            return
-        if self.started.get(index) is task and index not in self.leases:
-            del self.started[index]
-            # A checkpoint load can lose the device budget to another tenant while it loads:
-            # start it again later. Anything else is the caller's error.
-            if not isinstance(error, ResidencyBudgetError):
-                self._fail(index, error)
+        if not self.window_open:
+            self.window_open = True
             self.pump()
 
-    def _fail(self, index: int, error: BaseException) -> None:
-        self.failures[index] = error
-        waiter = self.waiters.pop(index, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _evict_unneeded(self, index: int) -> None:
-        """The requested group does not fit while groups we will not need before it hold the
-        budget (an out-of-order call): give them back."""
-        here = self.streamed._position.get(index, -1)
-        window = (
-            set(self.streamed._order[here : here + self.streamed.prefetch + 1])
-            if here >= 0
-            else set()
-        )
-        resident = self.streamed._resident.index if self.streamed._resident is not None else -1
-        for other, task in list(self.started.items()):
-            if other in self.leases or other in window or other in (index, resident):
-                continue
-            del self.started[other]
-            self.streamed._spawn_release(other, task)
-
-    async def _wait_started(self, index: int) -> asyncio.Task[None]:
-        timeout = self.streamed.timeout
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while index not in self.started:
-            failure = self.failures.pop(index, None)
-            if failure is not None:
-                raise failure
-            if not self.active:
-                raise asyncio.CancelledError
-            self._evict_unneeded(index)
-            waiter = self.waiters.get(index)
-            if waiter is None or waiter.done():
-                waiter = self.waiters[index] = loop.create_future()
-            self.pump()
-            if index in self.started or index in self.failures:
-                continue
-            if not self.window_open:
-                self.open_window()  # about to wait: let the prefetches use the time
-                if index in self.started or index in self.failures:
-                    continue
-            if deadline is None:
-                await waiter
-                continue
-            remaining = deadline - loop.time()
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter), max(remaining, 0))
-            except TimeoutError:
-                device = self.streamed.device
-                record = self.manager.snapshot().location(device)
-                raise TimeoutError(
-                    f"{self.streamed._group(index).name} was not admitted at {device} within "
-                    f"{timeout} s (used {record.used_bytes} B + reserved "
-                    f"{record.reserved_bytes} B of {record.budget_bytes} B)"
-                ) from None
-        return self.started[index]
-
-    # -- use
-
-    async def enter(self, index: int, *, wait_copy: bool = False) -> list[torch.Tensor]:
-        """Lease group ``index`` at the device on the compute stream and return its tensors.
-
-        Waits (without blocking the loop) only until the group is admitted to the budget; the
-        copy itself is waited for by the compute stream, on the device. ``wait_copy`` also
-        awaits the copy (for work that runs on the host, not on the stream)."""
-        if not self.active:
-            raise asyncio.CancelledError
-        if index in self.leases:
-            raise RuntimeError(
-                f"{self.streamed._group(index).name} is already in use in this call (a block that "
-                "calls itself?); streaming runs each block once at a time"
-            )
-        group = self.streamed._group(index)
-        assert group.handle is not None
-        position = self.streamed._position.get(index)
+    def _request(self, index: int) -> None:
+        """The consumer asks for ``index`` next (loop)."""
+        position = self.streamed.position.get(index)
         if position is not None:
             self.pos = position
-        self.requested = index
-        try:
-            while True:
-                task = await self._wait_started(index)
-                try:
-                    lease = self.manager.acquire(
-                        group.handle, self.streamed.device, stream=self.stream
-                    )
-                except ResidencyUnavailableError:
-                    # A checkpoint load still running: the device copy begins once it is loaded.
-                    if task.done():
-                        if self.started.get(index) is not task:
-                            continue  # it lost the budget and will be started again
-                        task.result()
-                        raise
-                    self.open_window()  # the load takes a while: start the next ones
-                    await self.manager._wait_change()
-                    continue
-                break
-        finally:
-            self.requested = None
-        if not self.window_open and not self.manager._issued(group.handle, self.streamed.device):
-            self.open_window()  # the lease waits for a staged copy to be issued: prefetch
-        await lease.__aenter__()
-        self.leases[index] = lease
-        self.promised.pop(index, None)
-        try:
-            if wait_copy:
-                self.open_window()
-                await task
-            tensors = group.views(lease.tensor)
-        except BaseException:
-            await self._exit(index)
-            raise
-        if self.window_open:
-            self.pump()
-        return tensors
+        if index != self._resident_index and position is None:
+            self.requested = index
+        self.pump()
 
-    async def _exit(self, index: int) -> None:
-        lease = self.leases.pop(index, None)
+    @property
+    def _resident_index(self) -> int:
+        group = self.streamed.resident_group
+        return -1 if group is None else group.index
+
+    # ------------------------------------------------------------------ consumers
+
+    async def take(self, index: int) -> Slot:
+        """The loop consumer's access to group ``index``: returns once it is ready (at once in
+        the common case), raising its failure or ``TimeoutError``."""
+        slot = self.slots[index]
+        if slot.state != "ready":
+            self._request(index)
+        deadline = self.streamed.deadline()
+        while slot.state not in ("ready", "failed"):
+            if not self.active:
+                raise CallAborted(f"{self.streamed.name}: the call ended")
+            self.open_window()  # about to wait: let the prefetches use the time
+            if slot.state in ("ready", "failed"):
+                break
+            waiter = slot.waiter = slot.waiter or anyio.Event()
+            if deadline is None:
+                await waiter.wait()
+            else:
+                with anyio.move_on_at(deadline):
+                    await waiter.wait()
+                if slot.state not in ("ready", "failed") and anyio.current_time() >= deadline:
+                    raise TimeoutError(self.streamed.timeout_message(slot.group))
+        if slot.state == "failed":
+            assert slot.failure is not None
+            raise slot.failure
+        self.requested = None
+        return slot
+
+    def take_blocking(self, index: int) -> Slot:
+        """A consumer thread's access to group ``index``: returns the ready slot at once in the
+        common case (no thread crossing); otherwise asks the loop for it and blocks this thread
+        (never the loop) until it is ready. Raises its failure, :class:`CallAborted` or
+        ``TimeoutError``."""
+        slot = self.slots[index]
+        if not slot.flag.is_set():
+            self.bridge.call_soon(self._request_from_thread, index)
+            timeout = self.streamed.timeout
+            if not slot.flag.wait(timeout):
+                raise TimeoutError(self.streamed.timeout_message(slot.group))
+        elif not self._window_asked:
+            # The first block is on its way to the compute stream: prefetch from now on.
+            self._window_asked = True
+            self.bridge.call_soon(self.open_window)
+        if not self.active:
+            raise CallAborted(f"{self.streamed.name}: the call ended")
+        if slot.state == "failed":
+            assert slot.failure is not None
+            raise slot.failure
+        return slot
+
+    def _request_from_thread(self, index: int) -> None:
+        if self.active:
+            self._request(index)
+            self.open_window()
+
+    def give_back(self, index: int, event: Any) -> None:
+        """The consumer is done with group ``index``; ``event`` completes after its last
+        reader (loop)."""
+        slot = self.slots[index]
+        lease = slot.lease
         if lease is None:
             return
-        # Records an event on the compute stream after the block's kernels; the release below
-        # waits for it (the reaper sees it complete), so the replica outlives every reader.
-        await lease.__aexit__(None, None, None)
-        task = self.started.pop(index, None)
-        if task is None:
-            return
-        if self.streamed._resident is None or index != self.streamed._resident.index:
-            position = self.streamed._position.get(index)
-            if position is not None and position + 1 > self.pos:
-                self.pos = position + 1
-        self.streamed._spawn_release(index, task)
+        slot.lease = None
+        slot.tensors = None
+        slot.ready_event = None
+        slot.flag.clear()
+        # "returning" until the release is registered and the position moved on, so that a
+        # pump the lease's exit triggers does not start the group again.
+        slot.state = "returning"
+        self.returned.add(index)
+        error = lease.exit_nowait(reader_events=[event])
+        if error is not None:
+            self.failures.append(error)
+        if index not in self.keep:
+            self.streamed.release_replica(index, slot.pending)
+        position = self.streamed.position.get(index)
+        if position is not None and position + 1 > self.pos:
+            self.pos = position + 1
+        slot.state = "idle"
         self.open_window()
+        self.pump()
 
-    async def exit(self, index: int) -> None:
-        await self._exit(index)
+    def give_back_threadsafe(self, index: int, event: Any) -> None:
+        """:meth:`give_back` from a consumer thread: queued, the loop woken once per batch."""
+        with self._lock:
+            self._returns.append((index, event))
+            schedule = not self._drain_scheduled
+            self._drain_scheduled = True
+        if schedule:
+            self.bridge.call_soon(self._drain_returns)
 
-    def exit_soon(self, index: int) -> None:
-        """``exit`` scheduled from the worker thread (through ``call_soon_threadsafe``)."""
-        task = asyncio.ensure_future(self._exit(index))
-        self.pending_exits.add(task)
-        task.add_done_callback(self.pending_exits.discard)
+    def _drain_returns(self) -> None:
+        with self._lock:
+            returns = list(self._returns)
+            self._returns.clear()
+            self._drain_scheduled = False
+        for index, event in returns:
+            self.give_back(index, event)
+
+    # ------------------------------------------------------------------ the end
 
     def abort(self) -> None:
-        """Stop admitting: waiting and later ``enter`` calls raise ``CancelledError``."""
+        """Stop: waiting consumers (tasks and threads) raise :class:`CallAborted`."""
         self.active = False
-        for waiter in self.waiters.values():
-            if not waiter.done():
-                waiter.set_result(None)
-        self.waiters.clear()
+        for slot in self.slots.values():
+            slot._signal()
 
-    async def finish(self) -> None:
-        """End the call: exit every lease, release every replica (in the background)."""
+    def finish(self) -> None:
+        """End the call (loop, synchronous): hand back what a consumer still holds (with an
+        event on the compute stream, after anything it may have enqueued), release every
+        replica not kept, cancel copies nobody needs any more."""
+        self._drain_returns()
         self.abort()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-        while self.pending_exits:
-            await asyncio.gather(*list(self.pending_exits), return_exceptions=True)
-        for index in list(self.leases):
-            await self._exit(index)
-        for index, task in list(self.started.items()):
-            del self.started[index]
-            self.streamed._spawn_release(index, task)
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+        backend = self.manager.backend
+        for index, slot in self.slots.items():
+            if slot.lease is not None:
+                lease, slot.lease = slot.lease, None
+                slot.tensors = None
+                error = lease.exit_nowait(reader_events=[backend.record_event(self.stream)])
+                if error is not None:
+                    self.failures.append(error)
+                if index not in self.keep:
+                    self.streamed.release_replica(index, slot.pending)
+            elif slot.state == "starting" and slot.pending is not None:
+                pending = slot.pending
+                if pending.done():
+                    if pending.exception() is None and index not in self.keep:
+                        self.streamed.release_replica(index)
+                else:
+                    pending.cancel()
+                    self.streamed.settle_later(pending)
+                    pending.add_done_callback(self._release_if_arrived(index))
+            slot.state = "idle"
+            slot.flag.clear()
 
+    def _release_if_arrived(self, index: int) -> Callable[[PendingOperation], None]:
+        def release(pending: PendingOperation) -> None:
+            if pending.exception() is None and index not in self.keep:
+                self.streamed.release_replica(index)
 
-async def finish_shielded(awaitable: Any) -> None:
-    """Run cleanup to the end even if the calling task is cancelled meanwhile."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
-    if cancelled:
-        raise asyncio.CancelledError
+        return release
 
-
-async def await_shielded(future: asyncio.Future[Any]) -> None:
-    """Wait for ``future`` (a worker thread's result) to settle, whatever is cancelled."""
-    while not future.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(future)
+    def __repr__(self) -> str:
+        states: dict[str, int] = {}
+        for slot in self.slots.values():
+            states[slot.state] = states.get(slot.state, 0) + 1
+        return f"<CallPipeline {self.streamed.name} pos={self.pos} {states}>"

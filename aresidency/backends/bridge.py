@@ -1,0 +1,120 @@
+"""Calling back into the event loop from device threads, on asyncio, uvloop and trio.
+
+Device work completes on other threads: the CUDA event waiter, the staging lanes, the
+simulation's stream workers. Each completion must run a short callback *on the event loop that
+owns the manager's state*, without the device thread waiting for it. anyio's
+``anyio.from_thread.run_sync`` blocks the calling thread until the loop ran the callback, which
+would stall a copy pipeline; this module is the non-blocking twin: it keeps the native handle of
+the running loop (the asyncio loop, or trio's ``TrioToken``) and hands callbacks to it with
+``call_soon_threadsafe`` / ``run_sync_soon``. :meth:`LoopBridge.run_async` is the
+blocking form, for a caller thread that wants a coroutine's result. That is all it does;
+every other concurrency primitive of the runtime is anyio's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["LoopBridge", "LoopClosedError"]
+
+
+class LoopClosedError(RuntimeError):
+    """The event loop behind a bridge has finished: nobody is left to run the callback."""
+
+
+class LoopBridge:
+    """The running event loop, reachable from any thread. Make one on the loop's thread.
+
+    ``call_soon(fn, *args)`` runs ``fn(*args)`` on the loop soon, from any thread; the caller
+    never waits. ``on_loop()`` says whether the calling thread is the loop's. ``library`` is
+    ``"asyncio"`` (uvloop included) or ``"trio"``.
+
+    State: the loop's native handle and thread identity, fixed at construction.
+    """
+
+    __slots__ = ("_loop", "_soon", "_soon_here", "library", "thread")
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        try:
+            loop: Any = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self.library = "asyncio"
+            self._loop = loop
+            self._soon: Callable[..., Any] = loop.call_soon_threadsafe
+            self._soon_here: Callable[..., Any] = loop.call_soon
+            return
+        token: Any = None
+        try:
+            import trio
+        except ImportError:  # pragma: no cover - trio is optional
+            pass
+        else:
+            try:
+                token = trio.lowlevel.current_trio_token()
+            except RuntimeError:
+                token = None
+        if token is not None:
+            self.library = "trio"
+            self._loop = token
+            self._soon = token.run_sync_soon
+            self._soon_here = token.run_sync_soon
+            return
+        raise RuntimeError(
+            "no running event loop: aresidency runs under asyncio, uvloop or trio (directly or "
+            "through anyio); create the manager inside 'async with' in a running loop"
+        )
+
+    @classmethod
+    def current(cls) -> LoopBridge:
+        """A bridge to the loop running in this thread (``RuntimeError`` without one)."""
+        return cls()
+
+    def on_loop(self) -> bool:
+        return threading.get_ident() == self.thread
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop soon; any thread; never waits. Raises
+        :class:`LoopClosedError` when the loop has finished."""
+        try:
+            if threading.get_ident() == self.thread:
+                self._soon_here(fn, *args)
+            else:
+                self._soon(fn, *args)
+        except RuntimeError as exc:  # asyncio: loop closed; trio: RunFinishedError
+            raise LoopClosedError(f"the event loop has finished: {exc}") from None
+
+    def call_soon_quietly(self, fn: Callable[..., Any], *args: Any) -> None:
+        """:meth:`call_soon`, dropping the call when the loop has finished (a completion that
+        arrives after the program ended has nobody to tell)."""
+        try:
+            self.call_soon(fn, *args)
+        except LoopClosedError:
+            pass
+
+    def run_async(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``await fn(*args, **kwargs)`` on the loop and return its result, blocking the
+        calling thread (which must not be the loop's) until it finished."""
+        if self.on_loop():
+            raise RuntimeError("run_async from the loop's own thread would deadlock")
+        call = functools.partial(fn, *args, **kwargs)
+        if self.library == "asyncio":
+
+            async def run() -> T:
+                return await call()
+
+            return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+        import trio
+
+        return trio.from_thread.run(call, trio_token=self._loop)  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<LoopBridge {self.library} thread={self.thread}>"

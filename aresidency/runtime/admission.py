@@ -1,0 +1,222 @@
+"""Admission: the first-come, first-served queue of scopes waiting for room.
+
+A scope whose plan does not fit now waits here, in arrival order, as long as only *transient*
+state stands in its way: leases, holds, pending consumer events, transfers in flight and the
+reservations of other scopes or ``manager.reservation`` blocks (they all end on their own). A
+plan that resident values block (nobody protects them, so nothing will move them) or that
+could never fit fails at once with the explanation's reason. Only the head of the queue is
+checked, on every state change, so a later scope never overtakes an earlier one.
+
+Direct operations queue too, so that they cannot starve a waiting scope: one that would charge
+a location some waiting scope is short of waits for the scopes ahead of it, then runs (it
+never waits for room itself: it either fits then or raises ``ResidencyBudgetError``). One
+that charges nothing there (a release, a move out to the host) runs at once: it may be what
+the scopes wait for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..core.errors import ResidencyBudgetError, ResidencyPlanError, ResidencyStaleStateError
+from ..core.explain import PlanExplanation, explain_plan, plan_fits
+from ..core.locations import Location
+from ..core.plans import ResidencyPlan
+from .signal import ManagerClosedError
+
+if TYPE_CHECKING:
+    from .context import Runtime
+
+__all__ = ["AdmissionQueue", "check_timeout"]
+
+
+def check_timeout(timeout: object, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds (``None``: no limit; ``inf`` means the same). Refuses what is
+    not a real number >= 0: ``True``, ``nan``, ``-1``, ``"5"``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{what} must be None or a number of seconds >= 0, got {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{what} must be None or a number of seconds >= 0, got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+class _Waiter:
+    """One entry of the queue: a scope's plan, or a direct operation waiting for its turn."""
+
+    __slots__ = ("event", "plan", "short_of")
+
+    def __init__(self, plan: ResidencyPlan | None, short_of: frozenset[Location]) -> None:
+        self.plan = plan
+        self.short_of = short_of  # the locations whose budget blocks it
+        self.event: anyio.Event | None = None
+
+    def wake(self) -> None:
+        event, self.event = self.event, None
+        if event is not None:
+            event.set()
+
+    async def sleep(self, deadline: float | None) -> None:
+        if self.event is None:
+            self.event = anyio.Event()
+        event = self.event
+        if deadline is None:
+            await event.wait()
+        else:
+            with anyio.move_on_at(deadline):
+                await event.wait()
+
+
+class AdmissionQueue:
+    """Waiting scopes and direct operations, first come first served (loop thread only).
+
+    State: ``_queue`` (waiters in arrival order; the head is the one checked), ``_closed``
+    (the manager closed: every waiter and later arrival gets ``ManagerClosedError``).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._queue: deque[_Waiter] = deque()
+        self._closed: str | None = None
+        runtime.signal.add_listener(self._wake_head)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _wake_head(self) -> None:
+        if self._queue:
+            self._queue[0].wake()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ManagerClosedError(self._closed)
+
+    def short_of(self) -> frozenset[Location]:
+        """Locations some waiting scope is short of."""
+        out: set[Location] = set()
+        for waiter in self._queue:
+            out |= waiter.short_of
+        return frozenset(out)
+
+    # -- scopes
+
+    async def admit(
+        self, plan: ResidencyPlan, expected_version: int | None, timeout: float | None
+    ) -> None:
+        """Return once ``plan`` may start (FIFO); see the module docstring. Raises
+        ``ResidencyStaleStateError`` (checked before anything else, and again when its turn
+        comes), ``ResidencyPlanError`` (could never fit, or blocked by what will not move on
+        its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds."""
+        self._check_open()
+        state = self._rt.state
+        self._check_stale(expected_version)
+        if not self._queue and plan_fits(state, plan):
+            return
+        explanation = explain_plan(state, plan, scoped=self._rt.scoped)
+        if explanation.feasible and not self._queue:
+            return
+        if not explanation.feasible and (not explanation.transient or timeout == 0):
+            raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        waiter = _Waiter(plan, _short_of(explanation))
+        self._queue.append(waiter)
+        try:
+            while True:
+                if self._queue[0] is waiter:
+                    self._check_stale(expected_version)
+                    if plan_fits(state, plan):
+                        return
+                    explanation = explain_plan(state, plan, scoped=self._rt.scoped)
+                    if not explanation.feasible and not explanation.transient:
+                        raise ResidencyPlanError(explanation.reason) from (
+                            explanation.blocking_error
+                        )
+                    waiter.short_of = _short_of(explanation)
+                if deadline is not None and anyio.current_time() >= deadline:
+                    raise TimeoutError(self._timeout_message(waiter, timeout, explanation))
+                await waiter.sleep(deadline)
+                self._check_open()
+        finally:
+            self._queue.remove(waiter)
+            self._wake_head()
+
+    def _timeout_message(
+        self, waiter: _Waiter, timeout: float | None, explanation: PlanExplanation
+    ) -> str:
+        ahead = list(self._queue).index(waiter)
+        plan = waiter.plan
+        fits = plan is not None and plan_fits(self._rt.state, plan)
+        if explanation.feasible or fits:
+            why = f"it fits now, but {ahead} earlier waiter(s) come first (FIFO)"
+        else:
+            why = explanation.reason
+        return f"plan not admitted within {timeout} s: {why}"
+
+    def _check_stale(self, expected: int | None) -> None:
+        actual = self._rt.state.state_version
+        if expected is not None and expected != actual:
+            raise ResidencyStaleStateError(expected, actual)
+
+    # -- direct operations
+
+    def must_queue(self, locations: Iterable[Location]) -> bool:
+        """Whether a direct operation charging ``locations`` would overtake a waiting scope."""
+        if not self._queue:
+            return False
+        short = self.short_of()
+        return any(location in short for location in locations)
+
+    async def wait_turn(self, locations: Iterable[Location]) -> None:
+        """Park a direct operation that charges ``locations`` until every scope queued
+        before it, that is short of one of them, has been admitted or has given up."""
+        self._check_open()
+        wanted = frozenset(locations)
+        if not self.must_queue(wanted):
+            return
+        waiter = _Waiter(None, wanted)
+        self._queue.append(waiter)
+        try:
+            while True:
+                ahead = list(self._queue)[: list(self._queue).index(waiter)]
+                if not any(other.short_of & wanted for other in ahead):
+                    return
+                await waiter.sleep(None)
+                self._check_open()
+        finally:
+            self._queue.remove(waiter)
+            self._wake_head()
+
+    def refuse_nowait(self, locations: Iterable[Location], what: str) -> None:
+        """For an operation that cannot wait: ``ResidencyBudgetError`` if it would overtake a
+        waiting scope at one of ``locations``."""
+        for location in locations:
+            if location in self.short_of():
+                ledger = self._rt.state.ledger(location)
+                waiting = sum(1 for w in self._queue if location in w.short_of)
+                raise ResidencyBudgetError(
+                    location,
+                    ledger.budget_bytes,
+                    ledger.used_bytes,
+                    ledger.reserved_bytes,
+                    0,
+                    what=f"{what}: {waiting} waiting scope(s) need room here first (FIFO)",
+                )
+
+    def close(self, message: str) -> None:
+        """Wake every waiter with ``ManagerClosedError(message)``."""
+        self._closed = message
+        for waiter in list(self._queue):
+            waiter.wake()
+
+
+def _short_of(explanation: PlanExplanation) -> frozenset[Location]:
+    error = explanation.blocking_error
+    if isinstance(error, ResidencyBudgetError):
+        return frozenset({error.location})
+    return frozenset()

@@ -1,0 +1,130 @@
+"""``Runtime``: the parts of a running manager that its operations share.
+
+One per running manager, made on its event loop by ``ResidencyManager.__aenter__``. The
+manager's public operations, scopes, leases, the driver, the admission queue and the reaper all
+work on it; none of them imports the manager (so the modules form no cycle).
+
+The rule that keeps payloads in step with the model: every synchronous state change made on
+the runtime is followed by :meth:`Runtime.settle`, which takes the transitions committed since
+the last call, lets the payload table say which tensors no materialization references any
+more, frees those (outside the state change), and notifies the change signal once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..backends.base import Backend
+from ..backends.bridge import LoopBridge
+from ..core.state import ResidencyState, ValueHandle
+from ..core.trace import Transition
+from .admission import AdmissionQueue
+from .payloads import PayloadTable
+from .reaper import Reaper
+from .signal import ChangeSignal, ManagerClosedError
+from .sources import Source
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """Shared parts of one running manager (loop thread only, see the module docstring).
+
+    State: ``state`` (the model), ``payloads``, ``backend``, ``bridge`` (the loop), ``signal``,
+    ``reaper``, ``admission``, ``sources`` (handle -> source of a reconstructible value),
+    ``closing`` (set when the manager starts closing: new work is refused),
+    ``_journal`` (transitions committed since the last :meth:`settle`), ``_tasks`` (the task
+    group for background work, owned by the manager), ``_busy`` (runs and loads in flight:
+    closing waits for them).
+    """
+
+    def __init__(
+        self,
+        state: ResidencyState,
+        backend: Backend,
+        bridge: LoopBridge,
+        tasks: anyio.abc.TaskGroup,
+    ) -> None:
+        self.state = state
+        self.backend = backend
+        self.bridge = bridge
+        self.payloads = PayloadTable()
+        self.signal = ChangeSignal()
+        self.reaper = Reaper(self)
+        self.admission = AdmissionQueue(self)
+        self.sources: dict[ValueHandle, Source] = {}
+        self.scoped: Counter[ValueHandle] = Counter()  # values of entered scopes
+        self.closing = False
+        self._journal: list[Transition] = []
+        state.recorders.append(self._journal)
+        self._tasks = tasks
+        # Loads from sources run here (reading a file, pinning): never on the loop.
+        self.loads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="aresidency-load"
+        )
+        self._busy = 0
+        self._idle: anyio.Event | None = None
+
+    # -- the effects of state changes
+
+    def settle(self) -> None:
+        """Apply the transitions committed since the last call: free the tensors nothing
+        references any more, then wake whoever waits for a change. Call after every
+        synchronous state change (cheap when nothing changed)."""
+        journal = self._journal
+        if not journal:
+            return
+        committed = journal[:]
+        journal.clear()
+        for tensor, location in self.payloads.effects(committed):
+            self.backend.free(tensor, location)
+        self.signal.notify()
+
+    # -- checks
+
+    def check_thread(self) -> None:
+        """Raise ``RuntimeError`` unless called on the loop's thread while running."""
+        if self.closing:
+            raise ManagerClosedError("the manager is closing: it carries out nothing more")
+        if threading.get_ident() != self.bridge.thread:
+            raise RuntimeError(
+                "ResidencyManager state is owned by its event loop's thread; call it from that "
+                "thread (for example with anyio.from_thread.run or "
+                "asyncio.run_coroutine_threadsafe)"
+            )
+
+    # -- background work
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the manager's task group. It must not raise: background work
+        reports its errors through the objects that started it."""
+        self._tasks.start_soon(fn, *args)
+
+    def begin_work(self) -> None:
+        """Count one run or load in flight (closing waits until none is)."""
+        self._busy += 1
+
+    def end_work(self) -> None:
+        self._busy -= 1
+        self.check_idle()
+
+    def check_idle(self) -> None:
+        """Wake :meth:`wait_idle` if nothing is in flight any more (the reaper calls this
+        after each delivery)."""
+        if self._idle is not None and not self._busy and not self.reaper.watched:
+            idle, self._idle = self._idle, None
+            idle.set()
+
+    async def wait_idle(self) -> None:
+        """Park until no run or load is in flight and no device completion is awaited."""
+        while self._busy or self.reaper.watched:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()

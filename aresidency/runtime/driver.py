@@ -1,0 +1,398 @@
+"""The driver: one phase of a plan carried out on the live state.
+
+``core.plans.run_phase`` decides (it applies a phase's actions to the model and yields the
+device work they need); :class:`PhaseRun` does: it issues the copies, loads values from their
+sources, waits for what the model asked to wait for, and answers the generator. It is the
+runtime's only driver: direct operations, ``materialize_nowait``, scopes and ``execute`` all
+carry out their actions through it, so cancellation is handled here and nowhere else.
+
+A run is a synchronous state machine with a thin async wrapper (trio's ``*_nowait`` style):
+
+* :meth:`PhaseRun.start` advances the phase now: every action begins (charging its
+  destination) and every copy is enqueued before it returns; the host waits for nothing;
+* completions arrive as callbacks on the loop (the reaper's) and advance it further; a move
+  commits only once its source's readers completed; a failed copy is aborted only once nothing
+  uses, holds or reads its destination any more;
+* :meth:`PhaseRun.wait` parks the calling task until the run finished and raises its error.
+
+Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): a run waiting to
+release a value gives up before anything changed; a run with transfers in flight cancels each
+one whose destination nobody has leased or held yet (it stops issuing chunks; its enqueued
+device work completes; then it is aborted), and lets the others complete and commit, because a
+lease entered on an incoming copy is reading it. Either way the run ends with every begun
+transfer committed or aborted, and the awaiting task then sees its cancellation: nothing is
+left incoming, charged or protected by a cancelled operation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+
+from ..backends.base import Transfer, TransferCancelledError
+from ..core.locations import Location
+from ..core.plans import Action, SettleRequest, TransferRequest, run_phase
+from ..core.state import CopyTicket
+from ..core.trace import Transition
+from .payloads import Payload
+
+if TYPE_CHECKING:
+    from .context import Runtime
+
+__all__ = ["PhaseCancelledError", "PhaseRun"]
+
+
+class PhaseCancelledError(Exception):
+    """The run was cancelled before it finished (what a cancelled run's error is)."""
+
+
+_START = object()
+
+
+class PhaseRun:
+    """One phase of a plan on the live state (see the module docstring).
+
+    State: ``_gen`` (the model's phase generator), ``_request`` (what it asked for last),
+    ``_open`` (ticket id -> ticket, transfers not complete yet), ``_transfers`` (ticket id ->
+    the backend's transfer), ``_errors`` (ticket id -> outcome), ``_unlisten`` (set while the
+    run waits for a state change), ``transitions`` (what this run committed, in order),
+    ``finished``/``error``, ``cancel_requested``.
+    Invariants: while not finished, every begun ticket is either open or has its outcome in
+    ``_errors``; the run finishes only after the generator ended, so every ticket it began is
+    committed or aborted by then.
+    """
+
+    def __init__(self, runtime: Runtime, phase: str, actions: Sequence[Action]) -> None:
+        self._rt = runtime
+        self.phase = phase
+        self.actions = actions
+        self._gen = run_phase(runtime.state, phase, actions)
+        self._request: SettleRequest | TransferRequest | None = None
+        self._open: dict[int, CopyTicket] = {}
+        self._transfers: dict[int, Transfer] = {}
+        self._errors: dict[int, BaseException | None] = {}
+        self._unlisten: Callable[[], None] | None = None
+        self._done: anyio.Event | None = None
+        self._callbacks: list[Callable[[PhaseRun], None]] = []
+        self.transitions: list[Transition] = []
+        self.started = False
+        self.finished = False
+        self.error: BaseException | None = None
+        self.cancel_requested = False
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else "running" if self.started else "new"
+        return (
+            f"<PhaseRun {self.phase} {state} [{len(self.actions)} actions, "
+            f"{len(self._open)} transfers open]>"
+        )
+
+    # ------------------------------------------------------------------ the core
+
+    def start(self) -> PhaseRun:
+        """Advance the phase now, synchronously: begin every action and enqueue every copy.
+        Errors of the actions are the run's (see :attr:`error`), never raised here."""
+        assert not self.started, "a run starts once"
+        self.started = True
+        self._rt.state.origin_recorders[self] = self.transitions
+        self._rt.begin_work()
+        self._advance(_START)
+        return self
+
+    def _advance(self, response: Any, throw: BaseException | None = None) -> None:
+        """Answer the generator (or throw into it) and act on its next request; repeats while
+        a request can be answered at once."""
+        state = self._rt.state
+        while True:
+            previous, state.origin = state.origin, self
+            request: SettleRequest | TransferRequest | None = None
+            outcome: BaseException | None = None
+            ended = False
+            try:
+                if throw is not None:
+                    request = self._gen.throw(throw)
+                elif response is _START:
+                    request = next(self._gen)
+                else:
+                    request = self._gen.send(response)
+            except StopIteration:
+                ended = True
+            except BaseException as error:  # ActionFailed, or a cancellation thrown in
+                ended, outcome = True, error
+            finally:
+                state.origin = previous
+            self._rt.settle()
+            if ended:
+                self._finish(outcome)
+                return
+            throw = None
+            self._request = request
+            if isinstance(request, SettleRequest):
+                if not self._settled(request):
+                    self._listen(self._poll_settle)
+                    return
+                response = None
+                continue
+            assert isinstance(request, TransferRequest)
+            self._issue(request)
+            if self._open or not self._ready_to_commit(request):
+                if not self._open:
+                    self._listen(self._poll_commit)
+                return
+            self._unlisten_now()
+            response = dict(self._errors)
+
+    def _settled(self, request: SettleRequest) -> bool:
+        value = self._rt.state.find_value(request.handle)
+        mat = None if value is None else value.materializations.get(request.location)
+        return mat is None or mat.pending_event_count == 0
+
+    def _poll_settle(self) -> None:
+        request = self._request
+        if isinstance(request, SettleRequest) and self._settled(request):
+            self._unlisten_now()
+            self._advance(None)
+
+    def _issue(self, request: TransferRequest) -> None:
+        """Start every transfer of ``request``: copies now, loads in the task group."""
+        self._errors = {}
+        rt = self._rt
+        for ticket in request.tickets:
+            if ticket.source is None:
+                self._open[ticket.ticket_id] = ticket
+                rt.begin_work()
+                self._load(ticket)
+                continue
+            try:
+                transfer = self._copy(ticket)
+            except BaseException as error:  # allocation failure: raised by copy itself
+                self._errors[ticket.ticket_id] = error
+                continue
+            self._open[ticket.ticket_id] = ticket
+            rt.reaper.watch(transfer, functools.partial(self._transfer_done, ticket))
+
+    def _copy(self, ticket: CopyTicket) -> Transfer:
+        """Enqueue the copy of a begun ticket and record the destination's payload."""
+        assert ticket.source is not None
+        payloads = self._rt.payloads
+        source = payloads.get(ticket.handle, ticket.source)
+        assert source is not None, "a resident materialization without data"
+        transfer = self._rt.backend.copy(
+            source.tensor, ticket.source, ticket.destination, wait_events=source.readers
+        )
+        self._transfers[ticket.ticket_id] = transfer
+        payloads.put(ticket.handle, ticket.destination, Payload(transfer.tensor, transfer))
+        return transfer
+
+    def _transfer_done(self, ticket: CopyTicket, error: BaseException | None) -> None:
+        """The reaper: the transfer of ``ticket`` completed (or the backend closed)."""
+        transfer = self._transfers.get(ticket.ticket_id)
+        if error is None and transfer is not None:
+            error = transfer.outcome()
+        self._complete(ticket, error)
+
+    def _complete(self, ticket: CopyTicket, error: BaseException | None) -> None:
+        self._errors[ticket.ticket_id] = error
+        self._open.pop(ticket.ticket_id, None)
+        if error is not None:
+            payload = self._rt.payloads.get(ticket.handle, ticket.destination)
+            if payload is not None:
+                payload.failure = error  # leases entered on the incoming copy report it
+        if not self._open:
+            self._poll_commit()
+
+    def _ready_to_commit(self, request: TransferRequest) -> bool:
+        """Every transfer completed; may the generator commit (and abort) them now? A failed
+        copy's destination must be unused, unheld and unread (it is freed at the abort); a
+        move's source must have no consumer events left but the copies of this request."""
+        state = self._rt.state
+        for ticket in request.tickets:
+            value = state.find_value(ticket.handle)
+            if value is None:
+                continue
+            if self._errors.get(ticket.ticket_id) is not None:
+                mat = value.materializations.get(ticket.destination)
+                if mat is not None and mat.protected:
+                    return False
+            elif ticket.move and ticket.source is not None:
+                ours = sum(
+                    1
+                    for other in request.tickets
+                    if other.handle == ticket.handle and other.source == ticket.source
+                )
+                src = value.materializations.get(ticket.source)
+                if src is not None and src.pending_event_count > ours:
+                    return False
+        return True
+
+    def _poll_commit(self) -> None:
+        request = self._request
+        if self.finished or self._open or not isinstance(request, TransferRequest):
+            return
+        if not self._ready_to_commit(request):
+            self._listen(self._poll_commit)
+            return
+        self._unlisten_now()
+        for ticket in request.tickets:
+            if self._errors.get(ticket.ticket_id) is None:
+                payload = self._rt.payloads.get(ticket.handle, ticket.destination)
+                if payload is not None:
+                    payload.transfer = None  # committed below: the data is there
+        self._advance(dict(self._errors))
+
+    def _listen(self, poll: Callable[[], None]) -> None:
+        if self._unlisten is None:
+            self._unlisten = self._rt.signal.add_listener(poll)
+
+    def _unlisten_now(self) -> None:
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self.finished = True
+        self.error = error
+        self._unlisten_now()
+        self._rt.state.origin_recorders.pop(self, None)
+        self._rt.end_work()
+        if self._done is not None:
+            self._done.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    # ------------------------------------------------------------------ loads
+
+    def _load(self, ticket: CopyTicket) -> None:
+        """Rebuild a value from its source: load (and place) in a worker thread, never on the
+        loop; then, when the destination is a device, copy it there like any other transfer.
+        Every step after the thread's runs on the loop, as a callback (no task)."""
+        rt = self._rt
+        source = rt.sources[ticket.handle]
+        first = ticket.via if ticket.via is not None else ticket.destination
+        place_at = first if first.is_pinned else None
+        if ticket.via is not None and ticket.destination.is_host:
+            place_at = ticket.destination  # a host destination is filled in the thread too
+        future = rt.loads.submit(_load_checked, source, rt.backend, place_at)
+        future.add_done_callback(
+            lambda done: rt.bridge.call_soon_quietly(self._loaded, ticket, done)
+        )
+
+    def _loaded(self, ticket: CopyTicket, future: Any) -> None:
+        """The loop: the worker thread loaded the source."""
+        rt = self._rt
+        rt.end_work()
+        if self.finished:
+            return
+        error = future.exception()
+        if error is not None:
+            self._complete(ticket, error)
+            return
+        tensor = future.result()
+        if ticket.via is None or ticket.destination.is_host:
+            rt.payloads.put(ticket.handle, ticket.destination, Payload(tensor))
+            self._complete(ticket, None)
+            return
+        if self.cancel_requested:
+            self._complete(
+                ticket, TransferCancelledError(f"the load of {ticket.handle} was cancelled")
+            )
+            return
+        try:
+            transfer = rt.backend.copy(tensor, ticket.via, ticket.destination)
+        except BaseException as exc:
+            self._complete(ticket, exc)
+            return
+        self._transfers[ticket.ticket_id] = transfer
+        rt.payloads.put(ticket.handle, ticket.destination, Payload(transfer.tensor, transfer))
+        rt.signal.notify()  # its data exists now: a lease waiting for the load may enter
+        rt.reaper.watch(transfer, functools.partial(self._transfer_done, ticket))
+
+    # ------------------------------------------------------------------ cancellation
+
+    def cancel(self) -> None:
+        """Cancel the run (synchronous; see the module docstring). It still finishes through
+        the normal path; :attr:`error` is then :class:`PhaseCancelledError` (or the cause of a
+        failure that happened first)."""
+        if self.finished or self.cancel_requested:
+            return
+        self.cancel_requested = True
+        request = self._request
+        if isinstance(request, SettleRequest):
+            self._unlisten_now()
+            self._advance(None, throw=PhaseCancelledError(f"{self.phase} was cancelled"))
+            return
+        state = self._rt.state
+        for ticket_id, ticket in list(self._open.items()):
+            transfer = self._transfers.get(ticket_id)
+            if transfer is None:
+                continue  # a load still reading its source: it stops before its copy
+            value = state.find_value(ticket.handle)
+            mat = None if value is None else value.materializations.get(ticket.destination)
+            if mat is not None and (mat.use_count or mat.hold_count):
+                continue  # a lease reads the incoming copy: let it arrive
+            payload = self._rt.payloads.get(ticket.handle, ticket.destination)
+            if payload is not None:
+                payload.aborting = True
+            transfer.cancel()
+
+    # ------------------------------------------------------------------ the async wrapper
+
+    def add_done_callback(self, callback: Callable[[PhaseRun], None]) -> None:
+        """Call ``callback(run)`` on the loop when the run finished (now if it has)."""
+        if self.finished:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    async def wait_finished(self) -> None:
+        """Park until the run finished, raising nothing; cancelling this wait leaves the run
+        going (unlike :meth:`wait`)."""
+        if not self.finished:
+            if self._done is None:
+                self._done = anyio.Event()
+            await self._done.wait()
+
+    async def wait(self) -> None:
+        """Park until the run finished; raise its error. If the awaiting task is cancelled
+        meanwhile, the run is cancelled, the task waits (shielded) until the run finished, and
+        then the cancellation propagates."""
+        if not self.started:
+            self.start()
+        if not self.finished:
+            if self._done is None:
+                self._done = anyio.Event()
+            done = self._done
+            try:
+                await done.wait()
+            except anyio.get_cancelled_exc_class():
+                self.cancel()
+                with anyio.CancelScope(shield=True):
+                    await done.wait()
+                raise
+        if self.error is not None:
+            raise self.error
+
+
+def _load_checked(source: Any, backend: Any, place_at: Location | None) -> Any:
+    """``source.load()``, checked against what the source declared, contiguous, and placed at
+    ``place_at`` when given (a worker thread: loading and pinning block it, not the loop)."""
+    tensor = source.load()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{source!r}.load() returned {type(tensor).__name__}, not a tensor")
+    shape = tuple(int(d) for d in source.shape)
+    if tuple(tensor.shape) != shape or tensor.dtype != source.dtype:
+        raise ValueError(
+            f"{source!r}.load() returned {tuple(tensor.shape)} {tensor.dtype}, but the source "
+            f"declared {shape} {source.dtype}"
+        )
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    if place_at is not None:
+        tensor = backend.place(tensor, place_at)
+    return tensor

@@ -1,0 +1,189 @@
+"""``Scope``: a plan entered for the duration of an ``async with`` block (single use).
+
+Entry: compare the decision's ``expected_state_version`` (``ResidencyStaleStateError`` before
+anything changes), wait for admission while only transient state blocks it (FIFO, up to
+``timeout``; ``timeout=0`` never waits; a plan that could never fit fails at once; see
+:mod:`~aresidency.runtime.admission`), then run ``reclaim``, admit ``reserve``, run ``enter``
+and await its transfers. Exit: end the reservations, run ``exit``.
+
+A failure after admission is ``ResidencyPlanExecutionError``: nothing committed is rolled back,
+and the reservations a failed entry admitted are released. A body exception stays primary; a
+failing exit is kept on ``exit_error`` (and raised when the body succeeded). ``report`` lists
+the transitions this scope committed, and only those (not what other tasks committed while it
+waited). Cancellation at any await of the entry leaves no reservation, charge or protection
+behind (the driver finishes or aborts every transfer begun); the exit phase runs shielded from
+cancellation, so the plan's exit actions are carried out even when the body was cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..core.errors import ResidencyError, ResidencyPlanExecutionError
+from ..core.locations import Location
+from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
+from ..core.trace import ExecutionReport, Transition
+from .admission import check_timeout
+from .driver import PhaseRun
+
+if TYPE_CHECKING:
+    from .context import Runtime
+
+__all__ = ["Scope"]
+
+
+def plan_of(plan_or_decision: Any) -> ResidencyPlan:
+    """The plan of a ``ResidencyPlan`` or of a controller decision; ``TypeError`` otherwise."""
+    plan = getattr(plan_or_decision, "plan", plan_or_decision)
+    if not isinstance(plan, ResidencyPlan):
+        raise TypeError(
+            f"expected a ResidencyPlan or a ResidencyDecision, got {plan_or_decision!r} "
+            f"({type(plan_or_decision).__name__})"
+        )
+    return plan
+
+
+class Scope:
+    """``async with manager.scope(plan_or_decision, timeout=None) as scope`` (see the module
+    docstring). State: ``plan``, ``decision`` (when made from one), ``status`` (``new`` ->
+    ``entering`` -> ``entered`` -> ``exited`` | ``failed``), ``exit_error``, ``report``."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        plan_or_decision: Any,
+        *,
+        timeout: float | None = None,
+        phase_name: str | None = None,
+    ) -> None:
+        plan = plan_of(plan_or_decision)
+        self._rt = runtime
+        self.plan = plan
+        self.decision = plan_or_decision if plan_or_decision is not plan else None
+        expected = getattr(plan_or_decision, "expected_state_version", None)
+        self.expected_state_version: int | None = (
+            expected if expected is not None else plan.expected_state_version
+        )
+        self.timeout = check_timeout(timeout)
+        self._phase_name = phase_name
+        self._transitions: list[Transition] = []
+        self._reserved: list[tuple[str, Location]] = []
+        self.exit_error: BaseException | None = None
+        self.status = "new"
+
+    @property
+    def report(self) -> ExecutionReport:
+        return ExecutionReport(tuple(self._transitions))
+
+    def __repr__(self) -> str:
+        return f"<Scope {self.status} [{len(self._transitions)} transitions]>"
+
+    def _fail(
+        self, phase: str, cause: BaseException, index: int | None = None, action: Any = None
+    ) -> ResidencyPlanExecutionError:
+        reservation = action if phase == "reserve" else None
+        error = ResidencyPlanExecutionError(
+            self._phase_name or phase,
+            failed_action=None if phase == "reserve" else action,
+            failed_action_index=None if phase == "reserve" else index,
+            failed_reservation=reservation,
+            failed_reservation_index=index if phase == "reserve" else None,
+            partial_report=self.report,
+            detail=f"{phase} failed: {cause}",
+        )
+        error.__cause__ = cause
+        return error
+
+    async def _run_phase(self, phase: str, actions: Sequence[Action]) -> None:
+        if not actions:
+            return
+        run = PhaseRun(self._rt, phase, actions)
+        try:
+            await run.wait()
+        except ActionFailed as failed:
+            self._transitions.extend(run.transitions)
+            action = failed.action if failed.action is not None else actions[failed.index]
+            raise self._fail(phase, failed.cause, failed.index, action) from failed.cause
+        except ResidencyError as error:
+            self._transitions.extend(run.transitions)
+            raise self._fail(phase, error) from error
+        except BaseException:
+            self._transitions.extend(run.transitions)
+            raise
+        self._transitions.extend(run.transitions)
+
+    def _reserve_all(self) -> None:
+        state = self._rt.state
+        with TransitionRecorder(state, self, self._transitions):
+            for index, reservation in enumerate(self.plan.reserve):
+                try:
+                    state.reserve(
+                        reservation.name, reservation.location, reservation.nbytes, owner=self
+                    )
+                except (ResidencyError, ValueError) as error:
+                    raise self._fail("reserve", error, index, reservation) from error
+                self._reserved.append((reservation.name, reservation.location))
+        self._rt.settle()
+
+    def _unreserve_all(self) -> None:
+        state = self._rt.state
+        with TransitionRecorder(state, self, self._transitions):
+            while self._reserved:
+                name, location = self._reserved.pop()
+                state.unreserve(name, location)
+        self._rt.settle()
+
+    async def __aenter__(self) -> Scope:
+        rt = self._rt
+        rt.check_thread()
+        if self.status != "new":
+            raise RuntimeError(
+                f"a scope is single use and this one is {self.status}; make a new scope (and a "
+                "new decision) from the current state"
+            )
+        self.status = "entering"
+        plan = self.plan
+        try:
+            for action in (*plan.reclaim, *plan.enter, *plan.exit, *plan.reserve):
+                rt.backend.check_location(action.location)
+            await rt.admission.admit(plan, self.expected_state_version, self.timeout)
+            await self._run_phase("reclaim", plan.reclaim)
+            self._reserve_all()
+            await self._run_phase("enter", plan.enter)
+        except BaseException as error:
+            self.status = "failed"
+            self._unreserve_all()
+            if isinstance(error, ResidencyPlanExecutionError):
+                error.partial_report = self.report  # with the reservation clean-up included
+            raise
+        self.status = "entered"
+        rt.scoped.update(plan.handles())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.status != "entered":
+            return
+        self._rt.scoped.subtract(self.plan.handles())
+        self._rt.scoped += Counter()  # drop the zero counts
+        try:
+            self._unreserve_all()
+            with anyio.CancelScope(shield=True):
+                await self._run_phase("exit", self.plan.exit)
+            self.status = "exited"
+        except BaseException as error:
+            self.status = "failed"
+            self.exit_error = error
+            if isinstance(error, ResidencyPlanExecutionError):
+                error.partial_report = self.report
+            if exc is None:
+                raise
