@@ -28,6 +28,10 @@ Every destination is allocated by ``copy`` itself: on the device under the copy 
 runtime frees a tensor only after every event that used it completed, so no
 ``record_stream`` is needed. Host destinations are contiguous; pinned ones are exactly sized
 (:class:`~aresidency.backends.staging.PinnedAllocator`).
+
+Why this module is long: one route per copy direction (peer, host-to-device direct or staged,
+device-to-host pinned or staged, host-to-host), each with its allocation, issue, fault injection
+and failure path; they share the issuing helpers and read best next to each other.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
 from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
 from .bridge import LoopBridge
+from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
 from .memory import as_bytes, poison_
 from .staging import (
@@ -57,7 +62,7 @@ from .staging import (
     copy_h2d_staged,
     cuda_event,
 )
-from .waiter import EventWaiter, shared_driver, spin_wait
+from .waiter import EventWaiter, spin_wait
 
 __all__ = ["CopyStreams", "CudaBackend"]
 
@@ -93,7 +98,7 @@ def copy_streams(device: int) -> CopyStreams:
 
 def _new_stream(device: int) -> torch.cuda.Stream:
     try:
-        driver = shared_driver()
+        driver = cuda_driver()
         handle = driver.create_stream(device)
         external: Any = torch.cuda.ExternalStream  # untyped in torch
         stream: torch.cuda.Stream = external(handle, device=torch.device("cuda", device))

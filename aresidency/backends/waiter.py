@@ -67,162 +67,18 @@ import anyio
 
 from .base import BackendClosedError
 from .bridge import LoopBridge
+from .cudadriver import CudaDriver, Timespec, cuda_driver, hostfunc_available
 
 __all__ = [
     "STRATEGIES",
     "EventWaiter",
     "hostfunc_available",
-    "shared_driver",
     "spin_wait",
 ]
 
 Callback = Callable[[BaseException | None], None]
 
 STRATEGIES: Final = ("hybrid", "hostfunc", "poll", "blocking")
-
-
-# ------------------------------------------------------------------ driver access (ctypes)
-
-_CU_STREAM_NON_BLOCKING: Final = 1
-# Semaphores and host functions may outlive a waiter (a notify stream destroyed with work
-# still queued runs it later): their memory is kept for the life of the process. 64 B each.
-_KEEPALIVE: list[Any] = []
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def load_libc() -> Any:
-    """libc with the POSIX semaphore functions typed (ctypes calls release the GIL)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if not hasattr(libc, "sem_timedwait"):  # glibc < 2.34 keeps them in libpthread
-        libc = ctypes.CDLL(ctypes.util.find_library("pthread") or "libpthread.so.0", True)
-    vp = ctypes.c_void_p
-    for name in ("sem_init", "sem_post", "sem_wait", "sem_trywait", "sem_timedwait"):
-        getattr(libc, name).restype = ctypes.c_int
-    libc.sem_init.argtypes = [vp, ctypes.c_int, ctypes.c_uint]
-    libc.sem_post.argtypes = [vp]
-    libc.sem_wait.argtypes = [vp]
-    libc.sem_trywait.argtypes = [vp]
-    libc.sem_timedwait.argtypes = [vp, ctypes.POINTER(_Timespec)]
-    return libc
-
-
-class _Driver:
-    """The few CUDA driver and libc functions the ``hostfunc`` strategy needs (ctypes calls
-    release the GIL)."""
-
-    def __init__(self) -> None:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        libc = load_libc()
-        self.cuda = cuda
-        self.libc = libc
-        vp = ctypes.c_void_p
-        for name, args in {
-            "cuInit": [ctypes.c_uint],
-            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
-            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), ctypes.c_int],
-            "cuCtxPushCurrent_v2": [vp],
-            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
-            "cuStreamCreate": [ctypes.POINTER(vp), ctypes.c_uint],
-            "cuStreamDestroy_v2": [vp],
-            "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
-            "cuLaunchHostFunc": [vp, vp, vp],
-        }.items():
-            fn = getattr(cuda, name)
-            fn.argtypes = args
-            fn.restype = ctypes.c_int
-        self.sem_post_ptr = ctypes.cast(libc.sem_post, vp).value
-        self._check(cuda.cuInit(0), "cuInit")
-        self._contexts: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"CUDA driver call {what} failed with CUresult {code}")
-
-    def context(self, device: int) -> int:
-        """The device's primary context (the one torch uses), retained once."""
-        with self._lock:
-            ctx = self._contexts.get(device)
-            if ctx is None:
-                dev = ctypes.c_int()
-                self._check(self.cuda.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-                handle = ctypes.c_void_p()
-                self._check(
-                    self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev.value),
-                    "cuDevicePrimaryCtxRetain",
-                )
-                ctx = self._contexts[device] = int(handle.value or 0)
-            return ctx
-
-    def call_in(self, device: int, fn: Callable[[], int], what: str) -> None:
-        """Run one driver call with the device's primary context current."""
-        ctx = self.context(device)
-        self._check(self.cuda.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
-        try:
-            self._check(fn(), what)
-        finally:
-            self.cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-    def create_stream(self, device: int) -> int:
-        """A new non-blocking stream on ``device`` (never synchronizes with the legacy
-        default stream)."""
-        out = ctypes.c_void_p()
-        self.call_in(
-            device,
-            lambda: int(self.cuda.cuStreamCreate(ctypes.byref(out), _CU_STREAM_NON_BLOCKING)),
-            "cuStreamCreate",
-        )
-        return int(out.value or 0)
-
-    def destroy_stream(self, device: int, stream: int) -> None:
-        """Release ``stream``; work still queued on it completes first (driver semantics)."""
-        self.call_in(
-            device, lambda: int(self.cuda.cuStreamDestroy_v2(ctypes.c_void_p(stream))), "destroy"
-        )
-
-    def new_semaphore(self) -> ctypes.Array[ctypes.c_char]:
-        sem = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on glibc
-        if self.libc.sem_init(sem, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-        _KEEPALIVE.append(sem)
-        return sem
-
-
-_DRIVER: _Driver | None = None
-_DRIVER_ERROR: BaseException | None = None
-_DRIVER_LOCK = threading.Lock()
-
-
-def _driver() -> _Driver:
-    global _DRIVER, _DRIVER_ERROR
-    with _DRIVER_LOCK:
-        if _DRIVER is None and _DRIVER_ERROR is None:
-            try:
-                _DRIVER = _Driver()
-            except (OSError, AttributeError, RuntimeError) as exc:
-                _DRIVER_ERROR = exc
-        if _DRIVER is None:
-            raise RuntimeError(f"the CUDA driver API is unavailable: {_DRIVER_ERROR}")
-        return _DRIVER
-
-
-def hostfunc_available() -> bool:
-    """Whether ``libcuda.so.1`` loads and offers ``cuLaunchHostFunc`` (CUDA 10+ drivers)."""
-    try:
-        _driver()
-    except RuntimeError:
-        return False
-    return True
-
-
-def shared_driver() -> Any:
-    """The process's driver wrapper (for backends that create dedicated streams); raises
-    ``RuntimeError`` when the driver API is unavailable."""
-    return _driver()
 
 
 # ------------------------------------------------------------------ the waiter
@@ -295,7 +151,7 @@ class EventWaiter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._notify: dict[tuple[int, int | None], int] = {}
-        self._driver: _Driver | None = None
+        self._driver: CudaDriver | None = None
         self._sem: ctypes.Array[ctypes.c_char] | None = None
         # Per-event bookkeeping lives here, not on the torch.cuda.Event objects.
         self._origins: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
@@ -306,7 +162,7 @@ class EventWaiter:
         self.poll_hits = 0  # hybrid: completions first seen by a poll, not a notification
         self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
         if strategy in ("hybrid", "hostfunc"):
-            self._driver = _driver()
+            self._driver = cuda_driver()
             self._sem = self._driver.new_semaphore()
 
     @property
@@ -493,7 +349,7 @@ class EventWaiter:
         assert driver is not None and self._sem is not None
         sem = ctypes.addressof(self._sem)
         libc = driver.libc
-        timeout = _Timespec()
+        timeout = Timespec()
         while True:
             with self._cond:
                 idle = not self._pending
@@ -520,7 +376,7 @@ class EventWaiter:
         _set_timer_slack()
         sem = ctypes.addressof(self._sem)
         libc = driver.libc
-        timeout = _Timespec()
+        timeout = Timespec()
         while True:
             now = time.monotonic()
             with self._cond:

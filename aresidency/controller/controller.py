@@ -1,10 +1,11 @@
 """``ResidencyController``: request -> decision on the event loop, and decide-then-enter scopes.
 
-The controller reads the manager's live state (``manager._state``) only synchronously, on the
-loop that owns it, and never mutates it: decisions are entered through ``manager.scope``.
+The controller reads the manager's live state (``manager.state``) only synchronously, on the
+loop that owns it, and never mutates it: decisions are entered through ``manager.scope``. It
+uses the manager's public surface only (:class:`ManagerLike`).
 
-Not blocking the loop (DESIGN.md section 4): the search (``search.iter_decide``) runs in slices
-of ``slice_seconds`` (0.5 ms by default) with ``await asyncio.sleep(0)`` between them, so other
+Not blocking the loop: the search (``search.iter_decide``) runs in slices of ``slice_seconds``
+(0.5 ms by default) with a checkpoint (``anyio.lowlevel.checkpoint``) between them, so other
 tasks run at least that often. The state can change while the search is parked; a search whose
 state moved restarts from the new state (never finishing on a stale one), up to
 ``max_restarts`` times, after which it runs to the end without parking (a manager that changes
@@ -15,16 +16,18 @@ same observer, so that part never restarts.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
 
 from ..core.errors import ResidencyPlanError, ResidencySearchLimitError, ResidencyStaleStateError
 from ..core.explain import PlanExplanation
 from ..core.plans import ResidencyPlan
 from ..core.state import ResidencyState
-from ..core.trace import Transition
+from ..core.timeouts import check_timeout
 from .index import CandidateIndex, Slicer
 from .policy import CostModel, FallbackGraph
 from .requests import Eviction, Placement, ResidencyDecision, ResidencyRequest
@@ -41,12 +44,17 @@ __all__ = ["ControllerScope", "PendingDecision", "ResidencyController"]
 
 
 class ManagerLike(Protocol):
-    """What the controller needs of a ``ResidencyManager``."""
+    """What the controller needs of a ``ResidencyManager`` (public members only)."""
 
-    _state: ResidencyState
+    @property
+    def state(self) -> ResidencyState: ...
 
     @property
     def state_version(self) -> int: ...
+
+    def check_thread(self) -> None: ...
+
+    async def wait_for_change(self, timeout: float | None = None) -> bool: ...
 
     def scope(self, plan_or_decision: Any, timeout: float | None = None) -> Any: ...
 
@@ -135,14 +143,12 @@ class ResidencyController:
     # --------------------------------------------------------------- deciding
 
     def _state(self) -> ResidencyState:
-        return self.manager._state
+        return self.manager.state
 
     def _check_loop(self) -> None:
         """The manager's check: running, and called from its loop's thread (its state is not
-        thread-safe). A stand-in without the check is trusted."""
-        check = getattr(self.manager, "_check_loop", None)
-        if check is not None:
-            check()
+        thread-safe)."""
+        self.manager.check_thread()
 
     def _index_for(self, state: ResidencyState) -> CandidateIndex:
         index = self._index
@@ -208,7 +214,7 @@ class ResidencyController:
                 slicer = Slicer(self.slice_seconds)
                 # The index catches changes made while this is parked: no restart needed.
                 for _ in index.refresh_steps(slicer):
-                    await asyncio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                     slicer.restart()
             version = state.state_version
             steps = iter_decide(
@@ -225,7 +231,7 @@ class ResidencyController:
                 while True:
                     next(steps)
                     assert slicer is not None
-                    await asyncio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                     if state.state_version != version or self._state() is not state:
                         break  # the search saw an older state: start again
                     slicer.restart()
@@ -258,10 +264,7 @@ class ResidencyController:
         ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
         raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once.
         """
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-        ):
-            raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        timeout = check_timeout(timeout)
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"expected a ResidencyRequest, got {request!r}")
         self._check_loop()
@@ -286,31 +289,14 @@ class ResidencyController:
         return True
 
     async def wait_for_change(self, deadline: float | None) -> bool:
-        """Park until the manager's state commits a transition; False if ``deadline`` (loop
-        time) passed first."""
-        loop = asyncio.get_running_loop()
-        state = self._state()
-        changed: asyncio.Future[None] = loop.create_future()
-
-        def observe(transition: Transition) -> None:
-            if not changed.done():
-                changed.set_result(None)
-
-        state.observers.append(observe)
-        try:
-            if deadline is None:
-                await changed
-                return True
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(changed, remaining)
-            except TimeoutError:
-                return False
-            return True
-        finally:
-            state.observers.remove(observe)
+        """Park until the manager's state commits a transition; False if ``deadline``
+        (``anyio.current_time()`` clock) passed first. The manager's own change signal."""
+        if deadline is None:
+            return await self.manager.wait_for_change()
+        remaining = deadline - anyio.current_time()
+        if remaining <= 0:
+            return False
+        return await self.manager.wait_for_change(remaining)
 
 
 class PendingDecision:
@@ -431,9 +417,8 @@ class ControllerScope:
             )
         self.status = "entering"
         controller = self.controller
-        loop = asyncio.get_running_loop()
         timeout = self.timeout
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = None if timeout is None else anyio.current_time() + timeout
         try:
             while True:
                 try:
@@ -450,7 +435,7 @@ class ControllerScope:
                         ) from error
                     continue
                 self.decisions.append(decision)
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                remaining = None if deadline is None else max(0.0, deadline - anyio.current_time())
                 # No await between the decision and this entry: it is fresh here unless entry
                 # itself has to wait for admission behind other scopes.
                 manager_scope = controller.manager.scope(decision, timeout=remaining)

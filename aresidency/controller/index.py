@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.locations import Location
-from ..core.state import MaterializationState, ResidencyState, ValueHandle
+from ..core.state import ResidencyState
 from ..core.trace import Transition
+from ..core.values import MaterializationState, ValueHandle
 from .policy import FallbackGraph
 
 __all__ = ["CandidateIndex", "EvictionClass", "Slicer"]

@@ -26,7 +26,7 @@ from ..core.errors import format_bytes
 from ..core.explain import PlanExplanation
 from ..core.locations import Location, LocationLike
 from ..core.plans import MemoryReservation, ResidencyPlan
-from ..core.state import ValueHandle
+from ..core.values import ValueHandle
 
 __all__ = [
     "Eviction",

@@ -44,6 +44,11 @@ Determinism: the index content, the candidate order (ties broken by class, recen
 id), the option order and the node order are all functions of the state, the request, the graph
 and the cost model; so are the decision and ``explored_states``. Time only decides where the
 generator pauses, never what it explores.
+
+Why this module is long: the search is one algorithm (enumeration of eviction sets, the bound,
+the tiers, scoring, the slicing that keeps the loop free) whose determinism argument, stated
+above, spans all of it; split across modules, that argument would have no single place to be
+checked against the code.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ from ..core.errors import (
 from ..core.explain import PlanExplanation, explain_plan, simulate_requests
 from ..core.locations import Location
 from ..core.plans import ActionFailed, Materialize, Move, Release, ResidencyPlan, run_phase
-from ..core.state import MaterializationState, ReplicaMode, ResidencyState, ValueHandle
+from ..core.state import ResidencyState
+from ..core.values import MaterializationState, ReplicaMode, ValueHandle
 from .index import Bucket, CandidateIndex, LocationCandidates, Slicer
 from .policy import CostModel, FallbackGraph
 from .requests import (

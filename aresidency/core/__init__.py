@@ -24,16 +24,16 @@ from .snapshot import (
     ValueSnapshot,
     take_snapshot,
 )
-from .state import (
+from .state import ResidencyState
+from .trace import ExecutionReport, ResidencyTrace, Transition
+from .values import (
     DEFAULT_GRANULARITY,
     CopyTicket,
     MaterializationState,
     ReplicaMode,
-    ResidencyState,
     ValueHandle,
     value_charge,
 )
-from .trace import ExecutionReport, ResidencyTrace, Transition
 
 __all__ = [
     "DEFAULT_GRANULARITY",

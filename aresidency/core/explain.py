@@ -30,8 +30,9 @@ from .plans import (
     SettleRequest,
     run_phase,
 )
-from .state import CopyTicket, DuplicateReservationError, ResidencyState, ValueHandle
+from .state import ResidencyState
 from .trace import Transition
+from .values import CopyTicket, DuplicateReservationError, ValueHandle
 
 __all__ = [
     "PeakLedger",

@@ -29,15 +29,15 @@ from typing import Any, TypeAlias
 
 from .errors import ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location, LocationLike
-from .state import (
+from .state import ResidencyState
+from .trace import Transition
+from .values import (
     CopyTicket,
     MaterializationState,
     ReplicaMode,
-    ResidencyState,
     ValueHandle,
     check_nbytes,
 )
-from .trace import Transition
 
 __all__ = [
     "Action",

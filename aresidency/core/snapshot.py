@@ -9,7 +9,8 @@ from typing import Any
 
 from .errors import ResidencyUnavailableError, format_bytes
 from .locations import Location
-from .state import MaterializationState, ReplicaMode, ResidencyState, ValueHandle
+from .state import ResidencyState
+from .values import MaterializationState, ReplicaMode, ValueHandle
 
 __all__ = [
     "LocationRecord",

@@ -14,16 +14,20 @@ State and invariants (checked by ``check_invariants`` and by the property tests)
 * ``state_version`` grows by exactly one for every committed transition; a transition whose
   validation fails raises and changes nothing (validate first, then commit).
 * every committed transition appends exactly one trace entry.
+
+Why this module is long: it is one class whose every transition validates completely before it
+commits anything, and keeps several derived counters (charges, breakdowns, protection, the
+reads index) in step; the transitions read best side by side, with the copies that explain and
+admission simulate on (``clone``, ``settled``, ``isolated``) and the invariant check that
+guards them all. The records it holds live in :mod:`~aresidency.core.values`.
 """
 
 from __future__ import annotations
 
 import copy
-import enum
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import (
@@ -35,254 +39,20 @@ from .errors import (
 )
 from .locations import Location, LocationLike
 from .trace import TraceRing, Transition
+from .values import (
+    DEFAULT_GRANULARITY,
+    CopyTicket,
+    DuplicateReservationError,
+    LocationLedger,
+    Materialization,
+    MaterializationState,
+    ReplicaMode,
+    Value,
+    ValueHandle,
+    check_nbytes,
+)
 
-__all__ = [
-    "DEFAULT_GRANULARITY",
-    "CopyTicket",
-    "DuplicateReservationError",
-    "MaterializationState",
-    "ReplicaMode",
-    "ResidencyState",
-    "ValueHandle",
-    "check_nbytes",
-    "value_charge",
-]
-
-#: Allocation granularity used for the conservative value charge. The CUDA caching allocator
-#: rounds every block to a multiple of 512 bytes; host copies made by the manager are sized
-#: exactly, so 512 is conservative for both.
-DEFAULT_GRANULARITY = 512
-
-
-class ReplicaMode(enum.Enum):
-    """How many materializations a value may have at once."""
-
-    EXCLUSIVE = "exclusive"  # at most one: placing elsewhere is a move
-    REPLICABLE = "replicable"  # several; a write lease invalidates the others
-
-
-class MaterializationState(enum.Enum):
-    INCOMING = "incoming"  # charged; a transfer into it is in flight
-    RESIDENT = "resident"  # holds the value
-    OUTGOING = "outgoing"  # still holds the value; a move out of it is in flight
-
-
-@dataclass(frozen=True, slots=True)
-class ValueHandle:
-    """Opaque, hashable name of one value of one manager.
-
-    Equality and hashing use ``(manager_id, value_id)``; ``name`` is for people.
-    """
-
-    manager_id: str
-    value_id: int
-    name: str = field(default="", compare=False)
-
-    def __str__(self) -> str:
-        return f"value {self.name or '#' + str(self.value_id)} (#{self.value_id})"
-
-    def __repr__(self) -> str:
-        return f"<ValueHandle {self.name!r} #{self.value_id} of manager {self.manager_id}>"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"manager_id": self.manager_id, "value_id": self.value_id, "name": self.name}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ValueHandle:
-        return cls(str(data["manager_id"]), int(data["value_id"]), str(data.get("name", "")))
-
-
-def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:
-    """Return ``value`` if it is a byte count (an int >= 0), else raise naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int number of bytes, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be {bound}, got {value}")
-    return value
-
-
-def value_charge(
-    storage_nbytes: int, charge_bytes: int | None = None, granularity: int = DEFAULT_GRANULARITY
-) -> int:
-    """The fixed conservative charge of a value.
-
-    ``storage_nbytes`` rounded up to ``granularity``, or ``charge_bytes`` when the user gives a
-    larger one. A smaller user charge is refused: it would let the ledger under-count.
-    """
-    check_nbytes(storage_nbytes, "storage size")
-    check_nbytes(granularity, "granularity", allow_zero=False)
-    rounded = -(-storage_nbytes // granularity) * granularity
-    if charge_bytes is None:
-        return max(rounded, granularity)
-    check_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
-    if charge_bytes < rounded:
-        raise ValueError(
-            f"charge_bytes={charge_bytes} is smaller than the storage rounded to the allocator "
-            f"granularity ({rounded} B); give at least that"
-        )
-    return charge_bytes
-
-
-class DuplicateReservationError(ValueError):
-    """A reservation with this name is already active at the location."""
-
-
-class _Materialization:
-    __slots__ = (
-        "charged_bytes",
-        "hold_count",
-        "location",
-        "pending_event_count",
-        "state",
-        "use_count",
-        "write_count",
-    )
-
-    def __init__(self, location: Location, charged_bytes: int, state: MaterializationState):
-        self.location = location
-        self.charged_bytes = charged_bytes
-        self.state = state
-        self.use_count = 0
-        self.write_count = 0
-        self.hold_count = 0
-        self.pending_event_count = 0
-
-    @property
-    def protected(self) -> bool:
-        return bool(self.use_count or self.hold_count or self.pending_event_count)
-
-
-class _Value:
-    __slots__ = (
-        "charge_bytes",
-        "discarded",
-        "handle",
-        "has_source",
-        "last_used_version",
-        "materializations",
-        "replica_mode",
-        "source_location",
-    )
-
-    def __init__(
-        self,
-        handle: ValueHandle,
-        replica_mode: ReplicaMode,
-        charge_bytes: int,
-        has_source: bool,
-        source_location: Location | None,
-    ) -> None:
-        self.handle = handle
-        self.replica_mode = replica_mode
-        self.charge_bytes = charge_bytes
-        self.has_source = has_source
-        self.source_location = source_location
-        self.discarded = False
-        self.materializations: dict[Location, _Materialization] = {}
-        self.last_used_version = 0
-
-    def holders(self) -> list[_Materialization]:
-        """Materializations that hold the value's data now (resident or moving out)."""
-        return [
-            m for m in self.materializations.values() if m.state != MaterializationState.INCOMING
-        ]
-
-
-class _LocationLedger:
-    """One location's budget and charges.
-
-    ``used_bytes`` counts every materialization here plus temporary reconstruction charges;
-    of it, ``incoming_bytes`` are destinations of transfers in flight, ``outgoing_bytes``
-    sources of moves in flight, ``reconstruction_bytes`` temporary loads from a source passing
-    through (kept up to date by the transitions, so ``explain`` reads its breakdown in O(1));
-    ``protected_bytes`` are materializations in use, held or read (what admission may wait
-    for, since protection ends on its own).
-    ``reserved_bytes`` is the sum of the named reservations (kept, not recomputed).
-    """
-
-    __slots__ = (
-        "budget_bytes",
-        "incoming_bytes",
-        "location",
-        "outgoing_bytes",
-        "peak_bytes",
-        "protected_bytes",
-        "reconstruction_bytes",
-        "reservations",
-        "reserved_bytes",
-        "used_bytes",
-    )
-
-    def __init__(self, location: Location, budget_bytes: int | None) -> None:
-        self.location = location
-        self.budget_bytes = budget_bytes
-        self.used_bytes = 0
-        self.incoming_bytes = 0
-        self.outgoing_bytes = 0
-        self.reconstruction_bytes = 0
-        self.protected_bytes = 0
-        self.reservations: dict[str, tuple[int, Any]] = {}  # name -> (nbytes, owner)
-        self.reserved_bytes = 0
-        self.peak_bytes = 0
-
-    def add_reservation(self, name: str, nbytes: int, owner: Any) -> None:
-        self.reservations[name] = (nbytes, owner)
-        self.reserved_bytes += nbytes
-
-    def pop_reservation(self, name: str) -> int:
-        nbytes, _ = self.reservations.pop(name)
-        self.reserved_bytes -= nbytes
-        return nbytes
-
-    def copy(self) -> _LocationLedger:
-        twin = _LocationLedger(self.location, self.budget_bytes)
-        twin.used_bytes = self.used_bytes
-        twin.incoming_bytes = self.incoming_bytes
-        twin.outgoing_bytes = self.outgoing_bytes
-        twin.reconstruction_bytes = self.reconstruction_bytes
-        twin.protected_bytes = self.protected_bytes
-        twin.reservations = dict(self.reservations)
-        twin.reserved_bytes = self.reserved_bytes
-        twin.peak_bytes = self.peak_bytes
-        return twin
-
-    @property
-    def charged_bytes(self) -> int:
-        return self.used_bytes + self.reserved_bytes
-
-    def check_admit(self, requested: int, what: str) -> None:
-        if self.budget_bytes is not None and self.charged_bytes + requested > self.budget_bytes:
-            raise ResidencyBudgetError(
-                self.location,
-                self.budget_bytes,
-                self.used_bytes,
-                self.reserved_bytes,
-                requested,
-                what=what,
-            )
-
-    def note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.charged_bytes)
-
-
-@dataclass(frozen=True, slots=True)
-class CopyTicket:
-    """A transfer begun on the model and not yet committed or aborted.
-
-    ``source is None`` means a load from the value's source into ``destination`` (reconstruction);
-    ``via`` is then the ``source_location`` the load passes through when the destination is
-    elsewhere, charged temporarily (no materialization) until the load commits or aborts.
-    ``move`` means the source materialization is removed when the copy commits.
-    """
-
-    ticket_id: int
-    handle: ValueHandle
-    source: Location | None
-    destination: Location
-    nbytes: int
-    move: bool
-    via: Location | None = None
+__all__ = ["ResidencyState"]
 
 
 class ResidencyState:
@@ -299,8 +69,8 @@ class ResidencyState:
         self.manager_id = manager_id or f"m-{uuid.uuid4().hex[:12]}"
         self.state_version = 0
         self.granularity = check_nbytes(granularity, "granularity", allow_zero=False)
-        self._locations: dict[Location, _LocationLedger] = {}
-        self._values: dict[ValueHandle, _Value] = {}
+        self._locations: dict[Location, LocationLedger] = {}
+        self._values: dict[ValueHandle, Value] = {}
         self._tickets: dict[int, CopyTicket] = {}
         # (handle, source location) -> open transfers reading it: O(1) answers for the
         # phase runner, which asks once per action.
@@ -325,21 +95,21 @@ class ResidencyState:
                 check_nbytes(budget, f"budget for {location}")
             parsed.append((location, budget))
         for location, budget in parsed:
-            self._locations[location] = _LocationLedger(location, budget)
+            self._locations[location] = LocationLedger(location, budget)
 
     # ------------------------------------------------------------------ reading
 
-    def ledger(self, location: LocationLike) -> _LocationLedger:
+    def ledger(self, location: LocationLike) -> LocationLedger:
         location = Location.parse(location)
         entry = self._locations.get(location)
         if entry is None:
-            entry = self._locations[location] = _LocationLedger(location, None)
+            entry = self._locations[location] = LocationLedger(location, None)
         return entry
 
     def locations(self) -> list[Location]:
         return sorted(self._locations)
 
-    def value(self, handle: Any) -> _Value:
+    def value(self, handle: Any) -> Value:
         """The value for ``handle``; raises for a foreign, unknown or discarded handle."""
         if not isinstance(handle, ValueHandle):
             raise TypeError(f"expected a ValueHandle, got {handle!r} ({type(handle).__name__})")
@@ -362,19 +132,19 @@ class ResidencyState:
             )
         return value
 
-    def find_value(self, handle: ValueHandle) -> _Value | None:
+    def find_value(self, handle: ValueHandle) -> Value | None:
         """The value for ``handle``, or ``None`` if this state has none (never raises)."""
         return self._values.get(handle)
 
-    def find_ledger(self, location: Location) -> _LocationLedger | None:
+    def find_ledger(self, location: Location) -> LocationLedger | None:
         """The ledger of ``location`` if the state has one (unlike :meth:`ledger`, never adds
         one)."""
         return self._locations.get(location)
 
-    def values(self) -> Iterator[_Value]:
+    def values(self) -> Iterator[Value]:
         return iter(self._values.values())
 
-    def materialization(self, handle: Any, location: LocationLike) -> _Materialization:
+    def materialization(self, handle: Any, location: LocationLike) -> Materialization:
         location = Location.parse(location)
         value = self.value(handle)
         mat = value.materializations.get(location)
@@ -434,7 +204,7 @@ class ResidencyState:
 
         return unsubscribe
 
-    def _protection_changed(self, mat: _Materialization, was: bool) -> None:
+    def _protection_changed(self, mat: Materialization, was: bool) -> None:
         """Keep ``protected_bytes`` of the materialization's ledger in step with its counts."""
         now = mat.protected
         if now != was:
@@ -449,7 +219,7 @@ class ResidencyState:
     def _uncharge(self, location: Location, nbytes: int) -> None:
         self.ledger(location).used_bytes -= nbytes
 
-    def _check_removable(self, value: _Value, mat: _Materialization, operation: str) -> None:
+    def _check_removable(self, value: Value, mat: Materialization, operation: str) -> None:
         if mat.protected:
             raise ResidencyInUseError(
                 value.handle,
@@ -460,7 +230,7 @@ class ResidencyState:
                 operation=operation,
             )
 
-    def _check_not_last(self, value: _Value, location: Location, operation: str) -> None:
+    def _check_not_last(self, value: Value, location: Location, operation: str) -> None:
         others = [m for m in value.holders() if m.location != location]
         if not others and not value.has_source:
             raise ResidencyPlanError(
@@ -500,10 +270,10 @@ class ResidencyState:
         if loc is not None:
             self.ledger(loc).check_admit(charge_bytes, f"registering {name!r}")
         handle = ValueHandle(self.manager_id, self._new_id(), name)
-        value = _Value(handle, replica_mode, charge_bytes, has_source, src)
+        value = Value(handle, replica_mode, charge_bytes, has_source, src)
         self._values[handle] = value
         if loc is not None:
-            value.materializations[loc] = _Materialization(
+            value.materializations[loc] = Materialization(
                 loc, charge_bytes, MaterializationState.RESIDENT
             )
             self._charge(loc, charge_bytes)
@@ -569,7 +339,7 @@ class ResidencyState:
         self._protection_changed(mat, was)
         self._commit("unhold", handle, mat.location, 0)
 
-    def _usable(self, handle: ValueHandle, location: LocationLike, what: str) -> _Materialization:
+    def _usable(self, handle: ValueHandle, location: LocationLike, what: str) -> Materialization:
         mat = self.materialization(handle, location)
         if mat.state == MaterializationState.OUTGOING:
             raise ResidencyUnavailableError(
@@ -760,7 +530,7 @@ class ResidencyState:
         charge = value.charge_bytes
         self.ledger(dst).check_admit(charge, f"{handle} ({'move' if move else 'copy'})")
         ticket = CopyTicket(self._new_id(), handle, src, dst, charge, move)
-        value.materializations[dst] = _Materialization(dst, charge, MaterializationState.INCOMING)
+        value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
         self._charge(dst, charge)
         self._locations[dst].incoming_bytes += charge
         was = mat.protected
@@ -806,7 +576,7 @@ class ResidencyState:
             self._charge(via, charge)
             self._locations[via].reconstruction_bytes += charge
             self._commit("rebuild_temp", handle, via, charge)
-        value.materializations[dst] = _Materialization(dst, charge, MaterializationState.INCOMING)
+        value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
         self._charge(dst, charge)
         self._locations[dst].incoming_bytes += charge
         self._commit("load_begin", handle, dst, charge)
@@ -930,7 +700,7 @@ class ResidencyState:
         other.granularity = self.granularity
         other._locations = {loc: entry.copy() for loc, entry in self._locations.items()}
         if handles is None:
-            selected: Iterable[_Value] = self._values.values()
+            selected: Iterable[Value] = self._values.values()
         else:
             selected = [self._values[h] for h in dict.fromkeys(handles) if h in self._values]
         other._values = {}

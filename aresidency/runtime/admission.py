@@ -16,7 +16,6 @@ the scopes wait for.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -32,19 +31,7 @@ from .signal import ManagerClosedError
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["AdmissionQueue", "check_timeout"]
-
-
-def check_timeout(timeout: object, what: str = "timeout") -> float | None:
-    """``timeout`` as seconds (``None``: no limit; ``inf`` means the same). Refuses what is
-    not a real number >= 0: ``True``, ``nan``, ``-1``, ``"5"``."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{what} must be None or a number of seconds >= 0, got {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"{what} must be None or a number of seconds >= 0, got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+__all__ = ["AdmissionQueue"]
 
 
 class _Waiter:

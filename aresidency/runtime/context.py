@@ -23,8 +23,9 @@ import anyio.abc
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
-from ..core.state import ResidencyState, ValueHandle
+from ..core.state import ResidencyState
 from ..core.trace import Transition
+from ..core.values import ValueHandle
 from .admission import AdmissionQueue
 from .payloads import PayloadTable
 from .reaper import Reaper

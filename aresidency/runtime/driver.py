@@ -36,8 +36,8 @@ import torch
 from ..backends.base import Transfer, TransferCancelledError
 from ..core.locations import Location
 from ..core.plans import Action, SettleRequest, TransferRequest, run_phase
-from ..core.state import CopyTicket
 from ..core.trace import Transition
+from ..core.values import CopyTicket
 from .payloads import Payload
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import torch
 
 from ..core.errors import ResidencyUnavailableError
 from ..core.locations import Location
-from ..core.state import ValueHandle
+from ..core.values import ValueHandle
 from .payloads import Payload
 
 if TYPE_CHECKING:

@@ -41,15 +41,15 @@ from ..core.explain import PlanExplanation, explain_plan
 from ..core.locations import Location, LocationLike
 from ..core.plans import Action, ActionFailed, Materialize, Move, Release
 from ..core.snapshot import ResidencySnapshot, take_snapshot
-from ..core.state import (
+from ..core.state import ResidencyState
+from ..core.timeouts import check_timeout
+from ..core.trace import ExecutionReport, ResidencyTrace
+from ..core.values import (
     DEFAULT_GRANULARITY,
     ReplicaMode,
-    ResidencyState,
     ValueHandle,
     value_charge,
 )
-from ..core.trace import ExecutionReport, ResidencyTrace
-from .admission import check_timeout
 from .context import Runtime
 from .driver import PhaseRun
 from .leases import Hold, Lease

@@ -17,8 +17,8 @@ import torch
 
 from ..backends.base import DeviceEvent, Transfer
 from ..core.locations import Location
-from ..core.state import ValueHandle
 from ..core.trace import Transition
+from ..core.values import ValueHandle
 
 __all__ = ["Payload", "PayloadTable"]
 

@@ -25,7 +25,7 @@ import anyio
 
 from ..backends.base import DeviceEvent, Transfer
 from ..core.locations import Location
-from ..core.state import ValueHandle
+from ..core.values import ValueHandle
 
 if TYPE_CHECKING:
     from .context import Runtime

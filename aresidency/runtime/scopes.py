@@ -27,8 +27,8 @@ import anyio
 from ..core.errors import ResidencyError, ResidencyPlanExecutionError
 from ..core.locations import Location
 from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
+from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, Transition
-from .admission import check_timeout
 from .driver import PhaseRun
 
 if TYPE_CHECKING:

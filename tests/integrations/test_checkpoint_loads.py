@@ -19,8 +19,6 @@ from safetensors.torch import save_file, save_model
 
 from aresidency.integrations.streaming.checkpoint import (
     block_loader,
-    checkpoint_plan,
-    read_safetensors_header,
     recover_meta_buffers,
 )
 from aresidency.integrations.streaming.packing import (
@@ -368,19 +366,3 @@ def test_recover_meta_buffers_recomputes_llama_rotary_buffers() -> None:
     assert skeleton.model.rotary_emb.inv_freq.is_meta
     only = recover_meta_buffers(skeleton, names=["model.rotary_emb.inv_freq"])
     assert sorted(only) == ["model.rotary_emb.inv_freq"]
-
-
-# ---------------------------------------------------------------- module.py's current calls
-
-
-def test_the_old_entry_points_load_through_the_reader(tmp_path: Path) -> None:
-    real = plain_net(seed=0)
-    path = tmp_path / "net.safetensors"
-    save_state(real, path)
-    twin = plain_net(seed=99)
-    expected = tensors_by_name(real)
-    for group in groups_of(twin):
-        flat = checkpoint_plan(group, path, *read_safetensors_header(path))()
-        for entry, view in zip(group.entries, group.views(flat)):
-            if entry.persistent:
-                assert torch.equal(view, expected[entry.names[0]])

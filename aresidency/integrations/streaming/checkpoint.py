@@ -37,9 +37,8 @@ new flat buffer only; the file's pages stay the page cache's, mapped, not copied
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -51,8 +50,6 @@ from .packing import PackedTensor, TensorGroup
 __all__ = [
     "BlockLoader",
     "block_loader",
-    "checkpoint_plan",
-    "read_safetensors_header",
     "recover_meta_buffers",
 ]
 
@@ -354,17 +351,3 @@ def recover_meta_buffers(
 
 
 # ---------------------------------------------------------------- until module.py switches
-
-
-def read_safetensors_header(path: Path) -> tuple[Any, ...]:
-    """Temporary shim for ``module.py``: ``(Checkpoint.open(path),)``; use
-    :class:`~aresidency.runtime.checkpoints.Checkpoint` and :func:`block_loader` instead."""
-    return (Checkpoint.open(path),)
-
-
-def checkpoint_plan(group: TensorGroup, path: Path, *header: Any) -> Callable[[], torch.Tensor]:
-    """Temporary shim for ``module.py``: ``block_loader(group, header[0])``."""
-    (checkpoint,) = header
-    if not isinstance(checkpoint, Checkpoint):
-        raise TypeError(f"checkpoint_plan takes read_safetensors_header({path})'s result")
-    return block_loader(group, checkpoint)

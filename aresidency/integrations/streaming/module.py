@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -18,47 +15,18 @@ from torch import nn
 
 from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
-from ...core.state import ReplicaMode, ValueHandle
-from ...runtime.admission import check_timeout
+from ...core.timeouts import check_timeout
+from ...core.values import ReplicaMode, ValueHandle
+from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
 from ...runtime.sources import CallableSource
-from .checkpoint import checkpoint_plan, read_safetensors_header
+from .checkpoint import block_loader
 from .packing import TensorGroup, collect_groups, find_blocks
-from .pipeline import CallPipeline, Slot
+from .pipeline import CallPipeline
+from .runners import ThreadedRunner, run_sequential
 
 __all__ = ["HostKind", "StreamedModule", "stream_module"]
-
-
-@dataclass(frozen=True, slots=True)
-class _TorchState:
-    """The caller's thread-local torch state, carried into the thread that runs the blocks."""
-
-    grad: bool
-    inference: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]
-
-    @classmethod
-    def capture(cls) -> _TorchState:
-        return cls(
-            torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(),
-            tuple(
-                (kind, torch.get_autocast_dtype(kind))
-                for kind in ("cuda", "cpu")
-                if torch.is_autocast_enabled(kind)
-            ),
-        )
-
-    @contextlib.contextmanager
-    def enter(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            for kind, dtype in self.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype))
-            yield
 
 
 HostKind = Literal["pinned-host", "pageable-host"]
@@ -120,12 +88,12 @@ class StreamedModule:
         backend.check_location(self.device)
         if stream is not None:
             backend.check_stream(stream, self.device)
-        self._host_compute = backend.host_compute
-        self._blocks = list(find_blocks(module) if blocks is None else blocks)
-        if not self._blocks:
+        self.host_compute = backend.host_compute
+        self.blocks = list(find_blocks(module) if blocks is None else blocks)
+        if not self.blocks:
             raise ValueError("no blocks to stream: the module has no children")
         groups, self.resident_group = collect_groups(
-            module, self._blocks, self.name, keep_strides=checkpoint is None
+            module, self.blocks, self.name, keep_strides=checkpoint is None
         )
         # A plain nn.Sequential is run block by block on the loop; anything else (a subclass
         # with its own forward or tensors, explicit blocks) through its forward in a thread.
@@ -135,7 +103,7 @@ class StreamedModule:
             and type(module).forward is nn.Sequential.forward
             and self.resident_group is None
         )
-        self._block_groups = groups
+        self.block_groups = groups
         self._groups: list[TensorGroup] = [g for g in groups if g is not None]
         self.order = [g.index for g in self._groups]
         self.position = {index: pos for pos, index in enumerate(self.order)}
@@ -148,18 +116,17 @@ class StreamedModule:
         self._release_errors: list[BaseException] = []
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._worker_ident: int | None = None
         self._call: CallPipeline | None = None
-        self._hooks: list[Any] = []
+        self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
+        self._checkpoint: Checkpoint | None = None
         self.calls = 0
         try:
             self._register_all()
             self._check_budget()
             if not self._sequential:
-                self._install_hooks()
+                self._threaded.install_hooks()
         except BaseException:
             self._unregister_now()
             raise
@@ -180,6 +147,11 @@ class StreamedModule:
         return [g.handle for g in self.all_groups if g.handle is not None]
 
     @property
+    def groups(self) -> list[TensorGroup]:
+        """The blocks' groups, in call order (blocks without tensors left out)."""
+        return self._groups
+
+    @property
     def block_bytes(self) -> list[int]:
         """The device charge of each streamed block (blocks without tensors left out)."""
         return [g.charge_bytes for g in self._groups]
@@ -191,14 +163,13 @@ class StreamedModule:
 
     def _register_all(self) -> None:
         manager = self.manager
-        header: tuple[int, dict[str, Any]] | None = None
-        if self.checkpoint is not None:
-            header = read_safetensors_header(self.checkpoint)
+        if self.checkpoint is not None and self._checkpoint is None:
+            self._checkpoint = Checkpoint.open(self.checkpoint)
+        opened = self._checkpoint
         repointed: set[int] = set()
         for group in self.all_groups:
-            if header is not None:
-                assert self.checkpoint is not None
-                load = checkpoint_plan(group, self.checkpoint, *header)
+            if opened is not None:
+                load = block_loader(group, opened, module=self.module)
                 source = CallableSource(
                     load, shape=(group.nbytes,), dtype=torch.uint8, source_location="pageable-host"
                 )
@@ -263,25 +234,10 @@ class StreamedModule:
                 f"({record.reserved_bytes} B); streaming could never run"
             )
 
-    def _install_hooks(self) -> None:
-        for block, group in zip(self._blocks, self._block_groups):
-            if group is None:
-                continue
-            self._hooks.append(
-                block.register_forward_pre_hook(functools.partial(self._pre_hook, group))
-            )
-            self._hooks.append(
-                block.register_forward_hook(
-                    functools.partial(self._post_hook, group), always_call=True
-                )
-            )
-
     def _unregister_now(self) -> None:
         """Undo a failed construction: hooks, the module's tensors, holds and values, now (a
         value just registered has no consumer events: it can be discarded at once)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._threaded.close()
         self._restore_host_tensors()
         for group in self._registered:
             if group.hold is not None and group.hold.active:
@@ -496,16 +452,16 @@ class StreamedModule:
                 self.release_replica(index)  # the budget shrank: no longer ours to keep
             self.kept = keep
             stream = self._compute_stream()
-            host_wait = self._host_compute and not self._sequential
+            host_wait = self.host_compute and not self._sequential
             call = CallPipeline(self, stream, host_wait=host_wait, keep=keep)
             self._call = call
             self.calls += 1
             try:
                 call.start()
                 if self._sequential:
-                    result = await self._run_sequential(call, stream, args, kwargs)
+                    result = await run_sequential(self, call, stream, args, kwargs)
                 else:
-                    result = await self._run_threaded(call, stream, args, kwargs)
+                    result = await self._threaded.run(call, stream, args, kwargs)
                 if call.failures:
                     raise call.failures[0]
                 return result
@@ -515,151 +471,6 @@ class StreamedModule:
             finally:
                 call.finish()
                 self._call = None
-
-    async def _run_sequential(
-        self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Run the children in order, enqueuing each block's work on the compute stream from
-        the loop: kernels on CUDA; where compute runs on the host (the simulation) the block is
-        run by the stream's worker, so it runs after its copy and before its release exactly as
-        kernels would (a read after release would see the simulation's poison)."""
-        if kwargs or len(args) != 1:
-            raise TypeError("an nn.Sequential takes exactly one positional input")
-        backend = self.manager.backend
-        box: list[Any] = [args[0]]
-        errors: list[BaseException] = []
-        torch_state = _TorchState.capture() if self._host_compute else None
-
-        def run(block: nn.Module, group: TensorGroup | None, tensors: list[torch.Tensor]) -> None:
-            if errors:
-                return  # an earlier block failed: the rest of the stream's work is moot
-            if group is not None:
-                group.swap_in(tensors)
-            try:
-                if torch_state is not None:
-                    with torch_state.enter():
-                        box[0] = block(box[0])
-                else:
-                    box[0] = block(box[0])
-            except BaseException as error:
-                errors.append(error)
-            finally:
-                if group is not None:
-                    group.restore()
-
-        try:
-            for block, group in zip(self._blocks, self._block_groups):
-                if group is None:
-                    backend.run_in_stream_order(stream, functools.partial(run, block, None, []))
-                    continue
-                slot = await call.take(group.index)
-                tensors = slot.tensors
-                assert tensors is not None
-                if slot.ready_event is not None:
-                    backend.stream_wait(stream, slot.ready_event)
-                backend.run_in_stream_order(stream, functools.partial(run, block, group, tensors))
-                del tensors  # no reference may outlive the lease
-                call.give_back(group.index, backend.record_event(stream))
-                if errors:
-                    break
-        finally:
-            if self._host_compute:
-                # The result exists once the stream ran the blocks; wait for it even when
-                # cancelled, so that no block touches the module after the call returned.
-                with anyio.CancelScope(shield=True):
-                    await backend.wait(backend.record_event(stream))
-        if errors:
-            raise errors[0]
-        return box[0]
-
-    async def _run_threaded(
-        self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Run the module's own forward in a worker thread; its blocks' hooks take and give
-        back their weights through the pipeline (no round trip to the loop when ready)."""
-        resident = self.resident_group
-        resident_slot: Slot | None = None
-        if resident is not None:
-            resident_slot = await call.take(resident.index)
-            assert resident_slot.tensors is not None
-            resident.swap_in(resident_slot.tensors)
-        try:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"aresidency-stream-{self.name}"
-                )
-            work = functools.partial(
-                self._work, call, stream, resident_slot, _TorchState.capture(), args, kwargs
-            )
-            future = self._executor.submit(work)
-            done = anyio.Event()
-            bridge = self.manager.bridge
-            future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
-            try:
-                await done.wait()
-            except anyio.get_cancelled_exc_class():
-                call.abort()  # the worker's next block fails; wait for it to unwind
-                with anyio.CancelScope(shield=True):
-                    await done.wait()
-                raise
-            result, event = future.result()
-            if resident is not None:
-                call.give_back(resident.index, event)
-            return result
-        finally:
-            if resident is not None:
-                resident.restore()
-
-    def _work(
-        self,
-        call: CallPipeline,
-        stream: Any,
-        resident: Slot | None,
-        torch_state: _TorchState,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Any]:
-        """The worker thread: run the module with the caller's thread-local torch state;
-        return its output and an event after its last kernel."""
-        backend = self.manager.backend
-        with torch_state.enter(), backend.stream_context(stream):
-            self._worker_ident = threading.get_ident()
-            try:
-                if resident is not None and resident.ready_event is not None:
-                    backend.stream_wait(stream, resident.ready_event)
-                output = self.module(*args, **kwargs)
-                return output, self._reader_event(stream)
-            finally:
-                self._worker_ident = None
-                for group in self._groups:
-                    group.restore()
-
-    def _reader_event(self, stream: Any) -> Any:
-        """An event after the work this thread enqueued (compute on the host: done now)."""
-        backend = self.manager.backend
-        return backend.record_event(None if self._host_compute else stream)
-
-    # -- hooks (worker thread)
-
-    def _pre_hook(self, group: TensorGroup, module: nn.Module, args: Any) -> None:
-        if self._worker_ident != threading.get_ident():
-            return
-        call = self._call
-        assert call is not None
-        slot = call.take_blocking(group.index)
-        if slot.ready_event is not None and not self._host_compute:
-            self.manager.backend.stream_wait(call.stream, slot.ready_event)
-        tensors = slot.tensors
-        assert tensors is not None
-        group.swap_in(tensors)
-
-    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
-        if self._worker_ident != threading.get_ident():
-            return
-        group.restore()
-        call = self._call
-        assert call is not None
-        call.give_back_threadsafe(group.index, self._reader_event(call.stream))
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
@@ -682,11 +493,7 @@ class StreamedModule:
             try:
                 await self.drain()
             finally:
-                for hook in self._hooks:
-                    hook.remove()
-                self._hooks.clear()
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False)
+                self._threaded.close()
                 self._restore_host_tensors()
                 for group in self._registered:
                     if group.hold is not None and group.hold.active:
@@ -695,6 +502,9 @@ class StreamedModule:
                         await self.manager.discard(group.handle)
                 self._registered.clear()
                 self.kept.clear()
+                if self._checkpoint is not None:
+                    self._checkpoint.close()
+                    self._checkpoint = None
 
     async def __aenter__(self) -> StreamedModule:
         return self
@@ -736,9 +546,12 @@ def stream_module(
     ``prefetch``: how many blocks ahead of the running one may be copied (the ``device`` budget
     may allow fewer). ``host``: where the weights are kept (``"pinned-host"`` for full-speed
     copies, or ``"pageable-host"``, staged through the backend's pinned buffers);
-    ``checkpoint``: a safetensors file to rebuild each block from instead (keys are the
-    module's ``state_dict`` names; tensors missing there, such as non-persistent buffers, are
-    taken from the module). ``blocks``: the submodules to stream, in call order (default: see
+    ``checkpoint``: a safetensors checkpoint to rebuild each block from instead: a file, a
+    directory of shards with its ``model.safetensors.index.json``, or that index (keys are the
+    module's ``state_dict`` names; dtypes are converted to the module's; a parameter or
+    persistent buffer missing there is a ``KeyError`` naming it; non-persistent buffers, such
+    as a rotary embedding's ``inv_freq``, are taken from the module, recovered when the module
+    is on the ``meta`` device). ``blocks``: the submodules to stream, in call order (default: see
     :func:`find_blocks`). ``stream``: the compute stream (default: the caller's current stream
     at each call). ``timeout``: seconds a block may wait for budget before ``TimeoutError``
     (``None``: as long as it takes). ``keep_resident``: between calls, keep on the device the

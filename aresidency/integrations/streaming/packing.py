@@ -16,7 +16,7 @@ from typing import Any, Final, cast
 import torch
 from torch import nn
 
-from ...core.state import ValueHandle
+from ...core.values import ValueHandle
 from ...runtime.leases import Hold
 
 __all__ = [

@@ -1,0 +1,265 @@
+"""The model's records: value handles, modes, charges, materializations, ledgers, tickets.
+
+Pure data with the small rules that belong to each record (a value's conservative charge, a
+ledger's admission test, what counts as protected). :class:`~aresidency.core.state.ResidencyState`
+owns them and changes them only through its transitions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ResidencyBudgetError
+from .locations import Location
+
+__all__ = [
+    "DEFAULT_GRANULARITY",
+    "CopyTicket",
+    "DuplicateReservationError",
+    "LocationLedger",
+    "Materialization",
+    "MaterializationState",
+    "ReplicaMode",
+    "Value",
+    "ValueHandle",
+    "check_nbytes",
+    "value_charge",
+]
+
+#: Allocation granularity used for the conservative value charge. The CUDA caching allocator
+#: rounds every block to a multiple of 512 bytes; host copies made by the manager are sized
+#: exactly, so 512 is conservative for both.
+DEFAULT_GRANULARITY = 512
+
+
+class ReplicaMode(enum.Enum):
+    """How many materializations a value may have at once."""
+
+    EXCLUSIVE = "exclusive"  # at most one: placing elsewhere is a move
+    REPLICABLE = "replicable"  # several; a write lease invalidates the others
+
+
+class MaterializationState(enum.Enum):
+    INCOMING = "incoming"  # charged; a transfer into it is in flight
+    RESIDENT = "resident"  # holds the value
+    OUTGOING = "outgoing"  # still holds the value; a move out of it is in flight
+
+
+@dataclass(frozen=True, slots=True)
+class ValueHandle:
+    """Opaque, hashable name of one value of one manager.
+
+    Equality and hashing use ``(manager_id, value_id)``; ``name`` is for people.
+    """
+
+    manager_id: str
+    value_id: int
+    name: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"value {self.name or '#' + str(self.value_id)} (#{self.value_id})"
+
+    def __repr__(self) -> str:
+        return f"<ValueHandle {self.name!r} #{self.value_id} of manager {self.manager_id}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"manager_id": self.manager_id, "value_id": self.value_id, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ValueHandle:
+        return cls(str(data["manager_id"]), int(data["value_id"]), str(data.get("name", "")))
+
+
+def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:
+    """Return ``value`` if it is a byte count (an int >= 0), else raise naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int number of bytes, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be {bound}, got {value}")
+    return value
+
+
+def value_charge(
+    storage_nbytes: int, charge_bytes: int | None = None, granularity: int = DEFAULT_GRANULARITY
+) -> int:
+    """The fixed conservative charge of a value.
+
+    ``storage_nbytes`` rounded up to ``granularity``, or ``charge_bytes`` when the user gives a
+    larger one. A smaller user charge is refused: it would let the ledger under-count.
+    """
+    check_nbytes(storage_nbytes, "storage size")
+    check_nbytes(granularity, "granularity", allow_zero=False)
+    rounded = -(-storage_nbytes // granularity) * granularity
+    if charge_bytes is None:
+        return max(rounded, granularity)
+    check_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
+    if charge_bytes < rounded:
+        raise ValueError(
+            f"charge_bytes={charge_bytes} is smaller than the storage rounded to the allocator "
+            f"granularity ({rounded} B); give at least that"
+        )
+    return charge_bytes
+
+
+class DuplicateReservationError(ValueError):
+    """A reservation with this name is already active at the location."""
+
+
+class Materialization:
+    __slots__ = (
+        "charged_bytes",
+        "hold_count",
+        "location",
+        "pending_event_count",
+        "state",
+        "use_count",
+        "write_count",
+    )
+
+    def __init__(self, location: Location, charged_bytes: int, state: MaterializationState):
+        self.location = location
+        self.charged_bytes = charged_bytes
+        self.state = state
+        self.use_count = 0
+        self.write_count = 0
+        self.hold_count = 0
+        self.pending_event_count = 0
+
+    @property
+    def protected(self) -> bool:
+        return bool(self.use_count or self.hold_count or self.pending_event_count)
+
+
+class Value:
+    __slots__ = (
+        "charge_bytes",
+        "discarded",
+        "handle",
+        "has_source",
+        "last_used_version",
+        "materializations",
+        "replica_mode",
+        "source_location",
+    )
+
+    def __init__(
+        self,
+        handle: ValueHandle,
+        replica_mode: ReplicaMode,
+        charge_bytes: int,
+        has_source: bool,
+        source_location: Location | None,
+    ) -> None:
+        self.handle = handle
+        self.replica_mode = replica_mode
+        self.charge_bytes = charge_bytes
+        self.has_source = has_source
+        self.source_location = source_location
+        self.discarded = False
+        self.materializations: dict[Location, Materialization] = {}
+        self.last_used_version = 0
+
+    def holders(self) -> list[Materialization]:
+        """Materializations that hold the value's data now (resident or moving out)."""
+        return [
+            m for m in self.materializations.values() if m.state != MaterializationState.INCOMING
+        ]
+
+
+class LocationLedger:
+    """One location's budget and charges.
+
+    ``used_bytes`` counts every materialization here plus temporary reconstruction charges;
+    of it, ``incoming_bytes`` are destinations of transfers in flight, ``outgoing_bytes``
+    sources of moves in flight, ``reconstruction_bytes`` temporary loads from a source passing
+    through (kept up to date by the transitions, so ``explain`` reads its breakdown in O(1));
+    ``protected_bytes`` are materializations in use, held or read (what admission may wait
+    for, since protection ends on its own).
+    ``reserved_bytes`` is the sum of the named reservations (kept, not recomputed).
+    """
+
+    __slots__ = (
+        "budget_bytes",
+        "incoming_bytes",
+        "location",
+        "outgoing_bytes",
+        "peak_bytes",
+        "protected_bytes",
+        "reconstruction_bytes",
+        "reservations",
+        "reserved_bytes",
+        "used_bytes",
+    )
+
+    def __init__(self, location: Location, budget_bytes: int | None) -> None:
+        self.location = location
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.incoming_bytes = 0
+        self.outgoing_bytes = 0
+        self.reconstruction_bytes = 0
+        self.protected_bytes = 0
+        self.reservations: dict[str, tuple[int, Any]] = {}  # name -> (nbytes, owner)
+        self.reserved_bytes = 0
+        self.peak_bytes = 0
+
+    def add_reservation(self, name: str, nbytes: int, owner: Any) -> None:
+        self.reservations[name] = (nbytes, owner)
+        self.reserved_bytes += nbytes
+
+    def pop_reservation(self, name: str) -> int:
+        nbytes, _ = self.reservations.pop(name)
+        self.reserved_bytes -= nbytes
+        return nbytes
+
+    def copy(self) -> LocationLedger:
+        twin = LocationLedger(self.location, self.budget_bytes)
+        twin.used_bytes = self.used_bytes
+        twin.incoming_bytes = self.incoming_bytes
+        twin.outgoing_bytes = self.outgoing_bytes
+        twin.reconstruction_bytes = self.reconstruction_bytes
+        twin.protected_bytes = self.protected_bytes
+        twin.reservations = dict(self.reservations)
+        twin.reserved_bytes = self.reserved_bytes
+        twin.peak_bytes = self.peak_bytes
+        return twin
+
+    @property
+    def charged_bytes(self) -> int:
+        return self.used_bytes + self.reserved_bytes
+
+    def check_admit(self, requested: int, what: str) -> None:
+        if self.budget_bytes is not None and self.charged_bytes + requested > self.budget_bytes:
+            raise ResidencyBudgetError(
+                self.location,
+                self.budget_bytes,
+                self.used_bytes,
+                self.reserved_bytes,
+                requested,
+                what=what,
+            )
+
+    def note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.charged_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTicket:
+    """A transfer begun on the model and not yet committed or aborted.
+
+    ``source is None`` means a load from the value's source into ``destination`` (reconstruction);
+    ``via`` is then the ``source_location`` the load passes through when the destination is
+    elsewhere, charged temporarily (no materialization) until the load commits or aborts.
+    ``move`` means the source materialization is removed when the copy commits.
+    """
+
+    ticket_id: int
+    handle: ValueHandle
+    source: Location | None
+    destination: Location
+    nbytes: int
+    move: bool
+    via: Location | None = None

@@ -1,0 +1,246 @@
+"""How a streamed module's blocks are run: on the loop (an ``nn.Sequential``) or through the
+module's own forward in a worker thread (anything else), and the thread-local torch state a
+block run elsewhere needs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+from torch import nn
+
+from .packing import TensorGroup
+from .pipeline import CallPipeline, Slot
+
+if TYPE_CHECKING:
+    from .module import StreamedModule
+
+__all__ = ["ThreadedRunner", "TorchState", "run_sequential"]
+
+
+@dataclass(frozen=True, slots=True)
+class TorchState:
+    """The caller's thread-local torch state, carried into the thread that runs the blocks."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls) -> TorchState:
+        return cls(
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            tuple(
+                (kind, torch.get_autocast_dtype(kind))
+                for kind in ("cuda", "cpu")
+                if torch.is_autocast_enabled(kind)
+            ),
+        )
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for kind, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+            yield
+
+
+async def run_sequential(
+    streamed: StreamedModule,
+    call: CallPipeline,
+    stream: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the children in order, enqueuing each block's work on the compute stream from
+    the loop: kernels on CUDA; where compute runs on the host (the simulation) the block is
+    run by the stream's worker, so it runs after its copy and before its release exactly as
+    kernels would (a read after release would see the simulation's poison)."""
+    if kwargs or len(args) != 1:
+        raise TypeError("an nn.Sequential takes exactly one positional input")
+    backend = streamed.manager.backend
+    box: list[Any] = [args[0]]
+    errors: list[BaseException] = []
+    torch_state = TorchState.capture() if streamed.host_compute else None
+
+    def run(block: nn.Module, group: TensorGroup | None, tensors: list[torch.Tensor]) -> None:
+        if errors:
+            return  # an earlier block failed: the rest of the stream's work is moot
+        if group is not None:
+            group.swap_in(tensors)
+        try:
+            if torch_state is not None:
+                with torch_state.enter():
+                    box[0] = block(box[0])
+            else:
+                box[0] = block(box[0])
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            if group is not None:
+                group.restore()
+
+    try:
+        for block, group in zip(streamed.blocks, streamed.block_groups):
+            if group is None:
+                backend.run_in_stream_order(stream, functools.partial(run, block, None, []))
+                continue
+            slot = await call.take(group.index)
+            tensors = slot.tensors
+            assert tensors is not None
+            if slot.ready_event is not None:
+                backend.stream_wait(stream, slot.ready_event)
+            backend.run_in_stream_order(stream, functools.partial(run, block, group, tensors))
+            del tensors  # no reference may outlive the lease
+            call.give_back(group.index, backend.record_event(stream))
+            if errors:
+                break
+    finally:
+        if streamed.host_compute:
+            # The result exists once the stream ran the blocks; wait for it even when
+            # cancelled, so that no block touches the module after the call returned.
+            with anyio.CancelScope(shield=True):
+                await backend.wait(backend.record_event(stream))
+    if errors:
+        raise errors[0]
+    return box[0]
+
+
+class ThreadedRunner:
+    """Runs a module's own forward in one worker thread; forward hooks on its blocks take each
+    block's weights from the call's pipeline and hand them back (see the pipeline module).
+
+    State: ``_executor`` (the one worker thread, made on first use), ``_worker_ident`` (set
+    while the worker runs a call: hooks fire only then, and only in that thread), ``_hooks``.
+    """
+
+    def __init__(self, streamed: StreamedModule) -> None:
+        self.streamed = streamed
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker_ident: int | None = None
+        self._hooks: list[Any] = []
+
+    def install_hooks(self) -> None:
+        streamed = self.streamed
+        for block, group in zip(streamed.blocks, streamed.block_groups):
+            if group is None:
+                continue
+            self._hooks.append(
+                block.register_forward_pre_hook(functools.partial(self._pre_hook, group))
+            )
+            self._hooks.append(
+                block.register_forward_hook(
+                    functools.partial(self._post_hook, group), always_call=True
+                )
+            )
+
+    def close(self) -> None:
+        """Remove the hooks; let the worker thread go (it has no call)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    async def run(
+        self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run the module's own forward in a worker thread; its blocks' hooks take and give
+        back their weights through the pipeline (no round trip to the loop when ready)."""
+        streamed = self.streamed
+        resident = streamed.resident_group
+        resident_slot: Slot | None = None
+        if resident is not None:
+            resident_slot = await call.take(resident.index)
+            assert resident_slot.tensors is not None
+            resident.swap_in(resident_slot.tensors)
+        try:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
+                )
+            work = functools.partial(
+                self._work, call, stream, resident_slot, TorchState.capture(), args, kwargs
+            )
+            future = self._executor.submit(work)
+            done = anyio.Event()
+            bridge = streamed.manager.bridge
+            future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
+            try:
+                await done.wait()
+            except anyio.get_cancelled_exc_class():
+                call.abort()  # the worker's next block fails; wait for it to unwind
+                with anyio.CancelScope(shield=True):
+                    await done.wait()
+                raise
+            result, event = future.result()
+            if resident is not None:
+                call.give_back(resident.index, event)
+            return result
+        finally:
+            if resident is not None:
+                resident.restore()
+
+    def _work(
+        self,
+        call: CallPipeline,
+        stream: Any,
+        resident: Slot | None,
+        torch_state: TorchState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """The worker thread: run the module with the caller's thread-local torch state;
+        return its output and an event after its last kernel."""
+        streamed = self.streamed
+        backend = streamed.manager.backend
+        with torch_state.enter(), backend.stream_context(stream):
+            self._worker_ident = threading.get_ident()
+            try:
+                if resident is not None and resident.ready_event is not None:
+                    backend.stream_wait(stream, resident.ready_event)
+                output = streamed.module(*args, **kwargs)
+                return output, self._reader_event(stream)
+            finally:
+                self._worker_ident = None
+                for group in streamed.groups:
+                    group.restore()
+
+    def _reader_event(self, stream: Any) -> Any:
+        """An event after the work this thread enqueued (compute on the host: done now)."""
+        streamed = self.streamed
+        return streamed.manager.backend.record_event(None if streamed.host_compute else stream)
+
+    # -- hooks (worker thread)
+
+    def _pre_hook(self, group: TensorGroup, module: nn.Module, args: Any) -> None:
+        if self._worker_ident != threading.get_ident():
+            return
+        call = self.streamed._call
+        assert call is not None
+        slot = call.take_blocking(group.index)
+        if slot.ready_event is not None and not self.streamed.host_compute:
+            self.streamed.manager.backend.stream_wait(call.stream, slot.ready_event)
+        tensors = slot.tensors
+        assert tensors is not None
+        group.swap_in(tensors)
+
+    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
+        if self._worker_ident != threading.get_ident():
+            return
+        group.restore()
+        call = self.streamed._call
+        assert call is not None
+        call.give_back_threadsafe(group.index, self._reader_event(call.stream))
