@@ -46,11 +46,17 @@ class ModelManager:
     """The part of a manager the controller reads: its state (no devices)."""
 
     def __init__(self, state: ResidencyState) -> None:
-        self._state = state
+        self.state = state
 
     @property
     def state_version(self) -> int:
-        return self._state.state_version
+        return self.state.state_version
+
+    def check_thread(self) -> None:
+        pass  # the benchmark's own loop owns the state
+
+    async def wait_for_change(self, timeout: float | None = None) -> bool:  # pragma: no cover
+        raise NotImplementedError("the benchmark only decides")
 
     def scope(self, decision: Any, timeout: float | None = None) -> Any:  # pragma: no cover
         raise NotImplementedError("the benchmark only decides")

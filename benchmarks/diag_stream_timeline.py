@@ -131,8 +131,8 @@ async def host_trace(manager: Any, call: Any, drain: Any) -> None:
     backend = manager.backend
     waiter = backend.waiter
     log: list[tuple[float, str]] = []
-    orig_copy, orig_sweep, orig_wait = backend.copy, waiter._sweep, waiter.wait
-    orig_reap_events = manager._state.reap_events
+    orig_copy, orig_sweep, orig_watch = backend.copy, waiter._sweep, waiter.watch
+    orig_reap_events = manager.state.reap_events
 
     def copy(*a: Any, **k: Any) -> Any:
         log.append((time.perf_counter(), "copy issued"))
@@ -144,19 +144,21 @@ async def host_trace(manager: Any, call: Any, drain: Any) -> None:
             log.append((time.perf_counter(), f"waiter sweep found {found}"))
         return int(found)
 
-    async def wait(event: Any) -> None:
-        log.append(
-            (time.perf_counter(), f"wait begins key={getattr(event, '_aresidency_key', None)}")
-        )
-        await orig_wait(event)
-        log.append((time.perf_counter(), "wait returns"))
+    def watch(event: Any, bridge: Any, callback: Any) -> None:
+        log.append((time.perf_counter(), "watch begins"))
+
+        def delivered(error: Any) -> None:
+            log.append((time.perf_counter(), "completion delivered on the loop"))
+            callback(error)
+
+        orig_watch(event, bridge, delivered)
 
     def reap_events(*a: Any, **k: Any) -> Any:
         log.append((time.perf_counter(), "reaped"))
         return orig_reap_events(*a, **k)
 
-    backend.copy, waiter._sweep, waiter.wait = copy, sweep, wait
-    manager._state.reap_events = reap_events
+    backend.copy, waiter._sweep, waiter.watch = copy, sweep, watch
+    manager.state.reap_events = reap_events
     try:
         torch.cuda.synchronize()
         hits = waiter.poll_hits
@@ -168,8 +170,8 @@ async def host_trace(manager: Any, call: Any, drain: Any) -> None:
         synced = time.perf_counter()
         await drain()
     finally:
-        backend.copy, waiter._sweep, waiter.wait = orig_copy, orig_sweep, orig_wait
-        manager._state.reap_events = orig_reap_events
+        backend.copy, waiter._sweep, waiter.watch = orig_copy, orig_sweep, orig_watch
+        manager.state.reap_events = orig_reap_events
     print(
         f"\n=== host trace (call returned {(returned - t0) * 1e3:.2f} ms, GPU done "
         f"{(synced - t0) * 1e3:.2f} ms, poll hits {waiter.poll_hits - hits})"

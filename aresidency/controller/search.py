@@ -307,9 +307,10 @@ class _Item:
         self.position = position
 
 
-class _Stream:
-    """A location's candidates, merged across classes in increasing cost per byte, produced on
-    demand; prefix sums of charge, cost, density and releasable charge for the bounds."""
+class _VictimQueue:
+    """A location's eviction candidates, merged across classes in increasing cost per byte,
+    produced on demand; prefix sums of charge, cost, density and releasable charge for the
+    bounds."""
 
     def __init__(
         self,
@@ -437,14 +438,16 @@ class _Stream:
 
 
 @dataclass(slots=True)
-class _Group:
+class _LocationNeed:
+    """What one location must free for a placement, and the queue of victims to free it."""
+
     location: Location
     budget: int
     charged: int
     need: int
     start_a: int  # charged - budget: room for moves in (<= 0: that much free)
     start_b: int  # charged + need - budget: what reclaim must free
-    stream: _Stream
+    victims: _VictimQueue
 
 
 # ---------------------------------------------------------------------------- search
@@ -478,17 +481,17 @@ class _Search:
         self.slicer = slicer
         self.explored = 0
         self.excluded = set(request.handles())
-        self.streams: dict[Location, _Stream] = {}
+        self.streams: dict[Location, _VictimQueue] = {}
         self.ledgers = {loc: state.ledger(loc) for loc in state.locations()}
         self.placement_text = ""
         self.best_cost = math.inf
         self.best: list[_Choice] | None = None
         self._group_of: dict[Location, int] = {}
 
-    def stream(self, location: Location) -> _Stream:
+    def stream(self, location: Location) -> _VictimQueue:
         stream = self.streams.get(location)
         if stream is None:
-            stream = self.streams[location] = _Stream(
+            stream = self.streams[location] = _VictimQueue(
                 location,
                 self.index.locations.get(location),
                 self.excluded,
@@ -502,7 +505,7 @@ class _Search:
         ledger = self.ledgers.get(location)
         return None if ledger is None else ledger.budget_bytes
 
-    def groups(self, need: dict[Location, int]) -> list[_Group]:
+    def groups(self, need: dict[Location, int]) -> list[_LocationNeed]:
         """Locations short of bytes plus the budgeted tiers their victims may move to, in
         topological order of the fallback graph."""
         members: set[Location] = set()
@@ -535,7 +538,7 @@ class _Search:
                     if indegree[destination] == 0:
                         ready.append(destination)
                         ready.sort(reverse=True)
-        groups: list[_Group] = []
+        groups: list[_LocationNeed] = []
         for loc in order:
             ledger = self.ledgers[loc]
             budget = ledger.budget_bytes
@@ -543,7 +546,7 @@ class _Search:
             charged = ledger.charged_bytes
             extra = need.get(loc, 0)
             groups.append(
-                _Group(
+                _LocationNeed(
                     loc,
                     budget,
                     charged,
@@ -575,12 +578,12 @@ class _Search:
             raise self._limit_error()
         self.explored += 1
 
-    def branch_and_bound(self, groups: list[_Group]) -> Generator[None, None, None]:
+    def branch_and_bound(self, groups: list[_LocationNeed]) -> Generator[None, None, None]:
         """Search eviction sets for ``groups``; leaves the cheapest in ``self.best``."""
         self.best = None
         self.best_cost = math.inf
         ngroups = len(groups)
-        streams = [g.stream for g in groups]
+        streams = [g.victims for g in groups]
         start_a = [g.start_a for g in groups]
         start_b = [g.start_b for g in groups]
         group_of = {g.location: k for k, g in enumerate(groups)}
@@ -628,7 +631,7 @@ class _Search:
     def _visit(
         self,
         frame: list[Any],
-        streams: list[_Stream],
+        streams: list[_VictimQueue],
         start_a: list[int],
         start_b: list[int],
         rel: list[int],
@@ -759,7 +762,7 @@ class _Search:
 
     # ------------------------------------------------------------ evidence
 
-    def diagnose(self, groups: list[_Group]) -> str:
+    def diagnose(self, groups: list[_LocationNeed]) -> str:
         """Why no eviction set fits (the placement's groups are known to be short)."""
         parts: list[str] = []
         cascade = [g for g in groups if g.start_b <= 0]
@@ -771,7 +774,7 @@ class _Search:
             short = group.start_b
             protected = in_flight = own = stuck = protected_count = 0
             protected_names: list[str] = []
-            evictable = group.stream.total
+            evictable = group.victims.total
             for value in self.state.values():
                 mat = value.materializations.get(loc)
                 if mat is None:
@@ -795,7 +798,7 @@ class _Search:
             if evictable >= short:
                 tiers = "; ".join(
                     f"{g.location} has {format_bytes(max(0, -g.start_a))} free and "
-                    f"{format_bytes(g.stream.rel_total)} releasable"
+                    f"{format_bytes(g.victims.rel_total)} releasable"
                     for g in cascade
                 )
                 text += (
@@ -826,7 +829,7 @@ class _Search:
         return "; ".join(parts) if parts else "no eviction set fits the fallback tiers"
 
     def eviction_records(
-        self, groups: list[_Group], choices: list[_Choice]
+        self, groups: list[_LocationNeed], choices: list[_Choice]
     ) -> tuple[list[Eviction], list[Release | Move]]:
         def order(choice: _Choice) -> tuple[int, int, int]:
             g, item, option = choice

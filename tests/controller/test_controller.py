@@ -45,18 +45,25 @@ UNIT = 4 * KIB
 
 
 class StandInManager:
-    """What the controller uses of a manager: ``_state``, ``state_version``, ``scope``. Its
-    scope yields to the loop (as admission does), calls ``before_entry``, checks staleness,
-    then runs the plan on the model."""
+    """What the controller uses of a manager (its ``ManagerLike``): ``state``,
+    ``state_version``, ``check_thread``, ``wait_for_change``, ``scope``. Its scope yields to
+    the loop (as admission does), calls ``before_entry``, checks staleness, then runs the plan
+    on the model."""
 
     def __init__(self, state: ResidencyState) -> None:
-        self._state = state
+        self.state = state
         self.before_entry: Callable[[int], None] | None = None
         self.entries = 0
 
     @property
     def state_version(self) -> int:
-        return self._state.state_version
+        return self.state.state_version
+
+    def check_thread(self) -> None:
+        pass  # a test stand-in: always on the test's loop
+
+    async def wait_for_change(self, timeout: float | None = None) -> bool:
+        raise AssertionError("the stand-in's state never changes while a scope waits")
 
     def scope(self, decision: ResidencyDecision, timeout: float | None = None) -> StandInScope:
         return StandInScope(self, decision)
@@ -71,7 +78,7 @@ class StandInScope:
 
     async def __aenter__(self) -> StandInScope:
         await asyncio.sleep(0)
-        manager, state = self.manager, self.manager._state
+        manager, state = self.manager, self.manager.state
         if manager.before_entry is not None:
             manager.before_entry(manager.entries)
         manager.entries += 1
@@ -93,7 +100,7 @@ class StandInScope:
         tb: TracebackType | None,
     ) -> None:
         for reservation in self.decision.plan.reserve:
-            self.manager._state.unreserve(reservation.name, reservation.location)
+            self.manager.state.unreserve(reservation.name, reservation.location)
 
 
 def hard_state(count: int = 200, need_units: int = 300) -> tuple[ResidencyState, ResidencyRequest]:
@@ -380,7 +387,7 @@ async def test_controller_scope_enters_a_decision_on_the_real_manager() -> None:
         assert set(moved) <= set(gpu) and len(moved) == 2
         assert scope.report.transitions
         assert ("ws", UNIT) not in manager.snapshot().location("pinned-host").reservations
-        manager._state.check_invariants()
+        manager.state.check_invariants()
 
 
 async def test_decision_entered_after_an_intervening_mutation_is_stale() -> None:
@@ -413,12 +420,18 @@ async def test_controller_scope_recovers_from_a_stale_entry_on_the_real_manager(
             """The manager, but something else touches the state before the first entry."""
 
             def __init__(self) -> None:
-                self._state = manager._state
+                self.state = manager.state
                 self.calls = 0
 
             @property
             def state_version(self) -> int:
                 return int(manager.state_version)
+
+            def check_thread(self) -> None:
+                manager.check_thread()
+
+            async def wait_for_change(self, timeout: float | None = None) -> bool:
+                return await manager.wait_for_change(timeout)
 
             def scope(self, decision: Any, timeout: float | None = None) -> Any:
                 self.calls += 1
