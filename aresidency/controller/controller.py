@@ -87,6 +87,17 @@ class ResidencyController:
         max_restarts: int = 16,
         optimality_gap: float = DEFAULT_OPTIMALITY_GAP,
     ) -> None:
+        missing = [
+            name
+            for name in ("state", "state_version", "check_thread", "wait_for_change", "scope")
+            if not hasattr(manager, name)
+        ]
+        if missing:
+            raise TypeError(
+                f"ResidencyController needs a ResidencyManager (or an object with its state, "
+                f"state_version, check_thread, wait_for_change and scope); {manager!r} has no "
+                f"{', '.join(missing)}"
+            )
         if isinstance(search_state_limit, bool) or not isinstance(search_state_limit, int):
             raise TypeError(f"search_state_limit must be an int, got {search_state_limit!r}")
         if search_state_limit < 1:
@@ -201,7 +212,28 @@ class ResidencyController:
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"expected a ResidencyRequest, got {request!r}")
         self._check_loop()
+        self._check_locations(request)
         return PendingDecision(self, request)
+
+    def _check_locations(self, request: ResidencyRequest) -> None:
+        """Every location the request names exists on this manager (its machine's devices and
+        the host): ``ValueError`` at ``decide``, not a decision that fails at entry."""
+        known = set(self._state().locations())
+        for requirement in request.requirements:
+            for location in requirement.alternatives:
+                if location not in known:
+                    names = ", ".join(str(k) for k in sorted(known))
+                    raise ValueError(
+                        f"request {request.name!r} asks for {requirement.handle} at {location}, "
+                        f"which this manager does not have (it has: {names})"
+                    )
+        for reservation in request.reservations:
+            if reservation.location not in known:
+                names = ", ".join(str(k) for k in sorted(known))
+                raise ValueError(
+                    f"request {request.name!r} reserves {reservation.name!r} at "
+                    f"{reservation.location}, which this manager does not have (it has: {names})"
+                )
 
     async def _decide(self, request: ResidencyRequest) -> ResidencyDecision:
         restarts = 0
@@ -268,6 +300,7 @@ class ResidencyController:
         if not isinstance(request, ResidencyRequest):
             raise TypeError(f"expected a ResidencyRequest, got {request!r}")
         self._check_loop()
+        self._check_locations(request)
         return ControllerScope(self, request, timeout)
 
     def would_fit_alone(self, request: ResidencyRequest) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 from ..core.errors import format_bytes
 from ..core.explain import PlanExplanation
 from ..core.locations import Location, LocationLike
-from ..core.plans import MemoryReservation, ResidencyPlan
+from ..core.plans import MemoryReservation, ResidencyPlan, items_of
 from ..core.values import ValueHandle
 
 __all__ = [
@@ -117,7 +117,7 @@ class ResidencyRequest:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a ResidencyRequest needs a non-empty str name, got {name!r}")
         parsed: list[ResidencyRequirement] = []
-        for index, item in enumerate(requirements):
+        for index, item in enumerate(items_of(requirements, f"request {name!r} requirements")):
             if isinstance(item, ResidencyRequirement):
                 parsed.append(item)
             elif isinstance(item, tuple) and len(item) == 2:
@@ -129,7 +129,9 @@ class ResidencyRequest:
                 )
         kept: list[MemoryReservation] = []
         seen: set[tuple[str, Location]] = set()
-        for index, reservation in enumerate(reservations):
+        for index, reservation in enumerate(
+            items_of(reservations, f"request {name!r} reservations")
+        ):
             if not isinstance(reservation, MemoryReservation):
                 raise TypeError(
                     f"request {name!r} reservation #{index} is {reservation!r}, not a "

@@ -212,7 +212,10 @@ class ResidencyUnavailableError(ResidencyError):
 
     def _message(self) -> str:
         where = f" at {self.location}" if self.location is not None else ""
-        return f"{self.handle}{where} is unavailable: {self.detail}"
+        what = "the location" if self.handle is None else str(self.handle)
+        if self.handle is None and self.location is not None:
+            return f"{self.location} is unavailable: {self.detail}"
+        return f"{what}{where} is unavailable: {self.detail}"
 
 
 class ResidencyPlanExecutionError(ResidencyError):

@@ -52,8 +52,22 @@ __all__ = [
     "TransferRequest",
     "TransitionRecorder",
     "choose_source",
+    "items_of",
     "run_phase",
 ]
+
+
+def items_of(value: Any, what: str) -> tuple[Any, ...]:
+    """``value`` (an iterable of items, a phase of a plan or a request's list) as a tuple;
+    ``TypeError`` naming ``what`` for ``None``, a string, or anything else not iterable."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be an iterable (a list or tuple), got {value!r}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an iterable (a list or tuple), got {value!r} ({type(value).__name__})"
+        ) from None
 
 
 def _parse_action_location(self: Any, location: LocationLike) -> None:
@@ -159,10 +173,16 @@ class ResidencyPlan:
         *,
         expected_state_version: int | None = None,
     ) -> None:
-        object.__setattr__(self, "reclaim", tuple(reclaim))
-        object.__setattr__(self, "reserve", tuple(reserve))
-        object.__setattr__(self, "enter", tuple(enter))
-        object.__setattr__(self, "exit", tuple(exit))
+        object.__setattr__(self, "reclaim", items_of(reclaim, "the plan's reclaim phase"))
+        object.__setattr__(self, "reserve", items_of(reserve, "the plan's reserve phase"))
+        object.__setattr__(self, "enter", items_of(enter, "the plan's enter phase"))
+        object.__setattr__(self, "exit", items_of(exit, "the plan's exit phase"))
+        if expected_state_version is not None and (
+            isinstance(expected_state_version, bool) or not isinstance(expected_state_version, int)
+        ):
+            raise TypeError(
+                f"expected_state_version must be None or an int, got {expected_state_version!r}"
+            )
         object.__setattr__(self, "expected_state_version", expected_state_version)
         for phase, kinds in _PHASE_KINDS.items():
             for index, action in enumerate(getattr(self, phase)):

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import immutables
+
 from .errors import ResidencyUnavailableError, format_bytes
 from .locations import Location
 from .state import ResidencyState
@@ -174,7 +176,16 @@ class ResidencySnapshot:
         return record
 
     def location(self, location: Any) -> LocationRecord:
-        return self.locations[Location.parse(location)]
+        """The record of one location (``ResidencyUnavailableError`` naming the locations the
+        snapshot has, for one it has not)."""
+        loc = Location.parse(location)
+        record = self.locations.get(loc)
+        if record is None:
+            known = ", ".join(str(k) for k in sorted(self.locations)) or "none"
+            raise ResidencyUnavailableError(
+                None, loc, f"this snapshot has no record of it (it has: {known})"
+            )
+        return record
 
     def __repr__(self) -> str:
         return (
@@ -187,16 +198,39 @@ class ResidencySnapshot:
             "manager_id": self.manager_id,
             "state_version": self.state_version,
             "locations": [record.to_dict() for record in self.locations.values()],
-            "values": [record.to_dict() for record in self.values.values()],
+            "values": [
+                record.to_dict()
+                for record in sorted(self.values.values(), key=lambda r: r.handle.value_id)
+            ],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResidencySnapshot:
-        locations = (LocationRecord.from_dict(d) for d in data["locations"])
-        values = (ValueSnapshot.from_dict(d) for d in data["values"])
+        """The snapshot ``to_dict`` described; ``ValueError`` naming the first missing or
+        malformed field (JSON from elsewhere is checked, not trusted)."""
+        try:
+            locations = [LocationRecord.from_dict(d) for d in data["locations"]]
+            values = [ValueSnapshot.from_dict(d) for d in data["values"]]
+            manager_id, version = data["manager_id"], data["state_version"]
+        except KeyError as missing:
+            raise ValueError(
+                f"not a snapshot dict: the field {missing} is missing (expected manager_id, "
+                "state_version, locations, values as written by ResidencySnapshot.to_dict)"
+            ) from None
+        except (TypeError, AttributeError) as error:
+            raise ValueError(f"not a snapshot dict: {error}") from None
+        if (
+            not isinstance(manager_id, str)
+            or isinstance(version, bool)
+            or not isinstance(version, int)
+        ):
+            raise ValueError(
+                f"not a snapshot dict: manager_id must be a str and state_version an int, got "
+                f"{manager_id!r} and {version!r}"
+            )
         return cls(
-            data["manager_id"],
-            data["state_version"],
+            manager_id,
+            version,
             MappingProxyType({r.location: r for r in locations}),
             MappingProxyType({v.handle: v for v in values}),
         )
@@ -210,8 +244,38 @@ class ResidencySnapshot:
         return hash((self.manager_id, self.state_version))
 
 
+def _value_record(value: Any) -> ValueSnapshot:
+    mats = tuple(
+        MaterializationRecord(
+            m.location,
+            m.charged_bytes,
+            m.use_count,
+            m.hold_count,
+            m.pending_event_count,
+            m.state,
+        )
+        for m in sorted(value.materializations.values(), key=lambda m: m.location)
+    )
+    return ValueSnapshot(
+        value.handle,
+        value.handle.name,
+        value.replica_mode,
+        RECONSTRUCTIBLE if value.has_source else NOT_RECONSTRUCTIBLE,
+        value.has_source,
+        value.source_location,
+        value.charge_bytes,
+        value.discarded,
+        tuple(m.location for m in mats),
+        mats,
+    )
+
+
 def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
-    """Copy ``state`` into records in one synchronous step (so it is atomic on the loop)."""
+    """Copy ``state`` into records in one synchronous step (so it is atomic on the loop).
+
+    Cost: O(values changed since the previous snapshot + locations), not O(values): value
+    records live in a persistent (structurally shared) map kept on the state; a snapshot takes
+    the current map and only the changed values are rebuilt into the next one."""
     locations = {}
     for loc in state.locations():
         entry = state.ledger(loc)
@@ -224,34 +288,23 @@ def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
             entry.peak_bytes,
             tuple(sorted((name, nbytes) for name, (nbytes, _) in entry.reservations.items())),
         )
-    values = {}
-    for value in state.values():
-        mats = tuple(
-            MaterializationRecord(
-                m.location,
-                m.charged_bytes,
-                m.use_count,
-                m.hold_count,
-                m.pending_event_count,
-                m.state,
-            )
-            for m in sorted(value.materializations.values(), key=lambda m: m.location)
-        )
-        values[value.handle] = ValueSnapshot(
-            value.handle,
-            value.handle.name,
-            value.replica_mode,
-            RECONSTRUCTIBLE if value.has_source else NOT_RECONSTRUCTIBLE,
-            value.has_source,
-            value.source_location,
-            value.charge_bytes,
-            value.discarded,
-            tuple(m.location for m in mats),
-            mats,
-        )
+    previous = state.snapshot_values
+    if previous is None:
+        values = immutables.Map({v.handle: _value_record(v) for v in state.values()})
+    else:
+        with previous.mutate() as changing:
+            for handle in state.changed_values:
+                value = state.find_value(handle)
+                if value is None:
+                    changing.pop(handle, None)  # discarded
+                else:
+                    changing[handle] = _value_record(value)
+            values = changing.finish()
+    state.changed_values.clear()
+    state.snapshot_values = values
     return ResidencySnapshot(
         state.manager_id,
         state.state_version,
         MappingProxyType(locations),
-        MappingProxyType(values),
+        values,
     )

@@ -88,6 +88,10 @@ class ResidencyState:
         # its own transitions and not those other tasks commit while it awaits.
         self.origin: object | None = None
         self.origin_recorders: dict[object, list[Transition]] = {}
+        # Snapshots: the values changed since the last one, and the persistent map of value
+        # records it left (see core.snapshot.take_snapshot: O(changes), not O(values)).
+        self.changed_values: set[ValueHandle] = set()
+        self.snapshot_values: Any = None
         parsed: list[tuple[Location, int | None]] = []
         for key, budget in (budgets or {}).items():
             location = Location.parse(key)
@@ -177,8 +181,11 @@ class ResidencyState:
     ) -> None:
         self.state_version += 1
         self._seq += 1
-        if handle is not None and handle in self._values:
-            self._values[handle].last_used_version = self.state_version
+        if handle is not None:
+            self.changed_values.add(handle)
+            value = self._values.get(handle)
+            if value is not None:
+                value.last_used_version = self.state_version
         transition = Transition(
             self._seq, self.state_version, kind, handle, location, nbytes, self._clock_ns(), name
         )
@@ -724,6 +731,8 @@ class ResidencyState:
         other.observers = []
         other.origin = None
         other.origin_recorders = {}
+        other.changed_values = set()
+        other.snapshot_values = None
         return other
 
     def _new_id(self) -> int:

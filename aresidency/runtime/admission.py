@@ -8,10 +8,11 @@ could never fit fails at once with the explanation's reason. Only the head of th
 checked, on every state change, so a later scope never overtakes an earlier one.
 
 Direct operations queue too, so that they cannot starve a waiting scope: one that would charge
-a location some waiting scope is short of waits for the scopes ahead of it, then runs (it
-never waits for room itself: it either fits then or raises ``ResidencyBudgetError``). One
+a location where a waiting scope will charge bytes waits for the scopes ahead of it, then runs
+(it never waits for room itself: it either fits then or raises ``ResidencyBudgetError``). One
 that charges nothing there (a release, a move out to the host) runs at once: it may be what
-the scopes wait for.
+the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an empty
+plan, a plan for another device) does not queue either.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import anyio
 from ..core.errors import ResidencyBudgetError, ResidencyPlanError, ResidencyStaleStateError
 from ..core.explain import PlanExplanation, explain_plan, plan_fits
 from ..core.locations import Location
-from ..core.plans import ResidencyPlan
+from ..core.plans import Release, ResidencyPlan
 from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ class _Waiter:
 
     def __init__(self, plan: ResidencyPlan | None, short_of: frozenset[Location]) -> None:
         self.plan = plan
-        self.short_of = short_of  # the locations whose budget blocks it
+        # Where it will charge bytes: a waiting scope's claim, which later direct operations
+        # charging the same locations do not overtake.
+        self.short_of = short_of
         self.event: anyio.Event | None = None
 
     def wake(self) -> None:
@@ -95,42 +98,58 @@ class AdmissionQueue:
 
     async def admit(
         self, plan: ResidencyPlan, expected_version: int | None, timeout: float | None
-    ) -> None:
+    ) -> _Waiter:
         """Return once ``plan`` may start (FIFO); see the module docstring. Raises
         ``ResidencyStaleStateError`` (checked before anything else, and again when its turn
         comes), ``ResidencyPlanError`` (could never fit, or blocked by what will not move on
-        its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds."""
+        its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds.
+
+        Returns the scope's *claim*, which stays in the queue until :meth:`release`: the
+        entry awaits its transfers after admission, and nothing queued behind it may take its
+        room meanwhile. The caller releases it once the entry charged what it needs (or
+        failed)."""
         self._check_open()
         state = self._rt.state
         self._check_stale(expected_version)
-        if not self._queue and plan_fits(state, plan):
-            return
+        charged = self._charged_by(plan)
+        # A plan that charges nothing where a waiting scope will overtakes no one (an empty
+        # plan, a plan for another device): it does not wait behind them.
+        queued = self.must_queue(charged)
+        waiter = _Waiter(plan, charged)
+        if not queued and plan_fits(state, plan):
+            self._queue.append(waiter)
+            return waiter
         explanation = explain_plan(state, plan, scoped=self._rt.scoped)
-        if explanation.feasible and not self._queue:
-            return
+        if explanation.feasible and not queued:
+            self._queue.append(waiter)
+            return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
         deadline = None if timeout is None else anyio.current_time() + timeout
-        waiter = _Waiter(plan, _short_of(explanation))
         self._queue.append(waiter)
         try:
             while True:
                 if self._queue[0] is waiter:
                     self._check_stale(expected_version)
                     if plan_fits(state, plan):
-                        return
+                        return waiter
                     explanation = explain_plan(state, plan, scoped=self._rt.scoped)
                     if not explanation.feasible and not explanation.transient:
                         raise ResidencyPlanError(explanation.reason) from (
                             explanation.blocking_error
                         )
-                    waiter.short_of = _short_of(explanation)
                 if deadline is not None and anyio.current_time() >= deadline:
                     raise TimeoutError(self._timeout_message(waiter, timeout, explanation))
                 await waiter.sleep(deadline)
                 self._check_open()
-        finally:
-            self._queue.remove(waiter)
+        except BaseException:
+            self.release(waiter)
+            raise
+
+    def release(self, claim: _Waiter) -> None:
+        """End an admitted scope's claim (its entry charged what it needs, or failed)."""
+        if claim in self._queue:
+            self._queue.remove(claim)
             self._wake_head()
 
     def _timeout_message(
@@ -144,6 +163,20 @@ class AdmissionQueue:
         else:
             why = explanation.reason
         return f"plan not admitted within {timeout} s: {why}"
+
+    def _charged_by(self, plan: ResidencyPlan) -> frozenset[Location]:
+        """Where ``plan`` would charge bytes: its reservations' locations, its copies'
+        destinations, and the source locations of values it may rebuild."""
+        out = {reservation.location for reservation in plan.reserve}
+        state = self._rt.state
+        for action in (*plan.reclaim, *plan.enter, *plan.exit):
+            if isinstance(action, Release):
+                continue
+            out.add(action.location)
+            value = state.find_value(action.handle)
+            if value is not None and value.has_source and value.source_location is not None:
+                out.add(value.source_location)
+        return frozenset(out)
 
     def _check_stale(self, expected: int | None) -> None:
         actual = self._rt.state.state_version
@@ -200,10 +233,3 @@ class AdmissionQueue:
         self._closed = message
         for waiter in list(self._queue):
             waiter.wake()
-
-
-def _short_of(explanation: PlanExplanation) -> frozenset[Location]:
-    error = explanation.blocking_error
-    if isinstance(error, ResidencyBudgetError):
-        return frozenset({error.location})
-    return frozenset()

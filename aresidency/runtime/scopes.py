@@ -151,10 +151,13 @@ class Scope:
         try:
             for action in (*plan.reclaim, *plan.enter, *plan.exit, *plan.reserve):
                 rt.backend.check_location(action.location)
-            await rt.admission.admit(plan, self.expected_state_version, self.timeout)
-            await self._run_phase("reclaim", plan.reclaim)
-            self._reserve_all()
-            await self._run_phase("enter", plan.enter)
+            claim = await rt.admission.admit(plan, self.expected_state_version, self.timeout)
+            try:
+                await self._run_phase("reclaim", plan.reclaim)
+                self._reserve_all()
+                await self._run_phase("enter", plan.enter)
+            finally:
+                rt.admission.release(claim)  # what it needs is charged: let the next in
         except BaseException as error:
             self.status = "failed"
             self._unreserve_all()

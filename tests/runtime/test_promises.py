@@ -1,0 +1,490 @@
+"""The promises under cancellation, concurrency and bad input, one test per way they broke:
+no garbage read, no hang, no leak, a designed error for every mistake (on the simulated
+backend: a simulation of CUDA devices in host memory, whose released or unfilled memory holds
+poison)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aresidency import (
+    CallableSource,
+    Materialize,
+    MemoryReservation,
+    Move,
+    Release,
+    ReplicaMode,
+    ResidencyController,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+    ResidencyPlanExecutionError,
+    ResidencyRequest,
+    ResidencyRequirement,
+    ResidencySnapshot,
+    ResidencyUnavailableError,
+)
+from aresidency.backends import SimBackend, is_poisoned
+from aresidency.runtime import ManagerClosedError
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1 << 10
+
+
+def tensor(n: int = 4096, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def checksum(t: torch.Tensor) -> float:
+    return float(t.double().sum())
+
+
+def quiet(m: ResidencyManager) -> None:
+    """Nothing leased, held, read, reserved (but the backend's) or in flight."""
+    snap = m.snapshot()
+    for value in snap.values.values():
+        for record in value.materializations:
+            assert record.use_count == record.hold_count == record.pending_event_count == 0
+            assert record.state.value == "resident", (value.name, record)
+    for record in snap.locations.values():
+        assert record.reserved_bytes == 0 or record.location.kind == "pinned-host"
+    assert m.waiting == 0
+    m.state.check_invariants()
+
+
+async def settle(m: ResidencyManager) -> None:
+    """Wait (on conditions) until no transfer is in flight and no reader event pending."""
+    while any(
+        record.state.value != "resident" or record.pending_event_count
+        for value in m.snapshot().values.values()
+        for record in value.materializations
+    ):
+        await m.wait_for_change(5)
+
+
+# ---------------------------------------------------------------- data
+
+
+async def test_a_cancelled_wait_on_materialize_nowait_leaves_nothing_incoming() -> None:
+    async with ResidencyManager(
+        budgets={"cuda:0": 16 * KiB}, backend=SimBackend(copy_gbps=0.01)
+    ) as m:
+        h = m.register(tensor(), name="w")
+        pending = m.materialize_nowait(h, "cuda:0")  # 16 KiB at 10 MB/s: ~1.6 ms
+        with anyio.move_on_after(0):
+            await pending
+        await pending.wait_settled()
+        assert pending.done()
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["pageable-host"]
+        quiet(m)
+        # Nothing stuck: the room it took is free again.
+        other = m.register(tensor(seed=1), name="other")
+        await m.move(other, "cuda:0")
+        quiet(m)
+
+
+async def test_a_lease_on_an_incoming_copy_keeps_it_when_its_requester_is_cancelled() -> None:
+    backend = SimBackend(copy_gbps=0.005)  # 16 KiB: ~3 ms
+    async with ResidencyManager(backend=backend) as m:
+        data = tensor()
+        h = m.register(data.clone(), name="w")
+        pending = m.materialize_nowait(h, "cuda:0")
+        stream = m.backend.current_stream("cuda:0")
+        async with m.acquire(h, "cuda:0", stream=stream) as lease:
+            seen: list[float] = []
+            view = lease.tensor
+            # The reader runs on the lease's stream, after the copy (as a kernel would).
+            backend.run_in_stream_order(stream, lambda: seen.append(checksum(view)))
+            pending.cancel()  # the requester goes away while the lease reads the copy
+        await pending.wait_settled()
+        assert pending.exception() is None  # completed, not aborted: a lease was reading it
+        await m.backend.wait(m.backend.record_event(stream))
+        assert seen == [checksum(data)]
+        await settle(m)
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["cuda:0"]
+        quiet(m)
+
+
+async def test_a_lease_entered_on_a_copy_that_fails_says_so_at_exit() -> None:
+    backend = SimBackend(copy_gbps=0.005)
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(tensor(), name="w")
+        backend.faults.fail_transfer_at = 1
+        pending = m.materialize_nowait(h, "cuda:0")
+        stream = m.backend.current_stream("cuda:0")
+        with pytest.raises(ResidencyUnavailableError, match="was not the value"):
+            async with m.acquire(h, "cuda:0", stream=stream) as lease:
+                view = lease.tensor
+                poisoned: list[bool] = []
+                backend.run_in_stream_order(
+                    stream, lambda: poisoned.append(bool(is_poisoned(view).any()))
+                )
+        await pending.wait_settled()
+        assert isinstance(pending.exception(), RuntimeError)
+        await m.backend.wait(m.backend.record_event(stream))
+        assert poisoned == [True]  # what it read was garbage: the exit said so
+        await settle(m)
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["pageable-host"]
+        quiet(m)
+
+
+async def test_a_write_lease_stops_another_task_from_making_a_replica() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        async with m.acquire(h, "cuda:0", mode="write"):
+            before = m.snapshot()
+            with pytest.raises(ResidencyInUseError, match="write lease"):
+                await m.materialize(h, "pinned-host")
+            assert m.snapshot() == before
+        await m.materialize(h, "pinned-host")  # after the write, a replica is fine
+        quiet(m)
+
+
+async def test_the_managers_own_storage_cannot_be_registered_again() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        await m.move(h, "cuda:0")
+        before = m.snapshot()
+        with pytest.raises(ValueError, match="already belongs to"):
+            m.register(m.tensor(h, "cuda:0"))
+        with pytest.raises(ValueError, match="already belongs to"):
+            m.register(m.tensor(h, "cuda:0")[10:20])  # a view shares the storage too
+        assert m.snapshot() == before
+
+
+async def test_a_source_must_load_into_host_memory() -> None:
+    class DeviceSource:
+        shape = (16,)
+        dtype = torch.float32
+        source_location = "cuda:0"
+
+        def load(self) -> torch.Tensor:
+            return torch.zeros(16)
+
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises(ValueError, match="host memory"):
+            m.register_source(DeviceSource())
+        assert m.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.quantize_per_tensor(torch.rand(8), 0.1, 0, torch.quint8),
+        lambda: torch.nested.nested_tensor([torch.rand(2), torch.rand(3)]),
+        lambda: torch.rand(4, 4).to_sparse(),
+        lambda: torch.empty(8, device="meta"),
+    ],
+    ids=["quantized", "nested", "sparse", "meta"],
+)
+async def test_tensors_that_cannot_be_copied_whole_are_refused(make: Any) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
+            m.register(make())
+        assert m.snapshot() == before
+
+
+# ---------------------------------------------------------------- hangs
+
+
+async def test_a_scope_blocked_by_values_nobody_protects_fails_at_once() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")  # resident, unprotected
+        b = m.register(tensor(seed=1), name="b")
+        with pytest.raises(ResidencyPlanError, match="budget"):
+            async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=None):
+                pass
+        assert m.waiting == 0
+        assert [str(x) for x in m.snapshot().value(a).locations] == ["cuda:0"]
+
+
+async def test_a_scope_blocked_by_a_lease_waits_and_enters_when_it_ends() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        entered = anyio.Event()
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+
+        async def enter() -> None:
+            async with m.scope(plan, timeout=None):
+                entered.set()
+
+        async with anyio.create_task_group() as tg:
+            async with m.acquire(a, "cuda:0"):
+                tg.start_soon(enter)
+                await anyio.wait_all_tasks_blocked()  # queued (no transition marks it)
+                assert m.waiting == 1
+                assert not entered.is_set()  # the lease protects a: the scope waits
+            with anyio.fail_after(5):
+                await entered.wait()  # the lease ended: admitted
+        quiet(m)
+
+
+async def test_an_empty_plan_does_not_wait_behind_a_waiting_scope() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        hold = m.hold(a, "cuda:0")
+        async with anyio.create_task_group() as tg:
+            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+
+            async def waiting_scope() -> None:
+                async with m.scope(plan, timeout=5):
+                    pass
+
+            tg.start_soon(waiting_scope)
+            await anyio.wait_all_tasks_blocked()  # queueing is no transition: wait for it parked
+            assert m.waiting == 1
+            with anyio.fail_after(1):
+                async with m.scope(ResidencyPlan(), timeout=None):
+                    pass  # admitted at once: it takes no room anyone waits for
+                async with m.scope(
+                    ResidencyPlan(reserve=[MemoryReservation("other", "cuda:1", KiB)])
+                ):
+                    pass  # nor does room on another device
+            hold.release()
+        quiet(m)
+
+
+async def test_a_direct_operation_waits_behind_a_scope_short_of_its_room() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        c = m.register(tensor(seed=2), name="c")
+        hold = m.hold(a, "cuda:0")
+        order: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def scope_for_b_and_c() -> None:
+                plan = ResidencyPlan(
+                    reclaim=[Move(a, "pinned-host")],
+                    enter=[Move(b, "cuda:0"), Move(c, "cuda:0")],
+                )
+                async with m.scope(plan, timeout=5):
+                    order.append("scope")
+
+            async def direct_move_of_a_fourth() -> None:
+                d = m.register(tensor(seed=3), name="d")
+                try:
+                    await m.move(d, "cuda:0")
+                    order.append("direct")
+                except Exception as error:  # it may not fit once the scope entered
+                    order.append(type(error).__name__)
+
+            tg.start_soon(scope_for_b_and_c)
+            await anyio.wait_all_tasks_blocked()  # queueing is no transition: wait for it parked
+            assert m.waiting == 1
+            tg.start_soon(direct_move_of_a_fourth)
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 2  # it queued behind the scope instead of taking room
+            hold.release()
+        assert order[0] == "scope"
+
+
+async def test_a_timed_out_scope_says_why_it_waited() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        hold = m.hold(a, "cuda:0")
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+        with pytest.raises(TimeoutError, match="protected by") as info:
+            async with m.scope(plan, timeout=0.05):
+                pass
+        assert ": feasible" not in str(info.value)  # the reason it waited, not a stale verdict
+        hold.release()
+        quiet(m)
+
+
+async def test_closing_the_manager_wakes_every_waiter() -> None:
+    outcomes: list[str] = []
+    async with anyio.create_task_group() as tg:
+        async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+            a = m.register(tensor(), name="a", location="cuda:0")
+            b = m.register(tensor(seed=1), name="b")
+            hold = m.hold(a, "cuda:0")  # never released: nothing would ever admit them
+            controller = ResidencyController(m)
+
+            async def scope_waiter() -> None:
+                plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+                try:
+                    async with m.scope(plan, timeout=None):
+                        outcomes.append("entered")
+                except ManagerClosedError:
+                    outcomes.append("scope woken")
+
+            async def controller_waiter() -> None:
+                request = ResidencyRequest("r", [ResidencyRequirement(b, "cuda:0")])
+                try:
+                    async with controller.scope(request, timeout=None):
+                        outcomes.append("entered")
+                except ManagerClosedError:
+                    outcomes.append("controller woken")
+
+            async def change_waiter() -> None:
+                try:
+                    while True:
+                        await m.wait_for_change()
+                except ManagerClosedError:
+                    outcomes.append("change waiter woken")
+
+            tg.start_soon(scope_waiter)
+            tg.start_soon(controller_waiter)
+            tg.start_soon(change_waiter)
+            await anyio.wait_all_tasks_blocked()  # queueing is no transition: wait for it parked
+            assert m.waiting == 1
+            await anyio.wait_all_tasks_blocked()  # all three parked
+        # the manager closed here
+    assert sorted(outcomes) == ["change waiter woken", "controller woken", "scope woken"]
+    assert hold.active
+
+
+@pytest.mark.parametrize("timeout", [math.nan, True, -1, "5"])
+async def test_timeouts_that_are_not_seconds_are_refused(timeout: Any) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        plan = ResidencyPlan(enter=[Move(h, "cuda:0")])
+        with pytest.raises((TypeError, ValueError), match="timeout"):
+            m.scope(plan, timeout=timeout)
+        request = ResidencyRequest("r", [ResidencyRequirement(h, "cuda:0")])
+        with pytest.raises((TypeError, ValueError), match="timeout"):
+            ResidencyController(m).scope(request, timeout=timeout)
+        with pytest.raises((TypeError, ValueError), match="timeout"):
+            await m.wait_for_change(timeout)
+
+
+# ---------------------------------------------------------------- leaks
+
+
+async def test_a_stream_of_another_device_is_refused_before_the_lease() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        await m.move(h, "cuda:0")
+        other = m.backend.current_stream("cuda:1")
+        with pytest.raises(ValueError, match="cuda:1"):
+            m.acquire(h, "cuda:0", stream=other)
+        with pytest.raises(TypeError, match="stream"):
+            m.acquire(h, "cuda:0", stream="not a stream")
+        async with m.acquire(h, "cuda:0") as lease:
+            with pytest.raises(ValueError, match="cuda:1"):
+                lease.register_stream(other)
+        await settle(m)
+        quiet(m)
+
+
+async def test_a_lease_ends_even_when_recording_its_reader_event_fails() -> None:
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(tensor(), name="w")
+        await m.move(h, "cuda:0")
+        stream = backend.new_stream("cuda:0")
+        with pytest.raises(RuntimeError, match="closed"):
+            async with m.acquire(h, "cuda:0", stream=stream):
+                stream.close()  # the stream goes away under the lease
+        record = m.snapshot().value(h).materialization("cuda:0")
+        assert record.use_count == 0
+        await m.move(h, "pinned-host")  # the value can move again
+        quiet(m)
+
+
+async def test_a_write_lease_ends_as_a_write_lease() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        await m.move(h, "cuda:0")
+        for _ in range(3):  # a write lease left half-ended would refuse the next one
+            async with m.acquire(h, "cuda:0", mode="write") as lease:
+                lease.tensor.add_(1)
+        await settle(m)
+        quiet(m)
+
+
+async def test_discarded_values_leave_the_state() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        keep = m.register(tensor(), name="keep")
+        baseline = len(m.snapshot().values)
+        for i in range(2000):
+            h = m.register(torch.zeros(8), name=f"v{i}")
+            await m.discard(h)
+        snap = m.snapshot()
+        assert len(snap.values) == baseline
+        assert keep in snap.values
+        assert len(m.state.changed_values) == 0
+
+
+async def test_resetting_the_peak_of_a_location_the_manager_lacks_changes_nothing() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises(ValueError, match="cuda:99"):
+            m.reset_peak_bytes("cuda:99")
+        assert m.snapshot() == before
+        assert "cuda:99" not in {str(loc) for loc in m.snapshot().locations}
+
+
+# ---------------------------------------------------------------- evidence and errors
+
+
+async def test_an_exit_phase_failure_reports_its_own_transitions() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(), name="a", replica_mode=ReplicaMode.REPLICABLE)
+        b = m.register(tensor(seed=1), name="b")
+        plan = ResidencyPlan(
+            enter=[Materialize(a, "cuda:0"), Move(b, "cuda:0")],
+            exit=[Move(b, "pinned-host"), Release(a, "cuda:0")],
+        )
+        scope = m.scope(plan)
+        with pytest.raises(ResidencyPlanExecutionError) as info:
+            async with scope:
+                hold = m.hold(a, "cuda:0")  # makes the exit's Release fail after b moved
+        error = info.value
+        assert error.phase == "exit"
+        kinds = [t.kind for t in error.partial_report.transitions]
+        # The exit's own move is in the report (it committed and stays in effect).
+        assert kinds[-2:] == ["move_begin", "move_commit"]
+        assert [str(x) for x in m.snapshot().value(b).locations] == ["pinned-host"]
+        hold.release()
+
+
+async def test_bad_calls_get_designed_errors_and_change_nothing() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        snap = m.snapshot()
+        with pytest.raises(TypeError, match="ResidencyPlan"):
+            m.explain("x")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="ResidencyController needs a ResidencyManager"):
+            ResidencyController(object())  # type: ignore[arg-type]
+        with pytest.raises(ResidencyUnavailableError, match="no record"):
+            snap.location("cuda:5")
+        with pytest.raises(ValueError, match="missing"):
+            ResidencySnapshot.from_dict({})
+        with pytest.raises(TypeError, match="enter phase must be an iterable"):
+            ResidencyPlan(enter=None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="requirements must be an iterable"):
+            ResidencyRequest("r", requirements=None)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="cuda:99"):
+            ResidencyController(m).decide(
+                ResidencyRequest("r", [ResidencyRequirement(h, "cuda:99")])
+            )
+        with pytest.raises(ValueError, match="cuda:99"):
+            m.explain(ResidencyPlan(enter=[Move(h, "cuda:99")]))
+        assert m.snapshot() == snap
+    with pytest.raises(TypeError, match="budgets must be a mapping"):
+        ResidencyManager(budgets="cuda:0")  # type: ignore[arg-type]
+
+
+async def test_a_source_that_returns_the_wrong_tensor_fails_the_load_and_leaks_nothing() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        source = CallableSource(lambda: torch.zeros(8), shape=(16,), dtype=torch.float32)
+        h = m.register_source(source, name="s")
+        with pytest.raises(ValueError, match="declared"):
+            await m.materialize(h, "cuda:0")
+        assert m.snapshot().value(h).locations == ()
+        quiet(m)
