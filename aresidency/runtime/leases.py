@@ -250,13 +250,17 @@ class Lease:
         if payload is not None and payload.failure is None and transfer is not None:
             payload.failure = transfer.outcome()
         if payload is not None and payload.failure is not None:
-            raise ResidencyUnavailableError(
+            failed = ResidencyUnavailableError(
                 self.handle,
                 self.location,
                 "the transfer that was bringing it when the lease was entered failed, so what "
                 f"the lease read was not the value: {payload.failure}",
-            ) from payload.failure
-        if error is not None:
+            )
+            if exc is not None:  # the body's own exception stays primary; it says so too
+                exc.add_note(str(failed))
+                return
+            raise failed from payload.failure
+        if error is not None and exc is None:
             raise error
 
     def __repr__(self) -> str:
