@@ -17,14 +17,15 @@ with every budget lifted, so ``predicted_peak_bytes`` says what it *would* reach
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from .errors import ResidencyBudgetError, ResidencyError, ResidencyInUseError
 from .locations import Location
 from .plans import (
     ActionFailed,
+    Checkpoint,
     PhaseRequest,
     ResidencyPlan,
     SettleRequest,
@@ -32,15 +33,20 @@ from .plans import (
 )
 from .state import ResidencyState
 from .trace import Transition
-from .values import CopyTicket, DuplicateReservationError, ValueHandle
+from .values import DuplicateReservationError, ValueHandle
 
 __all__ = [
     "PeakLedger",
     "PlanExplanation",
+    "Steps",
+    "drain",
     "explain_plan",
+    "explain_plan_steps",
     "plan_fits",
+    "plan_fits_steps",
     "plan_phases",
     "simulate_requests",
+    "simulate_requests_steps",
 ]
 
 
@@ -174,21 +180,43 @@ def _complete_reads_elsewhere(
     state: ResidencyState,
     handle: ValueHandle,
     location: Location,
-    ours: Sequence[CopyTicket],
+    mine: Collection[int],
 ) -> None:
-    """On a quiet manager, the copies in flight elsewhere that read the materialization
-    complete (the runtime waits for them before freeing it)."""
-    mine = {t.ticket_id for t in ours}
+    """On a quiet manager, the copies in flight elsewhere (not in ``mine``, ticket ids) that
+    read the materialization complete (the runtime waits for them before freeing it)."""
     for ticket in state.reads_of(handle, location):
         if ticket.ticket_id not in mine and not ticket.move:
             state.commit_copy(ticket)
 
 
-def simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, None]) -> None:
-    """Drive a phase as if every transfer succeeds and every pending event completes."""
+T = TypeVar("T")
+
+#: A computation that pauses (yields ``None``) at the phase runner's checkpoints and returns
+#: its result: the async side drives it a slice at a time, a sync caller with :func:`drain`.
+Steps: TypeAlias = Generator[None, None, T]
+
+
+def drain(steps: Steps[T]) -> T:
+    """Run ``steps`` to the end at once and return its result."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def simulate_requests_steps(
+    state: ResidencyState, gen: Generator[PhaseRequest, Any, None]
+) -> Steps[None]:
+    """Drive a phase as if every transfer succeeds and every pending event completes,
+    pausing at its checkpoints."""
     try:
         request = next(gen)
         while True:
+            if isinstance(request, Checkpoint):
+                yield None
+                request = gen.send(None)
+                continue
             if isinstance(request, SettleRequest):
                 _complete_reads_elsewhere(state, request.handle, request.location, ())
                 mat = state.materialization(request.handle, request.location)
@@ -199,10 +227,11 @@ def simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, N
                     state.reap_events(request.handle, request.location, consumers)
                 request = gen.send(None)
                 continue
+            mine = {t.ticket_id for t in request.tickets}
             for ticket in request.tickets:
                 value = state.value(ticket.handle)
                 if ticket.source is not None and ticket.move:
-                    _complete_reads_elsewhere(state, ticket.handle, ticket.source, request.tickets)
+                    _complete_reads_elsewhere(state, ticket.handle, ticket.source, mine)
                     src = value.materializations[ticket.source]
                     # consumer events only: the request's own copies commit before the move
                     extra = src.pending_event_count - len(
@@ -213,6 +242,11 @@ def simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, N
             request = gen.send({})
     except StopIteration:
         return
+
+
+def simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, None]) -> None:
+    """:func:`simulate_requests_steps` run at once."""
+    drain(simulate_requests_steps(state, gen))
 
 
 def plan_phases(plan: ResidencyPlan) -> list[tuple[str, Sequence[Any]]]:
@@ -231,7 +265,7 @@ _Failure: TypeAlias = tuple[str, int | None, BaseException]
 
 def _simulate_plan(
     sim: ResidencyState, plan: ResidencyPlan, watcher: _PeakWatcher | None = None
-) -> _Failure | None:
+) -> Steps[_Failure | None]:
     """Run ``plan`` on ``sim`` (a copy) as execution would; return the first failure."""
     for phase, items in plan_phases(plan):
         if phase == "reserve":
@@ -252,7 +286,7 @@ def _simulate_plan(
         if watcher is not None:
             watcher.where = phase
         try:
-            simulate_requests(sim, run_phase(sim, phase, items))
+            yield from simulate_requests_steps(sim, run_phase(sim, phase, items))
         except ActionFailed as failed:
             return (phase, failed.index, failed.cause)
         except (ResidencyError, ValueError) as error:
@@ -260,35 +294,37 @@ def _simulate_plan(
     return None
 
 
+def plan_fits_steps(state: ResidencyState, plan: ResidencyPlan) -> Steps[bool]:
+    """:func:`plan_fits`, pausing at checkpoints (the async side runs it in slices)."""
+    sim = yield from state.clone_steps(plan.handles())
+    failure = yield from _simulate_plan(sim, plan)
+    return failure is None
+
+
 def plan_fits(state: ResidencyState, plan: ResidencyPlan) -> bool:
     """``explain_plan(state, plan).feasible``, without building the evidence (admission's fast
     path: the simulation only, on a copy of the plan's own values)."""
-    return _simulate_plan(state.clone(plan.handles()), plan) is None
+    return drain(plan_fits_steps(state, plan))
 
 
-def explain_plan(
+def explain_plan_steps(
     state: ResidencyState, plan: ResidencyPlan, *, scoped: Iterable[ValueHandle] = ()
-) -> PlanExplanation:
-    """Simulate ``plan`` on a copy of ``state``; the real state is not touched.
-
-    The simulation runs the same transitions as execution (see :func:`run_phase`), assuming every
-    transfer succeeds and every pending consumer event completes. Its peaks are therefore the
-    peaks execution charges on a quiet manager. ``scoped`` names the values of entered scopes
-    (their exit may move them): waiting for them counts as transient."""
+) -> Steps[PlanExplanation]:
+    """:func:`explain_plan`, pausing at checkpoints (the async side runs it in slices)."""
     if not isinstance(plan, ResidencyPlan):
         raise TypeError(f"explain takes a ResidencyPlan, got {plan!r}")
-    sim = state.clone(plan.handles())
+    sim = yield from state.clone_steps(plan.handles())
     sim.reset_peaks()
     watcher = _PeakWatcher(sim, plan)
     sim.observers.append(watcher.observe)
-    failure = _simulate_plan(sim, plan, watcher)
+    failure = yield from _simulate_plan(sim, plan, watcher)
     peaks, ledgers = watcher.result()
     if failure is None:
         return PlanExplanation(True, "feasible", peaks, ledgers, reached_peak_bytes=peaks)
     reached = dict(peaks)
     phase, index, error = failure
     where = f"{phase} #{index}" if index is not None else phase
-    transient = _is_transient(state, plan, error, scoped)
+    transient = yield from _is_transient(state, plan, error, scoped)
     if isinstance(error, ResidencyBudgetError):
         # Explain in full: what the plan would reach if the budgets allowed it.
         unlimited = state.clone(plan.handles())
@@ -297,7 +333,7 @@ def explain_plan(
         unlimited.reset_peaks()
         full = _PeakWatcher(unlimited, plan)
         unlimited.observers.append(full.observe)
-        if _simulate_plan(unlimited, plan, full) is None:
+        if (yield from _simulate_plan(unlimited, plan, full)) is None:
             peaks, ledgers = full.result()
             for location, ledger in ledgers.items():
                 live = state.find_ledger(location)  # never add a location to the live state
@@ -317,6 +353,19 @@ def explain_plan(
     )
 
 
+def explain_plan(
+    state: ResidencyState, plan: ResidencyPlan, *, scoped: Iterable[ValueHandle] = ()
+) -> PlanExplanation:
+    """Simulate ``plan`` on a copy of ``state``; the real state is not touched.
+
+    The simulation runs the same transitions as execution (see :func:`run_phase`), assuming every
+    transfer succeeds and every pending consumer event completes. Its peaks are therefore the
+    peaks execution charges on a quiet manager. ``scoped`` names the values of entered scopes
+    (their exit may move them): waiting for them counts as transient. O(plan), blocking the
+    caller for all of it (the runtime's admission runs :func:`explain_plan_steps` in slices)."""
+    return drain(explain_plan_steps(state, plan, scoped=scoped))
+
+
 def _with_budget(ledger: PeakLedger, budget: int | None) -> PeakLedger:
     from dataclasses import replace
 
@@ -328,7 +377,7 @@ def _is_transient(
     plan: ResidencyPlan,
     error: BaseException,
     scoped: Iterable[ValueHandle] = (),
-) -> bool:
+) -> Steps[bool]:
     """Would the plan fit once everything transient ended (leases, holds, pending events,
     transfers in flight, the reservations of scopes and blocks)? Resident values that nobody
     protects stay: nothing moves them on its own (see ``ResidencyState.settled``)."""
@@ -336,4 +385,4 @@ def _is_transient(
         error, (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError)
     ):
         return False
-    return _simulate_plan(state.settled(plan.handles(), scoped), plan) is None
+    return (yield from _simulate_plan(state.settled(plan.handles(), scoped), plan)) is None

@@ -41,7 +41,9 @@ from .values import (
 
 __all__ = [
     "Action",
+    "CHECKPOINT_EVERY",
     "ActionFailed",
+    "Checkpoint",
     "Materialize",
     "MemoryReservation",
     "Move",
@@ -239,7 +241,21 @@ class SettleRequest:
     action_index: int
 
 
-PhaseRequest: TypeAlias = TransferRequest | SettleRequest
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A long phase pauses here so that the driver can let other work run (a real driver
+    continues on a later turn of its event loop; a simulation at once). ``stage`` is
+    ``"begin"`` (between actions being begun: nothing was issued, so a cancellation thrown in
+    here aborts what was begun) or ``"commit"`` (between commits: answer it, never throw)."""
+
+    stage: str
+
+
+#: Actions begun (or committed) between two checkpoints: a phase's synchronous work stays
+#: well under a millisecond at a time, whatever its length.
+CHECKPOINT_EVERY = 16
+
+PhaseRequest: TypeAlias = TransferRequest | SettleRequest | Checkpoint
 
 
 class ActionFailed(Exception):
@@ -392,6 +408,13 @@ def run_phase(
             tickets.append((index, ticket))
             if ticket.source is not None:
                 reading.add((ticket.handle, ticket.source))
+        if index % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1 and index + 1 < len(actions):
+            try:
+                yield Checkpoint("begin")
+            except BaseException:
+                for _, begun in tickets:  # nothing was issued yet: aborting loses nothing
+                    state.abort_copy(begun)
+                raise
     failure = yield from _carry_out(state, tickets, failure)
     if failure is not None:
         raise failure
@@ -412,7 +435,7 @@ def _carry_out(
             state.abort_copy(ticket)
         raise
     transfer_failure: ActionFailed | None = None
-    for index, ticket in tickets:
+    for position, (index, ticket) in enumerate(tickets):
         error = errors.get(ticket.ticket_id)
         if error is None:
             state.commit_copy(ticket)
@@ -420,6 +443,8 @@ def _carry_out(
             state.abort_copy(ticket)
             if transfer_failure is None:
                 transfer_failure = ActionFailed(index, None, error)
+        if position % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1 and position + 1 < len(tickets):
+            yield Checkpoint("commit")
     if failure is None and transfer_failure is not None:
         return transfer_failure
     return failure

@@ -24,10 +24,9 @@ guards them all. The records it holds live in :mod:`~aresidency.core.values`.
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 from .errors import (
@@ -90,6 +89,7 @@ class ResidencyState:
         self.origin_recorders: dict[object, list[Transition]] = {}
         # Snapshots: the values changed since the last one, and the persistent map of value
         # records it left (see core.snapshot.take_snapshot: O(changes), not O(values)).
+        # Nothing is tracked before the first snapshot; at most O(values) after it.
         self.changed_values: set[ValueHandle] = set()
         self.snapshot_values: Any = None
         parsed: list[tuple[Location, int | None]] = []
@@ -182,7 +182,8 @@ class ResidencyState:
         self.state_version += 1
         self._seq += 1
         if handle is not None:
-            self.changed_values.add(handle)
+            if self.snapshot_values is not None:
+                self._note_changed(handle)
             value = self._values.get(handle)
             if value is not None:
                 value.last_used_version = self.state_version
@@ -198,6 +199,15 @@ class ResidencyState:
                 own.append(transition)
         for observer in self.observers:
             observer(transition)
+
+    def _note_changed(self, handle: ValueHandle) -> None:
+        """Remember a change for the next snapshot; bounded: past as many changes as values
+        (plus slack), the next snapshot rebuilds whole instead (it costs the same then)."""
+        changed = self.changed_values
+        changed.add(handle)
+        if len(changed) > len(self._values) + 1024:
+            changed.clear()
+            self.snapshot_values = None
 
     def subscribe(self, observer: Any) -> Any:
         """Call ``observer(transition)`` after every committed transition (synchronously, in
@@ -701,27 +711,40 @@ class ResidencyState:
         With ``handles``, only those values are copied (the ledgers are copied whole): enough to
         simulate a plan that touches only them, in time independent of the number of values.
         Such a partial copy does not satisfy ``check_invariants``."""
+        steps = self.clone_steps(handles)
+        try:
+            while True:
+                next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    def clone_steps(
+        self, handles: Iterable[ValueHandle] | None = None, every: int = 256
+    ) -> Generator[None, None, ResidencyState]:
+        """:meth:`clone`, pausing (yielding ``None``) every ``every`` values, so that a caller
+        on an event loop can copy tens of thousands of values in slices (it must start again
+        if this state changed in between: the copy would not be of one state)."""
         other = ResidencyState.__new__(ResidencyState)
         other.manager_id = self.manager_id
         other.state_version = self.state_version
         other.granularity = self.granularity
         other._locations = {loc: entry.copy() for loc, entry in self._locations.items()}
         if handles is None:
-            selected: Iterable[Value] = self._values.values()
+            selected: list[Value] = list(self._values.values())
         else:
             selected = [self._values[h] for h in dict.fromkeys(handles) if h in self._values]
         other._values = {}
         other._reads = {}
         reads = self._reads
-        for value in selected:
-            twin_value = copy.copy(value)
-            twin_value.materializations = {}
-            for loc, mat in value.materializations.items():
-                twin_value.materializations[loc] = copy.copy(mat)
-                open_reads = reads.get((value.handle, loc))
-                if open_reads:
-                    other._reads[(value.handle, loc)] = list(open_reads)
-            other._values[value.handle] = twin_value
+        for count, value in enumerate(selected, 1):
+            other._values[value.handle] = value.copy()
+            if reads:
+                for loc in value.materializations:
+                    open_reads = reads.get((value.handle, loc))
+                    if open_reads:
+                        other._reads[(value.handle, loc)] = list(open_reads)
+            if count % every == 0 and count < len(selected):
+                yield None
         other._tickets = dict(self._tickets)
         other._next_id = self._next_id
         other._seq = self._seq

@@ -132,6 +132,17 @@ class Materialization:
     def protected(self) -> bool:
         return bool(self.use_count or self.hold_count or self.pending_event_count)
 
+    def copy(self) -> Materialization:
+        twin = Materialization.__new__(Materialization)
+        twin.location = self.location
+        twin.charged_bytes = self.charged_bytes
+        twin.state = self.state
+        twin.use_count = self.use_count
+        twin.write_count = self.write_count
+        twin.hold_count = self.hold_count
+        twin.pending_event_count = self.pending_event_count
+        return twin
+
 
 class Value:
     __slots__ = (
@@ -161,6 +172,19 @@ class Value:
         self.discarded = False
         self.materializations: dict[Location, Materialization] = {}
         self.last_used_version = 0
+
+    def copy(self) -> Value:
+        """A copy sharing nothing mutable (the simulations of ``explain`` work on these)."""
+        twin = Value.__new__(Value)
+        twin.handle = self.handle
+        twin.replica_mode = self.replica_mode
+        twin.charge_bytes = self.charge_bytes
+        twin.has_source = self.has_source
+        twin.source_location = self.source_location
+        twin.discarded = self.discarded
+        twin.last_used_version = self.last_used_version
+        twin.materializations = {loc: m.copy() for loc, m in self.materializations.items()}
+        return twin
 
     def holders(self) -> list[Materialization]:
         """Materializations that hold the value's data now (resident or moving out)."""

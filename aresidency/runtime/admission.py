@@ -18,13 +18,20 @@ plan, a plan for another device) does not queue either.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from ..core.errors import ResidencyBudgetError, ResidencyPlanError, ResidencyStaleStateError
-from ..core.explain import PlanExplanation, explain_plan, plan_fits
+from ..core.explain import (
+    PlanExplanation,
+    Steps,
+    drain,
+    explain_plan_steps,
+    plan_fits_steps,
+)
 from ..core.locations import Location
 from ..core.plans import Release, ResidencyPlan
 from .signal import ManagerClosedError
@@ -33,6 +40,11 @@ if TYPE_CHECKING:
     from .context import Runtime
 
 __all__ = ["AdmissionQueue"]
+
+T = TypeVar("T")
+
+#: Sliced simulations restarted because the state moved, before one runs in one go.
+MAX_RESTARTS = 8
 
 
 class _Waiter:
@@ -116,10 +128,12 @@ class AdmissionQueue:
         # plan, a plan for another device): it does not wait behind them.
         queued = self.must_queue(charged)
         waiter = _Waiter(plan, charged)
-        if not queued and plan_fits(state, plan):
+        if not queued and await self._sliced(lambda: plan_fits_steps(state, plan)):
             self._queue.append(waiter)
             return waiter
-        explanation = explain_plan(state, plan, scoped=self._rt.scoped)
+        explanation = await self._sliced(
+            lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped)
+        )
         if explanation.feasible and not queued:
             self._queue.append(waiter)
             return waiter
@@ -131,9 +145,11 @@ class AdmissionQueue:
             while True:
                 if self._queue[0] is waiter:
                     self._check_stale(expected_version)
-                    if plan_fits(state, plan):
+                    if await self._sliced(lambda: plan_fits_steps(state, plan)):
                         return waiter
-                    explanation = explain_plan(state, plan, scoped=self._rt.scoped)
+                    explanation = await self._sliced(
+                        lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped)
+                    )
                     if not explanation.feasible and not explanation.transient:
                         raise ResidencyPlanError(explanation.reason) from (
                             explanation.blocking_error
@@ -157,7 +173,7 @@ class AdmissionQueue:
     ) -> str:
         ahead = list(self._queue).index(waiter)
         plan = waiter.plan
-        fits = plan is not None and plan_fits(self._rt.state, plan)
+        fits = plan is not None and drain(plan_fits_steps(self._rt.state, plan))
         if explanation.feasible or fits:
             why = f"it fits now, but {ahead} earlier waiter(s) come first (FIFO)"
         else:
@@ -177,6 +193,27 @@ class AdmissionQueue:
             if value is not None and value.has_source and value.source_location is not None:
                 out.add(value.source_location)
         return frozenset(out)
+
+    async def _sliced(self, make: Callable[[], Steps[T]]) -> T:
+        """Run a simulation in slices (a checkpoint every few actions), so that a plan of
+        thousands of actions never holds the loop for long. A slice that finds the state
+        changed starts again from the new state; after ``MAX_RESTARTS`` it runs in one go (a
+        manager changing faster than a slice would otherwise starve it)."""
+        state = self._rt.state
+        for _ in range(MAX_RESTARTS):
+            version = state.state_version
+            steps = make()
+            try:
+                while True:
+                    next(steps)
+                    await anyio.lowlevel.checkpoint()
+                    if state.state_version != version:
+                        break
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            finally:
+                steps.close()
+        return drain(make())
 
     def _check_stale(self, expected: int | None) -> None:
         actual = self._rt.state.state_version

@@ -27,6 +27,7 @@ left incoming, charged or protected by a cancelled operation.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,13 @@ import torch
 
 from ..backends.base import Transfer, TransferCancelledError
 from ..core.locations import Location
-from ..core.plans import Action, SettleRequest, TransferRequest, run_phase
+from ..core.plans import (
+    Action,
+    Checkpoint,
+    SettleRequest,
+    TransferRequest,
+    run_phase,
+)
 from ..core.trace import Transition
 from ..core.values import CopyTicket
 from .payloads import Payload
@@ -51,6 +58,9 @@ class PhaseCancelledError(Exception):
 
 
 _START = object()
+
+#: Host time a run spends issuing copies before it lets the loop run other work.
+ISSUE_SLICE_S = 0.0005
 
 
 class PhaseRun:
@@ -71,10 +81,12 @@ class PhaseRun:
         self.phase = phase
         self.actions = actions
         self._gen = run_phase(runtime.state, phase, actions)
-        self._request: SettleRequest | TransferRequest | None = None
+        self._request: SettleRequest | TransferRequest | Checkpoint | None = None
         self._open: dict[int, CopyTicket] = {}
         self._transfers: dict[int, Transfer] = {}
         self._errors: dict[int, BaseException | None] = {}
+        self._blocking: set[int] = set()  # completed tickets that may not commit yet
+        self._reads: dict[tuple[Any, Any], int] = {}
         self._unlisten: Callable[[], None] | None = None
         self._done: anyio.Event | None = None
         self._callbacks: list[Callable[[PhaseRun], None]] = []
@@ -109,7 +121,7 @@ class PhaseRun:
         state = self._rt.state
         while True:
             previous, state.origin = state.origin, self
-            request: SettleRequest | TransferRequest | None = None
+            request: SettleRequest | TransferRequest | Checkpoint | None = None
             outcome: BaseException | None = None
             ended = False
             try:
@@ -131,6 +143,10 @@ class PhaseRun:
                 return
             throw = None
             self._request = request
+            if isinstance(request, Checkpoint):
+                # A long phase: continue on a later turn of the loop, so other work runs.
+                self._rt.bridge.call_soon(self._resume)
+                return
             if isinstance(request, SettleRequest):
                 if not self._settled(request):
                     self._listen(self._poll_settle)
@@ -138,13 +154,13 @@ class PhaseRun:
                 response = None
                 continue
             assert isinstance(request, TransferRequest)
-            self._issue(request)
-            if self._open or not self._ready_to_commit(request):
-                if not self._open:
-                    self._listen(self._poll_commit)
-                return
-            self._unlisten_now()
-            response = dict(self._errors)
+            self._issue(request)  # completions (even immediate failures) come back later
+            return
+
+    def _resume(self) -> None:
+        """The loop came back to a run paused at a checkpoint."""
+        if not self.finished and isinstance(self._request, Checkpoint):
+            self._advance(None)
 
     def _settled(self, request: SettleRequest) -> bool:
         value = self._rt.state.find_value(request.handle)
@@ -158,22 +174,52 @@ class PhaseRun:
             self._advance(None)
 
     def _issue(self, request: TransferRequest) -> None:
-        """Start every transfer of ``request``: copies now, loads in the task group."""
+        """Start the transfers of ``request``: every ticket is open from now on; copies are
+        enqueued ``CHECKPOINT_EVERY`` at a time, each batch on its own turn of the loop (a
+        phase of thousands of copies never holds the loop for long); loads go to a worker
+        thread."""
         self._errors = {}
-        rt = self._rt
+        self._blocking = set()
+        self._reads = {}  # this request's copies per source: a move waits for no more reads
         for ticket in request.tickets:
+            self._open[ticket.ticket_id] = ticket
+            key = (ticket.handle, ticket.source)
+            self._reads[key] = self._reads.get(key, 0) + 1
+        self._issue_from(request, 0)
+
+    def _issue_from(self, request: TransferRequest, start: int) -> None:
+        rt = self._rt
+        tickets = request.tickets
+        # Issue for at most ISSUE_SLICE_S of host time per turn of the loop (a CUDA copy is
+        # enqueued in tens of microseconds; the simulation's take longer).
+        until = time.perf_counter() + ISSUE_SLICE_S
+        stop = start
+        for ticket in tickets[start:]:
+            if stop > start and time.perf_counter() > until:
+                break
+            stop += 1
+            if self.finished:
+                return
             if ticket.source is None:
-                self._open[ticket.ticket_id] = ticket
                 rt.begin_work()
                 self._load(ticket)
+                continue
+            if self.cancel_requested:
+                self._complete(
+                    ticket,
+                    TransferCancelledError(
+                        f"the copy of {ticket.handle} was cancelled before it began"
+                    ),
+                )
                 continue
             try:
                 transfer = self._copy(ticket)
             except BaseException as error:  # allocation failure: raised by copy itself
-                self._errors[ticket.ticket_id] = error
+                self._complete(ticket, error)
                 continue
-            self._open[ticket.ticket_id] = ticket
             rt.reaper.watch(transfer, functools.partial(self._transfer_done, ticket))
+        if stop < len(tickets):
+            rt.bridge.call_soon(self._issue_from, request, stop)
 
     def _copy(self, ticket: CopyTicket) -> Transfer:
         """Enqueue the copy of a begun ticket and record the destination's payload."""
@@ -196,52 +242,48 @@ class PhaseRun:
         self._complete(ticket, error)
 
     def _complete(self, ticket: CopyTicket, error: BaseException | None) -> None:
+        """One transfer of the current request completed (O(1): the checks for the commit
+        are made per ticket as they complete, not over the whole request at the end)."""
         self._errors[ticket.ticket_id] = error
         self._open.pop(ticket.ticket_id, None)
-        if error is not None:
-            payload = self._rt.payloads.get(ticket.handle, ticket.destination)
-            if payload is not None:
+        payload = self._rt.payloads.get(ticket.handle, ticket.destination)
+        if payload is not None:
+            if error is not None:
                 payload.failure = error  # leases entered on the incoming copy report it
+            else:
+                payload.transfer = None  # its data is there (committed with the request)
+        if not self._may_commit(ticket):
+            self._blocking.add(ticket.ticket_id)
         if not self._open:
             self._poll_commit()
 
-    def _ready_to_commit(self, request: TransferRequest) -> bool:
-        """Every transfer completed; may the generator commit (and abort) them now? A failed
-        copy's destination must be unused, unheld and unread (it is freed at the abort); a
-        move's source must have no consumer events left but the copies of this request."""
-        state = self._rt.state
-        for ticket in request.tickets:
-            value = state.find_value(ticket.handle)
-            if value is None:
-                continue
-            if self._errors.get(ticket.ticket_id) is not None:
-                mat = value.materializations.get(ticket.destination)
-                if mat is not None and mat.protected:
-                    return False
-            elif ticket.move and ticket.source is not None:
-                ours = sum(
-                    1
-                    for other in request.tickets
-                    if other.handle == ticket.handle and other.source == ticket.source
-                )
-                src = value.materializations.get(ticket.source)
-                if src is not None and src.pending_event_count > ours:
-                    return False
+    def _may_commit(self, ticket: CopyTicket) -> bool:
+        """May the generator commit (or abort) this completed transfer now? A failed copy's
+        destination must be unused, unheld and unread (it is freed at the abort); a move's
+        source must have no consumer events left but the copies of this request."""
+        value = self._rt.state.find_value(ticket.handle)
+        if value is None:
+            return True
+        if self._errors.get(ticket.ticket_id) is not None:
+            mat = value.materializations.get(ticket.destination)
+            return mat is None or not mat.protected
+        if ticket.move and ticket.source is not None:
+            src = value.materializations.get(ticket.source)
+            ours = self._reads.get((ticket.handle, ticket.source), 0)
+            return src is None or src.pending_event_count <= ours
         return True
 
     def _poll_commit(self) -> None:
         request = self._request
         if self.finished or self._open or not isinstance(request, TransferRequest):
             return
-        if not self._ready_to_commit(request):
-            self._listen(self._poll_commit)
-            return
+        if self._blocking:
+            tickets = {t.ticket_id: t for t in request.tickets if t.ticket_id in self._blocking}
+            self._blocking = {i for i, t in tickets.items() if not self._may_commit(t)}
+            if self._blocking:
+                self._listen(self._poll_commit)
+                return
         self._unlisten_now()
-        for ticket in request.tickets:
-            if self._errors.get(ticket.ticket_id) is None:
-                payload = self._rt.payloads.get(ticket.handle, ticket.destination)
-                if payload is not None:
-                    payload.transfer = None  # committed below: the data is there
         self._advance(dict(self._errors))
 
     def _listen(self, poll: Callable[[], None]) -> None:
@@ -322,8 +364,12 @@ class PhaseRun:
             return
         self.cancel_requested = True
         request = self._request
-        if isinstance(request, SettleRequest):
+        if isinstance(request, SettleRequest) or (
+            isinstance(request, Checkpoint) and request.stage == "begin"
+        ):
+            # Nothing issued yet: give up now (the generator aborts what it began).
             self._unlisten_now()
+            self._request = None  # a pending resume of the checkpoint does nothing
             self._advance(None, throw=PhaseCancelledError(f"{self.phase} was cancelled"))
             return
         state = self._rt.state

@@ -12,7 +12,13 @@ import pytest
 
 from aresidency.core import ResidencyPlan, ResidencyState, take_snapshot
 from aresidency.core.explain import plan_phases
-from aresidency.core.plans import ActionFailed, SettleRequest, TransferRequest, run_phase
+from aresidency.core.plans import (
+    ActionFailed,
+    Checkpoint,
+    SettleRequest,
+    TransferRequest,
+    run_phase,
+)
 
 CUDA0 = "cuda:0"
 CUDA1 = "cuda:1"
@@ -68,6 +74,9 @@ def drive(state: ResidencyState, gen: Generator[Any, Any, None]) -> None:
     try:
         request = next(gen)
         while True:
+            if isinstance(request, Checkpoint):  # a long phase pauses: go on at once
+                request = gen.send(None)
+                continue
             if isinstance(request, SettleRequest):
                 finish_copies_elsewhere(state, request.handle, request.location, ())
                 mat = state.materialization(request.handle, request.location)

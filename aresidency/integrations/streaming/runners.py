@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import torch
 from torch import nn
 
@@ -114,6 +115,9 @@ async def run_sequential(
                 await backend.wait(backend.record_event(stream))
     if errors:
         raise errors[0]
+    # A call cancelled while every block was ready (so it never awaited) still ends
+    # cancelled: its output is dropped, as for any cancelled call.
+    await anyio.lowlevel.checkpoint_if_cancelled()
     return box[0]
 
 
