@@ -57,6 +57,23 @@ class ValueHandle:
     manager_id: str
     value_id: int
     name: str = field(default="", compare=False)
+    # Handles key every table of the runtime: hash once, not on every lookup.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.manager_id, self.value_id)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ValueHandle):
+            return NotImplemented
+        return self.value_id == other.value_id and self.manager_id == other.manager_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt, not restored: a string's hash differs from one process to the next.
+        return (ValueHandle, (self.manager_id, self.value_id, self.name))
 
     def __str__(self) -> str:
         return f"value {self.name or '#' + str(self.value_id)} (#{self.value_id})"

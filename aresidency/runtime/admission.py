@@ -132,7 +132,7 @@ class AdmissionQueue:
             self._queue.append(waiter)
             return waiter
         explanation = await self._sliced(
-            lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped)
+            lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )
         if explanation.feasible and not queued:
             self._queue.append(waiter)
@@ -148,7 +148,7 @@ class AdmissionQueue:
                     if await self._sliced(lambda: plan_fits_steps(state, plan)):
                         return waiter
                     explanation = await self._sliced(
-                        lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped)
+                        lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
                     )
                     if not explanation.feasible and not explanation.transient:
                         raise ResidencyPlanError(explanation.reason) from (

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import anyio
@@ -61,7 +60,7 @@ class Runtime:
         self.reaper = Reaper(self)
         self.admission = AdmissionQueue(self)
         self.sources: dict[ValueHandle, Source] = {}
-        self.scoped: Counter[ValueHandle] = Counter()  # values of entered scopes
+        self.scopes: set[Any] = set()  # entered scopes (their values: see scoped_values)
         self.closing = False
         self._journal: list[Transition] = []
         state.recorders.append(self._journal)
@@ -72,6 +71,12 @@ class Runtime:
         )
         self._busy = 0
         self._idle: anyio.Event | None = None
+
+    def scoped_values(self) -> Iterator[ValueHandle]:
+        """The values of the entered scopes (their exit may move them): admission's transient
+        test reads them lazily, on its slow path only."""
+        for scope in self.scopes:
+            yield from scope.plan.handles()
 
     # -- the effects of state changes
 

@@ -17,7 +17,6 @@ cancellation, so the plan's exit actions are carried out even when the body was 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -165,7 +164,7 @@ class Scope:
                 error.partial_report = self.report  # with the reservation clean-up included
             raise
         self.status = "entered"
-        rt.scoped.update(plan.handles())
+        rt.scopes.add(self)
         return self
 
     async def __aexit__(
@@ -176,8 +175,7 @@ class Scope:
     ) -> None:
         if self.status != "entered":
             return
-        self._rt.scoped.subtract(self.plan.handles())
-        self._rt.scoped += Counter()  # drop the zero counts
+        self._rt.scopes.discard(self)
         try:
             self._unreserve_all()
             with anyio.CancelScope(shield=True):
