@@ -31,13 +31,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aresidency import Move, ResidencyManager, ResidencyPlan  # noqa: E402
+import anyio.lowlevel
+
+from aresidency import Move, ResidencyManager, ResidencyPlan
 
 
 async def ticker(gaps: list[float], stop: list[bool]) -> None:
     last = time.perf_counter()
     while not stop[0]:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         now = time.perf_counter()
         gaps.append(now - last)
         last = now

@@ -1,30 +1,44 @@
-"""Shared test set-up: every async test runs on asyncio and on asyncio+uvloop; GPU tests are
-marked ``cuda`` (one GPU) or ``cuda2`` (two GPUs) and skipped where the hardware is missing."""
+"""Shared test set-up: every async test runs on asyncio, on asyncio+uvloop and on trio (anyio's
+pytest plugin, through the parametrized ``anyio_backend`` fixture below); GPU tests are marked
+``cuda`` (one GPU) or ``cuda2`` (two GPUs) and skipped where the hardware is missing.
+
+An async test takes part by being marked ``pytest.mark.anyio`` (a module's ``pytestmark``).
+A test about asyncio itself would narrow the loops with its own
+``@pytest.mark.parametrize("anyio_backend", [...])`` (the asyncio entries below) and say why;
+none needs to today."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import torch
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is in the test extra
+except ImportError:  # pragma: no cover - uvloop is in the test extra (not on Windows)
     uvloop = None
 
+try:
+    import trio
+except ImportError:  # pragma: no cover - trio is in the test extra
+    trio = None
 
-def pytest_asyncio_loop_factories(
-    config: pytest.Config, item: pytest.Item
-) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """pytest-asyncio runs each async test once per loop implementation."""
-    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-        "asyncio": asyncio.new_event_loop
-    }
-    if uvloop is not None:
-        factories["uvloop"] = uvloop.new_event_loop
-    return factories
+# (backend name, options) as anyio's plugin takes them, one pytest.param per event loop.
+ASYNCIO_BACKENDS = [pytest.param(("asyncio", {}), id="asyncio")]
+if uvloop is not None:
+    ASYNCIO_BACKENDS.append(
+        pytest.param(("asyncio", {"loop_factory": uvloop.new_event_loop}), id="uvloop")
+    )
+BACKENDS = list(ASYNCIO_BACKENDS)
+if trio is not None:
+    BACKENDS.append(pytest.param(("trio", {}), id="trio"))
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """The event loop an async test (and its async fixtures) runs on: each test once per loop."""
+    return request.param  # type: ignore[no-any-return]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

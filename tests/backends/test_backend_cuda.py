@@ -4,13 +4,12 @@ leak-checks device memory."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import itertools
 import time
 
+import anyio
 import pytest
-import pytest_asyncio
 import torch
 
 from aresidency.backends import (
@@ -23,7 +22,7 @@ from aresidency.backends import (
 from aresidency.backends.memory import as_bytes
 from aresidency.core.locations import Location
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
 
 CHUNK = 1 << 20  # small staging chunks: sizes below cross several chunks
 HOST_AND_DEVICE = ["pageable-host", "pinned-host", "cuda:0"]
@@ -49,7 +48,7 @@ def _allocated() -> list[int]:
     return [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
 
 
-@pytest_asyncio.fixture
+@pytest.fixture
 async def backend():
     gc.collect()
     torch.cuda.synchronize()
@@ -72,10 +71,9 @@ async def _until(predicate, timeout: float = 2.0) -> None:
     deadline = time.perf_counter() + timeout
     while not predicate():
         assert time.perf_counter() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.001)
+        await anyio.sleep(0.001)
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(HOST_AND_DEVICE, 2)))
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
 @pytest.mark.parametrize("numel", [1, 1000, CHUNK // 2 + 7, 3 * CHUNK // 2 + 123])
@@ -100,7 +98,6 @@ async def test_copies_in_every_direction_are_bit_exact(
     backend.free(placed, _loc(src))
 
 
-@pytest.mark.asyncio
 async def test_large_pageable_copies_go_through_the_staging_pool(backend: CudaBackend) -> None:
     data = _pattern(5 * CHUNK + 3, torch.uint8)
     up = backend.copy(data, _loc("pageable-host"), _loc("cuda:0"))
@@ -114,7 +111,6 @@ async def test_large_pageable_copies_go_through_the_staging_pool(backend: CudaBa
     assert backend.staging_nbytes() == 2 * 2 * CHUNK
 
 
-@pytest.mark.asyncio
 async def test_non_contiguous_sources_are_copied_by_value(backend: CudaBackend) -> None:
     base = _pattern(4 * CHUNK, torch.uint8).view(2048, -1)
     view = base.t()[3:]
@@ -131,7 +127,6 @@ async def test_non_contiguous_sources_are_copied_by_value(backend: CudaBackend) 
         backend.free(placed, _loc(src))
 
 
-@pytest.mark.asyncio
 async def test_pinned_destinations_are_exactly_sized_and_unpinned_on_free(
     backend: CudaBackend,
 ) -> None:
@@ -155,7 +150,6 @@ async def test_pinned_destinations_are_exactly_sized_and_unpinned_on_free(
         assert stats().get("allocated_bytes.current") == host_before
 
 
-@pytest.mark.asyncio
 async def test_pinned_cache_reuses_exactly_sized_memory() -> None:
     b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=2, pinned_cache_bytes=8 << 20)
     b.start()
@@ -177,7 +171,6 @@ async def test_pinned_cache_reuses_exactly_sized_memory() -> None:
         await b.aclose()
 
 
-@pytest.mark.asyncio
 async def test_copy_waits_for_the_source_devices_current_stream(backend: CudaBackend) -> None:
     for dst in ("pageable-host", "pinned-host", "cuda:0"):
         src = torch.zeros(2 * CHUNK + 1, dtype=torch.int32, device="cuda:0")
@@ -189,7 +182,6 @@ async def test_copy_waits_for_the_source_devices_current_stream(backend: CudaBac
         backend.free(transfer.tensor, _loc(dst))
 
 
-@pytest.mark.asyncio
 async def test_copy_waits_for_wait_events_and_consumers_wait_on_wait_issued(
     backend: CudaBackend,
 ) -> None:
@@ -217,7 +209,6 @@ async def test_copy_waits_for_wait_events_and_consumers_wait_on_wait_issued(
     src.record_stream(writer)
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
     strategy: str,
@@ -233,33 +224,36 @@ async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
         nonlocal ticks
         while not done:
             ticks += 1
-            await asyncio.sleep(0.002)
+            await anyio.sleep(0.002)
 
-    task = asyncio.ensure_future(ticker())
     try:
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(SLEEP_CYCLES)
-        event = b.record_event(stream)
-        assert not event.query()
-        await asyncio.wait_for(b.wait_event(event), 10.0)
-        assert event.query()
-        # An event recorded by the caller rather than the backend is awaited as well.
-        foreign = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(SLEEP_CYCLES // 4)
-        foreign.record(stream)
-        await asyncio.wait_for(b.wait_event(foreign), 10.0)
-        assert foreign.query()
-        assert b.waiter.strategy == strategy and b.waiter.degraded is None
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ticker)
+            try:
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                event = b.record_event(stream)
+                assert not event.query()
+                with anyio.fail_after(10.0):
+                    await b.wait_event(event)
+                assert event.query()
+                # An event recorded by the caller rather than the backend is awaited as well.
+                foreign = torch.cuda.Event()
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(SLEEP_CYCLES // 4)
+                foreign.record(stream)
+                with anyio.fail_after(10.0):
+                    await b.wait_event(foreign)
+                assert foreign.query()
+                assert b.waiter.strategy == strategy and b.waiter.degraded is None
+            finally:
+                done = True
     finally:
-        done = True
-        await task
         await b.aclose()
     assert ticks >= 10, "the loop kept running while the task waited"
 
 
-@pytest.mark.asyncio
 async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end() -> None:
     """Back-to-back waits of a few ms on one stream: after the first, the hybrid waiter
     predicts their end, polls there and enqueues no notification for the waits it catches."""
@@ -273,7 +267,8 @@ async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES // 50)
             event = b.record_event(stream)
-            await asyncio.wait_for(b.wait_event(event), 10.0)
+            with anyio.fail_after(10.0):
+                await b.wait_event(event)
             assert event.query()
         waiter = b.waiter
         assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter._durations)
@@ -282,7 +277,6 @@ async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
         await b.aclose()
 
 
-@pytest.mark.asyncio
 async def test_many_concurrent_waits_on_several_streams_all_resolve(backend: CudaBackend) -> None:
     streams = [torch.cuda.Stream() for _ in range(4)]
     events = []
@@ -292,11 +286,13 @@ async def test_many_concurrent_waits_on_several_streams_all_resolve(backend: Cud
                 torch.cuda._sleep(SLEEP_CYCLES // (50 * (i + 1)))
             events.append(backend.record_event(s))
     # Awaited in reverse record order: later events must not hide earlier ones.
-    await asyncio.wait_for(asyncio.gather(*(backend.wait_event(e) for e in reversed(events))), 10.0)
+    with anyio.fail_after(10.0):
+        async with anyio.create_task_group() as waits:
+            for e in reversed(events):
+                waits.start_soon(backend.wait_event, e)
     assert all(e.query() for e in events)
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("src", "dst", "numel"),
     [
@@ -327,7 +323,6 @@ async def test_injected_transfer_failure_poisons_the_destination_and_keeps_the_s
         backend.free(t, _loc(loc))
 
 
-@pytest.mark.asyncio
 async def test_injected_oom_is_raised_synchronously(backend: CudaBackend) -> None:
     src = torch.ones(100, device="cuda:0")
     backend.faults.oom_at_allocation = 1
@@ -338,7 +333,6 @@ async def test_injected_oom_is_raised_synchronously(backend: CudaBackend) -> Non
     backend.free(ok.tensor, _loc("pinned-host"))
 
 
-@pytest.mark.asyncio
 async def test_cancel_stops_a_staged_copy(backend: CudaBackend) -> None:
     data = torch.ones(64 * CHUNK, dtype=torch.uint8)
     transfer = backend.copy(data, _loc("pageable-host"), _loc("cuda:0"))
@@ -349,7 +343,6 @@ async def test_cancel_stops_a_staged_copy(backend: CudaBackend) -> None:
     assert event.query(), "enqueued chunks completed before wait returned"
 
 
-@pytest.mark.asyncio
 async def test_large_copies_do_not_block_the_loop() -> None:
     b = CudaBackend()  # default 32 MiB chunks
     b.start()
@@ -361,26 +354,30 @@ async def test_large_copies_do_not_block_the_loop() -> None:
     async def ticker() -> None:
         last = time.perf_counter()
         while not done:
-            await asyncio.sleep(0.001)
+            await anyio.sleep(0.001)
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
 
     gc.collect()
     gc.disable()  # a full collection would stall the loop by itself
-    task = asyncio.ensure_future(ticker())
     try:
-        await asyncio.sleep(0.01)
-        start = time.perf_counter()
-        up = b.copy(host, _loc("pageable-host"), _loc("cuda:0"))
-        issue_s = time.perf_counter() - start
-        await up.wait()
-        down = b.copy(up.tensor, _loc("cuda:0"), _loc("pageable-host"))
-        pinned = b.copy(up.tensor, _loc("cuda:0"), _loc("pinned-host"))
-        await asyncio.gather(down.wait(), pinned.wait())
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ticker)
+            try:
+                await anyio.sleep(0.01)  # the ticker has ticked a few times
+                start = time.perf_counter()
+                up = b.copy(host, _loc("pageable-host"), _loc("cuda:0"))
+                issue_s = time.perf_counter() - start
+                await up.wait()
+                down = b.copy(up.tensor, _loc("cuda:0"), _loc("pageable-host"))
+                pinned = b.copy(up.tensor, _loc("cuda:0"), _loc("pinned-host"))
+                async with anyio.create_task_group() as copies:
+                    copies.start_soon(down.wait)
+                    copies.start_soon(pinned.wait)
+            finally:
+                done = True
     finally:
-        done = True
-        await task
         gc.enable()
     try:
         assert bool((down.tensor == 1).all()) and bool((pinned.tensor == 1).all())
@@ -392,18 +389,18 @@ async def test_large_copies_do_not_block_the_loop() -> None:
     assert max(gaps) < 0.05, f"the loop stalled for {max(gaps) * 1e3:.1f} ms"
 
 
-@pytest.mark.asyncio
 async def test_both_directions_at_once_are_correct(backend: CudaBackend) -> None:
     up_data = _pattern(6 * CHUNK + 5, torch.uint8)
     dev = backend.place(_pattern(5 * CHUNK + 9, torch.uint8), _loc("cuda:0"))
     up = backend.copy(up_data, _loc("pageable-host"), _loc("cuda:0"))
     down = backend.copy(dev, _loc("cuda:0"), _loc("pageable-host"))
-    await asyncio.gather(up.wait(), down.wait())
+    async with anyio.create_task_group() as copies:
+        copies.start_soon(up.wait)
+        copies.start_soon(down.wait)
     assert _same_bits(up.tensor, up_data)
     assert _same_bits(down.tensor, dev)
 
 
-@pytest.mark.asyncio
 async def test_aclose_fails_pending_waits() -> None:
     b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=1)
     b.start()
@@ -411,11 +408,22 @@ async def test_aclose_fails_pending_waits() -> None:
     with torch.cuda.stream(stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     event = b.record_event(stream)
-    pending = asyncio.ensure_future(b.wait_event(event))
-    await asyncio.sleep(0.01)
-    await b.aclose()
-    with pytest.raises(RuntimeError, match="closed"):
-        await asyncio.wait_for(pending, 5.0)
+    waiting, finished = anyio.Event(), anyio.Event()
+
+    async def wait_for_the_event() -> None:
+        try:
+            waiting.set()  # the wait below is registered before this task first yields
+            with pytest.raises(RuntimeError, match="closed"):
+                await b.wait_event(event)
+        finally:
+            finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait_for_the_event)
+        await waiting.wait()
+        await b.aclose()
+        with anyio.fail_after(5.0):
+            await finished.wait()
     stream.synchronize()
 
 
@@ -431,7 +439,6 @@ def test_check_location_and_host_streams() -> None:
 
 
 @pytest.mark.cuda2
-@pytest.mark.asyncio
 async def test_peer_copies_are_bit_exact_and_ordered(backend: CudaBackend) -> None:
     for i, j in ((0, 1), (1, 0)):
         src = torch.zeros(3 * CHUNK + 1, dtype=torch.int32, device=f"cuda:{i}")

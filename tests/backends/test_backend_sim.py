@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import itertools
 import threading
 import time
 
+import anyio
 import pytest
-import pytest_asyncio
 import torch
 
 from aresidency.backends import (
@@ -21,6 +20,8 @@ from aresidency.backends import (
 )
 from aresidency.backends.memory import as_bytes
 from aresidency.core.locations import Location
+
+pytestmark = pytest.mark.anyio
 
 LOCATIONS = ["pageable-host", "pinned-host", "cuda:0", "cuda:1"]
 
@@ -40,7 +41,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(as_bytes(a.contiguous()), as_bytes(b.contiguous()))
 
 
-@pytest_asyncio.fixture
+@pytest.fixture
 async def sim():
     backend = SimBackend(num_devices=2, chunk_bytes=1000)
     backend.start()
@@ -71,7 +72,6 @@ def test_staging_nbytes_is_configurable_and_zero_by_default() -> None:
     assert SimBackend(staging_nbytes=64 << 20).staging_nbytes() == 64 << 20
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(LOCATIONS, 2)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 async def test_copies_in_every_direction_are_bit_exact(
@@ -89,7 +89,6 @@ async def test_copies_in_every_direction_are_bit_exact(
         assert sim.owned_location(transfer.tensor) == Location.parse(dst)
 
 
-@pytest.mark.asyncio
 async def test_non_contiguous_source_is_copied_by_value(sim: SimBackend) -> None:
     base = sim.place(_pattern(64, torch.float32).reshape(8, 8), Location.parse("cuda:0"))
     view = base.t()[2:6]
@@ -99,7 +98,6 @@ async def test_non_contiguous_source_is_copied_by_value(sim: SimBackend) -> None
     assert transfer.tensor.is_contiguous()
 
 
-@pytest.mark.asyncio
 async def test_destination_is_poisoned_until_the_copy_completes(sim: SimBackend) -> None:
     h2d = sim.device_streams(0).h2d
     h2d.sleep(0.1)
@@ -110,7 +108,6 @@ async def test_destination_is_poisoned_until_the_copy_completes(sim: SimBackend)
     assert torch.equal(transfer.tensor, src)
 
 
-@pytest.mark.asyncio
 async def test_copy_waits_for_the_source_device_compute_stream(sim: SimBackend) -> None:
     src = sim.allocate((256,), torch.int32, "cuda:0")
     compute = sim.device_streams(0).compute
@@ -121,7 +118,6 @@ async def test_copy_waits_for_the_source_device_compute_stream(sim: SimBackend) 
     assert bool((transfer.tensor == 7).all())
 
 
-@pytest.mark.asyncio
 async def test_copy_waits_for_wait_events(sim: SimBackend) -> None:
     src = sim.allocate((256,), torch.float32, "cuda:1")
     writer = sim.new_stream("cuda:1")
@@ -135,7 +131,6 @@ async def test_copy_waits_for_wait_events(sim: SimBackend) -> None:
     assert bool((transfer.tensor == 2.0).all())
 
 
-@pytest.mark.asyncio
 async def test_event_completes_only_when_its_stream_reaches_it(sim: SimBackend) -> None:
     stream = sim.current_stream(Location.parse("cuda:0"))
     assert isinstance(stream, SimStream)
@@ -148,7 +143,6 @@ async def test_event_completes_only_when_its_stream_reaches_it(sim: SimBackend) 
     assert time.perf_counter() - start >= 0.09
 
 
-@pytest.mark.asyncio
 async def test_waiting_for_an_event_does_not_block_the_loop(sim: SimBackend) -> None:
     stream = sim.device_streams(1).compute
     stream.sleep(0.2)
@@ -160,16 +154,15 @@ async def test_waiting_for_an_event_does_not_block_the_loop(sim: SimBackend) -> 
         nonlocal ticks
         while not done:
             ticks += 1
-            await asyncio.sleep(0.005)
+            await anyio.sleep(0.005)
 
-    task = asyncio.ensure_future(ticker())
-    await sim.wait_event(event)
-    done = True
-    await task
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(ticker)
+        await sim.wait_event(event)
+        done = True
     assert ticks >= 10
 
 
-@pytest.mark.asyncio
 async def test_stream_wait_orders_one_stream_after_another(sim: SimBackend) -> None:
     box = sim.allocate((4,), torch.float32, "cuda:0")
     first = sim.new_stream("cuda:0")
@@ -191,7 +184,6 @@ def test_host_locations_have_no_stream_and_complete_events() -> None:
         backend.stream_wait(None, backend.record_event(None))
 
 
-@pytest.mark.asyncio
 async def test_free_poisons_storage_nan_for_floats_a5_otherwise(sim: SimBackend) -> None:
     floats = sim.place(torch.ones(10), Location.parse("cuda:0"))
     ints = sim.place(torch.ones(10, dtype=torch.int16), Location.parse("pinned-host"))
@@ -211,7 +203,6 @@ def test_free_leaves_a_users_own_pageable_tensor_alone() -> None:
     assert torch.equal(mine, torch.ones(10))
 
 
-@pytest.mark.asyncio
 async def test_read_after_release_without_the_reader_event_sees_poison(sim: SimBackend) -> None:
     compute = sim.device_streams(0).compute
     loc = Location.parse("cuda:0")
@@ -232,7 +223,6 @@ async def test_read_after_release_without_the_reader_event_sees_poison(sim: SimB
     assert torch.equal(await read_then_release(True), torch.full((8,), 3.0))
 
 
-@pytest.mark.asyncio
 async def test_injected_transfer_failure_raises_from_wait_and_poisons_the_destination() -> None:
     faults = FaultInjector()
     faults.fail_transfer_at = 2
@@ -252,7 +242,6 @@ async def test_injected_transfer_failure_raises_from_wait_and_poisons_the_destin
         await sim.aclose()
 
 
-@pytest.mark.asyncio
 async def test_injected_oom_is_raised_synchronously_by_copy() -> None:
     faults = FaultInjector()
     sim = SimBackend(faults=faults)
@@ -269,14 +258,16 @@ async def test_injected_oom_is_raised_synchronously_by_copy() -> None:
         await sim.aclose()
 
 
-@pytest.mark.asyncio
 async def test_cancel_stops_issuing_chunks_and_wait_raises_cancelled() -> None:
     sim = SimBackend(copy_gbps=0.001, chunk_bytes=1000)  # 1 us per byte: 1 ms per chunk
     sim.start()
     try:
         src = torch.ones(100_000, dtype=torch.uint8)  # 100 chunks, ~100 ms
         transfer = sim.copy(src, Location.parse("pageable-host"), Location.parse("cuda:0"))
-        await asyncio.sleep(0.01)
+        with anyio.fail_after(5):
+            # Until the first chunk arrived (nothing signals a chunk: look at the destination).
+            while bool(is_poisoned(transfer.tensor).all()):  # noqa: ASYNC110
+                await anyio.sleep(0.001)
         transfer.cancel()
         start = time.perf_counter()
         with pytest.raises(TransferCancelledError):
@@ -287,23 +278,32 @@ async def test_cancel_stops_issuing_chunks_and_wait_raises_cancelled() -> None:
         await sim.aclose()
 
 
-@pytest.mark.asyncio
 async def test_aclose_fails_pending_waits_with_runtime_error() -> None:
     sim = SimBackend()
     sim.start()
     stream = sim.device_streams(0).compute
     stream.sleep(5.0)
     event = sim.record_event(stream)
-    waiter = asyncio.ensure_future(sim.wait_event(event))
-    await asyncio.sleep(0.01)
-    await sim.aclose()
-    with pytest.raises(RuntimeError, match="closed"):
-        await asyncio.wait_for(waiter, 1.0)
+    waiting, finished = anyio.Event(), anyio.Event()
+
+    async def wait_for_the_event() -> None:
+        try:
+            waiting.set()  # the wait below is registered before this task first yields
+            with pytest.raises(RuntimeError, match="closed"):
+                await sim.wait_event(event)
+        finally:
+            finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait_for_the_event)
+        await waiting.wait()
+        await sim.aclose()
+        with anyio.fail_after(1.0):
+            await finished.wait()
     with pytest.raises(RuntimeError):
         sim.copy(torch.ones(1), Location.parse("pageable-host"), Location.parse("cuda:0"))
 
 
-@pytest.mark.asyncio
 async def test_throttled_copies_in_both_directions_overlap() -> None:
     # 5 MB at 0.05 GB/s is ~100 ms per copy; h2d and d2h run on different streams.
     sim = SimBackend(copy_gbps=0.05, chunk_bytes=1 << 20)
@@ -325,7 +325,9 @@ async def test_throttled_copies_in_both_directions_overlap() -> None:
         await down()
         one_after_the_other = time.perf_counter() - start
         start = time.perf_counter()
-        await asyncio.gather(up(), down())
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(up)
+            tasks.start_soon(down)
         both = time.perf_counter() - start
         assert both < 0.8 * one_after_the_other
     finally:

@@ -3,19 +3,23 @@ resolve awaited events without blocking the loop. CPU tests use stand-in events.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import itertools
 import threading
 import time
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
+from aresidency.backends import cudadriver
 from aresidency.backends import waiter as waiter_module
 from aresidency.backends.events import HostEvent
 from aresidency.backends.sim import SimBackend
 from aresidency.backends.waiter import STRATEGIES, EventWaiter, hostfunc_available
+
+pytestmark = pytest.mark.anyio
 
 
 class FakeEvent:
@@ -50,7 +54,6 @@ def test_host_event_wait_blocking_times_out() -> None:
     assert not HostEvent().wait_blocking(0.01)
 
 
-@pytest.mark.asyncio
 async def test_host_event_set_from_a_thread_wakes_the_awaiting_task() -> None:
     backend = SimBackend()
     backend.start()
@@ -59,24 +62,37 @@ async def test_host_event_set_from_a_thread_wakes_the_awaiting_task() -> None:
     timer.daemon = True
     timer.start()
     start = time.perf_counter()
-    await asyncio.wait_for(backend.wait(event), 2.0)
+    with anyio.fail_after(2.0):
+        await backend.wait(event)
     assert time.perf_counter() - start >= 0.04
     await backend.aclose()
 
 
-@pytest.mark.asyncio
 async def test_cancelled_wait_on_a_host_event_is_harmless() -> None:
     backend = SimBackend()
     backend.start()
     event = HostEvent()
-    task = asyncio.ensure_future(backend.wait(event))
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    scope = anyio.CancelScope()
+    waiting = anyio.Event()
+    cancelled: list[BaseException] = []
+
+    async def wait() -> None:
+        with scope:
+            try:
+                waiting.set()  # the wait below is registered before this task first yields
+                await backend.wait(event)
+            except anyio.get_cancelled_exc_class() as exc:
+                cancelled.append(exc)
+                raise
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await waiting.wait()
+        scope.cancel()
+    assert cancelled and scope.cancelled_caught
     event.set()
     await backend.wait(HostEvent(done=True))  # the late completion of the cancelled wait
-    await asyncio.sleep(0)  # runs on the loop and does nothing
+    await anyio.lowlevel.checkpoint()  # runs on the loop and does nothing
     await backend.aclose()
 
 
@@ -92,7 +108,6 @@ def test_auto_picks_hybrid_only_where_the_driver_offers_it() -> None:
     waiter.close()
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("strategy", ["poll", "blocking"])
 async def test_waiter_thread_resolves_events_without_blocking_the_loop(strategy: str) -> None:
     waiter = EventWaiter(strategy)
@@ -104,39 +119,54 @@ async def test_waiter_thread_resolves_events_without_blocking_the_loop(strategy:
         nonlocal ticks
         while not done:
             ticks += 1
-            await asyncio.sleep(0.005)
+            await anyio.sleep(0.005)
 
-    task = asyncio.ensure_future(ticker())
     try:
-        events = [FakeEvent(0.05 + 0.02 * i) for i in range(5)]
-        await asyncio.wait_for(asyncio.gather(*(waiter.wait(e) for e in events)), 5.0)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ticker)
+            try:
+                events = [FakeEvent(0.05 + 0.02 * i) for i in range(5)]
+                with anyio.fail_after(5.0):
+                    async with anyio.create_task_group() as waits:
+                        for e in events:
+                            waits.start_soon(waiter.wait, e)
+            finally:
+                done = True
         assert all(e.query() for e in events)
         assert waiter.pending_count() == 0
     finally:
-        done = True
-        await task
         waiter.close()
     assert ticks >= 10
 
 
-@pytest.mark.asyncio
 async def test_closing_the_waiter_fails_pending_waits() -> None:
     waiter = EventWaiter("poll")
     waiter.start()
-    pending = asyncio.ensure_future(waiter.wait(FakeEvent(10.0)))
-    await asyncio.sleep(0.01)
-    await asyncio.get_running_loop().run_in_executor(None, waiter.close)
-    with pytest.raises(RuntimeError, match="closed"):
-        await asyncio.wait_for(pending, 1.0)
+    waiting, finished = anyio.Event(), anyio.Event()
+
+    async def wait() -> None:
+        try:
+            waiting.set()  # the wait below is registered before this task first yields
+            with pytest.raises(RuntimeError, match="closed"):
+                await waiter.wait(FakeEvent(10.0))
+        finally:
+            finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await waiting.wait()
+        assert waiter.pending_count() == 1
+        await anyio.to_thread.run_sync(waiter.close)
+        with anyio.fail_after(1.0):
+            await finished.wait()
     with pytest.raises(RuntimeError, match="closed"):
         await waiter.wait(FakeEvent(10.0))
 
 
-@pytest.mark.asyncio
 async def test_a_completed_event_returns_at_once() -> None:
     waiter = EventWaiter("poll")
     event = FakeEvent(0.0)
-    await asyncio.sleep(0.01)
+    await anyio.to_thread.run_sync(event.synchronize)  # until its timer completed it
     await waiter.wait(event)  # never started a thread
     assert "idle" in repr(waiter)
     waiter.close()
@@ -148,7 +178,7 @@ class FakeDriver:
     callback thread would."""
 
     def __init__(self) -> None:
-        self.libc = waiter_module.load_libc()
+        self.libc = cudadriver.load_libc()
         self.sem_post_ptr = ctypes.cast(self.libc.sem_post, ctypes.c_void_p).value
         self.events: dict[int, FakeEvent] = {}
         self.streams = itertools.count(1)
@@ -158,7 +188,7 @@ class FakeDriver:
         self.notify_lag = 0.0  # seconds from completion to the host function's sem_post
 
     def new_semaphore(self) -> Any:
-        return waiter_module._Driver.new_semaphore(self)  # type: ignore[arg-type]
+        return cudadriver.CudaDriver.new_semaphore(self)  # type: ignore[arg-type]
 
     def create_stream(self, device: int) -> int:
         return next(self.streams)
@@ -206,13 +236,12 @@ class FakeStream:
         self.cuda_stream = handle
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("strategy", ["hybrid", "hostfunc"])
 async def test_notified_strategies_resolve_armed_and_unarmed_events(
     strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter(strategy)
     waiter.start()
     try:
@@ -222,9 +251,10 @@ async def test_notified_strategies_resolve_armed_and_unarmed_events(
             waiter.arm(event, FakeStream(100 + i % 2))
             armed.append(event)
         unarmed = ArmableEvent(0.03, driver)  # armed lazily by wait()
-        await asyncio.wait_for(
-            asyncio.gather(*(waiter.wait(e) for e in [unarmed, *reversed(armed)])), 5.0
-        )
+        with anyio.fail_after(5.0):
+            async with anyio.create_task_group() as waits:
+                for e in [unarmed, *reversed(armed)]:
+                    waits.start_soon(waiter.wait, e)
         assert all(e.query() for e in armed) and unarmed.query()
         if strategy == "hostfunc":
             # armed at record; the unarmed one at its wait (unless done before it began)
@@ -235,13 +265,12 @@ async def test_notified_strategies_resolve_armed_and_unarmed_events(
             assert 1 <= driver.launched <= 7
         assert waiter.pending_count() == 0 and waiter.degraded is None
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_hybrid_polls_briefly_after_a_wait_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid", window_s=0.2)
     waiter.start()
     try:
@@ -250,13 +279,13 @@ async def test_hybrid_polls_briefly_after_a_wait_starts(monkeypatch: pytest.Monk
         driver.events[-1] = FakeEvent(3600.0)
         waiter.arm(event, FakeStream(7))
         start = time.perf_counter()
-        await asyncio.wait_for(waiter.wait(event), 5.0)
+        with anyio.fail_after(5.0):
+            await waiter.wait(event)
         assert time.perf_counter() - start < 0.04 + 0.05  # not the 50 ms safety sweep
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -266,7 +295,7 @@ async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
     for the notification."""
     driver = FakeDriver()
     driver.notify_lag = 0.010
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
     waiter.start()
     try:
@@ -275,7 +304,8 @@ async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
             event = ArmableEvent(0.05, driver)
             waiter.arm(event, FakeStream(11))
             before = waiter.wakeups
-            await asyncio.wait_for(waiter.wait(event), 5.0)
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
             wakeups.append(waiter.wakeups - before)
         # The first wait has no history: its polls end 4 ms in, the notification wakes it.
         # Each later prediction starts polls before the completion (the lead shrinks the
@@ -287,17 +317,16 @@ async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
         history = waiter._durations[(0, 11)]
         assert len(history) == 6 and min(history[1:]) < history[0]  # seen before the late post
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A stream whose waits suddenly get shorter: the polls come too late, the notification
     still wakes the task, and the prediction follows the shorter waits."""
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
     waiter.start()
     try:
@@ -305,15 +334,15 @@ async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
             event = ArmableEvent(delay, driver)
             waiter.arm(event, FakeStream(12))
             start = time.perf_counter()
-            await asyncio.wait_for(waiter.wait(event), 5.0)
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
             assert time.perf_counter() - start < delay + 0.5  # never the 1 s safety sweep
         with waiter._cond:
             assert waiter._predicted_wait((0, 12)) < 0.05  # was ~0.07 after the 80 ms waits
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_hybrid_enqueues_no_notification_for_waits_its_polls_catch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -321,22 +350,22 @@ async def test_hybrid_enqueues_no_notification_for_waits_its_polls_catch(
     polls around it and no host function is enqueued for them (each costs the driver's
     callback thread and a wake-up)."""
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid", window_s=0.1, lazy_arm_s=0.05, safety_timeout_s=1.0)
     waiter.start()
     try:
         for _ in range(8):
             event = ArmableEvent(0.02, driver)
             waiter.arm(event, FakeStream(13))
-            await asyncio.wait_for(waiter.wait(event), 5.0)
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
         # the first wait (no history) is notified; later ones are caught by polls (a loaded
         # machine may let a few slip to a sweep woken otherwise, or to a late notification)
         assert driver.launched < 8 and waiter.poll_hits >= 4, (driver.launched, waiter.poll_hits)
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -344,7 +373,7 @@ async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes
     the completion, the notification is enqueued then, and it wakes the task long before the
     safety sweep."""
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid", window_s=0.004, lazy_arm_s=0.05, safety_timeout_s=5.0)
     waiter.start()
     try:
@@ -352,18 +381,18 @@ async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes
             event = ArmableEvent(delay, driver)
             waiter.arm(event, FakeStream(14))
             start = time.perf_counter()
-            await asyncio.wait_for(waiter.wait(event), 10.0)
+            with anyio.fail_after(10.0):
+                await waiter.wait(event)
             elapsed = time.perf_counter() - start
         assert elapsed < 2.0  # the notification, not the 5 s safety sweep
         assert driver.launched >= 2  # the first wait's and the late one's
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)
 
 
-@pytest.mark.asyncio
 async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = FakeDriver()
-    monkeypatch.setattr(waiter_module, "_driver", lambda: driver)
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter("hybrid")
     waiter.start()
 
@@ -374,10 +403,12 @@ async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.Mon
     try:
         event = ArmableEvent(0.03, driver)
         waiter.arm(event, FakeStream(1))  # hybrid enqueues the notification at the wait
-        await asyncio.wait_for(waiter.wait(event), 5.0)
+        with anyio.fail_after(5.0):
+            await waiter.wait(event)
         assert waiter.strategy == "poll" and waiter.degraded
         later = ArmableEvent(0.03, driver)
         waiter.arm(later, FakeStream(1))
-        await asyncio.wait_for(waiter.wait(later), 5.0)  # polled
+        with anyio.fail_after(5.0):
+            await waiter.wait(later)  # polled
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, waiter.close)
+        await anyio.to_thread.run_sync(waiter.close)

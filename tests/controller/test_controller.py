@@ -7,7 +7,6 @@ simulated backend.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import random
 import time
@@ -15,6 +14,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ from aresidency.core import (
 from aresidency.core.explain import simulate_requests
 from aresidency.core.plans import run_phase
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 
 KIB = 1024
 UNIT = 4 * KIB
@@ -77,7 +78,7 @@ class StandInScope:
         self.exit_error = None
 
     async def __aenter__(self) -> StandInScope:
-        await asyncio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         manager, state = self.manager, self.manager.state
         if manager.before_entry is not None:
             manager.before_entry(manager.entries)
@@ -143,20 +144,22 @@ async def measure_lag(work: Any) -> tuple[Any, float, int]:
         nonlocal worst, ticks
         last = time.thread_time()
         while not done:
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             now = time.thread_time()
             worst = max(worst, now - last)
             last = now
             ticks += 1
 
     gc.disable()
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0)
     try:
-        result = await work
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            try:
+                result = await work
+            finally:
+                done = True
     finally:
-        done = True
-        await task
         gc.enable()
     return result, worst, ticks
 
@@ -230,23 +233,25 @@ async def test_decide_restarts_when_the_state_moves_while_it_is_parked() -> None
         while not stop:
             state.hold(other, "pageable-host")
             state.unhold(other, "pageable-host")
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
-    task = asyncio.ensure_future(mutate())
-    try:
-        decision = await controller.decide(request)
-        # no await since it returned: the decision is fresh
-        assert decision.expected_state_version == state.state_version
-        assert decision == decide_nowait(
-            state,
-            request,
-            cost_model=HARD_COST,
-            optimality_gap=EXACT_GAP,
-            search_state_limit=EXACT_LIMIT,
-        )
-    finally:
-        stop = True
-        await task
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(mutate)
+        try:
+            decision = await controller.decide(request)
+            # no await since it returned: the decision is fresh
+            version_at_return = state.state_version
+            fresh = decide_nowait(
+                state,
+                request,
+                cost_model=HARD_COST,
+                optimality_gap=EXACT_GAP,
+                search_state_limit=EXACT_LIMIT,
+            )
+        finally:
+            stop = True
+    assert decision.expected_state_version == version_at_return
+    assert decision == fresh
     assert controller.restarts == 2
 
 
@@ -259,12 +264,24 @@ async def test_cancelling_decide_changes_nothing() -> None:
         search_state_limit=EXACT_LIMIT,
     )
     version = state.state_version
-    task = asyncio.ensure_future(controller.decide(request))
-    for _ in range(5):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    scope = anyio.CancelScope()
+    outcome: list[object] = []
+
+    async def decide() -> None:
+        with scope:
+            try:
+                outcome.append(await controller.decide(request))
+            except anyio.get_cancelled_exc_class() as exc:
+                outcome.append(exc)
+                raise
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(decide)
+        for _ in range(5):  # a few of the search's slices: cancelled in the middle of it
+            await anyio.lowlevel.checkpoint()
+        scope.cancel()
+    assert len(outcome) == 1 and isinstance(outcome[0], anyio.get_cancelled_exc_class())
+    assert scope.cancelled_caught
     assert state.state_version == version
     state.check_invariants()
     assert (await controller.decide(request)).expected_state_version == version
@@ -354,16 +371,20 @@ async def fill_gpu(manager: Any, count: int) -> list[ValueHandle]:
     return handles
 
 
-async def settle(manager: Any) -> None:
-    """Wait until every consumer event is reaped (protected values are never victims)."""
-    deadline = time.perf_counter() + 5.0
-    while any(
+def pending_events(manager: Any) -> bool:
+    return any(
         mat.pending_event_count
         for value in manager.snapshot().values.values()
         for mat in value.materializations
-    ):
-        assert time.perf_counter() < deadline, "consumer events never completed"
-        await asyncio.sleep(0.001)
+    )
+
+
+async def settle(manager: Any) -> None:
+    """Wait until every consumer event is reaped (protected values are never victims)."""
+    with anyio.move_on_after(5.0):
+        while pending_events(manager):
+            await manager.wait_for_change()  # each reaped event is a state change
+    assert not pending_events(manager), "consumer events never completed"
 
 
 async def test_controller_scope_enters_a_decision_on_the_real_manager() -> None:
@@ -464,13 +485,14 @@ async def test_controller_scope_waits_for_a_protection_to_end() -> None:
                 pytest.fail("not admissible within the timeout")
 
         async def release_later() -> None:
-            await asyncio.sleep(0.05)
+            await anyio.sleep(0.05)  # while the scope below waits
             holds[2].release()
 
-        releaser = asyncio.ensure_future(release_later())
-        async with controller.scope(request, timeout=None) as scope:
-            assert [e.handle for e in scope.decision.evictions] == [gpu[2]]
-        await releaser
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(release_later)
+            async with controller.scope(request, timeout=None) as scope:
+                evictions = [e.handle for e in scope.decision.evictions]
+        assert evictions == [gpu[2]]
         for hold in holds[:2] + holds[3:]:
             hold.release()
 

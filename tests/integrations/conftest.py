@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _loop_guard import loop_never_blocked
+from _loop_guard import loop_never_blocked, loop_stall_guard
 
-__all__ = ["loop_never_blocked"]
+__all__ = ["loop_never_blocked", "loop_stall_guard"]
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,11 @@ wrong view, a block run with the wrong weights)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -28,7 +28,7 @@ from aresidency.integrations import StreamedModule, find_blocks, stream_module
 
 from ._models import Block, Boom, Net, Sleepy, SleepyNet, linears, sequential
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 
 KiB = 1 << 10
 
@@ -78,6 +78,11 @@ def assert_all_released(
         for record in value.materializations:
             assert record.use_count == 0 and record.pending_event_count == 0
     assert snap.location("cuda:0").used_bytes == kept_bytes
+
+
+def released(manager: ResidencyManager) -> int:
+    """How many device replicas were released so far."""
+    return sum(1 for t in manager.trace().transitions if t.kind == "release")
 
 
 def kinds_for(trace: ResidencyTrace, name: str) -> list[str]:
@@ -533,12 +538,21 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
         model = sequential(n=2)
         x = torch.randn(2, 32)
         patient = stream_module(m, model)
-        task = asyncio.ensure_future(patient(x))
-        await asyncio.sleep(0.05)
-        assert not task.done()
-        await m.release(other, "cuda:0")
+        done = anyio.Event()
+        results: list[torch.Tensor] = []
+
+        async def call() -> None:
+            results.append(await patient(x))
+            done.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call)
+            with anyio.move_on_after(0.05):
+                await done.wait()  # it must not finish while the other tenant has the room
+            assert not done.is_set()
+            await m.release(other, "cuda:0")
         with torch.no_grad():
-            assert torch.equal(await task, reference(model, x))
+            assert torch.equal(results[0], reference(model, x))
         await patient.drain()
         assert_all_released(m, patient)
 
@@ -546,15 +560,34 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
 async def test_a_cancelled_call_leaves_no_charge_or_protection() -> None:
     torch.manual_seed(7)
     models: list[nn.Module] = [nn.Sequential(*(Sleepy(16, 0.02) for _ in range(6))), SleepyNet()]
+
+    async def call(
+        streamed: StreamedModule, x: torch.Tensor, cancel: anyio.CancelScope, outcome: list[object]
+    ) -> None:
+        with cancel:
+            try:
+                outcome.append(await streamed(x))
+            except anyio.get_cancelled_exc_class() as exc:
+                outcome.append(exc)
+                raise
+
     for model in models:
         async with ResidencyManager(backend=SimBackend(copy_gbps=0.01)) as m:
             streamed = stream_module(m, model, prefetch=2)
             x = torch.randn(2, 16)
-            task = asyncio.ensure_future(streamed(x))
-            await asyncio.sleep(0.03)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            cancel = anyio.CancelScope()
+            outcome: list[object] = []
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(call, streamed, x, cancel, outcome)
+                # In the middle of the call: its first block ran and was released (about 20 ms
+                # into a call of about 120 ms).
+                while released(m) == 0:
+                    await m.wait_for_change()
+                cancel.cancel()
+            (result,) = outcome
+            assert isinstance(result, anyio.get_cancelled_exc_class()), (
+                f"the cancelled call returned its output instead of raising: {type(result)}"
+            )
             await streamed.drain()
             assert_all_released(m, streamed)
             with torch.no_grad():  # and it still works
@@ -578,8 +611,15 @@ async def test_calls_on_one_module_are_serialized() -> None:
     xs = [torch.randn(2, 16) for _ in range(3)]
     async with ResidencyManager(backend="sim") as m:
         streamed = stream_module(m, model, prefetch=1)
+        ys: list[torch.Tensor | None] = [None] * len(xs)
+
+        async def call(i: int) -> None:
+            ys[i] = await streamed(xs[i])
+
         with torch.no_grad():
-            ys = await asyncio.gather(*(streamed(x) for x in xs))
+            async with anyio.create_task_group() as tasks:
+                for i in range(len(xs)):
+                    tasks.start_soon(call, i)
         for x, y in zip(xs, ys):
             assert torch.equal(y, reference(model, x))
         await streamed.drain()
@@ -599,7 +639,7 @@ async def test_call_threadsafe_from_another_thread() -> None:
             assert isinstance(result, torch.Tensor)
             return result
 
-        out = await asyncio.get_running_loop().run_in_executor(None, other_thread)
+        out = await anyio.to_thread.run_sync(other_thread)
         assert torch.equal(out, reference(model, x))
         with pytest.raises(RuntimeError, match="deadlock"):
             streamed.call_threadsafe(x)

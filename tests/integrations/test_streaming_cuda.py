@@ -20,7 +20,7 @@ from aresidency.integrations import stream_module
 
 from ._models import Net
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
+pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
 
 
 def linear_stack(d: int, n: int, dtype: torch.dtype = torch.bfloat16) -> nn.Sequential:

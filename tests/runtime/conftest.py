@@ -1,5 +1,5 @@
 """Runtime tests fail if anything blocks the event loop: see tests/_loop_guard.py."""
 
-from _loop_guard import loop_never_blocked
+from _loop_guard import loop_never_blocked, loop_stall_guard
 
-__all__ = ["loop_never_blocked"]
+__all__ = ["loop_never_blocked", "loop_stall_guard"]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from aresidency import (
     ResidencyPlanExecutionError,
 )
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
+pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
 
 MiB = 1 << 20
 
@@ -138,15 +139,18 @@ async def test_cuda_scope_failure_and_cancellation_leak_nothing(no_gpu_leak: obj
         assert info.value.phase == "enter" and info.value.failed_action_index == 1
         assert m.snapshot().location("cuda:0").charged_bytes == 8 * MiB  # a is in, committed
         await m.move(a, "pinned-host")
+
+        async def execute(cancel: anyio.CancelScope) -> None:
+            with cancel:
+                await m.execute(plan)
+
         for cancel_after in range(6):
-            task = asyncio.ensure_future(m.execute(plan))
-            for _ in range(cancel_after):
-                await asyncio.sleep(0)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            cancel = anyio.CancelScope()
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(execute, cancel)
+                for _ in range(cancel_after):
+                    await anyio.lowlevel.checkpoint()
+                cancel.cancel()
             for h in (a, b):
                 for loc in list(m.snapshot().value(h).locations):
                     if loc.is_cuda:

@@ -3,9 +3,9 @@ work in order on worker threads, so a slow 'kernel' keeps its event pending)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+import anyio
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from aresidency import ReplicaMode, ResidencyInUseError, ResidencyManager
 from aresidency.backends.sim import SimBackend
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 
 
 def data(seed: int = 0, n: int = 4096) -> torch.Tensor:
@@ -63,14 +63,18 @@ async def test_move_frees_its_source_only_after_the_copy_and_the_readers() -> No
         async with m.acquire(h, "pinned-host") as lease:
             lease.register_stream(stream)
             stream.sleep(0.1)
-        task = asyncio.ensure_future(m.move(h, "cuda:0"))
-        await asyncio.sleep(0.03)
-        record = m.snapshot().value(h)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(m.move, h, "cuda:0")
+            # Until the move began: from then on until it commits (after the copy, which
+            # itself waits for the 100 ms reader, and after the reader's event is reaped) the
+            # source stays outgoing and the destination incoming.
+            while len(m.snapshot().value(h).materializations) < 2:
+                await m.wait_for_change()
+            record = m.snapshot().value(h)
         assert [(str(x.location), x.state.value) for x in record.materializations] == [
             ("pinned-host", "outgoing"),
             ("cuda:0", "incoming"),
         ]
-        await task
         assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0"]
         kinds = [t.kind for t in m.trace().transitions]
         assert kinds.index("event_reaped") < kinds.index("move_commit")
@@ -100,7 +104,7 @@ async def test_lease_on_an_incoming_copy_orders_the_stream_after_the_copy() -> N
             tensor = lease.tensor
             stream.submit(lambda: seen.append(tensor.clone()))  # runs after the copy
         await task
-        await asyncio.get_running_loop().run_in_executor(None, stream.synchronize)
+        await anyio.to_thread.run_sync(stream.synchronize)
         assert torch.equal(seen[0], original)
 
 
@@ -113,23 +117,22 @@ async def test_lease_on_an_incoming_copy_orders_the_stream_after_the_copy() -> N
     ),
     st.booleans(),
 )
-def test_data_survives_any_sequence_of_moves_bit_for_bit(path: list[str], replicable: bool) -> None:
-    async def run() -> None:
-        async with ResidencyManager(backend="sim") as m:
-            original = data(seed=len(path))
-            mode = ReplicaMode.REPLICABLE if replicable else ReplicaMode.EXCLUSIVE
-            h = m.register(original.clone(), name="w", replica_mode=mode)
-            for step, loc in enumerate(path):
-                if replicable and step % 2:
-                    await m.materialize(h, loc)
-                else:
-                    await m.move(h, loc)
-                for record in m.snapshot().value(h).materializations:
-                    async with m.acquire(h, record.location) as lease:
-                        assert torch.equal(lease.tensor.cpu(), original)
-            m._state.check_invariants()
-
-    asyncio.run(run())
+async def test_data_survives_any_sequence_of_moves_bit_for_bit(
+    path: list[str], replicable: bool
+) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        original = data(seed=len(path))
+        mode = ReplicaMode.REPLICABLE if replicable else ReplicaMode.EXCLUSIVE
+        h = m.register(original.clone(), name="w", replica_mode=mode)
+        for step, loc in enumerate(path):
+            if replicable and step % 2:
+                await m.materialize(h, loc)
+            else:
+                await m.move(h, loc)
+            for record in m.snapshot().value(h).materializations:
+                async with m.acquire(h, record.location) as lease:
+                    assert torch.equal(lease.tensor.cpu(), original)
+        m._state.check_invariants()
 
 
 async def test_a_copy_and_a_move_out_of_one_source_in_one_phase_complete() -> None:
@@ -139,7 +142,8 @@ async def test_a_copy_and_a_move_out_of_one_source_in_one_phase_complete() -> No
         original = data()
         h = m.register(original.clone(), name="w", replica_mode=ReplicaMode.REPLICABLE)
         plan = ResidencyPlan(enter=[Materialize(h, "cuda:0"), Move(h, "cuda:1")])
-        await asyncio.wait_for(m.execute(plan), 5)
+        with anyio.fail_after(5):
+            await m.execute(plan)
         assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0", "cuda:1"]
         for loc in ("cuda:0", "cuda:1"):
             async with m.acquire(h, loc) as lease:

@@ -3,9 +3,9 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
+import anyio
 import pytest
 import torch
 
@@ -19,7 +19,7 @@ from aresidency import (
     ResidencyUnavailableError,
 )
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
 
@@ -214,7 +214,7 @@ async def test_calls_from_another_thread_fail_clearly() -> None:
 
         thread = threading.Thread(target=other)
         thread.start()
-        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        await anyio.to_thread.run_sync(thread.join)
         assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
         assert "event loop" in str(errors[0])
 

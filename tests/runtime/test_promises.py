@@ -307,7 +307,7 @@ async def test_a_timed_out_scope_says_why_it_waited() -> None:
 
 async def test_closing_the_manager_wakes_every_waiter() -> None:
     outcomes: list[str] = []
-    async with anyio.create_task_group() as tg:
+    async with anyio.create_task_group() as tg:  # noqa: SIM117 (closed mid-block below)
         async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
             a = m.register(tensor(), name="a", location="cuda:0")
             b = m.register(tensor(seed=1), name="b")

@@ -3,9 +3,10 @@ admission (FIFO, timeouts, never-fits), cancellation."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from aresidency import (
     ResidencyStaleStateError,
 )
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 
 KiB = 1024
 
@@ -41,6 +42,15 @@ def assert_no_leak(m: ResidencyManager, *, keep_reserved: int = 0) -> None:
         if str(loc.location) != "pinned-host":
             assert loc.reserved_bytes == 0, loc
     m._state.check_invariants()
+
+
+def quiet(m: ResidencyManager) -> bool:
+    """Whether :func:`assert_no_leak` would pass (nothing in use, moving or reserved)."""
+    try:
+        assert_no_leak(m)
+    except AssertionError:
+        return False
+    return True
 
 
 async def test_scope_enters_reserves_and_exits() -> None:
@@ -192,19 +202,30 @@ async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -
         # Admitted (16 + 8 + 16 fit once b left); then, while the reclaim phase waits for b's
         # reader, another task takes 20 KiB: the second reservation fails after preflight.
         scope = m.scope(plan)
-        entering = asyncio.ensure_future(scope.__aenter__())
-        while m.state.ledger("cuda:0").outgoing_bytes == 0:
-            await m.wait_for_change()  # until the reclaim phase began its move
-        async with m.reservation("other", "cuda:0", 20 * KiB):
-            with pytest.raises(ResidencyPlanExecutionError) as info:
-                await entering
-            error = info.value
-            assert error.phase == "reserve"
-            assert error.failed_reservation == plan.reserve[1]
-            assert error.failed_reservation_index == 1
-            kinds = [t.kind for t in error.partial_report.transitions]
-            assert kinds == ["move_begin", "move_commit", "reserve", "unreserve"]
-            assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
+        entered = anyio.Event()
+        errors: list[ResidencyPlanExecutionError] = []
+
+        async def enter() -> None:
+            try:
+                with pytest.raises(ResidencyPlanExecutionError) as info:
+                    await scope.__aenter__()
+                errors.append(info.value)
+            finally:
+                entered.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(enter)
+            while m.state.ledger("cuda:0").outgoing_bytes == 0:
+                await m.wait_for_change()  # until the reclaim phase began its move
+            async with m.reservation("other", "cuda:0", 20 * KiB):
+                await entered.wait()  # the entry failed while the reservation is held
+                (error,) = errors
+                assert error.phase == "reserve"
+                assert error.failed_reservation == plan.reserve[1]
+                assert error.failed_reservation_index == 1
+                kinds = [t.kind for t in error.partial_report.transitions]
+                assert kinds == ["move_begin", "move_commit", "reserve", "unreserve"]
+                assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
 
 
 async def test_body_exception_stays_primary_and_exit_error_is_kept() -> None:
@@ -259,8 +280,8 @@ async def test_many_tasks_contend_for_one_budget_fifo_without_exceeding_it() -> 
         handles = []
         for i in range(n):
             handles.append(m.register(tensor(seed=i), name=f"v{i}", location="pinned-host"))
-            if i % 100 == 0:
-                await asyncio.sleep(0)  # the test's own set-up must not stall the loop either
+            if i % 100 == 0:  # the test's own set-up must not stall the loop either
+                await anyio.lowlevel.checkpoint()
         order: list[int] = []
         peak = 0
 
@@ -274,13 +295,12 @@ async def test_many_tasks_contend_for_one_budget_fifo_without_exceeding_it() -> 
             async with m.scope(plan, timeout=30):
                 order.append(i)
                 peak = max(peak, m._state.ledger("cuda:0").charged_bytes)
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
-        tasks = []
-        for i in range(n):
-            tasks.append(asyncio.ensure_future(worker(i)))
-            await asyncio.sleep(0)  # tasks reach the admission queue in index order
-        await asyncio.gather(*tasks)
+        async with anyio.create_task_group() as tasks:
+            for i in range(n):
+                tasks.start_soon(worker, i)
+                await anyio.lowlevel.checkpoint()  # tasks reach the admission queue in index order
         assert len(order) == n
         assert order == sorted(order)  # first come, first served
         assert peak <= 3 * 16 * KiB
@@ -294,18 +314,27 @@ async def test_cancelling_a_waiting_scope_leaves_no_charge_or_queue_entry() -> N
         a = m.register(tensor(), name="a", location="cuda:0")
         b = m.register(tensor(seed=1), name="b")
         hold = m.hold(a, "cuda:0")
+        cancel = anyio.CancelScope()
+        cancelled: list[BaseException] = []
 
         async def enter() -> None:
             plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
-            async with m.scope(plan):
-                pass
+            with cancel:
+                try:
+                    async with m.scope(plan):
+                        pass
+                except anyio.get_cancelled_exc_class() as exc:
+                    cancelled.append(exc)
+                    raise
 
-        task = asyncio.ensure_future(enter())
-        await asyncio.sleep(0.01)
-        assert m.waiting == 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(enter)
+            # Until the entry is parked (a scope joining the admission queue changes no state,
+            # so wait_for_change does not see it; the queue is checked right below).
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 1
+            cancel.cancel()
+        assert cancelled and cancel.cancelled_caught
         assert m.waiting == 0
         hold.release()
         assert_no_leak(m)
@@ -324,19 +353,22 @@ async def test_cancellation_at_any_await_leaks_nothing(cancel_after: int) -> Non
             exit=[Move(a, "pinned-host")],
         )
 
-        async def run() -> None:
-            async with m.scope(plan):
-                await asyncio.sleep(0)
+        cancel = anyio.CancelScope()
 
-        task = asyncio.ensure_future(run())
-        for _ in range(cancel_after):
-            await asyncio.sleep(0)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        await asyncio.sleep(0.05)  # let background reapers finish
+        async def run() -> None:
+            with cancel:
+                async with m.scope(plan):
+                    await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run)
+            for _ in range(cancel_after):
+                await anyio.lowlevel.checkpoint()
+            cancel.cancel()
+        # until the background reaping is over (every event reaped, every copy settled)
+        with anyio.move_on_after(5):
+            while not quiet(m):
+                await m.wait_for_change()
         assert_no_leak(m)
         assert m.snapshot().location("cuda:0").reserved_bytes == 0
         for h, total in sums.items():
