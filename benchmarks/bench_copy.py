@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import sys
 import threading
@@ -31,12 +32,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aresidency.backends import CudaBackend, EventWaiter, PinnedAllocator, hostfunc_available
 from aresidency.core.locations import Location
+from aresidency.core.values import ReplicaMode
 
 MB = 1 << 20
 SIZES = {"4 MB": 4 * MB, "64 MB": 64 * MB, "256 MB": 256 * MB, "1 GB": 1024 * MB}
@@ -98,99 +101,195 @@ def backend_copy(backend: CudaBackend, src: torch.Tensor, a: Location, b: Locati
 
 # ---------------------------------------------------------------------------- copies
 
+# (path, source location, destination location); "fresh" destinations are allocated per copy.
+PATHS = [
+    ("pinned -> cuda", "pinned-host", "cuda:0"),
+    ("cuda -> pinned (fresh destination)", "cuda:0", "pinned-host"),
+    ("pageable -> cuda", "pageable-host", "cuda:0"),
+    ("cuda -> pageable", "cuda:0", "pageable-host"),
+]
+ANCHOR_OF = {
+    "pinned -> cuda": "pinned -> cuda",
+    "cuda -> pinned (fresh destination)": "cuda -> pinned",
+    "pageable -> cuda": "pageable -> cuda",
+    "cuda -> pageable": "cuda -> pageable",
+}
+HOST_BYTES_IN_FLIGHT = 4 << 30  # 64 concurrent copies, at most 4 GB of sources in flight
+
+
+def concurrency_for(n: int) -> int:
+    return max(1, min(64, HOST_BYTES_IN_FLIGHT // n))
+
+
+def make_sources(loc: str, n: int, count: int) -> list[torch.Tensor]:
+    block = host_data(n)
+    if loc == "cuda:0":
+        first = block.to("cuda:0")
+        return [first] + [first.clone() for _ in range(count - 1)]
+    if loc == "pinned-host":
+        return [block.pin_memory() for _ in range(count)]
+    return [block] + [block.clone() for _ in range(count - 1)]
+
+
+def torch_copies(srcs: list[torch.Tensor], dst: str) -> Callable[[], Any]:
+    """What plain torch code does: non-blocking copies on one side stream where it can."""
+    stream = torch.cuda.Stream()
+
+    def run() -> Any:
+        if dst == "cuda:0":
+            with torch.cuda.stream(stream):
+                outs = [s.to("cuda:0", non_blocking=True) for s in srcs]
+            stream.synchronize()
+        elif dst == "pinned-host":
+            with torch.cuda.stream(stream):
+                outs = []
+                for s in srcs:
+                    out = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
+                    out.copy_(s, non_blocking=True)
+                    outs.append(out)
+            stream.synchronize()
+        else:
+            outs = [s.cpu() for s in srcs]
+        return outs
+
+    return run
+
+
+def backend_copies(
+    backend: CudaBackend, srcs: list[torch.Tensor], src: str, dst: str
+) -> Callable[[], Awaitable[None]]:
+    a, b = Location.parse(src), Location.parse(dst)
+
+    async def run() -> None:
+        transfers = [backend.copy(s, a, b) for s in srcs]
+        for t in transfers:
+            await t.wait()
+        for t in transfers:
+            backend.free(t.tensor, b)
+
+    return run
+
+
+def manager_copies(m: Any, handles: list[Any], dst: str) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        async with anyio.create_task_group() as tasks:
+            for h in handles:
+                tasks.start_soon(m.materialize, h, dst)
+        # not timed separately: dropping the copies is part of the next iteration's setup
+        async with anyio.create_task_group() as tasks:
+            for h in handles:
+                tasks.start_soon(m.release, h, dst)
+
+    return run
+
+
+async def time_async_split(
+    fn: Callable[[], Awaitable[Any]], timed_part: Callable[[], Awaitable[Any]], iters: int
+) -> list[float]:
+    """Time ``timed_part`` (the copies), after a full warm-up of ``fn``."""
+    await fn()
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        await timed_part()
+        out.append(time.perf_counter() - t0)
+    return out
+
 
 async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> None:
+    from aresidency import ResidencyManager
+
     backend = CudaBackend()
-    cached = CudaBackend(pinned_cache_bytes=4 << 30)
     backend.start()
-    cached.start()
+    manager_backend = CudaBackend()
     try:
-        for label, n in sizes.items():
-            try:
-                await bench_size(backend, cached, label, n, rows)
-            except Exception:
-                traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
-        n = sizes.get("1 GB", max(sizes.values()))
-        label = next(k for k, v in sizes.items() if v == n)
-        sections = [bench_both_directions(backend, cached, n, label, rows)]
-        sections.append(bench_staging_configs(n, label, rows))
-        if torch.cuda.device_count() >= 2:
-            sections.append(bench_peer(backend, n, label, rows))
-        for section in sections:
-            try:
-                await section
-            except Exception:
-                traceback.print_exc()
-        print(f"  waiter: {backend.waiter!r} {backend.waiter.degraded or ''}", flush=True)
-        print(f"  pinned allocator timings: {backend.pinned.timings}", flush=True)
+        async with ResidencyManager(backend=manager_backend) as m:
+            for label, n in sizes.items():
+                for conc in (1, concurrency_for(n)):
+                    for path, src, dst in PATHS:
+                        try:
+                            await bench_cell(backend, m, path, src, dst, label, n, conc, rows)
+                        except Exception:
+                            traceback.print_exc()
+                        gc.collect()
+                        torch.cuda.empty_cache()
+            n = sizes.get("1 GB", max(sizes.values()))
+            label = next(k for k, v in sizes.items() if v == n)
+            sections = [bench_both_directions(backend, n, label, rows)]
+            sections.append(bench_staging_configs(n, label, rows))
+            if torch.cuda.device_count() >= 2:
+                sections.append(bench_peer(backend, m, n, label, rows))
+            for section in sections:
+                try:
+                    await section
+                except Exception:
+                    traceback.print_exc()
+            print(f"  waiter: {backend.waiter!r} {backend.waiter.degraded or ''}", flush=True)
+            print(f"  loop-polled completions: {backend.waiter.loop_hits}", flush=True)
+            print(f"  manager backend: {manager_backend!r}", flush=True)
     finally:
         await backend.aclose()
-        await cached.aclose()
 
 
-async def bench_size(
-    backend: CudaBackend, cached: CudaBackend, label: str, n: int, rows: list[dict[str, Any]]
+async def bench_cell(
+    backend: CudaBackend,
+    m: Any,
+    path: str,
+    src: str,
+    dst: str,
+    label: str,
+    n: int,
+    conc: int,
+    rows: list[dict[str, Any]],
 ) -> None:
-    dev = torch.device("cuda", 0)
-    pageable = host_data(n)
-    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    pinned.copy_(pageable)
-    on_dev = pageable.to(dev)
-    dst_dev = torch.empty(n, dtype=torch.uint8, device=dev)
-    dst_pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    srcs = make_sources(src, n, conc)
+    iters = ITERS if n * conc <= (1 << 30) else 3
+    raw = time_sync(torch_copies(srcs, dst), iters)
+    ours = await time_async(backend_copies(backend, srcs, src, dst), iters)
+    handles = [m.register(s, None, ReplicaMode.REPLICABLE, location=src) for s in srcs]
 
-    def add(path: str, torch_s: list[float] | None, ours_s: list[float] | None, note: str) -> None:
-        row = {
-            "path": path,
-            "size": label,
-            "torch": median_gbps(n, torch_s) if torch_s else None,
-            "ours": median_gbps(n, ours_s) if ours_s else None,
-            "anchor": ANCHORS.get(path, {}).get(label),
-            "note": note,
-        }
-        rows.append(row)
-        print(
-            f"  {path:28s} {label:>6s}  torch {fmt(row['torch'])}  backend {fmt(row['ours'])}"
-            f"  anchor {fmt(row['anchor'])}  {note}",
-            flush=True,
-        )
+    async def materialize_all() -> None:
+        async with anyio.create_task_group() as tasks:
+            for h in handles:
+                tasks.start_soon(m.materialize, h, dst)
 
-    add(
-        "pinned -> cuda",
-        time_sync(lambda: dst_dev.copy_(pinned, non_blocking=True)),
-        await time_async(backend_copy(backend, pinned, PINNED, CUDA0)),
-        "backend: h2d copy stream",
-    )
-    add(
-        "cuda -> pinned",
-        time_sync(lambda: dst_pinned.copy_(on_dev, non_blocking=True)),
-        await time_async(backend_copy(backend, on_dev, CUDA0, PINNED)),
-        "backend: fresh exact pinned dst, registration included",
-    )
-    add(
-        "cuda -> pinned (cache hit)",
-        None,
-        await time_async(backend_copy(cached, on_dev, CUDA0, PINNED)),
-        "backend: exact-size pinned cache",
-    )
-    add(
-        "pageable -> cuda",
-        time_sync(lambda: pageable.to(dev)),
-        await time_async(backend_copy(backend, pageable, PAGEABLE, CUDA0)),
-        f"backend: staged, {backend.pool.buffers} x {backend.pool.chunk_bytes >> 20} MB buffers",
-    )
-    add(
-        "cuda -> pageable",
-        time_sync(lambda: on_dev.cpu()),
-        await time_async(backend_copy(backend, on_dev, CUDA0, PAGEABLE)),
-        "backend: staged, fresh pageable dst",
+    async def release_all() -> None:
+        async with anyio.create_task_group() as tasks:
+            for h in handles:
+                tasks.start_soon(m.release, h, dst)
+
+    managed = []
+    for i in range(iters + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        await materialize_all()
+        if i:
+            managed.append(time.perf_counter() - t0)
+        await release_all()
+    for h in handles:
+        await m.discard(h)
+    total = n * conc
+    row = {
+        "path": path,
+        "size": label,
+        "concurrent": conc,
+        "torch": median_gbps(total, raw),
+        "ours": median_gbps(total, ours),
+        "manager": median_gbps(total, managed),
+        "anchor": ANCHORS.get(ANCHOR_OF[path], {}).get(label) if conc == 1 else None,
+        "note": "",
+    }
+    rows.append(row)
+    print(
+        f"  {path:36s} {label:>6s} x{conc:<3d} torch {fmt(row['torch'])}  backend "
+        f"{fmt(row['ours'])}  manager {fmt(row['manager'])}  anchor {fmt(row['anchor'])}",
+        flush=True,
     )
 
 
 async def bench_both_directions(
-    backend: CudaBackend, cached: CudaBackend, n: int, label: str, rows: list[dict[str, Any]]
+    backend: CudaBackend, n: int, label: str, rows: list[dict[str, Any]]
 ) -> None:
     dev = torch.device("cuda", 0)
     pageable = host_data(n)
@@ -206,78 +305,125 @@ async def bench_both_directions(
         with torch.cuda.stream(s2):
             dst_pinned.copy_(on_dev, non_blocking=True)
 
-    def pair(b: CudaBackend, up_src: torch.Tensor, up_loc: Location, down_loc: Location):
+    def pair(up_src: torch.Tensor, up_loc: Location, down_loc: Location):
         async def run() -> None:
-            up = b.copy(up_src, up_loc, CUDA0)
-            down = b.copy(on_dev, CUDA0, down_loc)
-            await asyncio.gather(up.wait(), down.wait())
-            b.free(up.tensor, CUDA0)
-            b.free(down.tensor, down_loc)
+            up = backend.copy(up_src, up_loc, CUDA0)
+            down = backend.copy(on_dev, CUDA0, down_loc)
+            await up.wait()
+            await down.wait()
+            backend.free(up.tensor, CUDA0)
+            backend.free(down.tensor, down_loc)
 
         return run
 
     raw_s = time_sync(raw)
-    pinned_s = await time_async(pair(cached, pinned, PINNED, PINNED))
-    staged_s = await time_async(pair(backend, pageable, PAGEABLE, PAGEABLE))
+    pinned_s = await time_async(pair(pinned, PINNED, PINNED))
+    staged_s = await time_async(pair(pageable, PAGEABLE, PAGEABLE))
     for path, t, o, note in (
-        ("both directions", raw_s, pinned_s, "pinned both ways; backend: h2d + d2h streams"),
-        ("both directions, pageable", raw_s, staged_s, "backend: both staging lanes"),
+        ("both directions, pinned", raw_s, pinned_s, "torch: pinned both ways, two streams"),
+        ("both directions, pageable", raw_s, staged_s, "aresidency: both staging lanes"),
     ):
         rows.append(
             {
                 "path": path,
                 "size": label,
+                "concurrent": 2,
                 "torch": 2 * n / statistics.median(t) / 1e9,
                 "ours": 2 * n / statistics.median(o) / 1e9,
+                "manager": None,
                 "anchor": ANCHORS["both directions"].get(label),
                 "note": note + " (GB/s total)",
             }
         )
         r = rows[-1]
-        print(f"  {path:28s} {label:>6s}  torch {fmt(r['torch'])}  backend {fmt(r['ours'])}")
+        print(f"  {path:36s} {label:>6s}  torch {fmt(r['torch'])}  backend {fmt(r['ours'])}")
 
 
 async def bench_staging_configs(n: int, label: str, rows: list[dict[str, Any]]) -> None:
     pageable = host_data(n)
     on_dev = pageable.to("cuda:0")
-    for chunk_mb, buffers in ((8, 2), (32, 2), (32, 3), (32, 4), (64, 2)):
-        b = CudaBackend(staging_chunk_bytes=chunk_mb * MB, staging_buffers=buffers)
+    variants: list[tuple[str, dict[str, Any]]] = [
+        (
+            "3 x 32 MB, 1 memcpy thread, torch.empty dst",
+            dict(staging_memcpy_threads=1, pageable_mmap_bytes=None),
+        ),
+        (
+            "3 x 32 MB, 8 memcpy threads, torch.empty dst",
+            dict(staging_memcpy_threads=8, pageable_mmap_bytes=None),
+        ),
+        ("3 x 32 MB, 8 memcpy threads, huge-page dst", dict(staging_memcpy_threads=8)),
+        (
+            "4 x 32 MB, 8 memcpy threads, huge-page dst",
+            dict(staging_buffers=4, staging_memcpy_threads=8),
+        ),
+        (
+            "4 x 32 MB, 4 memcpy threads, huge-page dst",
+            dict(staging_buffers=4, staging_memcpy_threads=4),
+        ),
+        (
+            "6 x 16 MB, 8 memcpy threads, huge-page dst",
+            dict(staging_buffers=6, staging_chunk_bytes=16 * MB, staging_memcpy_threads=8),
+        ),
+        ("2 x 32 MB", dict(staging_buffers=2)),
+    ]
+    for name, kwargs in variants:
+        b = CudaBackend(**kwargs)
         b.start()
         try:
-            up = await time_async(backend_copy(b, pageable, PAGEABLE, CUDA0), iters=5)
-            down = await time_async(backend_copy(b, on_dev, CUDA0, PAGEABLE), iters=5)
+            up = await time_async(backend_copies(b, [pageable], "pageable-host", "cuda:0"), iters=5)
+            down = await time_async(backend_copies(b, [on_dev], "cuda:0", "pageable-host"), iters=5)
         finally:
             await b.aclose()
-        anchor = {8: 32.3, 32: 50.4}.get(chunk_mb) if buffers == 2 else None
         for path, t in (("pageable -> cuda", up), ("cuda -> pageable", down)):
             rows.append(
                 {
-                    "path": f"{path} [{buffers} x {chunk_mb} MB]",
+                    "path": f"{path} [{name}]",
                     "size": label,
+                    "concurrent": 1,
                     "torch": None,
                     "ours": median_gbps(n, t),
-                    "anchor": anchor if path.startswith("pageable") else None,
-                    "note": "staging pool variant, median of 5",
+                    "manager": None,
+                    "anchor": None,
+                    "note": "staging variant, median of 5",
                 }
             )
             r = rows[-1]
-            print(f"  {r['path']:28s} {label:>6s}  backend {fmt(r['ours'])}")
+            print(f"  {r['path']:70s} {label:>6s}  backend {fmt(r['ours'])}", flush=True)
 
 
-async def bench_peer(backend: CudaBackend, n: int, label: str, rows: list[dict[str, Any]]) -> None:
+async def bench_peer(
+    backend: CudaBackend, m: Any, n: int, label: str, rows: list[dict[str, Any]]
+) -> None:
     src = host_data(n).to("cuda:0")
     dst = torch.empty(n, dtype=torch.uint8, device="cuda:1")
     raw = time_sync(lambda: dst.copy_(src, non_blocking=True))
-    ours = await time_async(backend_copy(backend, src, CUDA0, Location.parse("cuda:1")))
+    ours = await time_async(backend_copies(backend, [src], "cuda:0", "cuda:1"))
+    h = m.register(src, None, ReplicaMode.REPLICABLE, location="cuda:0")
+    managed = []
+    for i in range(ITERS + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        await m.materialize(h, "cuda:1")
+        if i:
+            managed.append(time.perf_counter() - t0)
+        await m.release(h, "cuda:1")
+    await m.discard(h)
     rows.append(
         {
             "path": "cuda:0 -> cuda:1",
             "size": label,
+            "concurrent": 1,
             "torch": median_gbps(n, raw),
             "ours": median_gbps(n, ours),
+            "manager": median_gbps(n, managed),
             "anchor": ANCHORS["cuda:0 -> cuda:1"].get(label),
             "note": "peer streams",
         }
+    )
+    r = rows[-1]
+    print(
+        f"  cuda:0 -> cuda:1 {label} torch {fmt(r['torch'])} backend {fmt(r['ours'])}"
+        f" manager {fmt(r['manager'])}"
     )
 
 
@@ -317,6 +463,19 @@ class LagProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def thread_cpu(threads: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) of each named native thread of this process (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, tid in threads.items():
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def p99(values: list[float]) -> float:
@@ -370,8 +529,15 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
     ]
     waiters: list[CudaBackend] = []
     choices: list[tuple[str, Any]] = [
-        ("hybrid (default: hostfunc + 75 us polls near the predicted end)", "hybrid"),
-        ("hybrid, 40 us polls", EventWaiter("hybrid", hybrid_poll_s=40e-6)),
+        (
+            "hybrid (default: hostfunc + 40 us polls from 8% + 60 us before the predicted end)",
+            "hybrid",
+        ),
+        (
+            "hybrid, 75 us polls from 15% + 100 us before (the previous default)",
+            EventWaiter("hybrid", hybrid_poll_s=75e-6, lead_fraction=0.15, lead_s=100e-6),
+        ),
+        ("hybrid, 20 us polls", EventWaiter("hybrid", hybrid_poll_s=20e-6)),
         ("hostfunc only", "hostfunc"),
         ("poll thread (50 us .. 1 ms backoff)", "poll"),
         ("blocking-sync thread", "blocking"),
@@ -391,12 +557,28 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
         record = (lambda b=b: b.record_event(stream)) if b is not None else None
         lat: list[float] = []
         gc.disable()
+        waiter_thread = b.waiter._thread if b is not None else None
+        threads = {"loop": threading.get_native_id()}
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        for _ in range(waits):
+        per0 = thread_cpu(threads)
+        waiter0 = None
+        for i in range(waits):
             event, t0 = launch(make(), record)
             await wait(event)
             lat.append(time.perf_counter() - t0)
-        cpu_short = (time.process_time() - cpu0) / (time.perf_counter() - wall0) * 100
+            if i == 0 and b is not None and b.waiter._thread is not None:
+                threads["waiter"] = b.waiter._thread.native_id or 0
+                waiter0 = thread_cpu(threads).get("waiter")
+        wall = time.perf_counter() - wall0
+        cpu_short = (time.process_time() - cpu0) / wall * 100
+        per1 = thread_cpu(threads)
+        loop_cpu = (per1["loop"] - per0["loop"]) / wall * 100
+        waiter_cpu = (
+            (per1["waiter"] - waiter0) / wall * 100
+            if waiter0 is not None and "waiter" in per1
+            else None
+        )
+        del waiter_thread
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for _ in range(10):
             event, _t0 = launch(make(), record, long)
@@ -414,6 +596,8 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
                 "wake_us_median": statistics.median(wake) * 1e6,
                 "wake_us_p90": wake[int(0.9 * len(wake))] * 1e6,
                 "cpu_percent": cpu_short,
+                "cpu_loop_percent": loop_cpu,
+                "cpu_waiter_percent": waiter_cpu,
                 "cpu_percent_20ms": cpu_long,
                 "lag_p99_ms": p99(probe.lags) * 1e3,
                 "lag_median_ms": statistics.median(probe.lags) * 1e3,
@@ -422,7 +606,8 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
         r = rows[-1]
         print(
             f"  {name:62s} wake {r['wake_us_median']:7.1f} us (p90 {r['wake_us_p90']:7.1f})"
-            f"  CPU {cpu_short:5.1f} % / {cpu_long:5.1f} %  lag p99 {r['lag_p99_ms']:6.3f} ms",
+            f"  CPU {cpu_short:5.1f} % (loop {loop_cpu:5.1f}, waiter {fmt(waiter_cpu)}) / "
+            f"{cpu_long:5.1f} %  lag p99 {r['lag_p99_ms']:6.3f} ms",
             flush=True,
         )
     # The idle loop's own lag, for reference.
@@ -507,26 +692,30 @@ def markdown(
         "",
         "GB/s, median of 8 (variants: 5), wall time from issue to data known to be there.",
         "",
-        "| path | size | plain torch | aresidency | ANCHORS.md | note |",
-        "|---|---|---|---|---|---|",
+        "| path | size | copies at once | plain torch | aresidency backend | aresidency manager "
+        "| anchor | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in copy_rows:
         lines.append(
-            f"| {r['path']} | {r['size']} | {fmt(r['torch']).strip()} | "
-            f"{fmt(r['ours']).strip()} | {fmt(r['anchor']).strip()} | {r['note']} |"
+            f"| {r['path']} | {r['size']} | {r.get('concurrent', 1)} | {fmt(r['torch']).strip()} | "
+            f"{fmt(r['ours']).strip()} | {fmt(r.get('manager')).strip()} | "
+            f"{fmt(r['anchor']).strip()} | {r['note']} |"
         )
     lines += [
         "",
         "### Waking the loop when a CUDA event completes (2 ms kernel)",
         "",
-        "| strategy | wake-up us (median) | p90 | CPU % (2 ms waits) | CPU % (20 ms waits) "
-        "| loop lag p99 ms |",
-        "|---|---|---|---|---|---|",
+        "| strategy | wake-up us (median) | p90 | CPU % (2 ms waits) | of it: loop thread "
+        "| of it: waiter thread | CPU % (20 ms waits) | loop lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in wake_rows:
         lines.append(
             f"| {r['strategy']} | {fmt(r['wake_us_median'], '.1f').strip()} | "
             f"{fmt(r['wake_us_p90'], '.1f').strip()} | {fmt(r['cpu_percent'], '.1f').strip()} | "
+            f"{fmt(r.get('cpu_loop_percent'), '.1f').strip()} | "
+            f"{fmt(r.get('cpu_waiter_percent'), '.1f').strip()} | "
             f"{fmt(r['cpu_percent_20ms'], '.1f').strip()} | {r['lag_p99_ms']:.3f} |"
         )
     lines += [

@@ -18,8 +18,9 @@ from .bridge import LoopBridge, LoopClosedError
 from .cuda import CopyStreams, CudaBackend
 from .events import HostEvent
 from .memory import POISON_BYTE, as_bytes, is_poisoned, poison_
+from .pinned import PinnedAllocator
 from .sim import SimBackend, SimDeviceStreams, SimEvent, SimStream
-from .staging import PinnedAllocator, StagingPool
+from .staging import StagingPool
 from .waiter import STRATEGIES, EventWaiter, hostfunc_available
 
 __all__ = [

@@ -298,6 +298,17 @@ class Backend(abc.ABC):
         """Bytes of pinned staging buffers this backend uses for pageable copies (charged to
         ``pinned-host`` by the runtime as a named reservation)."""
 
+    def pinned_overhead_bytes(self) -> int:
+        """Page-locked bytes this backend keeps ready for pinned destinations that no value
+        holds (a pinned arena's free space); the runtime shows them as the backend's own
+        reservation at ``pinned-host``. None by default."""
+        return 0
+
+    def limit_pinned_overhead(self, headroom: int | None) -> None:
+        """The runtime's bound on :meth:`pinned_overhead_bytes`: the pinned-host budget less
+        everything charged there (``None``: no budget). Nothing to bound by default."""
+        del headroom
+
     # -------------------------------------------------------------- memory
 
     @abc.abstractmethod

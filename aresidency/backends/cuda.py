@@ -39,7 +39,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import math
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,18 +51,19 @@ import torch
 
 from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
+from .arena import PinnedArena
 from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
 from .bridge import LoopBridge
 from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
 from .memory import as_bytes, poison_
+from .pinned import PinnedAllocator, cuda_event, register_pinned, unregister_pinned
 from .staging import (
-    PinnedAllocator,
     StagingLane,
     StagingPool,
     copy_d2h_staged,
     copy_h2d_staged,
-    cuda_event,
+    pageable_empty,
 )
 from .waiter import EventWaiter, spin_wait
 
@@ -132,10 +135,18 @@ class CudaBackend(Backend):
     ``inline_pageable_bytes``: pageable-to-device copies up to this size skip the pool (the
     driver stages them while ``copy`` returns). ``inline_register_bytes``: pinned
     destinations up to this size are page-locked inside ``copy``; larger ones in a worker.
+    ``staging_memcpy_threads``: host threads that copy each device-to-host chunk out of its
+    pinned buffer. ``pageable_mmap_bytes``: pageable destinations from this size up are
+    private mappings asked for huge pages (``None``: ``torch.empty``).
+    ``pinned_arena_bytes``: the most host memory the pinned arena may keep registered (``0``:
+    no arena, every fresh pinned destination is registered for itself); the runtime lowers it
+    to the pinned-host budget's headroom (:meth:`limit_pinned_overhead`). ``arena_slab_bytes``:
+    the size of its shared slabs.
 
-    State: the waiter thread, the staging pool (two lane threads), a worker pool for host
-    copies and deferred issues, the pinned allocator, ``_host_waits`` (completions of host
-    events), ``_closed``.
+    State: the waiter thread, the staging pool (two lane threads and the memcpy threads), a
+    worker pool for host copies and deferred issues, the pinned allocator and arena,
+    ``_busy_until`` (per copy stream, when its queued copies should be done: the waiter polls
+    short ones on the loop), ``_host_waits`` (completions of host events), ``_closed``.
     """
 
     name = "cuda"
@@ -151,6 +162,10 @@ class CudaBackend(Backend):
         inline_pageable_bytes: int = 256 << 10,
         inline_register_bytes: int = 1 << 20,
         host_workers: int = 4,
+        staging_memcpy_threads: int | None = None,
+        pageable_mmap_bytes: int | None = 2 << 20,
+        pinned_arena_bytes: int = 4 << 30,
+        arena_slab_bytes: int = 64 << 20,
         faults: FaultInjector | None = None,
     ) -> None:
         if not torch.cuda.is_available():
@@ -158,11 +173,30 @@ class CudaBackend(Backend):
         self.faults = faults if faults is not None else FaultInjector()
         self.waiter = waiter if isinstance(waiter, EventWaiter) else EventWaiter(waiter)
         self.pinned = PinnedAllocator(cache_bytes=pinned_cache_bytes)
+        if staging_memcpy_threads is None:
+            staging_memcpy_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self.pool = StagingPool(
-            self.pinned, chunk_bytes=staging_chunk_bytes, buffers=staging_buffers
+            self.pinned,
+            chunk_bytes=staging_chunk_bytes,
+            buffers=staging_buffers,
+            memcpy_threads=staging_memcpy_threads,
         )
+        if pinned_arena_bytes < 0:
+            raise ValueError(f"pinned_arena_bytes must be >= 0, got {pinned_arena_bytes}")
+        self.pinned_arena_bytes = pinned_arena_bytes
+        self.arena: PinnedArena | None = None
+        if pinned_arena_bytes and self.pinned.exact:
+            self.arena = PinnedArena(
+                register_pinned,
+                unregister_pinned,
+                slab_bytes=arena_slab_bytes,
+                limit_bytes=pinned_arena_bytes,
+                prefault=_prefault,
+            )
+        self.pageable_mmap_bytes = pageable_mmap_bytes
         self.inline_pageable_bytes = inline_pageable_bytes
         self.inline_register_bytes = inline_register_bytes
+        self._busy_until: dict[int, float] = {}  # copy stream handle -> monotonic seconds
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=host_workers, thread_name_prefix="aresidency-host"
         )
@@ -209,12 +243,49 @@ class CudaBackend(Backend):
             self.pool.close()
             self._executor.shutdown(wait=True)
             self.pinned.trim()
+            if self.arena is not None:
+                self.arena.close()
 
         await anyio.to_thread.run_sync(close_all)
 
     def staging_nbytes(self) -> int:
         """Pinned bytes of the staging pool plus the pinned reuse cache (constant)."""
         return self.pool.nbytes + self.pinned.cache_bytes
+
+    def pinned_overhead_bytes(self) -> int:
+        """Bytes the pinned arena keeps registered that no value holds (free space and
+        alignment padding of its slabs)."""
+        return self.arena.free_bytes() if self.arena is not None else 0
+
+    def limit_pinned_overhead(self, headroom: int | None) -> None:
+        """Let the arena keep at most ``headroom`` registered bytes beyond its live blocks
+        (``None``: only ``pinned_arena_bytes`` bounds it). Slabs left entirely free past the
+        new limit are unregistered in a worker thread. Cheap; on the loop."""
+        arena = self.arena
+        if arena is None:
+            return
+        limit = self.pinned_arena_bytes
+        if headroom is not None:
+            limit = min(limit, arena.value_bytes + max(headroom, 0))
+        if limit == arena.limit_bytes:
+            return
+        shrinking = arena.limit_bytes is None or limit < arena.limit_bytes
+        arena.limit_bytes = limit
+        if shrinking and arena.total_bytes > limit and not self._closed:
+            self._executor.submit(arena.trim, keep_within_limit=True)
+
+    def _carve_pinned(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """A pinned tensor carved from the arena (no registration), or None; grows the arena
+        ahead of need in a worker thread."""
+        arena = self.arena
+        if arena is None:
+            return None
+        tensor = arena.try_carve(shape, dtype)
+        if arena.needs_growth() and not self._closed:
+            self._executor.submit(arena.grow_ahead)
+        return tensor
 
     # -------------------------------------------------------------- memory
 
@@ -230,7 +301,8 @@ class CudaBackend(Backend):
         if loc.is_cuda:
             return torch.empty(tuple(shape), dtype=dtype, device=_device(loc))
         if loc.is_pinned:
-            return self.pinned.empty(shape, dtype)
+            carved = self._carve_pinned(shape, dtype)
+            return carved if carved is not None else self.pinned.empty(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)
 
     def _maybe_injected_oom(self, numel: int, dtype: torch.dtype, loc: Location) -> None:
@@ -262,6 +334,8 @@ class CudaBackend(Backend):
         loc = Location.parse(location)
         if not loc.is_pinned:
             return
+        if self.arena is not None and self.arena.owns(tensor):
+            return  # the block returns to its slab when its last tensor dies
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes >= self.inline_register_bytes and not self._closed:
             # Unlocking a large range takes milliseconds: do it off the loop.
@@ -284,11 +358,23 @@ class CudaBackend(Backend):
             return HostEvent(done=True, label="host")
         return self._record(stream)
 
-    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    def _record(
+        self, stream: torch.cuda.Stream, expected_at: float | None = None
+    ) -> torch.cuda.Event:
         event = cuda_event(blocking=self.waiter.blocking_events)
         event.record(stream)
-        self.waiter.arm(event, stream)
+        self.waiter.arm(event, stream, expected_at)
         return event
+
+    def _expect(self, stream: torch.cuda.Stream, nbytes: int, bytes_per_s: float) -> float:
+        """When a copy of ``nbytes`` enqueued on ``stream`` now should be done: after the
+        copies queued before it, at ``bytes_per_s``, plus the launch latency (an estimate for
+        the waiter, never a promise)."""
+        key = int(stream.cuda_stream)
+        now = time.monotonic()
+        done = max(now, self._busy_until.get(key, 0.0)) + _COPY_LATENCY_S + nbytes / bytes_per_s
+        self._busy_until[key] = done
+        return done
 
     def stream_wait(self, stream: Any, event: DeviceEvent) -> None:
         """``cudaStreamWaitEvent``: later work on ``stream`` waits for ``event`` on the
@@ -453,7 +539,8 @@ class CudaBackend(Backend):
             if fail:
                 with torch.cuda.stream(s_j):
                     poison_(dst)
-            return self._record(s_j)
+            rate = _PEER_BYTES_PER_S if i != j else _DEVICE_BYTES_PER_S
+            return self._record(s_j, self._expect(s_j, nbytes, rate))
 
         self._issue_inline_or_deferred(transfer, host_waits, issue)
         return transfer
@@ -485,7 +572,7 @@ class CudaBackend(Backend):
                     dst.copy_(src, non_blocking=True)
                     if fail:
                         poison_(dst)
-                return self._record(stream)
+                return self._record(stream, self._expect(stream, nbytes, _LINK_BYTES_PER_S))
 
             self._issue_inline_or_deferred(transfer, host_waits, issue)
             return transfer
@@ -522,10 +609,16 @@ class CudaBackend(Backend):
         i = src_loc.device_index
         stream = copy_streams(i).d2h
         if dst_loc.is_pinned:
-            pin_now = nbytes <= self.inline_register_bytes
-            dst = self.pinned.empty(src.shape, src.dtype, pin=pin_now)
+            carved = self._carve_pinned(src.shape, src.dtype)
+            pin_now = carved is not None or nbytes <= self.inline_register_bytes
+            dst = (
+                carved
+                if carved is not None
+                else self.pinned.empty(src.shape, src.dtype, pin=pin_now)
+            )
             fail = self.faults.next_transfer_fails()
-            transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
+            route = "arena" if carved is not None else "direct"
+            transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
             needs_pin = not (pin_now or self.pinned.is_pinned_by_us(dst) or nbytes == 0)
 
             def issue() -> DeviceEvent:
@@ -535,7 +628,7 @@ class CudaBackend(Backend):
                     for event in device_waits:
                         stream.wait_event(event)
                     dst.copy_(src, non_blocking=True)
-                event = self._record(stream)
+                event = self._record(stream, self._expect(stream, nbytes, _LINK_BYTES_PER_S))
                 if fail:
                     spin_wait(event)
                     poison_(dst)
@@ -547,7 +640,7 @@ class CudaBackend(Backend):
             )
             return transfer
 
-        dst = torch.empty(src.shape, dtype=src.dtype)
+        dst = pageable_empty(src.shape, src.dtype, mmap_from=self.pageable_mmap_bytes)
         fail = self.faults.next_transfer_fails()
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "staged", fail=fail)
         # Enqueued now, in stream order before the lane's chunks.
@@ -582,17 +675,20 @@ class CudaBackend(Backend):
         nbytes: int,
         waits: list[DeviceEvent],
     ) -> Transfer:
-        if dst_loc.is_pinned:
+        carved = self._carve_pinned(src.shape, src.dtype) if dst_loc.is_pinned else None
+        if carved is not None:
+            dst = carved
+        elif dst_loc.is_pinned:
             dst = self.pinned.empty(src.shape, src.dtype, pin=False)
         else:
-            dst = torch.empty(src.shape, dtype=src.dtype)
+            dst = pageable_empty(src.shape, src.dtype, mmap_from=self.pageable_mmap_bytes)
         fail = self.faults.next_transfer_fails()
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "host", fail=fail)
 
         def issue() -> DeviceEvent:
             for event in waits:
                 _host_wait(event)
-            if dst_loc.is_pinned:
+            if dst_loc.is_pinned and carved is None:
                 self.pinned.pin(dst)
             dst.copy_(src)
             if fail:
@@ -604,11 +700,31 @@ class CudaBackend(Backend):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "started" if self._started else "idle"
+        arena = self.arena
+        carved = (
+            "off"
+            if arena is None
+            else (f"{format_bytes(arena.value_bytes)} of {format_bytes(arena.total_bytes)}")
+        )
         return (
             f"<CudaBackend {state} devices={self._num_devices} waiter={self.waiter.strategy} "
             f"staging={self.pool.buffers}x{format_bytes(self.pool.chunk_bytes)} per direction "
-            f"pinned={format_bytes(self.pinned.pinned_bytes)}>"
+            f"pinned={format_bytes(self.pinned.pinned_bytes)} arena={carved}>"
         )
+
+
+# Estimates for the waiter (when a copy should be done), not promises: the host link of an H200
+# moves about 55 GB/s each way and NVLink about 380 GB/s between two of them; a launch adds
+# about 10 us.
+_LINK_BYTES_PER_S = 50e9
+_PEER_BYTES_PER_S = 350e9
+_DEVICE_BYTES_PER_S = 1500e9
+_COPY_LATENCY_S = 10e-6
+
+
+def _prefault(raw: torch.Tensor) -> None:
+    """Fault in a new slab before registering it (torch's fill runs on several threads)."""
+    raw.fill_(0)
 
 
 def _device(loc: Location) -> torch.device:

@@ -1,310 +1,50 @@
-"""Exactly-sized pinned host memory, and the pinned staging pool for pageable copies.
+"""The pinned staging pool for pageable copies, and pageable destinations.
 
-Pinned memory
-    torch's pinned caching allocator rounds every block up to a power of two, so a 65 MiB
-    tensor pins 128 MiB that no budget sees. :class:`PinnedAllocator` instead maps anonymous
-    page-aligned memory (``mmap``), wraps it in a tensor of exactly the requested bytes
-    (``torch.frombuffer``) and page-locks it with ``cudaHostRegister`` (torch's
-    ``torch.cuda.cudart()`` binding, present since torch 1.x; the call releases the GIL). The
-    pinned footprint is the tensor's bytes rounded up to one host page. ``free`` unregisters
-    at once; memory still referenced elsewhere stays valid as pageable memory and is unmapped
-    when its last tensor dies. When ``cudaHostRegister`` is unavailable the allocator falls
-    back to ``torch.empty(pin_memory=True)`` (caching allocator, power-of-two rounding) and
-    says so in ``exact``.
+On an H200 host a plain pageable copy reaches 9-17 GB/s of a 55 GB/s link; chunked staging
+through pinned buffers recovers almost all of it in the host-to-device direction (49.5 GB/s
+with three 32 MB buffers per lane, 38.9-45.9 with two: with two, a refill waits out the
+previous chunk's wake-up and memcpy while only one device copy is queued; see
+``benchmarks/RESULTS.md``). :class:`StagingPool` has two lanes, host-to-device and
+device-to-host, so both copy engines are fed at once. Each lane owns ``buffers`` pinned buffers
+of ``chunk_bytes`` and one thread that runs its jobs in FIFO order, never on the event loop; a
+buffer is refilled only after the device copy that last used it completed
+(:func:`~aresidency.backends.waiter.spin_wait` on its event).
 
-Staging pool
-    ANCHORS.md (H200): a plain pageable copy reaches 9-17 GB/s of a 55 GB/s link; chunked
-    double-buffered staging through pinned memory reaches 50.4 GB/s with 32 MB chunks (32.3
-    with 8 MB chunks). With two buffers a refill waits out the previous chunk's wake-up and
-    memcpy while only one device copy is queued; the CUDA backend's default is three 32 MB
-    buffers per lane, which measured 49.5 GB/s against 43.1 for two (benchmarks/RESULTS.md).
-    :class:`StagingPool` has two lanes, host-to-device and device-to-host,
-    so both copy engines can be fed at once. Each lane owns ``buffers`` pinned buffers of
-    ``chunk_bytes`` and one thread that runs its jobs in FIFO order: the host-side memcpy
-    between pageable memory and a buffer runs in that thread (torch's ``copy_`` releases the
-    GIL and is multi-threaded), never on the event loop; a buffer is refilled only after the
-    device copy that last used it completed (:func:`~aresidency.backends.waiter.spin_wait` on
-    its event).
+Host-to-device, the lane thread copies each chunk into a buffer (torch's ``copy_``, which
+releases the GIL and runs on several threads). Device-to-host, the host side is the limit: a
+fresh pageable destination is faulted in page by page as it is first written (about 19 GB/s on
+that host with 4 KiB pages, 24 GB/s with transparent huge pages), and even into memory already
+faulted in a pinned-to-pageable memcpy reaches only 35-41 GB/s there, with any number of
+threads. So the device-to-host lane keeps up to ``buffers`` chunk copies in flight and copies
+each completed chunk out with ``memcpy_threads`` threads (``memmove`` through ctypes, without
+the GIL) while later chunks cross the link; pageable destinations are private mappings asked
+for transparent huge pages (:func:`pageable_empty`), which makes the faults few and large.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import math
-import mmap
 import queue
 import threading
-import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
 
-from .memory import as_bytes
+from .arena import private_mapping
+from .pinned import PAGE_BYTES, PinnedAllocator, cuda_event
 from .waiter import spin_wait
 
 __all__ = [
-    "PAGE_BYTES",
-    "PinnedAllocator",
     "StagingLane",
     "StagingPool",
     "copy_d2h_staged",
     "copy_h2d_staged",
-    "cuda_event",
-    "register_available",
+    "pageable_empty",
 ]
-
-PAGE_BYTES: Final = mmap.PAGESIZE
-_HUGE_BYTES: Final = 2 << 20
-# Fresh pages are faulted in (zeroed by the kernel) before registration; in parallel with
-# torch's multi-threaded fill above this size (torch does the same with
-# ``pinned_num_register_threads``), by cudaHostRegister itself below it. H200 host, 1 GB:
-# 230 ms with the parallel fill, 363 ms without, 364 ms for torch's cudaHostAlloc.
-_PREFAULT_BYTES: Final = 4 << 20
-
-
-def _cudart() -> Any:
-    cudart: Any = torch.cuda.cudart  # untyped in torch
-    return cudart()
-
-
-def cuda_event(*, blocking: bool = False) -> torch.cuda.Event:
-    """A new ``torch.cuda.Event`` (``blocking=True``: ``synchronize`` sleeps, not spins)."""
-    ctor: Any = torch.cuda.Event  # untyped in torch
-    event: torch.cuda.Event = ctor(blocking=blocking)
-    return event
-
-
-def register_available() -> bool:
-    """Whether ``torch.cuda.cudart().cudaHostRegister`` can be called here."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return hasattr(_cudart(), "cudaHostRegister")
-    except (AssertionError, RuntimeError):
-        return False
-
-
-def _register(ptr: int, nbytes: int) -> None:
-    rt = _cudart()
-    err = rt.cudaHostRegister(ptr, nbytes, 0)  # default flags: mapped and portable under UVA
-    if int(err) != 0:
-        raise torch.OutOfMemoryError(
-            f"cudaHostRegister could not page-lock {nbytes} B of host memory: "
-            f"{rt.cudaGetErrorString(err)}; lower the pinned-host budget or the staging pool"
-        )
-
-
-def _unregister(ptr: int) -> None:
-    _cudart().cudaHostUnregister(ptr)
-
-
-class _Mapping(mmap.mmap):
-    """Anonymous page-aligned memory that backs pinned tensors (one at a time).
-
-    ``registered`` is True while page-locked. The mapping outlives each tensor made over it
-    (see :meth:`PinnedAllocator._on_tensor_death`); when the mapping itself dies, ``__del__``
-    unregisters it before ``mmap`` unmaps it: a registered range must never be unmapped
-    (the driver would refuse to register that address range again).
-    """
-
-    nbytes: int
-    ptr: int
-    registered: bool
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "registered", False):
-                self.registered = False
-                _unregister(self.ptr)
-        except Exception:
-            pass  # interpreter shutdown or a torn-down CUDA context: nothing left to unpin
-
-
-def _on_tensor_death(owner: weakref.ref[PinnedAllocator], mapping: _Mapping) -> None:
-    allocator = owner()
-    if allocator is not None:
-        allocator._tensor_died(mapping)
-
-
-class PinnedAllocator:
-    """Exactly-sized page-locked host tensors (see the module docstring).
-
-    Each tensor is made over a fresh buffer exporter (a ``ctypes`` array over the mapping)
-    whose death, that is the death of the tensor's last storage reference, is observed with
-    ``weakref.finalize``.
-
-    State: ``_live`` (data pointer -> weak mapping, for ``release``), ``_cache`` (exact byte
-    size -> registered mappings no tensor uses, at most ``cache_bytes`` in all),
-    ``pinned_bytes`` (bytes registered now, cache included), ``timings`` (seconds spent
-    faulting in pages, registering and unregistering, for benchmarks).
-    Invariant: a cached mapping is registered and referenced by no tensor.
-    """
-
-    def __init__(self, *, cache_bytes: int = 0, prefault: bool = True) -> None:
-        if cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
-        self.cache_bytes = cache_bytes
-        self.prefault = prefault
-        self.exact = register_available()
-        self._lock = threading.Lock()
-        self._live: dict[int, weakref.ref[_Mapping]] = {}
-        self._cache: dict[int, list[_Mapping]] = {}
-        self._cached_bytes = 0
-        self.pinned_bytes = 0
-        self.cache_hits = 0
-        self.timings = {"prefault_s": 0.0, "register_s": 0.0, "unregister_s": 0.0}
-
-    # -- allocation
-
-    def empty(
-        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, *, pin: bool = True
-    ) -> torch.Tensor:
-        """A contiguous host tensor of exactly ``numel * itemsize`` bytes, page-locked unless
-        ``pin=False`` (then call :meth:`pin` later, off the event loop: registering faults in
-        and locks every page). Blocks the calling thread while pinning."""
-        numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(tuple(shape), dtype=dtype)
-        if not self.exact:
-            # Fallback: torch's caching allocator, pinned at once (power-of-two blocks).
-            return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
-        mapping = self._take_cached(nbytes)
-        if mapping is None:
-            mapping = _Mapping(-1, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
-            mapping.nbytes = nbytes
-            mapping.registered = False
-            if nbytes >= _HUGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
-                    mapping.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault and lock
-                except OSError:
-                    pass
-        exporter = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
-        raw = torch.frombuffer(exporter, dtype=torch.uint8)
-        mapping.ptr = raw.data_ptr()
-        weakref.finalize(exporter, _on_tensor_death, weakref.ref(self), mapping)
-        del exporter  # the tensor's storage holds it now
-        with self._lock:
-            self._live[mapping.ptr] = weakref.ref(mapping)
-        tensor = raw.view(dtype).view(tuple(shape))
-        if pin and not mapping.registered:
-            self._pin_mapping(mapping, raw)
-        return tensor
-
-    def pin(self, tensor: torch.Tensor) -> None:
-        """Page-lock a tensor made by ``empty(..., pin=False)``; blocks the calling thread.
-        Raises ``torch.OutOfMemoryError`` when the memory cannot be locked."""
-        mapping = self._mapping_of(tensor)
-        if mapping is None:
-            if tensor.numel() and not tensor.is_pinned():
-                raise ValueError("pin() takes a tensor made by this allocator")
-            return
-        if not mapping.registered:
-            self._pin_mapping(mapping, as_bytes(tensor))
-
-    def _pin_mapping(self, mapping: _Mapping, raw: torch.Tensor) -> None:
-        start = time.perf_counter()
-        if self.prefault and mapping.nbytes >= _PREFAULT_BYTES:
-            raw.view(torch.uint8).reshape(-1)[: mapping.nbytes].fill_(0)
-        mid = time.perf_counter()
-        _register(mapping.ptr, mapping.nbytes)
-        end = time.perf_counter()
-        mapping.registered = True
-        with self._lock:
-            self.pinned_bytes += mapping.nbytes
-            self.timings["prefault_s"] += mid - start
-            self.timings["register_s"] += end - mid
-
-    def is_pinned_by_us(self, tensor: torch.Tensor) -> bool:
-        mapping = self._mapping_of(tensor)
-        return mapping is not None and mapping.registered
-
-    def _mapping_of(self, tensor: torch.Tensor) -> _Mapping | None:
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
-            return None
-        ptr = tensor.untyped_storage().data_ptr()
-        with self._lock:
-            ref = self._live.get(ptr)
-        return ref() if ref is not None else None
-
-    # -- release
-
-    def release(self, tensor: torch.Tensor) -> bool:
-        """The caller is done with ``tensor``: unregister its memory now (the data stays
-        readable as pageable memory while other references live). With a cache, the memory
-        instead stays pinned and is reused for the next allocation of exactly the same size
-        once its last tensor dies. Returns whether the tensor was this allocator's."""
-        mapping = self._mapping_of(tensor)
-        if mapping is None:
-            return False
-        if self.cache_bytes and mapping.nbytes <= self.cache_bytes:
-            return True  # recycled by _tensor_died when the last tensor dies
-        self._unpin(mapping)
-        return True
-
-    def _unpin(self, mapping: _Mapping) -> None:
-        with self._lock:
-            was_registered = mapping.registered
-            mapping.registered = False
-            if was_registered:
-                self.pinned_bytes -= mapping.nbytes
-        if was_registered:
-            start = time.perf_counter()
-            _unregister(mapping.ptr)
-            with self._lock:
-                self.timings["unregister_s"] += time.perf_counter() - start
-
-    def _tensor_died(self, mapping: _Mapping) -> None:
-        """The last tensor over ``mapping`` died (any thread): cache it for exact-size reuse
-        if it is registered and fits, else unregister it (it is unmapped when dropped)."""
-        with self._lock:
-            if self._live.get(mapping.ptr, lambda: None)() is mapping:
-                del self._live[mapping.ptr]
-            keep = (
-                mapping.registered
-                and self.cache_bytes > 0
-                and self._cached_bytes + mapping.nbytes <= self.cache_bytes
-            )
-            if keep:
-                self._cache.setdefault(mapping.nbytes, []).append(mapping)
-                self._cached_bytes += mapping.nbytes
-        if not keep:
-            try:
-                self._unpin(mapping)
-            except Exception:
-                pass  # interpreter shutdown
-
-    def _take_cached(self, nbytes: int) -> _Mapping | None:
-        with self._lock:
-            free = self._cache.get(nbytes)
-            if not free:
-                return None
-            mapping = free.pop()
-            self._cached_bytes -= nbytes
-            self.cache_hits += 1
-            return mapping
-
-    def trim(self) -> None:
-        """Unregister and drop every cached mapping."""
-        with self._lock:
-            mappings = [m for free in self._cache.values() for m in free]
-            self._cache.clear()
-            self._cached_bytes = 0
-        for m in mappings:
-            self._unpin(m)
-
-    def __repr__(self) -> str:
-        kind = "exact cudaHostRegister" if self.exact else "torch pin_memory fallback"
-        return (
-            f"<PinnedAllocator {kind} pinned={self.pinned_bytes} B cached={self._cached_bytes} B"
-            f" of {self.cache_bytes} B>"
-        )
-
-
-# ------------------------------------------------------------------ staging lanes
 
 
 class StagingLane:
@@ -318,12 +58,19 @@ class StagingLane:
     """
 
     def __init__(
-        self, allocator: PinnedAllocator, direction: str, chunk_bytes: int, buffers: int
+        self,
+        allocator: PinnedAllocator,
+        direction: str,
+        chunk_bytes: int,
+        buffers: int,
+        memcpy_threads: int = 1,
     ) -> None:
         self.allocator = allocator
         self.direction = direction
         self.chunk_bytes = chunk_bytes
         self.num_buffers = buffers
+        self.memcpy_threads = memcpy_threads
+        self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
         self.buffers: list[torch.Tensor] = []
         self.free_after: list[Any] = [None] * buffers
         self.cursor = 0
@@ -351,6 +98,28 @@ class StagingLane:
         while len(self.buffers) < self.num_buffers:
             self.buffers.append(self.allocator.empty((self.chunk_bytes,), torch.uint8))
 
+    def host_copy(
+        self, dst: torch.Tensor, src: torch.Tensor
+    ) -> list[concurrent.futures.Future[Any]]:
+        """Start copying the bytes of host ``src`` into host ``dst`` (flat ``uint8``, same
+        size), split across ``memcpy_threads`` threads (``memmove`` in each, without the GIL);
+        returns the futures to wait on. With one thread, copies now and returns nothing."""
+        n = src.numel()
+        if self.memcpy_threads <= 1 or n < _PARALLEL_MEMCPY_BYTES:
+            dst.copy_(src)
+            return []
+        if self._copiers is None:
+            self._copiers = concurrent.futures.ThreadPoolExecutor(
+                self.memcpy_threads, thread_name_prefix=f"aresidency-memcpy-{self.direction}"
+            )
+        step = -(-n // self.memcpy_threads)
+        step = -(-step // PAGE_BYTES) * PAGE_BYTES
+        d, s_ = dst.data_ptr(), src.data_ptr()
+        return [
+            self._copiers.submit(ctypes.memmove, d + off, s_ + off, min(step, n - off))
+            for off in range(0, n, step)
+        ]
+
     def next_buffer(self) -> int:
         b = self.cursor
         self.cursor = (b + 1) % self.num_buffers
@@ -377,6 +146,8 @@ class StagingLane:
         self._queue.put(None)
         if thread is not None:
             thread.join(join_timeout)
+            if self._copiers is not None:
+                self._copiers.shutdown(wait=True)
             if not thread.is_alive():
                 for buffer in self.buffers:  # unpin now rather than at garbage collection
                     self.allocator.release(buffer)
@@ -396,13 +167,17 @@ class StagingPool:
         *,
         chunk_bytes: int = 32 << 20,
         buffers: int = 2,
+        memcpy_threads: int = 1,
     ) -> None:
-        if chunk_bytes <= 0 or buffers < 1:
-            raise ValueError(f"need chunk_bytes > 0 and buffers >= 1, got {chunk_bytes}, {buffers}")
+        if chunk_bytes <= 0 or buffers < 1 or memcpy_threads < 1:
+            raise ValueError(
+                "need chunk_bytes > 0, buffers >= 1 and memcpy_threads >= 1, got "
+                f"{chunk_bytes}, {buffers}, {memcpy_threads}"
+            )
         self.chunk_bytes = chunk_bytes
         self.buffers = buffers
         self.h2d = StagingLane(allocator, "h2d", chunk_bytes, buffers)
-        self.d2h = StagingLane(allocator, "d2h", chunk_bytes, buffers)
+        self.d2h = StagingLane(allocator, "d2h", chunk_bytes, buffers, memcpy_threads)
 
     @property
     def nbytes(self) -> int:
@@ -460,31 +235,59 @@ def copy_d2h_staged(
 ) -> bool:
     """Copy the bytes of device ``src`` into pageable ``dst`` (both flat ``uint8``) through
     ``lane``'s buffers, in the lane thread: up to ``num_buffers`` device copies in flight on
-    ``stream`` (current), each copied out by the host once its event completed. Returns when
-    every enqueued chunk is in ``dst``; False if ``cancelled()`` stopped it early."""
+    ``stream`` (current); each chunk is copied out by ``memcpy_threads`` host threads once its
+    event completed, while later chunks cross the link. A buffer takes a new device copy only
+    after its host copy finished. Returns when every enqueued chunk is in ``dst``; False if
+    ``cancelled()`` stopped it early."""
     lane.ensure_buffers()
     n = src.numel()
     chunk = lane.chunk_bytes
     inflight: deque[tuple[Any, int, int, int]] = deque()
+    reading: dict[int, list[concurrent.futures.Future[Any]]] = {}  # buffer -> host copies
     completed = True
 
     def drain_one() -> None:
         event, b, off, length = inflight.popleft()
         spin_wait(event)
-        dst[off : off + length].copy_(lane.buffers[b][:length])
+        reading[b] = lane.host_copy(dst[off : off + length], lane.buffers[b][:length])
 
-    for off in range(0, n, chunk):
-        if len(inflight) == lane.num_buffers:
+    try:
+        for off in range(0, n, chunk):
+            if len(inflight) == lane.num_buffers:
+                drain_one()
+            if cancelled():
+                completed = False
+                break
+            length = min(chunk, n - off)
+            b = lane.next_buffer()
+            for future in reading.pop(b, ()):
+                future.result()
+            lane.buffers[b][:length].copy_(src[off : off + length], non_blocking=True)
+            event = cuda_event(blocking=True)
+            event.record(stream)
+            inflight.append((event, b, off, length))
+        while inflight:
             drain_one()
-        if cancelled():
-            completed = False
-            break
-        length = min(chunk, n - off)
-        b = lane.next_buffer()
-        lane.buffers[b][:length].copy_(src[off : off + length], non_blocking=True)
-        event = cuda_event(blocking=True)
-        event.record(stream)
-        inflight.append((event, b, off, length))
-    while inflight:
-        drain_one()
+    finally:
+        for futures in reading.values():
+            for future in futures:
+                future.result()
     return completed
+
+
+def pageable_empty(
+    shape: Sequence[int] | torch.Size, dtype: torch.dtype, *, mmap_from: int | None
+) -> torch.Tensor:
+    """An uninitialized pageable host tensor; from ``mmap_from`` bytes up, over a private
+    anonymous mapping asked for transparent huge pages (fewer, larger page faults when a copy
+    first writes it), else ``torch.empty``."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if mmap_from is None or nbytes < mmap_from:
+        return torch.empty(tuple(shape), dtype=dtype)
+    mapping = private_mapping(nbytes)
+    exporter = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
+    return torch.frombuffer(exporter, dtype=torch.uint8).view(dtype).view(tuple(shape))
+
+
+_PARALLEL_MEMCPY_BYTES: Final = 1 << 20

@@ -8,11 +8,12 @@ calls back.) The waiter owns one background thread and one of four strategies:
 
   ``"hybrid"`` (the default when the driver offers it)
       ``"hostfunc"`` notifications plus polling where the completion is expected: the
-      thread queries an awaited event every ``hybrid_poll_s`` (75 us) for at most
+      thread queries an awaited event every ``hybrid_poll_s`` (40 us) for at most
       ``window_s`` (4 ms) from its *predicted* completion on. The prediction is per origin
       stream: the shortest of its last eight waits (from ``wait`` to seen complete), less a
-      lead of 15% + 100 us (capped at ``window_s``), so a stream whose waits shrink is caught
-      up in a few waits and one whose waits grow costs a few extra polls. With no history
+      lead of ``lead_fraction`` (8%) + ``lead_s`` (60 us), capped at ``window_s``, so a
+      stream whose waits shrink is caught up in a few waits and one whose waits grow costs a
+      few extra polls. With no history
       the polling starts at once. On an H200 (benchmarks/bench_copy.py, 2 ms kernel) a host
       function, like every interrupt-driven wake-up (blocking sync, a thread in
       ``synchronize()``), reached the loop 0.3-0.6 ms after the event, while a poll sees it
@@ -46,10 +47,19 @@ calls back.) The waiter owns one background thread and one of four strategies:
       Events are created with ``blocking=True`` (``cudaEventBlockingSync``); the waiter
       thread sleeps in ``synchronize()`` on the oldest awaited event, then sweeps.
 
-ANCHORS.md (H200): polling with ``asyncio.sleep(0)`` burns a core; polling every 100 us costs
-about 6% of a core and adds about 0.1 ms; a thread blocked in ``event.synchronize()`` wakes
-about 0.2 ms later and added about 1 ms of loop lag at p99. ``benchmarks/bench_copy.py``
-measures the strategies side by side (``--uvloop`` for uvloop).
+Short copies on the loop
+    Whatever the strategy, an event the backend expects to complete within ``loop_poll_s``
+    (250 us: a copy of known size on a copy stream, whose completion time it estimates from
+    the bytes queued on that stream), awaited from the loop's own thread, is queried by the
+    loop once per iteration until shortly after its expected completion, and handed to the
+    thread only if it is late. Every such event of a loop is queried by one callback. On an
+    H200 a 4 KiB copy is seen 25 us after it was issued this way (19 us by a thread spinning
+    on ``query()``), where a hop from any other thread to an asyncio loop costs 50-100 us.
+
+Reference figures for an H200 (docs/performance.md): polling with ``asyncio.sleep(0)`` burns
+a core; polling every 100 us costs about 6% of a core and adds about 0.1 ms; a thread blocked
+in ``event.synchronize()`` wakes about 0.2 ms later and added about 1 ms of loop lag at p99.
+``benchmarks/bench_copy.py`` measures the strategies side by side (``--uvloop`` for uvloop).
 """
 
 from __future__ import annotations
@@ -59,7 +69,6 @@ import ctypes.util
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -112,9 +121,12 @@ class EventWaiter:
     """Parks tasks until CUDA events complete; one background thread, see the module docstring.
 
     State: ``_pending`` (the watched events and their callbacks, guarded by ``_cond``),
-    ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_origins``
-    (event -> its origin stream key, noted by :meth:`arm`), ``_armed`` (events whose
-    notification is enqueued), ``_closed``.
+    ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_closed``,
+    ``_loop_pollers`` (one per loop that has events polled on it). What the waiter knows of
+    one event (its origin stream, when it is expected, whether its notification is enqueued)
+    is noted on the event object itself (:class:`_EventNotes`): never in a weak-keyed table,
+    because a weak reference to a ``torch.cuda.Event`` corrupted the interpreter's memory
+    when the event was freed on an H200 with torch 2.11 (the garbage collector then crashed).
     Invariants: an entry leaves ``_pending`` only when its event has completed (its callback
     then runs on its loop with ``None``) or when the waiter closes (its callback then gets a
     ``BackendClosedError``); every event armed posts the semaphore once after it completes.
@@ -126,10 +138,13 @@ class EventWaiter:
         *,
         poll_min_s: float = 50e-6,
         poll_max_s: float = 1e-3,
-        hybrid_poll_s: float = 75e-6,
+        hybrid_poll_s: float = 40e-6,
+        lead_fraction: float = 0.08,
+        lead_s: float = 60e-6,
         window_s: float = 4e-3,
         safety_timeout_s: float = 0.05,
         lazy_arm_s: float = 3e-3,
+        loop_poll_s: float = 250e-6,
     ) -> None:
         if strategy == "auto":
             strategy = "hybrid" if hostfunc_available() else "poll"
@@ -139,8 +154,13 @@ class EventWaiter:
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
         self.hybrid_poll_s = hybrid_poll_s
+        self.lead_fraction = lead_fraction
+        self.lead_s = lead_s
         self.window_s = window_s
         self.lazy_arm_s = lazy_arm_s
+        self.loop_poll_s = loop_poll_s
+        self._loop_pollers: dict[LoopBridge, _LoopPoller] = {}
+        self.loop_hits = 0  # completions seen by polling on the loop
         # hybrid: origin stream -> the durations of its last waits, newest last (under _cond)
         self._durations: dict[Any, list[float]] = {}
         # hostfunc: a sweep happens at least this often while something is awaited, so a
@@ -153,11 +173,6 @@ class EventWaiter:
         self._notify: dict[tuple[int, int | None], int] = {}
         self._driver: CudaDriver | None = None
         self._sem: ctypes.Array[ctypes.c_char] | None = None
-        # Per-event bookkeeping lives here, not on the torch.cuda.Event objects.
-        self._origins: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._armed: weakref.WeakSet[Any] = weakref.WeakSet()
         self.wakeups = 0  # times the thread woke up (diagnostics, benchmarks)
         self.poll_hits = 0  # hybrid: completions first seen by a poll, not a notification
         self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
@@ -190,20 +205,23 @@ class EventWaiter:
 
     # -- arming (hostfunc)
 
-    def arm(self, event: Any, stream: Any) -> None:
+    def arm(self, event: Any, stream: Any, expected_at: float | None = None) -> None:
         """Call right after recording ``event`` on the CUDA ``stream``: note its origin
         stream, and (``hostfunc``) enqueue its notification; ``hybrid`` enqueues it when the
-        event is awaited (see the module docstring). The host does not wait; the origin
-        stream gets no work. Thread-safe."""
+        event is awaited (see the module docstring). ``expected_at``: when (``time.monotonic``)
+        the work before the event should be done, if the caller knows (a copy of known size).
+        The host does not wait; the origin stream gets no work. Thread-safe."""
+        notes = _EventNotes.of(event)
+        if notes is None:
+            return
+        notes.expected_at = expected_at
         if self.strategy not in ("hybrid", "hostfunc") or self._closed:
             return
-        key = (int(stream.device_index), int(stream.cuda_stream))
-        with self._cond:  # events are recorded on several threads (loop, lanes, streaming)
-            self._origins[event] = key
+        notes.origin = (int(stream.device_index), int(stream.cuda_stream))
         if self.strategy == "hybrid":
             return
         try:
-            self._arm_on(event, *key)
+            self._arm_on(event, *notes.origin)
         except RuntimeError as exc:
             self._degrade(exc)
 
@@ -236,7 +254,9 @@ class EventWaiter:
 
             # Under the lock: the notify stream receives its waits in record order.
             driver.call_in(device, enqueue, "cuStreamWaitEvent/cuLaunchHostFunc")
-            self._armed.add(event)
+            notes = _EventNotes.of(event)
+            if notes is not None:
+                notes.armed = True
 
     # -- waiting
 
@@ -244,17 +264,40 @@ class EventWaiter:
         """Run ``callback(None)`` on ``bridge``'s loop once ``event`` completes (or
         ``callback(BackendClosedError)`` if the waiter closes first); never in this call. The
         loop is not blocked and no thread spins: the waiter thread hands each batch of
-        completions to a loop with one ``call_soon_threadsafe``. Thread-safe."""
+        completions to a loop with one ``call_soon_threadsafe``. An event the backend expects
+        within ``loop_poll_s`` (see :meth:`arm`), watched on its own loop, is instead queried
+        by that loop once per iteration until then, which saves the thread hop (the way a
+        short copy is seen within microseconds). Thread-safe."""
         if event.query():
             bridge.call_soon_quietly(callback, None)
             return
         if self._closed:
             bridge.call_soon_quietly(callback, _closed_error())
             return
+        notes = _EventNotes.of(event)
+        if self.loop_poll_s > 0 and bridge.on_loop() and notes is not None:
+            expected_at = notes.expected_at
+            if expected_at is not None:
+                now = time.monotonic()
+                if expected_at - now <= self.loop_poll_s:
+                    # Due within a few polls: polled on the loop, no thread hop.
+                    deadline = min(now + self.loop_poll_s, max(expected_at, now) + 50e-6)
+                    self._loop_poller(bridge).add(event, callback, deadline)
+                    return
+        self._watch_thread(event, bridge, callback)
+
+    def _loop_poller(self, bridge: LoopBridge) -> _LoopPoller:
+        poller = self._loop_pollers.get(bridge)
+        if poller is None:
+            poller = self._loop_pollers[bridge] = _LoopPoller(self, bridge)
+        return poller
+
+    def _watch_thread(self, event: Any, bridge: LoopBridge, callback: Callback) -> None:
+        """:meth:`watch` through the waiter thread (any thread)."""
         if self._thread is None:
             self.start()
-        with self._cond:
-            key = self._origins.get(event)
+        notes = _EventNotes.of(event)
+        key = notes.origin if notes is not None else None
         if key is None:
             # Recorded elsewhere (not by the backend): notify through a per-device stream.
             device = getattr(event, "device", None)
@@ -264,10 +307,17 @@ class EventWaiter:
             )
         now = time.monotonic()
         entry = _Pending(event, bridge, callback, key, now, now)
-        with self._cond:
-            predicted = self._predicted_wait(key)
+        expected_at = notes.expected_at if notes is not None else None
+        if expected_at is not None and self.strategy == "hybrid":
+            # The backend's estimate (a copy of known size) beats the stream's history,
+            # which mixes copies of every size.
+            remaining = max(expected_at - now, 0.0)
+            predicted = max(remaining - self._lead(remaining), 0.0)
+        else:
+            with self._cond:
+                predicted = self._predicted_wait(key)
         entry.poll_from = now + predicted
-        if self.strategy in ("hybrid", "hostfunc") and event not in self._armed:
+        if self.strategy in ("hybrid", "hostfunc") and not (notes is not None and notes.armed):
             if self.strategy == "hybrid" and 0 < predicted <= self.lazy_arm_s:
                 entry.armed = False  # the thread arms it if its polls miss the completion
             else:
@@ -319,8 +369,11 @@ class EventWaiter:
         if not history or self.strategy != "hybrid":
             return 0.0
         shortest = min(history)
-        lead = min(0.15 * shortest + 100e-6, self.window_s)
-        return max(shortest - lead, 0.0)
+        return max(shortest - self._lead(shortest), 0.0)
+
+    def _lead(self, wait: float) -> float:
+        """How long before a predicted completion polling starts."""
+        return min(self.lead_fraction * wait + self.lead_s, self.window_s)
 
     def _sweep(self) -> int:
         """Resolve the entries whose event completed; returns how many. Waiter thread only."""
@@ -462,6 +515,8 @@ class EventWaiter:
             self._notify.clear()
         for p in pending:
             p.bridge.call_soon_quietly(p.callback, _closed_error())
+        for poller in list(self._loop_pollers.values()):
+            poller.bridge.call_soon_quietly(poller.tick)  # fails its entries: closed
         if self._driver is not None and self._sem is not None:
             self._driver.libc.sem_post(ctypes.addressof(self._sem))
             for (device, _key), stream in notify.items():
@@ -482,9 +537,73 @@ class EventWaiter:
         )
 
 
+class _EventNotes:
+    """What the waiter knows of one event, kept on the event (attribute ``_aresidency``):
+    ``origin`` (the stream it was recorded on, as ``(device, handle)``), ``expected_at`` (when
+    the backend expects it to complete, ``time.monotonic``), ``armed`` (its notification is
+    enqueued). Events that take no attributes get none (and are waited for without them)."""
+
+    __slots__ = ("armed", "expected_at", "origin")
+
+    def __init__(self) -> None:
+        self.origin: tuple[int, int | None] | None = None
+        self.expected_at: float | None = None
+        self.armed = False
+
+    @classmethod
+    def of(cls, event: Any) -> _EventNotes | None:
+        notes = getattr(event, "_aresidency", None)
+        if notes is None:
+            notes = cls()
+            try:
+                event._aresidency = notes
+            except AttributeError:
+                return None
+        return notes  # type: ignore[no-any-return]
+
+
+class _LoopPoller:
+    """Events due within ``loop_poll_s``, queried on their loop once per loop iteration (a
+    callback that reschedules itself while any remain). One per loop; loop thread only.
+    An event still pending at its deadline goes to the waiter thread."""
+
+    __slots__ = ("bridge", "entries", "scheduled", "waiter")
+
+    def __init__(self, waiter: EventWaiter, bridge: LoopBridge) -> None:
+        self.waiter = waiter
+        self.bridge = bridge
+        self.entries: list[tuple[Any, Callback, float]] = []
+        self.scheduled = False
+
+    def add(self, event: Any, callback: Callback, deadline: float) -> None:
+        self.entries.append((event, callback, deadline))
+        if not self.scheduled:
+            self.scheduled = True
+            self.bridge.call_soon_quietly(self.tick)
+
+    def tick(self) -> None:
+        self.scheduled = False
+        entries, self.entries = self.entries, []
+        closed = self.waiter._closed
+        now = time.monotonic()
+        for event, callback, deadline in entries:
+            if closed:
+                callback(_closed_error())
+            elif event.query():
+                self.waiter.loop_hits += 1
+                callback(None)
+            elif now >= deadline:
+                self.waiter._watch_thread(event, self.bridge, callback)
+            else:
+                self.entries.append((event, callback, deadline))
+        if self.entries and not self.scheduled:
+            self.scheduled = True
+            self.bridge.call_soon_quietly(self.tick)
+
+
 def _set_timer_slack(nanoseconds: int = 1000) -> None:
     """Make this thread's timed sleeps precise (Linux ``PR_SET_TIMERSLACK``; the default slack
-    of 50 us would dominate a 75 us polling interval). Best effort."""
+    of 50 us would dominate a 40 us polling interval). Best effort."""
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(29, ctypes.c_ulong(nanoseconds), 0, 0, 0)

@@ -29,7 +29,7 @@ from ``source_location``); ``reuse_weight = 2 ** -(age / recency_half_life)`` wi
 number of state versions since the value was last touched, so recently used values are expensive
 to evict and are kept. The weight depends only on the state, so the search stays deterministic.
 
-Default bandwidths are the measured anchors of an H200 on PCIe (``../shared/ANCHORS.md``):
+Default bandwidths are the measured anchors of an H200 on PCIe (docs/performance.md):
 55 GB/s between pinned memory and a GPU, 30 GB/s between pageable memory and a GPU (through the
 runtime's pinned staging pool), 50 GB/s between GPUs (a conservative PCIe-class peer copy; NVLink
 reaches 380), 10 GB/s between the two host kinds, and 2 GB/s for a source load. Replace any of

@@ -127,9 +127,18 @@ async def test_non_contiguous_sources_are_copied_by_value(backend: CudaBackend) 
         backend.free(placed, _loc(src))
 
 
+@pytest.fixture
+async def no_arena():
+    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=2, pinned_arena_bytes=0)
+    b.start()
+    yield b
+    await b.aclose()
+
+
 async def test_pinned_destinations_are_exactly_sized_and_unpinned_on_free(
-    backend: CudaBackend,
+    no_arena: CudaBackend,
 ) -> None:
+    backend = no_arena
     stats = getattr(torch.cuda, "host_memory_stats", None)
     host_before = stats().get("allocated_bytes.current") if stats else None
     for nbytes in (12_345, 3 * CHUNK + 5):  # pinned inline, pinned in a worker thread
@@ -151,7 +160,12 @@ async def test_pinned_destinations_are_exactly_sized_and_unpinned_on_free(
 
 
 async def test_pinned_cache_reuses_exactly_sized_memory() -> None:
-    b = CudaBackend(staging_chunk_bytes=CHUNK, staging_buffers=2, pinned_cache_bytes=8 << 20)
+    b = CudaBackend(
+        staging_chunk_bytes=CHUNK,
+        staging_buffers=2,
+        pinned_cache_bytes=8 << 20,
+        pinned_arena_bytes=0,
+    )
     b.start()
     try:
         assert b.staging_nbytes() == 4 * CHUNK + (8 << 20)
@@ -169,6 +183,103 @@ async def test_pinned_cache_reuses_exactly_sized_memory() -> None:
         assert second.tensor.is_pinned() and bool((second.tensor == 1).all())
     finally:
         await b.aclose()
+
+
+async def test_fresh_pinned_destinations_are_carved_from_the_arena_exactly_charged() -> None:
+    b = CudaBackend(
+        staging_chunk_bytes=CHUNK, pinned_arena_bytes=16 * CHUNK, arena_slab_bytes=4 * CHUNK
+    )
+    b.start()
+    try:
+        arena = b.arena
+        assert arena is not None
+        src = torch.arange(3 * CHUNK + 5, dtype=torch.uint8, device="cuda:0")  # own slab
+        first = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await first.wait()
+        assert first.route == "direct", "the empty arena registered the first one itself"
+        await _until(lambda: arena.total_bytes >= 3 * CHUNK + 5)  # grown ahead, in a worker
+        made = arena.slabs_made
+        second = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await second.wait()
+        out = second.tensor
+        assert second.route == "arena" and arena.slabs_made == made, "carved, not registered"
+        assert out.is_pinned() and out.untyped_storage().nbytes() == 3 * CHUNK + 5
+        assert torch.equal(out, src.cpu())
+        assert arena.value_bytes == 3 * CHUNK + 5
+        assert b.pinned_overhead_bytes() == arena.total_bytes - (3 * CHUNK + 5)
+        small = [b.copy(src[:1000], _loc("cuda:0"), _loc("pinned-host")) for _ in range(3)]
+        for t in small:
+            await t.wait()
+        # The shared slab for small blocks comes from growth ahead too; every block is exact.
+        assert all(t.tensor.untyped_storage().nbytes() == 1000 for t in small)
+        assert all(torch.equal(t.tensor, src[:1000].cpu()) for t in small)
+        b.free(out, _loc("pinned-host"))
+        assert arena.value_bytes >= 3 * CHUNK + 5, "a block returns when its tensor dies"
+        del out, second, small, t
+        gc.collect()
+        assert arena.value_bytes == 0, "every block came back"
+        b.limit_pinned_overhead(0)  # the budget's headroom is gone: free slabs go
+        await _until(lambda: arena.total_bytes == 0)
+        b.limit_pinned_overhead(None)
+        assert arena.limit_bytes == 16 * CHUNK
+    finally:
+        await b.aclose()
+    assert arena.total_bytes == 0, "closing released every slab"
+
+
+async def test_an_arena_block_outlives_the_manager_while_its_tensor_does() -> None:
+    b = CudaBackend(staging_chunk_bytes=CHUNK, arena_slab_bytes=4 * CHUNK)
+    b.start()
+    src = torch.full((5000,), 3, dtype=torch.uint8, device="cuda:0")
+    arena = b.arena
+    assert arena is not None
+    while True:
+        transfer = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await transfer.wait()
+        if transfer.route == "arena":
+            break
+        await _until(lambda: arena.total_bytes > 0)
+    kept = transfer.tensor
+    await b.aclose()
+    assert kept.is_pinned() and bool((kept == 3).all()), "still registered, still readable"
+    assert arena.total_bytes > 0
+    del kept, transfer
+    gc.collect()
+    assert arena.total_bytes == 0, "the last block released its slab"
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+async def test_device_to_pageable_staging_with_parallel_memcpy_and_mapped_destinations(
+    threads: int,
+) -> None:
+    b = CudaBackend(
+        staging_chunk_bytes=4 * CHUNK,
+        staging_buffers=3,
+        staging_memcpy_threads=threads,
+        pageable_mmap_bytes=CHUNK,
+    )
+    b.start()
+    try:
+        for nbytes in (CHUNK - 1, 4 * CHUNK, 13 * CHUNK + 7):
+            src = _pattern(nbytes, torch.uint8).to("cuda:0")
+            transfer = b.copy(src, _loc("cuda:0"), _loc("pageable-host"))
+            await transfer.wait()
+            assert transfer.route == "staged"
+            out = transfer.tensor
+            assert not out.is_pinned() and out.is_contiguous()
+            assert _same_bits(out, src)
+    finally:
+        await b.aclose()
+
+
+async def test_small_copies_are_seen_by_polling_on_the_loop(backend: CudaBackend) -> None:
+    src = torch.ones(1024, device="cuda:0")
+    hits = backend.waiter.loop_hits
+    for _ in range(5):
+        transfer = backend.copy(src, _loc("cuda:0"), _loc("pinned-host"))
+        await transfer.wait()
+        assert bool((transfer.tensor == 1).all())
+    assert backend.waiter.loop_hits > hits
 
 
 async def test_copy_waits_for_the_source_devices_current_stream(backend: CudaBackend) -> None:

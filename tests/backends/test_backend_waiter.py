@@ -412,3 +412,93 @@ async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.Mon
             await waiter.wait(later)  # polled
     finally:
         await anyio.to_thread.run_sync(waiter.close)
+
+
+class ManualEvent:
+    """Completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        while not self.done:
+            time.sleep(1e-4)
+
+
+async def _until(condition: Any) -> None:
+    with anyio.fail_after(5):
+        while not condition():
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_an_event_expected_soon_is_polled_on_the_loop_without_the_thread() -> None:
+    waiter = EventWaiter("poll", loop_poll_s=10.0)  # a long window: the test sets the pace
+    event = ManualEvent()
+    waiter.arm(event, None, expected_at=time.monotonic() + 5.0)
+    finished = anyio.Event()
+
+    async def wait() -> None:
+        await waiter.wait(event)
+        finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        for _ in range(20):  # the loop keeps polling while the event is pending
+            await anyio.lowlevel.checkpoint()
+        assert not finished.is_set()
+        event.done = True
+        await _until(finished.is_set)
+    assert waiter.loop_hits == 1
+    assert waiter._thread is None, "no thread was needed"
+
+
+async def test_a_late_event_is_handed_from_the_loop_to_the_thread() -> None:
+    waiter = EventWaiter("poll", loop_poll_s=1e-3)
+    event = ManualEvent()
+    waiter.arm(event, None, expected_at=time.monotonic())
+    finished = anyio.Event()
+
+    async def wait() -> None:
+        await waiter.wait(event)
+        finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await _until(lambda: waiter.pending_count() == 1)  # past its deadline: the thread's
+        event.done = True
+        await _until(finished.is_set)
+    assert waiter.loop_hits == 0
+    await anyio.to_thread.run_sync(waiter.close)
+
+
+async def test_events_not_expected_soon_go_to_the_thread_at_once() -> None:
+    waiter = EventWaiter("poll", loop_poll_s=1e-3)
+    event = ManualEvent()
+    waiter.arm(event, None, expected_at=time.monotonic() + 1.0)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waiter.wait, event)
+        await _until(lambda: waiter.pending_count() == 1)
+        event.done = True
+    assert waiter.loop_hits == 0
+    await anyio.to_thread.run_sync(waiter.close)
+
+
+async def test_closing_the_waiter_fails_a_wait_polled_on_the_loop() -> None:
+    waiter = EventWaiter("poll", loop_poll_s=10.0)
+    event = ManualEvent()
+    waiter.arm(event, None, expected_at=time.monotonic() + 5.0)
+    failed = anyio.Event()
+
+    async def wait() -> None:
+        with pytest.raises(RuntimeError, match="closed"):
+            await waiter.wait(event)
+        failed.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await _until(lambda: bool(waiter._loop_pollers))
+        await anyio.to_thread.run_sync(waiter.close)
+        await _until(failed.is_set)

@@ -1,4 +1,4 @@
-"""The exception hierarchy of DESIGN.md rule 9, the guide's fields, messages and pickling."""
+"""The exception hierarchy (docs/errors.md), the guide's fields, messages and pickling."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ ALL_ERRORS = [
     ResidencyPlanExecutionError,
 ]
 
-# Each class's direct parent, exactly as DESIGN.md rule 9 and the guide state it.
+# Each class's direct parent, exactly as the documented hierarchy states it.
 PARENT = {
     ResidencyError: Exception,
     ResidencyBudgetError: ResidencyError,

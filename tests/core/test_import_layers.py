@@ -1,5 +1,5 @@
 """The pure model stays pure: aresidency/core imports neither asyncio nor torch.cuda, and
-nothing from the layers above it (STYLE.md, "layers you can see")."""
+nothing from the layers above it (docs/architecture.md, "layers")."""
 
 from __future__ import annotations
 

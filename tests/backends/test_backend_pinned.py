@@ -6,9 +6,10 @@ import gc
 
 import pytest
 import torch
+from _registry import FakeRegistry
 
 from aresidency.backends.memory import as_bytes
-from aresidency.backends.staging import PAGE_BYTES, PinnedAllocator
+from aresidency.backends.pinned import PAGE_BYTES, PinnedAllocator
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64])
@@ -56,30 +57,14 @@ def test_release_of_a_foreign_tensor_is_refused_quietly() -> None:
     assert not alloc.release(torch.ones(10, pin_memory=True))
 
 
-class FakeRegistry:
-    """Stands in for cudaHostRegister: refuses an overlapping range, as the driver does."""
-
-    def __init__(self) -> None:
-        self.ranges: dict[int, int] = {}
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        for start, size in self.ranges.items():
-            if ptr < start + size and start < ptr + nbytes:
-                raise torch.OutOfMemoryError("part or all of the range is already mapped")
-        self.ranges[ptr] = nbytes
-
-    def unregister(self, ptr: int) -> None:
-        del self.ranges[ptr]
-
-
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> FakeRegistry:
-    from aresidency.backends import staging
+    from aresidency.backends import pinned
 
     fake = FakeRegistry()
-    monkeypatch.setattr(staging, "_register", fake.register)
-    monkeypatch.setattr(staging, "_unregister", fake.unregister)
-    monkeypatch.setattr(staging, "register_available", lambda: True)
+    monkeypatch.setattr(pinned, "_register", fake.register)
+    monkeypatch.setattr(pinned, "_unregister", fake.unregister)
+    monkeypatch.setattr(pinned, "register_available", lambda: True)
     return fake
 
 

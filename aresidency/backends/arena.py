@@ -1,0 +1,413 @@
+"""Pinned host memory carved from large registered slabs: fresh pinned destinations at once.
+
+Page-locking memory costs its page faults plus ``cudaHostRegister``: about 0.2 s per GB on an
+H200 host, so a copy into a *fresh* exactly-sized pinned destination runs at a few GB/s however
+fast the link is. :class:`PinnedArena` pays that cost once per slab, ahead of need, and carves
+destinations out of registered slabs:
+
+* **Exact charges.** A block is the tensor's own bytes rounded up to ``ALIGN`` (256 B, the
+  alignment CUDA gives its own allocations); the runtime charges a value its own bytes, never
+  a power-of-two rounding. Slab bytes not carved (free space and alignment padding) are the
+  arena's *overhead*, which the runtime shows as the backend's own reservation at
+  ``pinned-host`` (``aresidency.pinned-arena``); see :meth:`PinnedArena.free_bytes`.
+* **Slabs.** A request of at least half a slab gets a slab of its own (rounded up to 2 MiB);
+  smaller ones share ``slab_bytes`` slabs, best fit, with neighbouring free blocks merged.
+* **Grown ahead of need.** After a carve leaves less than ``ahead_bytes`` (the largest recent
+  request) free, :meth:`PinnedArena.grow_ahead` adds a slab in a worker thread, so the next
+  fresh destination is carved, not registered. Growth never takes the arena past
+  ``limit_bytes``, which the runtime keeps at the pinned-host budget's headroom (the budget
+  less every other charge); slabs left entirely free beyond that limit are unregistered.
+* **Lifetimes.** A block returns to its slab when the last tensor over it dies (a finalizer on
+  the tensor's buffer exporter), never earlier: a reference the user kept reads the old data,
+  not somebody else's. Slabs are unregistered when trimmed or when the arena closes; a slab
+  still carved when the arena closes stays registered until its last block dies.
+
+Registration is injected (``register``/``unregister``), so the carving logic is tested on the
+CPU with a fake registry; the CUDA backend passes ``cudaHostRegister``.
+
+State: ``_slabs`` (every slab: its mapping, its free list ``[(offset, length)]`` sorted by
+offset), ``total_bytes`` (bytes of registered slabs), ``carved_bytes`` (bytes of live blocks,
+alignment included), ``value_bytes`` (bytes asked for by live blocks), ``limit_bytes``,
+``ahead_bytes``, counters for benchmarks and tests (``slabs_made``, ``carves``, ``misses``).
+Invariant: per slab, the free list and the live blocks tile the slab exactly, without overlap;
+``total_bytes - carved_bytes`` is the sum of every free list.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import torch
+
+__all__ = ["ALIGN", "PinnedArena", "private_mapping"]
+
+ALIGN: Final = 256
+_SLAB_ROUND: Final = 2 << 20
+
+
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous, private, page-aligned memory (``MAP_PRIVATE``: ``mmap``'s default shares
+    anonymous memory through shmem, whose page faults are several times slower), asked to use
+    transparent huge pages when large."""
+    mapping = mmap.mmap(
+        -1,
+        nbytes,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    if nbytes >= _SLAB_ROUND and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mapping
+
+
+class _Slab:
+    __slots__ = ("free", "live", "mapping", "nbytes", "ptr", "registered", "unregister")
+
+    def __init__(
+        self, mapping: mmap.mmap, nbytes: int, ptr: int, unregister: Callable[[int], None]
+    ) -> None:
+        self.mapping = mapping
+        self.unregister = unregister
+        self.nbytes = nbytes
+        self.ptr = ptr
+        self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), by offset
+        self.live = 0  # blocks carved from it and not yet returned
+        self.registered = True
+
+    def largest(self) -> int:
+        return max((length for _, length in self.free), default=0)
+
+    def take(self, nbytes: int) -> int | None:
+        """Best fit: the offset of a free block of ``nbytes`` carved from the smallest hole."""
+        best = None
+        for index, (_offset, length) in enumerate(self.free):
+            if length >= nbytes and (best is None or length < self.free[best][1]):
+                best = index
+        if best is None:
+            return None
+        offset, length = self.free[best]
+        if length == nbytes:
+            del self.free[best]
+        else:
+            self.free[best] = (offset + nbytes, length - nbytes)
+        self.live += 1
+        return offset
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Return a block, merging it with free neighbours."""
+        index = bisect.bisect(self.free, (offset, 0))
+        start, end = offset, offset + nbytes
+        if index < len(self.free) and self.free[index][0] == end:
+            end += self.free[index][1]
+            del self.free[index]
+        if index > 0 and sum(self.free[index - 1]) == start:
+            start = self.free[index - 1][0]
+            del self.free[index - 1]
+            index -= 1
+        self.free.insert(index, (start, end - start))
+        self.live -= 1
+
+    def empty(self) -> bool:
+        return self.live == 0
+
+    def unlock(self) -> None:
+        if self.registered:
+            self.registered = False
+            try:
+                self.unregister(self.ptr)
+            except Exception:
+                pass  # a torn-down CUDA context: nothing left to unlock
+
+    def __del__(self) -> None:
+        # A registered range must never be unmapped (the driver would refuse to register the
+        # address range again): a slab dropped while registered unlocks itself first.
+        if getattr(self, "registered", False):
+            self.unlock()
+
+
+def _return_block(owner: weakref.ref[PinnedArena], slab: _Slab, offset: int, nbytes: int) -> None:
+    arena = owner()
+    if arena is not None:
+        arena._returned(slab, offset, nbytes)
+
+
+class PinnedArena:
+    """Registered slabs carved into exactly charged pinned tensors (see the module docstring).
+
+    ``register(ptr, nbytes)`` page-locks a range (raising ``torch.OutOfMemoryError`` when it
+    cannot), ``unregister(ptr)`` unlocks it. ``limit_bytes`` bounds ``total_bytes`` (``None``:
+    no bound). Thread-safe: carving happens on the loop, growth in a worker, blocks return on
+    whichever thread drops the last tensor.
+    """
+
+    def __init__(
+        self,
+        register: Callable[[int, int], None],
+        unregister: Callable[[int], None],
+        *,
+        slab_bytes: int = 64 << 20,
+        limit_bytes: int | None = None,
+        prefault: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        if slab_bytes <= 0 or slab_bytes % mmap.PAGESIZE:
+            raise ValueError(
+                f"slab_bytes must be a positive multiple of the page size, got {slab_bytes}"
+            )
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
+        self._register = register
+        self._unregister = unregister
+        self._prefault = prefault
+        self.slab_bytes = slab_bytes
+        self.limit_bytes = limit_bytes
+        self.ahead_bytes = 0
+        self._lock = threading.Lock()
+        self._slabs: list[_Slab] = []
+        self._growing = False
+        self._closed = False
+        self.total_bytes = 0
+        self.carved_bytes = 0
+        self.value_bytes = 0
+        self.slabs_made = 0
+        self.carves = 0
+        self.misses = 0
+
+    # -- accounting
+
+    @staticmethod
+    def block_bytes(nbytes: int) -> int:
+        """The bytes a request of ``nbytes`` occupies in a slab."""
+        return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+    def free_bytes(self) -> int:
+        """Registered bytes no live block holds: free space plus alignment padding."""
+        with self._lock:
+            return self.total_bytes - self.value_bytes
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Bound the arena's registered bytes; slabs entirely free beyond it are released
+        (blocking: call off the event loop when slabs may go)."""
+        with self._lock:
+            self.limit_bytes = limit_bytes
+        self.trim(keep_within_limit=True)
+
+    # -- carving
+
+    def try_carve(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """A pinned tensor from a registered slab, or None when no hole is large enough. Never
+        registers memory (cheap enough for the event loop)."""
+        nbytes = _nbytes(shape, dtype)
+        with self._lock:
+            if self._closed:
+                return None
+            self.ahead_bytes = max(self.ahead_bytes, self.block_bytes(nbytes))
+            found = self._take_locked(self.block_bytes(nbytes))
+            if found is None:
+                self.misses += 1
+                return None
+            slab, offset = found
+            self._carved_locked(nbytes)
+        return self._tensor(slab, offset, nbytes, shape, dtype)
+
+    def carve(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`try_carve`, adding a slab when no hole fits (blocks while it registers:
+        call off the event loop). Raises ``torch.OutOfMemoryError`` when the slab would pass
+        ``limit_bytes`` or registration fails."""
+        tensor = self.try_carve(shape, dtype)
+        if tensor is not None:
+            return tensor
+        nbytes = _nbytes(shape, dtype)
+        need = self.block_bytes(nbytes)
+        slab = self._new_slab(self._slab_size_for(need), need)
+        with self._lock:
+            if self._closed:
+                self._add_locked(slab)  # released by close's sweep below
+                raise RuntimeError("the pinned arena is closed")
+            self._add_locked(slab)
+            offset = slab.take(need)
+            assert offset is not None
+            self._carved_locked(nbytes)
+        return self._tensor(slab, offset, nbytes, shape, dtype)
+
+    def needs_growth(self) -> bool:
+        """Whether no hole holds ``ahead_bytes`` and a slab for it would fit the limit (then
+        call :meth:`grow_ahead` off the loop)."""
+        with self._lock:
+            return not self._growing and self._should_grow_locked()
+
+    def grow_ahead(self) -> bool:
+        """Add one slab large enough for ``ahead_bytes`` if the arena needs it (blocking; a
+        worker thread). Returns whether a slab was added; a failed registration is not an
+        error here (the next copy then registers its own destination)."""
+        with self._lock:
+            if self._growing or not self._should_grow_locked():
+                return False
+            self._growing = True
+            size = self._slab_size_for(self.ahead_bytes)
+        try:
+            slab = self._new_slab(size, size)
+        except (torch.OutOfMemoryError, OSError):
+            return False
+        finally:
+            with self._lock:
+                self._growing = False
+        with self._lock:
+            self._add_locked(slab)
+        return True
+
+    def _should_grow_locked(self) -> bool:
+        if self._closed or not self.ahead_bytes:
+            return False
+        if any(slab.largest() >= self.ahead_bytes for slab in self._slabs):
+            return False
+        size = self._slab_size_for(self.ahead_bytes)
+        return self.limit_bytes is None or self.total_bytes + size <= self.limit_bytes
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in one of the arena's slabs."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return False
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            return any(s.ptr <= ptr < s.ptr + s.nbytes for s in self._slabs)
+
+    # -- release
+
+    def trim(self, *, keep_within_limit: bool = False) -> int:
+        """Unregister slabs with no live block: all of them, or (``keep_within_limit``) only
+        as many as needed to bring ``total_bytes`` within ``limit_bytes``. Returns the bytes
+        released. Blocking (unregistering takes milliseconds per GB)."""
+        with self._lock:
+            released: list[_Slab] = []
+            for slab in sorted(self._slabs, key=lambda s: s.nbytes, reverse=True):
+                if not slab.empty():
+                    continue
+                if keep_within_limit and (
+                    self.limit_bytes is None or self.total_bytes <= self.limit_bytes
+                ):
+                    break
+                self._slabs.remove(slab)
+                self.total_bytes -= slab.nbytes
+                released.append(slab)
+        for slab in released:
+            self._release(slab)
+        return sum(slab.nbytes for slab in released)
+
+    def close(self) -> None:
+        """Release every empty slab now, and each other one when its last block returns."""
+        with self._lock:
+            self._closed = True
+        self.trim()
+
+    # -- internals
+
+    def _slab_size_for(self, need: int) -> int:
+        if need * 2 >= self.slab_bytes:
+            return -(-need // _SLAB_ROUND) * _SLAB_ROUND
+        return self.slab_bytes
+
+    def _new_slab(self, size: int, need: int) -> _Slab:
+        with self._lock:
+            limit = self.limit_bytes
+            total = self.total_bytes
+        if limit is not None and total + size > limit:
+            # Within the limit, a slab just large enough may still fit.
+            size = -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
+            if total + size > limit:
+                raise torch.OutOfMemoryError(
+                    f"the pinned arena cannot add {size} B: it holds {total} B of a {limit} B "
+                    "limit (the pinned-host budget less everything else charged there)"
+                )
+        mapping = private_mapping(size)
+        exporter = (ctypes.c_uint8 * size).from_buffer(mapping)
+        raw = torch.frombuffer(exporter, dtype=torch.uint8)
+        if self._prefault is not None:
+            self._prefault(raw)
+        ptr = raw.data_ptr()
+        del raw, exporter
+        self._register(ptr, size)
+        self.slabs_made += 1
+        return _Slab(mapping, size, ptr, self._unregister)
+
+    def _add_locked(self, slab: _Slab) -> None:
+        self._slabs.append(slab)
+        self.total_bytes += slab.nbytes
+
+    def _take_locked(self, need: int) -> tuple[_Slab, int] | None:
+        best: tuple[_Slab, int] | None = None
+        best_hole = 0
+        for slab in self._slabs:
+            for _, length in slab.free:
+                if length >= need and (best is None or length < best_hole):
+                    best, best_hole = (slab, 0), length
+        if best is None:
+            return None
+        slab = best[0]
+        offset = slab.take(need)
+        assert offset is not None
+        return slab, offset
+
+    def _carved_locked(self, nbytes: int) -> None:
+        self.carved_bytes += self.block_bytes(nbytes)
+        self.value_bytes += nbytes
+        self.carves += 1
+
+    def _tensor(
+        self,
+        slab: _Slab,
+        offset: int,
+        nbytes: int,
+        shape: Sequence[int] | torch.Size,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        exporter = (ctypes.c_uint8 * max(nbytes, 1)).from_buffer(slab.mapping, offset)
+        raw = torch.frombuffer(exporter, dtype=torch.uint8)[:nbytes]
+        weakref.finalize(exporter, _return_block, weakref.ref(self), slab, offset, nbytes)
+        del exporter  # the tensor's storage holds it now
+        return raw.view(dtype).view(tuple(shape))
+
+    def _returned(self, slab: _Slab, offset: int, nbytes: int) -> None:
+        """The last tensor over a block died (any thread)."""
+        release = False
+        with self._lock:
+            slab.give_back(offset, self.block_bytes(nbytes))
+            self.carved_bytes -= self.block_bytes(nbytes)
+            self.value_bytes -= nbytes
+            over = self.limit_bytes is not None and self.total_bytes > self.limit_bytes
+            if slab.empty() and (self._closed or over) and slab in self._slabs:
+                self._slabs.remove(slab)
+                self.total_bytes -= slab.nbytes
+                release = True
+        if release:
+            self._release(slab)
+
+    def _release(self, slab: _Slab) -> None:
+        slab.unlock()
+        try:
+            slab.mapping.close()
+        except BufferError:
+            pass  # a view still exists (cannot happen for an empty slab); unmapped at death
+
+    def __repr__(self) -> str:
+        return (
+            f"<PinnedArena slabs={len(self._slabs)} total={self.total_bytes} B "
+            f"values={self.value_bytes} B limit={self.limit_bytes}>"
+        )
+
+
+def _nbytes(shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel * torch.empty((), dtype=dtype).element_size()

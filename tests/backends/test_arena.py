@@ -1,0 +1,143 @@
+"""The pinned arena's carving, on the CPU with a fake registry (the driver's rules), and on the
+GPU with cudaHostRegister (marked cuda)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+
+import pytest
+import torch
+from _registry import FakeRegistry
+
+from aresidency.backends.arena import ALIGN, PinnedArena
+
+SLAB = 1 << 20
+
+
+def _arena(registry: FakeRegistry, **kwargs: object) -> PinnedArena:
+    return PinnedArena(registry.register, registry.unregister, slab_bytes=SLAB, **kwargs)  # type: ignore[arg-type]
+
+
+def _check_tiling(arena: PinnedArena) -> None:
+    """Free lists tile each slab with the live blocks: free + carved == total."""
+    free = sum(length for slab in arena._slabs for _, length in slab.free)
+    assert free + arena.carved_bytes == arena.total_bytes
+    for slab in arena._slabs:
+        ends = [(o, o + n) for o, n in slab.free]
+        assert ends == sorted(ends)
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(ends)), "merged"
+
+
+def test_blocks_are_exact_aligned_and_reused_after_their_tensor_dies() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry)
+    assert arena.try_carve((100,), torch.float32) is None, "an empty arena registers nothing"
+    a = arena.carve((100,), torch.float32)
+    assert a.shape == (100,) and a.untyped_storage().nbytes() == 400
+    assert a.data_ptr() % ALIGN == 0
+    assert len(registry.ranges) == 1 and arena.total_bytes == SLAB
+    assert arena.value_bytes == 400 and arena.free_bytes() == SLAB - 400
+    b = arena.try_carve((3, 5), torch.bfloat16)
+    assert b is not None and b.data_ptr() == a.data_ptr() + 2 * ALIGN, (
+        "packed after a (400 B -> 512)"
+    )
+    a.fill_(1.5)
+    b.fill_(2)
+    assert bool((a == 1.5).all()) and bool((b == 2).all()), "blocks do not overlap"
+    ptr = a.data_ptr()
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert arena.value_bytes == 400 + 30, "a view keeps the block"
+    del view
+    gc.collect()
+    assert arena.value_bytes == 30
+    again = arena.try_carve((100,), torch.float32)
+    assert again is not None and again.data_ptr() == ptr, "best fit reuses the hole"
+    _check_tiling(arena)
+    del again, b
+    gc.collect()
+    assert arena.value_bytes == 0 and arena.carved_bytes == 0
+    assert arena.trim() == SLAB and registry.ranges == {}
+
+
+def test_large_requests_get_their_own_slab_and_growth_respects_the_limit() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=3 * SLAB)
+    big = arena.carve((SLAB,), torch.uint8)  # half a slab or more: a slab of its own
+    assert arena.total_bytes == 2 << 20, "rounded up to 2 MiB"
+    assert arena.needs_growth() is False, "a second 2 MiB slab would pass the 3 MiB limit"
+    with pytest.raises(torch.OutOfMemoryError, match="limit"):
+        arena.carve((2 * SLAB,), torch.uint8)
+    assert arena.total_bytes == 2 << 20, "the refused carve changed nothing"
+    small = arena.carve((1000,), torch.uint8)  # fits the 1 MiB hole of the big slab
+    assert arena.total_bytes == 2 << 20 and small.data_ptr() == big.data_ptr() + SLAB
+    del big, small
+    gc.collect()
+    arena.set_limit(0)
+    assert arena.total_bytes == 0 and registry.ranges == {}, "free slabs past the limit go"
+
+
+def test_grow_ahead_keeps_a_hole_for_the_largest_recent_request() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=8 * SLAB)
+    first = arena.carve((3 * SLAB,), torch.uint8)
+    assert arena.needs_growth(), "no hole holds another 3 MiB"
+    assert arena.grow_ahead()
+    assert not arena.needs_growth()
+    made = arena.slabs_made
+    second = arena.try_carve((3 * SLAB,), torch.uint8)
+    assert second is not None and arena.slabs_made == made, "carved, not registered"
+    del first, second
+    gc.collect()
+    assert arena.value_bytes == 0
+    arena.close()
+    assert registry.ranges == {}
+
+
+def test_close_releases_busy_slabs_when_their_last_block_dies() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry)
+    t = arena.carve((10,), torch.float64)
+    arena.close()
+    assert len(registry.ranges) == 1, "still read by a tensor"
+    assert arena.try_carve((10,), torch.float64) is None, "a closed arena carves nothing"
+    del t
+    gc.collect()
+    assert registry.ranges == {}
+
+
+def test_random_carves_and_releases_keep_the_slabs_tiled() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=64 * SLAB)
+    rng = random.Random(7)
+    live: list[torch.Tensor] = []
+    for step in range(2000):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live)))
+        else:
+            n = rng.choice([1, 7, 300, 4096, 70_000, SLAB // 3, SLAB])
+            t = arena.carve((n,), torch.uint8)
+            t.fill_(step % 251)
+            live.append(t)
+            del t
+        if step % 50 == 0:
+            gc.collect()
+            _check_tiling(arena)
+            assert arena.value_bytes == sum(x.numel() for x in live)
+    assert all(bool((t == t[0]).all()) for t in live), "no block was handed out twice"
+    del live
+    gc.collect()
+    assert arena.value_bytes == 0 and arena.carved_bytes == 0
+    arena.trim()
+    assert registry.ranges == {}
+
+
+def test_bad_arguments_are_refused() -> None:
+    registry = FakeRegistry()
+    with pytest.raises(ValueError, match="slab_bytes"):
+        PinnedArena(registry.register, registry.unregister, slab_bytes=1000)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        PinnedArena(registry.register, registry.unregister, limit_bytes=-1)
