@@ -1,31 +1,38 @@
-"""The exception hierarchy (DESIGN.md rule 9) and the guide's structured fields.
+"""The exception hierarchy (docs/architecture.md, rule 9) and the guide's structured fields.
 
 ::
 
     ResidencyError
     ├── ResidencyBudgetError          location, budget_bytes, used_bytes, reserved_bytes,
-    │                                 requested_bytes
-    ├── ResidencyPlanError            reason
+    │                                 requested_bytes, handle, kind, in_simulation
+    ├── ResidencyPlanError            reason (plan, decision when raised at a scope's entry)
     │   ├── ResidencySearchLimitError request_name, state_limit, explored_states, detail
     │   └── ResidencyStaleStateError  expected_version, actual_version
-    ├── ResidencyInUseError           handle, location, use_count, hold_count, pending_event_count
+    ├── ResidencyInUseError           handle, location, use_count, hold_count, pending_event_count,
+    │                                 owners
     ├── ResidencyUnavailableError     handle, location, detail
     └── ResidencyPlanExecutionError   phase, failed_action(_index), failed_reservation(_index),
-                                      partial_report (the cause is chained)
+                                      partial_report, plan, decision (the cause is chained)
 
-Every field is an attribute; ``str(error)`` is built from the fields and says what to do. Errors
-pickle and unpickle with their fields intact (the chained cause, as for any exception, does not
-travel).
+Every field is an attribute; ``str(error)`` is built from the fields and says what to do.
+``error.to_dict()`` gives every field in JSON-able form (handles as ``ValueHandle.to_dict``,
+locations as strings, plans, decisions and reports summarized, the chained cause nested), for
+logs and for ``manager.dump``. Errors pickle and unpickle with their fields intact (the chained
+cause, as for any exception, does not travel).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from .locations import Location
 from .trace import ExecutionReport
 
 __all__ = [
+    "BUDGET_KINDS",
     "ResidencyBudgetError",
     "ResidencyError",
     "ResidencyInUseError",
@@ -34,8 +41,21 @@ __all__ = [
     "ResidencySearchLimitError",
     "ResidencyStaleStateError",
     "ResidencyUnavailableError",
+    "exception_to_dict",
     "format_bytes",
+    "to_jsonable",
 ]
+
+#: What a ``ResidencyBudgetError`` was checking, and how its message names it.
+BUDGET_KINDS: Mapping[str, str] = {
+    "materialization": "a new materialization",
+    "reservation": "a MemoryReservation",
+    "reconstruction": "temporary reconstruction storage (at the value's source_location)",
+    "budget": "a new budget",
+}
+
+#: How deep ``to_dict`` follows nested errors and records before it summarizes with ``str``.
+_MAX_DEPTH = 8
 
 
 def format_bytes(nbytes: int | None) -> str:
@@ -53,6 +73,60 @@ def format_bytes(nbytes: int | None) -> str:
     return f"{nbytes} B ({sign}{size:.1f} {unit})"
 
 
+def to_jsonable(value: Any, depth: int = 0) -> Any:
+    """``value`` in a form ``json.dumps`` takes: records with a ``to_dict`` use it, locations
+    become strings, enums their value, exceptions :func:`exception_to_dict`, other dataclasses
+    (plans, actions, decisions, explanations) a dict of their fields with their ``type``,
+    mappings and sequences recursively; anything else its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > _MAX_DEPTH:
+        return str(value)
+    if isinstance(value, Location):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value, depth + 1)
+    if isinstance(value, BaseException):
+        return exception_to_dict(value, depth + 1)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):
+        return to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {"type": type(value).__name__}
+        for item in dataclasses.fields(value):
+            out[item.name] = to_jsonable(getattr(value, item.name), depth + 1)
+        return out
+    if isinstance(value, Mapping):
+        return {str(to_jsonable(k, depth + 1)): to_jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [to_jsonable(item, depth + 1) for item in items]
+    return str(value)
+
+
+def exception_to_dict(error: BaseException, depth: int = 0) -> dict[str, Any]:
+    """Any exception as a JSON-able dict: a ``ResidencyError`` with all its fields, another
+    with its type and message; the chained cause (``__cause__``) nested under ``cause``."""
+    if isinstance(error, ResidencyError):
+        return error.to_dict(depth)
+    out: dict[str, Any] = {"type": type(error).__name__, "message": str(error)}
+    _add_cause(out, error, depth)
+    return out
+
+
+def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        out["notes"] = [str(note) for note in notes]
+    cause = error.__cause__
+    if cause is not None:
+        out["cause"] = (
+            exception_to_dict(cause, depth + 1)
+            if depth < _MAX_DEPTH
+            else {"type": type(cause).__name__, "message": str(cause)}
+        )
+
+
 def _rebuild(cls: type[ResidencyError], state: dict[str, Any]) -> ResidencyError:
     error = cls.__new__(cls)
     error.__dict__.update(state)
@@ -61,7 +135,12 @@ def _rebuild(cls: type[ResidencyError], state: dict[str, Any]) -> ResidencyError
 
 
 class ResidencyError(Exception):
-    """Base of every error aresidency raises on purpose."""
+    """Base of every error aresidency raises on purpose.
+
+    ``FIELDS`` names the structured fields of each class (what :meth:`to_dict` writes beside
+    ``type`` and ``message``)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, message: str | None = None) -> None:
         if message is not None:
@@ -71,19 +150,56 @@ class ResidencyError(Exception):
     def _message(self) -> str:
         return str(self.__dict__.get("message", ""))
 
+    def _refresh(self) -> None:
+        """Rebuild ``args`` after a field changed (the message is made from the fields)."""
+        self.args = (self._message(),)
+
     def __str__(self) -> str:
         return self._message()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), dict(self.__dict__)))
 
+    def to_dict(self, depth: int = 0) -> dict[str, Any]:
+        """JSON-able: ``type``, ``message``, every structured field, ``cause`` (the chained
+        error, nested) and ``notes``."""
+        out: dict[str, Any] = {"type": type(self).__name__, "message": str(self)}
+        for name in self.FIELDS:
+            out[name] = to_jsonable(getattr(self, name, None), depth + 1)
+        _add_cause(out, self, depth)
+        return out
+
 
 class ResidencyBudgetError(ResidencyError):
     """A direct materialization or reservation would exceed one strict location budget.
 
     Admissible iff ``budget_bytes is None or used_bytes + reserved_bytes + requested_bytes <=
-    budget_bytes``; this error means that was false.
+    budget_bytes``; this error means that was false. ``used_bytes`` and ``reserved_bytes`` are
+    the ledger at the moment of the check. ``kind`` says what was asked: ``"materialization"``
+    (a new copy of ``handle`` at ``location``), ``"reservation"`` (a ``MemoryReservation``;
+    ``handle`` is ``None``), ``"reconstruction"`` (the temporary charge of rebuilding ``handle``
+    at its ``source_location``) or ``"budget"`` (``set_budget`` below what is charged).
+    ``in_simulation`` is true when the check ran on ``explain``'s simulation: the numbers are then
+    the simulated state partway through the plan, not the manager's state.
     """
+
+    FIELDS = (
+        "location",
+        "budget_bytes",
+        "used_bytes",
+        "reserved_bytes",
+        "requested_bytes",
+        "current_bytes",
+        "missing_bytes",
+        "handle",
+        "kind",
+        "in_simulation",
+        "what",
+    )
+    # Defaults for errors pickled before these fields existed.
+    handle: Any = None
+    kind: str = "materialization"
+    in_simulation: bool = False
 
     def __init__(
         self,
@@ -94,13 +210,23 @@ class ResidencyBudgetError(ResidencyError):
         requested_bytes: int,
         *,
         what: str = "",
+        handle: Any = None,
+        kind: str = "materialization",
+        in_simulation: bool = False,
     ) -> None:
+        if kind not in BUDGET_KINDS:
+            raise ValueError(
+                f"unknown budget error kind {kind!r}; use one of {', '.join(BUDGET_KINDS)}"
+            )
         self.location = location
         self.budget_bytes = budget_bytes
         self.used_bytes = used_bytes
         self.reserved_bytes = reserved_bytes
         self.requested_bytes = requested_bytes
         self.what = what
+        self.handle = handle
+        self.kind = kind
+        self.in_simulation = in_simulation
         super().__init__()
 
     @property
@@ -108,26 +234,47 @@ class ResidencyBudgetError(ResidencyError):
         return self.used_bytes + self.reserved_bytes
 
     @property
+    def new_peak_bytes(self) -> int:
+        """``current_bytes + requested_bytes``: what the location would have reached."""
+        return self.current_bytes + self.requested_bytes
+
+    @property
     def missing_bytes(self) -> int:
         """How many bytes of headroom are missing (0 when no budget)."""
         if self.budget_bytes is None:
             return 0
-        return max(0, self.current_bytes + self.requested_bytes - self.budget_bytes)
+        return max(0, self.new_peak_bytes - self.budget_bytes)
 
     def _message(self) -> str:
-        what = f" for {self.what}" if self.what else ""
+        what = f" ({self.what})" if self.what else ""
+        # The simulation's note comes last: the live check's message is then a prefix of the
+        # simulated one (an explanation's reason reads as the execution error would).
+        simulation = (
+            ". This check ran in explain's simulation: used and reserved are the simulated "
+            "state partway through the plan, not the manager's current state"
+            if self.in_simulation
+            else ""
+        )
         return (
-            f"budget exceeded at {self.location}: requested {format_bytes(self.requested_bytes)}"
-            f"{what}, but used {format_bytes(self.used_bytes)} + reserved "
-            f"{format_bytes(self.reserved_bytes)} + requested would reach "
-            f"{format_bytes(self.current_bytes + self.requested_bytes)} against a budget of "
+            f"budget exceeded at {self.location} by {BUDGET_KINDS[self.kind]}{what}: requested "
+            f"{format_bytes(self.requested_bytes)}, but used {format_bytes(self.used_bytes)} + "
+            f"reserved {format_bytes(self.reserved_bytes)} + requested would reach "
+            f"{format_bytes(self.new_peak_bytes)} against a budget of "
             f"{format_bytes(self.budget_bytes)}; free {format_bytes(self.missing_bytes)} there "
-            "(release or move values, end reservations) or raise the budget"
+            f"(release or move values, end reservations) or raise the budget{simulation}"
         )
 
 
 class ResidencyPlanError(ResidencyError):
-    """A plan or request is invalid or infeasible before any of its actions begins."""
+    """A plan or request is invalid or infeasible before any of its actions begins.
+
+    Raised for an infeasible plan, its ``__cause__`` is the explanation's ``blocking_error``
+    (a ``ResidencyBudgetError`` names the location and the five byte counts). ``plan`` and
+    ``decision`` are set when a scope's entry raised it (``None`` otherwise)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision")
+    plan: Any = None
+    decision: Any = None
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -139,6 +286,14 @@ class ResidencyPlanError(ResidencyError):
 
 class ResidencySearchLimitError(ResidencyPlanError):
     """The controller's bounded search reached ``state_limit``: feasibility is unknown."""
+
+    FIELDS = (
+        *ResidencyPlanError.FIELDS,
+        "request_name",
+        "state_limit",
+        "explored_states",
+        "detail",
+    )
 
     def __init__(
         self, request_name: str, state_limit: int, explored_states: int, detail: str
@@ -161,6 +316,8 @@ class ResidencySearchLimitError(ResidencyPlanError):
 class ResidencyStaleStateError(ResidencyPlanError):
     """A decision's expected manager version no longer matches; nothing was changed."""
 
+    FIELDS = (*ResidencyPlanError.FIELDS, "expected_version", "actual_version")
+
     def __init__(self, expected_version: int, actual_version: int) -> None:
         self.expected_version = expected_version
         self.actual_version = actual_version
@@ -172,7 +329,22 @@ class ResidencyStaleStateError(ResidencyPlanError):
 
 
 class ResidencyInUseError(ResidencyError):
-    """A lease, hold or pending CUDA event protects the materialization a removal needs."""
+    """A lease, hold or pending CUDA event protects the materialization a removal needs.
+
+    ``owners`` names the tasks holding leases and holds on that materialization when the
+    runtime raised the error (empty from the pure model, or when only pending events protect
+    it)."""
+
+    FIELDS = (
+        "handle",
+        "location",
+        "use_count",
+        "hold_count",
+        "pending_event_count",
+        "operation",
+        "owners",
+    )
+    owners: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -183,6 +355,7 @@ class ResidencyInUseError(ResidencyError):
         pending_event_count: int,
         *,
         operation: str = "remove",
+        owners: tuple[str, ...] = (),
     ) -> None:
         self.handle = handle
         self.location = location
@@ -190,19 +363,35 @@ class ResidencyInUseError(ResidencyError):
         self.hold_count = hold_count
         self.pending_event_count = pending_event_count
         self.operation = operation
+        self.owners = tuple(owners)
         super().__init__()
 
+    def with_owners(self, owners: tuple[str, ...]) -> ResidencyInUseError:
+        """Set ``owners`` (the runtime does, before the error reaches the caller); returns
+        the error itself."""
+        self.owners = tuple(owners)
+        self._refresh()
+        return self
+
     def _message(self) -> str:
+        owners = self.__dict__.get("owners") or ()
+        held = (
+            " (leases and holds owned by task(s) " + ", ".join(repr(o) for o in owners) + ")"
+            if owners
+            else ""
+        )
         return (
             f"cannot {self.operation} {self.handle} at {self.location}: it is protected by "
             f"use_count={self.use_count}, hold_count={self.hold_count}, "
-            f"pending_event_count={self.pending_event_count}; exit the lease, release the hold, "
-            "or wait for the consumer stream, then retry (or defer the removal)"
+            f"pending_event_count={self.pending_event_count}{held}; exit the lease, release "
+            "the hold, or wait for the consumer stream, then retry (or defer the removal)"
         )
 
 
 class ResidencyUnavailableError(ResidencyError):
     """A direct operation needs an endpoint (or source) that is absent."""
+
+    FIELDS = ("handle", "location", "detail")
 
     def __init__(self, handle: Any, location: Location | None, detail: str) -> None:
         self.handle = handle
@@ -219,7 +408,26 @@ class ResidencyUnavailableError(ResidencyError):
 
 
 class ResidencyPlanExecutionError(ResidencyError):
-    """Execution failed after preflight; a prefix may have committed and is not rolled back."""
+    """Execution failed after preflight; a prefix may have committed and is not rolled back.
+
+    ``partial_report.transitions`` lists every transition the plan run committed (and only
+    those: not what other tasks committed meanwhile); ``partial_report.in_effect`` leaves out
+    the clean-up (aborted copies, the released reservation prefix) and what it undid: the
+    message counts those. ``plan`` and ``decision`` are the scope's, when it had them."""
+
+    FIELDS = (
+        "phase",
+        "failed_action",
+        "failed_action_index",
+        "failed_reservation",
+        "failed_reservation_index",
+        "detail",
+        "partial_report",
+        "plan",
+        "decision",
+    )
+    plan: Any = None
+    decision: Any = None
 
     def __init__(
         self,
@@ -231,6 +439,8 @@ class ResidencyPlanExecutionError(ResidencyError):
         failed_reservation_index: int | None = None,
         partial_report: ExecutionReport,
         detail: str = "",
+        plan: Any = None,
+        decision: Any = None,
     ) -> None:
         if phase not in ("execute", "reclaim", "reserve", "enter", "exit"):
             raise ValueError(f"unknown plan phase {phase!r}")
@@ -241,7 +451,14 @@ class ResidencyPlanExecutionError(ResidencyError):
         self.failed_reservation_index = failed_reservation_index
         self.partial_report = partial_report
         self.detail = detail
+        self.plan = plan
+        self.decision = decision
         super().__init__()
+
+    def set_report(self, report: ExecutionReport) -> None:
+        """Replace ``partial_report`` (a scope does, once its clean-up committed)."""
+        self.partial_report = report
+        self._refresh()
 
     def _message(self) -> str:
         if self.failed_reservation is not None:
@@ -250,10 +467,13 @@ class ResidencyPlanExecutionError(ResidencyError):
             failed = f"action #{self.failed_action_index} {self.failed_action}"
         else:
             failed = "no single action"
-        count = len(self.partial_report.transitions)
+        report = self.partial_report
+        kept = len(report.in_effect)
+        undone = len(report.transitions) - kept
+        cleaned = f" ({undone} more were clean-up or undone by it)" if undone else ""
         detail = f": {self.detail}" if self.detail else ""
         return (
             f"plan execution failed in phase {self.phase!r} at {failed}{detail}; "
-            f"{count} committed transition(s) stay in effect (see partial_report); take a new "
-            "snapshot and continue from the actual state"
+            f"{kept} committed transition(s) stay in effect{cleaned} (see "
+            "partial_report.in_effect); take a new snapshot and continue from the actual state"
         )

@@ -1,14 +1,44 @@
-"""The bounded trace of transitions: a ring buffer that says how much it overwrote."""
+"""The bounded trace of transitions: a ring buffer that says how much it overwrote.
+
+A :class:`Transition` records one committed state change; a :class:`ResidencyTrace` is a
+tensor-free copy of the ring; an :class:`ExecutionReport` lists what one plan run committed and
+tells the clean-up entries (aborted copies, released reservation prefixes) from the transitions
+that stay in effect. All three serialize to JSON-able dicts (``to_dict``).
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .locations import Location
 
-__all__ = ["ExecutionReport", "ResidencyTrace", "TraceRing", "Transition"]
+__all__ = [
+    "ABORT_KINDS",
+    "BEGIN_KINDS",
+    "ExecutionReport",
+    "ResidencyTrace",
+    "TraceRing",
+    "Transition",
+]
+
+#: Kinds that begin a transfer (charging its destination, or a rebuild's temporary storage).
+BEGIN_KINDS = frozenset({"copy_begin", "move_begin", "load_begin", "rebuild_temp"})
+#: Kinds that undo a begun transfer: clean-up, never an effect of their own.
+ABORT_KINDS = frozenset({"copy_abort", "rebuild_abort"})
+
+# What each abort undoes: the latest begin of one of these kinds, same handle and location.
+_UNDOES = {
+    "copy_abort": frozenset({"copy_begin", "move_begin", "load_begin"}),
+    "rebuild_abort": frozenset({"rebuild_temp"}),
+}
+
+
+def _verb(kind: str) -> str:
+    # An abort does not say whether it undid a copy or a move (its begin does): name neither.
+    return "transfer" if kind in ABORT_KINDS else kind.split("_", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +46,12 @@ class Transition:
     """One committed state change: the state version it produced, its kind, and what it touched.
 
     ``handle`` is a ``ValueHandle`` or ``None``; ``name`` carries a reservation's name;
-    ``nbytes`` is the number of bytes charged (positive) or freed (negative) by the transition.
+    ``location`` is where the bytes changed and ``nbytes`` the number of bytes charged there
+    (positive) or freed (negative): replaying ``nbytes`` per ``location`` gives each ledger's
+    charge. For transfers (copies, moves, loads and their commits and aborts) ``source`` and
+    ``destination`` name both ends (``source`` is ``None`` for a load straight from the value's
+    source): a move's commit is recorded at its source, where the bytes are freed, and still
+    reads ``move cuda:0 -> pinned-host``.
     """
 
     seq: int
@@ -27,6 +62,13 @@ class Transition:
     nbytes: int
     time_ns: int
     name: str | None = None
+    source: Location | None = None
+    destination: Location | None = None
+
+    @property
+    def is_transfer(self) -> bool:
+        """Whether the transition belongs to a transfer (it has a destination)."""
+        return self.destination is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -38,12 +80,24 @@ class Transition:
             "nbytes": self.nbytes,
             "time_ns": self.time_ns,
             "name": self.name,
+            "source": None if self.source is None else str(self.source),
+            "destination": None if self.destination is None else str(self.destination),
         }
 
     def __str__(self) -> str:
         what = self.handle if self.handle is not None else (self.name or "")
+        head = f"#{self.seq} v{self.state_version} {self.kind} {what}"
+        if self.destination is not None:
+            source = "its source" if self.source is None else str(self.source)
+            # Both ends, in the direction of the data; then where the bytes changed.
+            where = f" at {self.location}" if self.location is not None else ""
+            aborted = " aborted" if self.kind in ABORT_KINDS else ""
+            return (
+                f"{head}: {_verb(self.kind)} {source} -> {self.destination}{aborted}, "
+                f"{self.nbytes:+d} B{where}"
+            )
         where = f" @ {self.location}" if self.location is not None else ""
-        return f"#{self.seq} v{self.state_version} {self.kind} {what}{where} {self.nbytes:+d} B"
+        return f"{head}{where} {self.nbytes:+d} B"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +112,22 @@ class ResidencyTrace:
     capacity: int
     overwritten: int
     transitions: tuple[Transition, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ``json.dumps(manager.trace().to_dict())`` works."""
+        return {
+            "enabled": self.enabled,
+            "capacity": self.capacity,
+            "overwritten": self.overwritten,
+            "transitions": [t.to_dict() for t in self.transitions],
+        }
+
+    def between(self, after_version: int, up_to_version: int) -> tuple[Transition, ...]:
+        """The transitions that took the state from ``after_version`` to ``up_to_version``
+        (``after_version < state_version <= up_to_version``): what a stale decision missed."""
+        return tuple(
+            t for t in self.transitions if after_version < t.state_version <= up_to_version
+        )
 
 
 class TraceRing:
@@ -88,11 +158,74 @@ class TraceRing:
         )
 
 
+def _undone(transitions: Iterable[Transition], cleanup: frozenset[int]) -> frozenset[int]:
+    """The seqs of the clean-up entries and of the begins they undid.
+
+    An abort undoes the latest earlier begin of its transfer (same kind family, handle and
+    location); an ``unreserve`` listed in ``cleanup`` undoes the latest ``reserve`` of the same
+    name and location. Aborts are always clean-up; other kinds only when listed."""
+    out: set[int] = set()
+    kept: list[Transition] = []
+    for transition in transitions:
+        undoes: frozenset[str] | None = None
+        if transition.kind in ABORT_KINDS:
+            undoes = _UNDOES[transition.kind]
+        elif transition.seq in cleanup and transition.kind == "unreserve":
+            undoes = frozenset({"reserve"})
+        elif transition.seq in cleanup:
+            out.add(transition.seq)
+            continue
+        if undoes is None:
+            kept.append(transition)
+            continue
+        out.add(transition.seq)
+        for index in range(len(kept) - 1, -1, -1):
+            begun = kept[index]
+            if (
+                begun.kind in undoes
+                and begun.handle == transition.handle
+                and begun.location == transition.location
+                and begun.name == transition.name
+            ):
+                out.add(begun.seq)
+                del kept[index]
+                break
+    return frozenset(out)
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutionReport:
-    """Every transition a plan run committed, in order."""
+    """Every transition a plan run committed, in order (``transitions``), and which of them
+    stay in effect.
+
+    ``cleanup`` holds the seqs of entries committed only to clean up after a failure (the
+    ``unreserve`` of a failed entry's reservation prefix); aborted transfers (``copy_abort``,
+    ``rebuild_abort``) are clean-up by their kind. :attr:`in_effect` leaves out the clean-up
+    entries and the begins they undid: what the run changed and nobody rolled back.
+    """
 
     transitions: tuple[Transition, ...] = ()
+    cleanup: frozenset[int] = field(default=frozenset())
 
     def __len__(self) -> int:
         return len(self.transitions)
+
+    @property
+    def undone(self) -> tuple[Transition, ...]:
+        """The clean-up entries and the begins they undid, in order."""
+        gone = _undone(self.transitions, self.cleanup)
+        return tuple(t for t in self.transitions if t.seq in gone)
+
+    @property
+    def in_effect(self) -> tuple[Transition, ...]:
+        """The committed transitions that stay in effect, in order (see the class docstring)."""
+        gone = _undone(self.transitions, self.cleanup)
+        return tuple(t for t in self.transitions if t.seq not in gone)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: every transition, and the seqs of those in effect."""
+        return {
+            "transitions": [t.to_dict() for t in self.transitions],
+            "in_effect": [t.seq for t in self.in_effect],
+            "cleanup": sorted(self.cleanup),
+        }

@@ -1,0 +1,238 @@
+"""The evidence a diagnosis reads: a manager's state at one moment, in memory or in a dump file.
+
+:func:`collect` takes it from a manager in one synchronous step (the snapshot, the trace, the
+owners of active leases and holds, and, for an error that carries a plan, ``explain`` of that
+plan against the current state); :func:`write_dump` writes it with an error's ``to_dict`` as
+JSON and :func:`read_dump` reads it back. ``diagnose(error, manager)`` and ``python -m aresidency
+diagnose PATH`` build their report from the same :class:`Evidence`, so both print the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import ResidencyError, exception_to_dict, to_jsonable
+from ..core.locations import Location
+from ..core.snapshot import ResidencySnapshot, take_snapshot
+from ..core.trace import ResidencyTrace, Transition
+from ..core.values import ValueHandle
+
+__all__ = [
+    "DUMP_FORMAT",
+    "DUMP_VERSION",
+    "Evidence",
+    "Owner",
+    "collect",
+    "read_dump",
+    "trace_from_dict",
+    "transition_from_dict",
+    "write_dump",
+]
+
+DUMP_FORMAT = "aresidency.dump"
+DUMP_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """One active lease or hold: the task that entered it (``kind``: ``"read lease"``,
+    ``"write lease"`` or ``"hold"``)."""
+
+    handle: ValueHandle
+    location: Location
+    kind: str
+    task: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle.to_dict(),
+            "location": str(self.location),
+            "kind": self.kind,
+            "task": self.task,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Owner:
+        return cls(
+            ValueHandle.from_dict(data["handle"]),
+            Location.parse(data["location"]),
+            str(data["kind"]),
+            str(data["task"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What one manager showed at one moment (all tensor-free).
+
+    ``snapshot`` and ``trace`` were taken in the same synchronous step; ``owners`` lists the
+    active leases and holds with their tasks; ``explanation`` is ``explain`` of the error's
+    plan against that state, as a JSON-able dict (``None`` when the error had no plan);
+    ``captured_unix_s`` is the wall-clock time it was taken."""
+
+    snapshot: ResidencySnapshot
+    trace: ResidencyTrace
+    owners: tuple[Owner, ...] = ()
+    explanation: Mapping[str, Any] | None = None
+    captured_unix_s: float = 0.0
+
+    @classmethod
+    def capture(
+        cls,
+        snapshot: ResidencySnapshot,
+        trace: ResidencyTrace,
+        owners: Iterable[tuple[ValueHandle, Location, str, str]] = (),
+        *,
+        explanation: Any = None,
+    ) -> Evidence:
+        """Evidence from live objects (``owners`` as ``manager.owners()`` gives them)."""
+        return cls(
+            snapshot,
+            trace,
+            tuple(Owner(*entry) for entry in owners),
+            None if explanation is None else to_jsonable(explanation),
+            time.time(),
+        )
+
+    def owners_of(self, handle: ValueHandle, location: Location) -> tuple[Owner, ...]:
+        return tuple(o for o in self.owners if o.handle == handle and o.location == location)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "manager_id": self.snapshot.manager_id,
+            "state_version": self.snapshot.state_version,
+            "captured_unix_s": self.captured_unix_s,
+            "snapshot": self.snapshot.to_dict(),
+            "trace": self.trace.to_dict(),
+            "owners": [owner.to_dict() for owner in self.owners],
+            "explanation": self.explanation,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Evidence:
+        """The evidence ``to_dict`` wrote; ``ValueError`` naming what is missing or malformed."""
+        try:
+            snapshot = ResidencySnapshot.from_dict(data["snapshot"])
+            trace = trace_from_dict(data["trace"])
+            owners = tuple(Owner.from_dict(o) for o in data.get("owners", ()))
+        except KeyError as missing:
+            raise ValueError(
+                f"not an aresidency dump: the field {missing} is missing (write dumps with "
+                "manager.dump)"
+            ) from None
+        except (TypeError, AttributeError) as error:
+            raise ValueError(f"not an aresidency dump: {error}") from None
+        explanation = data.get("explanation")
+        return cls(
+            snapshot,
+            trace,
+            owners,
+            explanation if isinstance(explanation, Mapping) else None,
+            float(data.get("captured_unix_s", 0.0)),
+        )
+
+
+def transition_from_dict(data: Mapping[str, Any]) -> Transition:
+    """The transition ``Transition.to_dict`` described."""
+
+    def location(key: str) -> Location | None:
+        value = data.get(key)
+        return None if value is None else Location.parse(value)
+
+    handle = data.get("handle")
+    return Transition(
+        int(data["seq"]),
+        int(data["state_version"]),
+        str(data["kind"]),
+        None if handle is None else ValueHandle.from_dict(handle),
+        location("location"),
+        int(data["nbytes"]),
+        int(data["time_ns"]),
+        data.get("name"),
+        location("source"),
+        location("destination"),
+    )
+
+
+def trace_from_dict(data: Mapping[str, Any]) -> ResidencyTrace:
+    """The trace ``ResidencyTrace.to_dict`` described."""
+    return ResidencyTrace(
+        bool(data["enabled"]),
+        int(data["capacity"]),
+        int(data["overwritten"]),
+        tuple(transition_from_dict(t) for t in data["transitions"]),
+    )
+
+
+def collect(manager: Any, error: BaseException | None = None) -> Evidence:
+    """Take the evidence from ``manager`` in one synchronous step (loop thread while it runs;
+    after it closed its state no longer changes, and there are no leases). For an error that
+    carries a plan (raised at a scope's entry), ``explain`` of it against the current state
+    is included. The host waits for nothing."""
+    running = bool(manager.running)
+    if running:
+        manager.check_thread()
+    state = manager.state
+    explanation = None
+    plan = getattr(error, "plan", None)
+    if plan is not None and running:
+        try:
+            explanation = manager.explain(plan)
+        except (TypeError, ValueError, RuntimeError):
+            explanation = None  # a plan naming what this manager lacks: nothing to add
+        except ResidencyError as failure:  # the plan no longer applies to this state
+            explanation = {"feasible": False, "reason": str(failure)}
+    return Evidence.capture(
+        take_snapshot(state),
+        state.trace_ring.view(),
+        manager.owners() if running else (),
+        explanation=explanation,
+    )
+
+
+def dump_dict(evidence: Evidence, error: BaseException | None) -> dict[str, Any]:
+    """The JSON document :func:`write_dump` writes."""
+    return {
+        "format": DUMP_FORMAT,
+        "version": DUMP_VERSION,
+        **evidence.to_dict(),
+        "error": None if error is None else exception_to_dict(error),
+    }
+
+
+def write_dump(
+    path: str | os.PathLike[str], evidence: Evidence, error: BaseException | None
+) -> Path:
+    """Write ``evidence`` and ``error`` to ``path`` as JSON (the host waits for the write)."""
+    target = Path(path)
+    target.write_text(json.dumps(dump_dict(evidence, error), indent=1))
+    return target
+
+
+def read_dump(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, Evidence]:
+    """The error dict (``None`` if none was dumped) and the evidence of a dump file;
+    ``ValueError`` for a file that is not one (naming what is wrong)."""
+    source = Path(path)
+    try:
+        data = json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source} is not JSON ({error}); write dumps with manager.dump") from None
+    if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(
+            f"{source} is not an aresidency dump (format {found!r}, expected {DUMP_FORMAT!r}); "
+            "write dumps with manager.dump"
+        )
+    if data.get("version") != DUMP_VERSION:
+        raise ValueError(
+            f"{source} is a version {data.get('version')!r} dump; this aresidency reads version "
+            f"{DUMP_VERSION}"
+        )
+    dumped = data.get("error")
+    return (dumped if isinstance(dumped, dict) else None), Evidence.from_dict(data)

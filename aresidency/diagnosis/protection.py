@@ -1,0 +1,117 @@
+"""Step 4: the leases, holds and pending events that protect a materialization, and the tasks
+owning them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._facts import (
+    Errors,
+    first,
+    handle_of,
+    label,
+    location_of,
+    make_step,
+    size,
+    sub_items,
+)
+from .evidence import Evidence
+from .report import DiagnosisStep
+
+__all__ = ["step_4"]
+
+
+def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
+    """The protection counts and the tasks owning them, at the error and now."""
+    in_use = first(errors, "ResidencyInUseError")
+    budget = first(errors, "ResidencyBudgetError")
+    findings: list[str] = []
+    data: dict[str, Any] = {}
+    action: str | None = None
+    if in_use is not None:
+        handle = handle_of(in_use.get("handle"))
+        location = location_of(in_use.get("location"))
+        counts = {
+            key: int(in_use.get(key, 0))
+            for key in ("use_count", "hold_count", "pending_event_count")
+        }
+        owners = [str(o) for o in in_use.get("owners") or ()]
+        findings.append(
+            f"cannot {in_use.get('operation', 'remove')} {label(handle)} at {location}: "
+            f"use_count={counts['use_count']} (active leases), hold_count={counts['hold_count']} "
+            f"(holds), pending_event_count={counts['pending_event_count']} (consumer events not "
+            "yet complete)"
+        )
+        if owners:
+            findings.append(
+                "leases and holds owned by task(s): " + ", ".join(repr(o) for o in owners)
+            )
+        elif counts["use_count"] or counts["hold_count"]:
+            findings.append("the error names no owning task (raised by the model directly)")
+        data.update(
+            handle=None if handle is None else handle.to_dict(),
+            location=None if location is None else str(location),
+            owners=owners,
+            **counts,
+        )
+        steps = []
+        if counts["use_count"]:
+            who = f" in task(s) {', '.join(repr(o) for o in owners)}" if owners else ""
+            steps.append(f"exit the lease{who} once every reader stream is registered")
+        if counts["hold_count"]:
+            steps.append("release the obsolete hold")
+        if counts["pending_event_count"]:
+            steps.append("wait for the consumer stream if the removal must happen now")
+        steps.append("or defer the removal to a later decision")
+        action = (
+            "; ".join(steps)
+            + ". Do not close the manager or discard the value to get past unknown readers"
+        )
+        if evidence is not None and handle is not None and location is not None:
+            value = evidence.snapshot.values.get(handle)
+            record = None
+            if value is not None:
+                record = next((m for m in value.materializations if m.location == location), None)
+            now_owners = evidence.owners_of(handle, location)
+            if record is None:
+                findings.append(f"now: {label(handle)} has no materialization at {location}")
+            else:
+                findings.append(
+                    f"now (v{evidence.snapshot.state_version}): use_count={record.use_count}, "
+                    f"hold_count={record.hold_count}, "
+                    f"pending_event_count={record.pending_event_count}"
+                )
+                if not record.protected:
+                    action = "nothing protects it any more: retry the removal"
+            if now_owners:
+                findings.append(
+                    "held now by: " + ", ".join(f"{o.task!r} ({o.kind})" for o in now_owners)
+                )
+            data["now"] = None if record is None else record.to_dict()
+            data["owners_now"] = [o.to_dict() for o in now_owners]
+    elif budget is not None and evidence is not None:
+        location = location_of(budget.get("location"))
+        rows: list[str] = []
+        held: list[dict[str, Any]] = []
+        for value in evidence.snapshot.values.values():
+            for mat in value.materializations:
+                if mat.location != location or not mat.protected:
+                    continue
+                owners_now = evidence.owners_of(value.handle, mat.location)
+                who = ", ".join(f"{o.task!r} ({o.kind})" for o in owners_now)
+                rows.append(
+                    f"{value.name} {size(mat.charged_bytes)}: use_count={mat.use_count}, "
+                    f"hold_count={mat.hold_count}, pending_event_count="
+                    f"{mat.pending_event_count}" + (f", held by {who}" if who else "")
+                )
+                held.append(
+                    {**mat.to_dict(), "handle": value.handle.to_dict(), "owners": who or None}
+                )
+        if not rows:
+            return None
+        findings.append(f"protected at {location} (a controller will not evict these):")
+        findings.extend(sub_items(rows))
+        data.update(location=str(location), protected=held)
+    else:
+        return None
+    return make_step(4, findings, data, action)

@@ -1,0 +1,155 @@
+"""Dumps and the command line: ``manager.dump(path, error)`` writes the evidence as JSON and
+``python -m aresidency diagnose PATH`` prints the report ``diagnose(error, manager)`` gives,
+with ``rich`` or as plain text; ``... timeline DUMP OUT`` writes the Chrome trace. The CLI runs
+in a subprocess (``sys.executable -m aresidency``), as users run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ResidencyBudgetError, ResidencyManager, ResidencyPlan, diagnose
+from aresidency.core import Move
+from aresidency.diagnosis import diagnose_dump, read_dump
+
+KiB = 1 << 10
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tensor(kib: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.full((kib * 256,), float(seed))
+
+
+async def _fail_and_dump(path: Path) -> tuple[str, dict]:
+    """A plan that cannot fit, dumped with its error; returns the live report (text, dict)."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        m.register(tensor(seed=1), name="resident", location="cuda:0")
+        b = m.register(tensor(seed=2), name="b")
+        c = m.register(tensor(seed=3), name="c")
+        with pytest.raises(Exception) as caught:
+            await m.execute(ResidencyPlan(enter=[Move(b, "cuda:0"), Move(c, "cuda:0")]))
+        report = diagnose(caught.value, m)
+        m.dump(path, caught.value)
+        return str(report), report.to_dict()
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
+    """One dump for the command-line tests (made once: each CLI run starts Python and torch)."""
+    path = tmp_path_factory.mktemp("dump") / "failure.json"
+    text, data = anyio.run(_fail_and_dump, path)
+    return path, text, data
+
+
+def run_cli(*args: str, path: Sequence[Path] = ()) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "120"}
+    entries = [*map(str, path), str(ROOT), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, entries))
+    return subprocess.run(
+        [sys.executable, "-m", "aresidency", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.anyio
+async def test_a_dump_gives_the_same_report_as_the_live_diagnosis(tmp_path: Path) -> None:
+    text, data = await _fail_and_dump(tmp_path / "d.json")
+    report = diagnose_dump(tmp_path / "d.json")
+    assert str(report) == text
+    assert report.to_dict() == data
+    error, evidence = read_dump(tmp_path / "d.json")
+    assert error is not None and error["type"] == "ResidencyPlanError"
+    assert error["cause"]["type"] == "ResidencyBudgetError"
+    assert evidence.explanation is not None and evidence.explanation["feasible"] is False
+    assert report.step(3).evidence["missing_bytes"] == 4 * KiB
+
+
+@pytest.mark.anyio
+async def test_a_dump_after_the_manager_closed_and_one_without_an_error(tmp_path: Path) -> None:
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        m.dump(tmp_path / "state.json")
+        big = m.register(tensor(kib=8), name="big")
+        try:
+            await m.move(big, "cuda:0")
+        except ResidencyBudgetError as error:
+            failure = error
+    version = m.state_version
+    m.dump(tmp_path / "closed.json", failure)  # the state of a closed manager stays readable
+    closed = diagnose_dump(tmp_path / "closed.json")
+    assert closed.state_version == version and closed.step(3).evidence["kind"] == "materialization"
+    state_only = diagnose_dump(tmp_path / "state.json")
+    assert state_only.error_type is None
+    assert [s.number for s in state_only.steps] == [1, 8]
+    assert state_only.step(1).evidence["values"] == 1
+    del h
+
+
+def test_the_cli_prints_the_report_as_plain_text(dumped: tuple[Path, str, dict]) -> None:
+    path, text, _ = dumped
+    result = run_cli("diagnose", str(path), "--plain")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == text + "\n"
+
+
+def test_the_cli_draws_the_report_with_rich(dumped: tuple[Path, str, dict]) -> None:
+    pytest.importorskip("rich")
+    path, _, data = dumped
+    result = run_cli("diagnose", str(path))
+    assert result.returncode == 0, result.stderr
+    for step in data["steps"]:
+        assert f"Step {step['number']}. {step['title']}" in result.stdout
+    assert "Next action:" in result.stdout
+    assert "4096 B missing" in result.stdout
+    assert "\u256d" in result.stdout  # a rich panel's corner: drawn, not the plain text
+
+
+def test_the_cli_prints_plain_text_when_rich_is_not_installed(
+    dumped: tuple[Path, str, dict], tmp_path: Path
+) -> None:
+    # A ``rich`` package first on the path that fails to import, as if it were not installed.
+    (tmp_path / "rich").mkdir()
+    (tmp_path / "rich" / "__init__.py").write_text('raise ImportError("no rich here")\n')
+    path, text, _ = dumped
+    result = run_cli("diagnose", str(path), path=[tmp_path])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == text + "\n"
+
+
+def test_the_cli_prints_the_report_as_json(dumped: tuple[Path, str, dict]) -> None:
+    path, _, data = dumped
+    result = run_cli("diagnose", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads(json.dumps(data))
+
+
+def test_the_cli_writes_the_dumps_timeline(dumped: tuple[Path, str, dict], tmp_path: Path) -> None:
+    path, _, _ = dumped
+    out = tmp_path / "timeline.json"
+    result = run_cli("timeline", str(path), str(out))
+    assert result.returncode == 0, result.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any(e["ph"] == "C" and e["name"] == "cuda:0 bytes" for e in events)
+
+
+def test_the_cli_refuses_a_file_that_is_not_a_dump(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text(json.dumps({"hello": 1}))
+    result = run_cli("diagnose", str(bogus))
+    assert result.returncode == 2
+    assert "not an aresidency dump" in result.stderr and "manager.dump" in result.stderr
+    missing = run_cli("diagnose", str(tmp_path / "missing.json"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr

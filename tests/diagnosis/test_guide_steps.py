@@ -1,0 +1,423 @@
+"""One test per step of a diagnosis: each provokes its failure on the simulated backend (a
+simulation of CUDA devices in host memory), calls ``diagnose(error, manager)`` and checks the
+evidence the step names against the manager's own snapshot and trace."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+from aresidency import (
+    CallableSource,
+    Materialize,
+    MemoryReservation,
+    Move,
+    ReplicaMode,
+    ResidencyBudgetError,
+    ResidencyController,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanExecutionError,
+    ResidencyRequest,
+    ResidencyRequirement,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+    ResidencyUnavailableError,
+    diagnose,
+)
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1 << 10
+
+
+def tensor(kib: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.full((kib * 256,), float(seed))  # float32: kib KiB
+
+
+# --------------------------------------------------------------------- 1: state captured
+
+
+async def test_step_1_records_the_state_version_the_trace_coverage_and_the_fields() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim", trace_capacity=4) as m:
+        handles = [m.register(tensor(seed=i), name=f"w{i}") for i in range(3)]
+        await m.move(handles[0], "cuda:0")
+        await m.move(handles[1], "cuda:0")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(handles[2], "cuda:0")
+        report = diagnose(caught.value, m)
+        snap, trace = m.snapshot(), m.trace()
+        step = report.step(1)
+        assert report.manager_id == m.id and report.state_version == snap.state_version
+        assert step.evidence["state_version"] == snap.state_version
+        assert step.evidence["values"] == len(snap.values) == 3
+        assert step.evidence["trace"]["kept"] == len(trace.transitions) == 4
+        assert step.evidence["trace"]["overwritten"] == trace.overwritten > 0
+        assert step.evidence["trace"]["last_version"] == trace.transitions[-1].state_version
+        assert step.evidence["handles"] == [handles[2].to_dict()]
+        assert step.evidence["fields"]["requested_bytes"] == 4 * KiB
+        assert f"{trace.overwritten} older transition(s) were overwritten" in " ".join(
+            step.findings
+        )
+        # Without the manager, the report says what it cannot know.
+        alone = diagnose(caught.value)
+        assert alone.manager_id is None and "only the error was given" in str(alone)
+        assert alone.step(1).evidence["fields"] == step.evidence["fields"]
+
+
+# ---------------------------------------------------------------------------- 2: endpoint
+
+
+async def test_step_2_shows_the_endpoint_is_missing_and_acquire_never_places() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "pinned-host")
+        with pytest.raises(ResidencyUnavailableError) as caught:
+            m.acquire(h, "cuda:0")
+        step = diagnose(caught.value, m).step(2)
+        value = m.snapshot().value(h)
+        assert step.evidence["handle"] == h.to_dict() and step.evidence["location"] == "cuda:0"
+        assert step.evidence["belongs"] and step.evidence["in_state"]
+        assert step.evidence["present"] is False
+        assert step.evidence["value"] == value.to_dict()
+        assert step.evidence["value"]["locations"] == ["pageable-host", "pinned-host"]
+        assert step.evidence["value"]["replica_mode"] == "replicable"
+        assert step.evidence["value"]["has_source"] is False
+        assert "acquire never places" in (step.action or "")
+
+
+async def test_step_2_tells_a_discarded_value_and_a_foreign_handle() -> None:
+    async with (
+        ResidencyManager(backend="sim") as m,
+        ResidencyManager(backend="sim") as other,
+    ):
+        h = m.register(tensor(), name="gone")
+        await m.discard(h)
+        with pytest.raises(ResidencyUnavailableError) as caught:
+            await m.move(h, "cuda:0")
+        step = diagnose(caught.value, m).step(2)
+        assert step.evidence["in_state"] is False and "discarded" in " ".join(step.findings)
+        foreign = other.register(tensor(), name="theirs")
+        with pytest.raises(ResidencyUnavailableError) as caught:
+            await m.move(foreign, "cuda:0")
+        step = diagnose(caught.value, m).step(2)
+        assert step.evidence["belongs"] is False
+        assert other.id in " ".join(step.findings) and "registered it" in (step.action or "")
+
+
+# ------------------------------------------------------------------- 3: budget arithmetic
+
+
+async def test_step_3_reconciles_the_five_byte_fields_with_the_snapshot() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 10 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        b = m.register(tensor(seed=2), name="b")
+        c = m.register(tensor(seed=3), name="c")
+        await m.move(a, "cuda:0")
+        await m.move(b, "cuda:0")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(c, "cuda:0")
+        error = caught.value
+        assert (error.handle, error.kind, error.in_simulation) == (c, "materialization", False)
+        step = diagnose(error, m).step(3)
+        record = m.snapshot().location("cuda:0")
+        ev = step.evidence
+        assert ev["used_bytes"] == record.used_bytes == 8 * KiB
+        assert ev["reserved_bytes"] == record.reserved_bytes == 0
+        assert ev["budget_bytes"] == record.budget_bytes == 10 * KiB
+        assert ev["requested_bytes"] == 4 * KiB and ev["new_peak_bytes"] == 12 * KiB
+        assert ev["missing_bytes"] == 2 * KiB == error.missing_bytes
+        assert ev["kind"] == "materialization" and ev["handle"] == c.to_dict()
+        assert ev["free_now_bytes"] == 2 * KiB
+        assert {e["name"] for e in ev["candidates"]} == {"a", "b"}
+        assert ev["freeable_bytes"] == 8 * KiB
+        assert "a new materialization of value c" in " ".join(step.findings)
+
+
+async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
+    async with ResidencyManager(
+        budgets={"cuda:0": 8 * KiB, "pinned-host": 2 * KiB}, backend="sim"
+    ) as m:
+        with pytest.raises(ResidencyBudgetError) as caught:
+            async with m.reservation("kv", "cuda:0", 12 * KiB):
+                pytest.fail("over budget")
+        ev = diagnose(caught.value, m).step(3).evidence
+        assert (ev["kind"], ev["handle"], ev["missing_bytes"]) == ("reservation", None, 4 * KiB)
+
+        source = CallableSource(
+            lambda: tensor(), shape=(1024,), dtype=torch.float32, source_location="pinned-host"
+        )
+        h = m.register_source(source, name="rebuilt")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.materialize(h, "cuda:0")  # loads through pinned-host: 4 KiB there
+        error = caught.value
+        assert (error.kind, error.handle, str(error.location)) == (
+            "reconstruction",
+            h,
+            "pinned-host",
+        )
+        report = diagnose(error, m)
+        # Step 2 says the refused location is where the rebuild passes, not the endpoint.
+        endpoint = report.step(2)
+        assert endpoint.evidence["through_source_location"] is True
+        assert (
+            "source_location" in endpoint.findings[0]
+            and "on its way to cuda:0" in (endpoint.findings[0])
+        )
+        assert "present" not in endpoint.evidence
+        step = report.step(3)
+        assert step.evidence["kind"] == "reconstruction"
+        assert step.evidence["missing_bytes"] == 2 * KiB
+        assert step.evidence["now"] == m.snapshot().location("pinned-host").to_dict()
+        assert "temporary reconstruction storage" in " ".join(step.findings)
+        assert "pinned-host" in (step.action or "")
+
+
+# ---------------------------------------------------------------------- 4: protection
+
+
+async def test_step_4_names_the_task_holding_the_lease_that_blocks_a_release() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "pinned-host")
+        entered, done = anyio.Event(), anyio.Event()
+
+        async def reader() -> None:
+            async with m.acquire(h, "pinned-host"):
+                entered.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(reader, name="reader-task")
+            await entered.wait()
+            hold = m.hold(h, "pinned-host")
+            with pytest.raises(ResidencyInUseError) as caught:
+                await m.release(h, "pinned-host")
+            error = caught.value
+            assert error.owners == ("reader-task", error.owners[1])
+            assert "'reader-task'" in str(error)
+            report = diagnose(error, m)
+            step = report.step(4)
+            record = m.snapshot().value(h).materialization("pinned-host")
+            ev = step.evidence
+            assert (ev["use_count"], ev["hold_count"]) == (record.use_count, record.hold_count)
+            assert (ev["use_count"], ev["hold_count"], ev["pending_event_count"]) == (1, 1, 0)
+            assert ev["owners"] == list(error.owners)
+            kinds = {(o["task"], o["kind"]) for o in ev["owners_now"]}
+            assert ("reader-task", "read lease") in kinds
+            assert (hold.owner, "hold") in kinds
+            assert "reader-task" in (step.action or "") and "hold" in (step.action or "")
+            assert report.next_action == step.action
+            hold.release()
+            done.set()
+        assert m.owners() == []
+
+
+# --------------------------------------------------------------- 5: decision evidence
+
+
+async def _crowded(m: ResidencyManager) -> tuple[list, object]:
+    values = []
+    for i in range(10):
+        h = m.register(tensor(kib=1 + i % 5, seed=i), name=f"v{i}")
+        await m.move(h, "cuda:0")
+        values.append(h)
+    new = m.register(tensor(kib=20, seed=99), name="new")
+    return values, new
+
+
+async def test_step_5_shows_a_decisions_search_work_evictions_and_peaks() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 36 * KiB}, backend="sim") as m:
+        _, new = await _crowded(m)
+        controller = ResidencyController(m)
+        request = ResidencyRequest("big", [ResidencyRequirement(new, "cuda:0")])
+        decision = await controller.decide(request)
+        assert decision.evictions
+        # The entry's copy of 'new' fails (after the evictions' moves committed).
+        m.backend.faults.fail_transfer_at = len(decision.evictions) + 1
+        with pytest.raises(ResidencyPlanExecutionError) as caught:
+            async with m.scope(decision):
+                pytest.fail("the entry failed")
+        error = caught.value
+        assert error.decision is decision
+        step = diagnose(error, m).step(5)
+        ev = step.evidence
+        assert ev["request"] == "big"
+        assert ev["explored_states"] == decision.explored_states
+        assert ev["expected_state_version"] == decision.expected_state_version
+        assert [e["handle"]["value_id"] for e in ev["evictions"]] == [
+            e.handle.value_id for e in decision.evictions
+        ]
+        assert [e["reason"] for e in ev["evictions"]] == [e.reason for e in decision.evictions]
+        assert (
+            ev["predicted_peak_bytes"]["cuda:0"]
+            == (decision.explanation.predicted_peak_bytes[decision.plan.enter[0].location])
+        )
+        text = " ".join(step.findings)
+        assert "not an eviction count" in text and decision.evictions[0].reason in text
+
+
+async def test_step_5_records_a_search_limit_as_unknown_feasibility() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 36 * KiB}, backend="sim") as m:
+        _, new = await _crowded(m)
+        controller = ResidencyController(m, search_state_limit=3)
+        request = ResidencyRequest("big", [ResidencyRequirement(new, "cuda:0")])
+        with pytest.raises(ResidencySearchLimitError) as caught:
+            await controller.decide(request)
+        report = diagnose(caught.value, m)
+        ev = report.step(5).evidence
+        assert (ev["request_name"], ev["state_limit"], ev["explored_states"]) == ("big", 3, 3)
+        assert "not proof" in " ".join(report.step(5).findings)
+        assert "search_state_limit" in report.next_action
+
+
+# ------------------------------------------------------------------ 6: stale decision
+
+
+async def test_step_6_lists_the_transitions_between_the_expected_and_actual_version() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 36 * KiB}, backend="sim") as m:
+        _, new = await _crowded(m)
+        controller = ResidencyController(m)
+        decision = await controller.decide(
+            ResidencyRequest("big", [ResidencyRequirement(new, "cuda:0")])
+        )
+        late = m.register(tensor(seed=7), name="late")  # the intervening changes
+        async with m.reservation("other", "pinned-host", KiB):
+            with pytest.raises(ResidencyStaleStateError) as caught:
+                async with m.scope(decision):
+                    pytest.fail("stale")
+            error = caught.value
+            assert error.decision is decision and error.plan is decision.plan
+            report = diagnose(error, m)
+        step = report.step(6)
+        ev = step.evidence
+        assert ev["expected_version"] == decision.expected_state_version
+        assert ev["actual_version"] == error.actual_version == decision.expected_state_version + 2
+        expected = m.trace().between(error.expected_version, error.actual_version)
+        assert [t["seq"] for t in ev["intervening"]] == [t.seq for t in expected]
+        assert [t["kind"] for t in ev["intervening"]] == ["register", "reserve"]
+        assert ev["intervening"][0]["handle"] == late.to_dict()
+        assert ev["categories"] == {"ownership": 1, "reservation": 1} and ev["missing"] == 0
+        assert "controller.decide" in report.next_action
+        assert not report.has_step(7)
+
+
+# --------------------------------------------------------------- 7: partial execution
+
+
+async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        b = m.register(tensor(seed=2), name="b")
+        c = m.register(tensor(seed=3), name="c", location="cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Move(c, "pinned-host")],
+            reserve=[MemoryReservation("ws", "cuda:0", 4 * KiB)],
+            enter=[Move(a, "cuda:0"), Materialize(b, "cuda:0")],
+        )
+        m.backend.faults.fail_transfer_at = 3  # b's copy in the enter phase
+        with pytest.raises(ResidencyPlanExecutionError) as caught:
+            await m.execute(plan)
+        error = caught.value
+        step = diagnose(error, m).step(7)
+        snap = m.snapshot()
+        ev = step.evidence
+        assert ev["phase"] == "execute" and ev["failed_action_index"] == 1
+        assert ev["failed_action"]["handle"] == b.to_dict()
+        assert ev["cause"]["type"] == type(error.__cause__).__name__
+        assert ev["committed"] == len(error.partial_report.transitions) == 8
+        assert [t["seq"] for t in ev["in_effect"]] == [
+            t.seq for t in error.partial_report.in_effect
+        ]
+        assert [t["kind"] for t in ev["in_effect"]] == [
+            "move_begin",
+            "move_commit",
+            "move_begin",
+            "move_commit",
+        ]
+        assert [t["kind"] for t in ev["undone"]] == [
+            "reserve",
+            "move_begin",
+            "copy_abort",
+            "unreserve",
+        ]
+        for handle in (a, b, c):
+            assert ev["values_now"][str(handle)] == [str(x) for x in snap.value(handle).locations]
+        assert ev["values_now"][str(c)] == ["pinned-host"]
+        # Printed as a list under its heading, each transition one level in.
+        lines = step.text().splitlines()
+        heading = lines.index("  - in effect:")
+        assert lines[heading + 1] == f"    - {error.partial_report.in_effect[0]}"
+
+
+# ------------------------------------------------------------------ 8: classification
+
+
+async def test_step_8_classifies_each_failure_and_its_first_action() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        other = m.register(tensor(seed=1), name="x")
+        await m.move(h, "cuda:0")
+        errors: list[BaseException] = []
+        with pytest.raises(ResidencyBudgetError) as budget:
+            await m.move(other, "cuda:0")
+        errors.append(budget.value)
+        with m.hold(h, "cuda:0"), pytest.raises(ResidencyInUseError) as in_use:
+            await m.move(h, "pinned-host")
+        errors.append(in_use.value)
+        with pytest.raises(ResidencyUnavailableError) as unavailable:
+            m.acquire(other, "cuda:0")
+        errors.append(unavailable.value)
+        decision_step = {
+            "ResidencyBudgetError": 3,
+            "ResidencyInUseError": 4,
+            "ResidencyUnavailableError": 2,
+        }
+        for error in errors:
+            report = diagnose(error, m)
+            step = report.step(8)
+            name = type(error).__name__
+            assert step.evidence["type"] == name
+            assert f"step {decision_step[name]}" in step.evidence["first_action"]
+            # The next action is the step's own, sharpened by the evidence.
+            assert report.next_action == report.step(decision_step[name]).action
+        stale = ResidencyStaleStateError(1, 2)
+        assert "catch it before ResidencyPlanError" in " ".join(diagnose(stale).step(8).findings)
+        foreign = diagnose(RuntimeError("boom"), m).step(8)
+        assert foreign.evidence["meaning"] == "not an aresidency error"
+
+
+async def test_every_report_prints_its_steps_and_serializes() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        h = m.register(tensor(), name="w")
+        big = m.register(tensor(kib=8), name="big")
+        await m.move(h, "cuda:0")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(big, "cuda:0")
+        report = diagnose(caught.value, m)
+        text = str(report)
+        for step in report.steps:
+            assert f"Step {step.number}. {step.title}" in text
+        assert text.strip().splitlines()[-1]  # ends with the next action
+        import json
+
+        assert json.loads(json.dumps(report.to_dict()))["steps"][0]["number"] == 1
+        with pytest.raises(LookupError, match="no step 6"):
+            report.step(6)
+        with pytest.raises(TypeError, match="exception"):
+            diagnose("not an error", m)  # type: ignore[arg-type]
+
+
+def test_threading_is_not_needed_for_a_diagnosis_without_a_manager() -> None:
+    # diagnose(error) alone touches no loop and no manager: usable from any thread.
+    results: list[str] = []
+    thread = threading.Thread(
+        target=lambda: results.append(str(diagnose(ResidencyStaleStateError(3, 5))))
+    )
+    thread.start()
+    thread.join()
+    assert "expected state version 3" in results[0]

@@ -1,0 +1,87 @@
+"""docs/troubleshooting.md quotes real reports: these re-run three of its failures on the
+simulated backend (a simulation of CUDA devices in host memory) and check that the page still
+prints what ``diagnose`` says today, so the page cannot drift from the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from aresidency import (
+    Materialize,
+    MemoryReservation,
+    Move,
+    ReplicaMode,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanExecutionError,
+    ResidencyUnavailableError,
+    diagnose,
+)
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1 << 10
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
+
+
+def tensor(seed: int = 0) -> torch.Tensor:
+    return torch.full((1024,), float(seed))  # float32: 4 KiB
+
+
+def quoted(text: str) -> None:
+    assert text in PAGE.read_text(encoding="utf-8"), f"the page no longer shows:\n{text}"
+
+
+async def test_the_page_shows_todays_endpoint_report() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="kv_cache", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "pinned-host")
+        with pytest.raises(ResidencyUnavailableError) as caught:
+            m.acquire(h, "cuda:0")
+        quoted(diagnose(caught.value, m).step(2).text())
+
+
+async def test_the_page_shows_todays_protection_report() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="weights", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "pinned-host")
+        entered, done = anyio.Event(), anyio.Event()
+
+        async def decode_worker() -> None:
+            async with m.acquire(h, "pinned-host"):
+                entered.set()
+                await done.wait()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(decode_worker, name="decode-worker")
+                await entered.wait()
+                with pytest.raises(ResidencyInUseError) as caught:
+                    await m.release(h, "pinned-host")
+                quoted(diagnose(caught.value, m).step(4).text())
+                done.set()
+
+
+async def test_the_page_shows_todays_partial_execution_report() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(1), name="a")
+        b = m.register(tensor(2), name="b")
+        c = m.register(tensor(3), name="c", location="cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Move(c, "pinned-host")],
+            reserve=[MemoryReservation("workspace", "cuda:0", 4 * KiB)],
+            enter=[Move(a, "cuda:0"), Materialize(b, "cuda:0")],
+        )
+        m.backend.faults.fail_transfer_at = 3
+        with pytest.raises(ResidencyPlanExecutionError) as caught:
+            async with m.scope(plan):
+                pytest.fail("the entry failed")
+        report = diagnose(caught.value, m)
+        quoted(str(caught.value))
+        quoted(report.step(7).text())
+        quoted(report.step(8).text())
