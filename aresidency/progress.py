@@ -6,6 +6,12 @@ record when the work starts and one when it ends (or fails), and, when the outpu
 terminal and ``tqdm`` is installed, draws a progress bar in between. ``tqdm`` is optional: without
 it, or when the output is not a terminal (a log file, CI), nothing is drawn and only the log
 records are written. Callers count work done with :meth:`Progress.update`, from any thread.
+
+:func:`progress_if_large` is the form the package itself uses around work measured in bytes
+(registering a value that is copied into pinned memory, packing and pinning a streamed
+module's blocks): it reports only work of at least :data:`LARGE_WORK_BYTES`, so that small,
+fast work stays silent. A block nested inside another (each value registered while a whole
+module is) draws no bar of its own and logs at DEBUG level: the outer block reports the work.
 """
 
 from __future__ import annotations
@@ -17,13 +23,23 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar, Token
 from typing import Protocol, TextIO
 
 from .core.sizes import format_nbytes
 
-__all__ = ["Progress", "progress"]
+__all__ = ["LARGE_WORK_BYTES", "Progress", "progress", "progress_if_large"]
 
 _LOGGER_NAME = "aresidency"
+
+#: :func:`progress_if_large` reports work of at least this many bytes (256 MiB: copying that much
+#: into pinned memory takes a noticeable fraction of a second). Read at every call, so a program
+#: (or a test) may change it: ``aresidency.progress.LARGE_WORK_BYTES = 1 << 30``.
+LARGE_WORK_BYTES = 256 * 1024**2
+
+# How many progress blocks enclose the current code (per thread and per task): only the
+# outermost draws a bar and logs at INFO, so nested reports do not fight over the terminal.
+_DEPTH: ContextVar[int] = ContextVar("aresidency_progress_depth", default=0)
 
 
 class _Bar(Protocol):
@@ -185,7 +201,9 @@ def progress(
 
     If ``stream`` (``sys.stderr`` by default) is a terminal and ``tqdm`` is installed, a bar is
     drawn on it, unless the block finishes within ``min_seconds`` (quick work needs no bar).
-    Otherwise nothing is written to ``stream``.
+    Otherwise nothing is written to ``stream``. A block entered inside another one (in the same
+    thread or task) draws no bar and logs its records at DEBUG instead of INFO (its failure
+    record stays a WARNING): the outer block is the one the user follows.
 
     Raises ``TypeError`` if ``description`` is not a str, ``total`` is not an int or ``None``, or
     ``logger`` is not a ``logging.Logger``; ``ValueError`` if ``total`` is negative, ``unit`` is
@@ -194,13 +212,17 @@ def progress(
     _check_arguments(description, total, unit, logger, min_seconds)
     log = logging.getLogger(_LOGGER_NAME) if logger is None else logger
     out = sys.stderr if stream is None else stream
-    log.info(
+    depth = _DEPTH.get()
+    level = logging.INFO if depth == 0 else logging.DEBUG
+    log.log(
+        level,
         "%s: started (%s)",
         description,
         "total unknown" if total is None else _amount(total, unit),
     )
-    bar = _open_bar(description, total, unit, out, float(min_seconds))
+    bar = _open_bar(description, total, unit, out, float(min_seconds)) if depth == 0 else None
     report = Progress(description, total, unit, bar)
+    token = _DEPTH.set(depth + 1)
     started = time.perf_counter()
     try:
         yield report
@@ -217,14 +239,53 @@ def progress(
         # is worth one. This record only says where the work stopped.
         log.warning("%s: failed after %.2f s, %s done (%s)", description, elapsed, so_far, reason)
         raise
+    finally:
+        _leave(token)
     elapsed = time.perf_counter() - started
     if bar is not None:
         bar.close()
     done = report.done
-    log.info(
+    log.log(
+        level,
         "%s: done, %s in %.2f s (%s)",
         description,
         _amount(done, unit),
         elapsed,
         _rate(done, elapsed, unit),
     )
+
+
+def _leave(token: Token[int]) -> None:
+    try:
+        _DEPTH.reset(token)
+    except ValueError:
+        # Left in another context than it was entered in (a generator finished elsewhere):
+        # that context's depth was never raised, so there is nothing to undo.
+        pass
+
+
+@contextmanager
+def progress_if_large(
+    description: str,
+    nbytes: int,
+    *,
+    threshold: int | None = None,
+    logger: logging.Logger | None = None,
+    stream: TextIO | None = None,
+    min_seconds: float = 0.0,
+) -> Iterator[Progress]:
+    """:func:`progress` for work of ``nbytes`` bytes when it is at least ``threshold``
+    (:data:`LARGE_WORK_BYTES` by default); smaller work is counted silently (no record, no bar).
+
+    Yields a :class:`Progress` either way, so the caller counts the same way in both cases.
+    The arguments are checked as :func:`progress` checks them, whatever the size.
+    """
+    _check_arguments(description, nbytes, "B", logger, min_seconds)
+    limit = LARGE_WORK_BYTES if threshold is None else threshold
+    if nbytes < limit:
+        yield Progress(description, nbytes, "B", None)
+        return
+    with progress(
+        description, nbytes, logger=logger, stream=stream, min_seconds=min_seconds
+    ) as report:
+        yield report

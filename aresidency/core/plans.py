@@ -29,6 +29,7 @@ from typing import Any, TypeAlias
 
 from .errors import ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location, LocationLike
+from .sizes import ByteSize, parse_nbytes
 from .state import ResidencyState
 from .trace import Transition
 from .values import (
@@ -36,7 +37,6 @@ from .values import (
     MaterializationState,
     ReplicaMode,
     ValueHandle,
-    check_nbytes,
 )
 
 __all__ = [
@@ -131,10 +131,11 @@ class MemoryReservation:
     location: Location
     nbytes: int
 
-    def __init__(self, name: str, location: LocationLike, nbytes: int) -> None:
+    def __init__(self, name: str, location: LocationLike, nbytes: ByteSize) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a MemoryReservation needs a non-empty str name, got {name!r}")
-        check_nbytes(nbytes, f"MemoryReservation {name!r} nbytes")
+        # "512MB", 10.5e9 or an int: kept as the exact int parse_nbytes reads.
+        nbytes = parse_nbytes(nbytes, f"MemoryReservation {name!r} nbytes")
         object.__setattr__(self, "name", name)
         _parse_action_location(self, location)
         object.__setattr__(self, "nbytes", nbytes)
@@ -293,7 +294,7 @@ class TransitionRecorder:
 
 
 _SOURCE_PREFERENCE: dict[str, tuple[str, ...]] = {
-    # cheapest source first: peer copies over NVLink beat the host link (ANCHORS.md).
+    # cheapest source first: peer copies over NVLink beat the host link (docs/performance.md).
     "cuda": ("cuda", "pinned-host", "pageable-host"),
     "pinned-host": ("cuda", "pageable-host"),
     "pageable-host": ("pinned-host", "cuda"),

@@ -15,16 +15,21 @@ import re
 from collections.abc import Mapping
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Final, SupportsIndex
+from typing import Final, SupportsIndex, TypeAlias
 
 __all__ = [
     "BINARY_UNITS",
     "BYTE_UNITS",
     "SI_UNITS",
+    "ByteSize",
     "budgets_from_max_memory",
     "format_nbytes",
     "parse_nbytes",
 ]
+
+#: What the API accepts wherever it takes a byte count (budgets, reservations, charges):
+#: anything :func:`parse_nbytes` reads, such as ``8 << 30``, ``10.5e9`` or ``"512MB"``.
+ByteSize: TypeAlias = SupportsIndex | float | str
 
 #: Decimal (SI) units, powers of 1000, as accelerate and disk vendors use them.
 SI_UNITS: Final[Mapping[str, int]] = MappingProxyType(
@@ -87,6 +92,9 @@ def parse_nbytes(value: object, what: str = "size", *, allow_zero: bool = True) 
     is not a number with a known unit, or 0 when ``allow_zero`` is false.
     """
     nbytes: int
+    if type(value) is int and value > 0:
+        # The common case, on hot paths (a reservation per scope): no further checks needed.
+        return value
     if isinstance(value, bool):
         # bool is an int subclass, but True is a mistake, not a one-byte budget.
         raise TypeError(_refuse(what, value, "a bool is not a size"))

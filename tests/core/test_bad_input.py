@@ -178,9 +178,18 @@ CASES: list[Case] = [
     ),
     # byte counts
     ("negative-reservation", None, lambda w: w.state.reserve("x", CUDA0, -1), ValueError, "-1"),
-    ("float-reservation", None, lambda w: w.state.reserve("x", CUDA0, 512.0), TypeError, "512.0"),
+    # Sizes are read as people write them (512.0, "512", "1KiB"): what is refused is what no
+    # byte count spells (a fraction, a bool, a typo in the unit, another type).
+    ("fractional-reservation", None, lambda w: w.state.reserve("x", CUDA0, 0.5), ValueError, "0.5"),
     ("bool-reservation", None, lambda w: w.state.reserve("x", CUDA0, True), TypeError, "True"),
-    ("str-reservation", None, lambda w: w.state.reserve("x", CUDA0, "512"), TypeError, "'512'"),
+    (
+        "bad-unit-reservation",
+        None,
+        lambda w: w.state.reserve("x", CUDA0, "512 bytes"),
+        ValueError,
+        "'512 bytes'",
+    ),
+    ("list-reservation", None, lambda w: w.state.reserve("x", CUDA0, [512]), TypeError, "[512]"),
     (
         "zero-charge",
         None,
@@ -211,7 +220,8 @@ CASES: list[Case] = [
     ),
     ("negative-budget", None, lambda w: w.state.set_budget(CUDA0, -1), ValueError, "-1"),
     ("bool-budget", None, lambda w: w.state.set_budget(CUDA0, False), TypeError, "False"),
-    ("float-budget", None, lambda w: w.state.set_budget(CUDA0, 1e9), TypeError, "1000000000.0"),
+    ("fractional-budget", None, lambda w: w.state.set_budget(CUDA0, 1.5), ValueError, "1.5"),
+    ("bad-unit-budget", None, lambda w: w.state.set_budget(CUDA0, "1 GBs"), ValueError, "'1 GBs'"),
     ("zero-events", None, lambda w: w.state.record_events(w.exc, CUDA0, 0), ValueError, "> 0"),
     ("bool-events", None, lambda w: w.state.record_events(w.exc, CUDA0, True), TypeError, "True"),
     # registration shape
@@ -575,8 +585,10 @@ def test_budgets_given_to_the_constructor_are_checked():
         ResidencyState(budgets={"gpu": 1})
     with pytest.raises(ValueError, match="-5"):
         ResidencyState(budgets={CUDA0: -5})
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
         ResidencyState(budgets={CUDA0: 1.5})
+    with pytest.raises(TypeError, match="a list is not a size"):
+        ResidencyState(budgets={CUDA0: [1024]})
     with pytest.raises(ValueError):
         ResidencyState(trace_capacity=-1)
     state = ResidencyState(budgets={Location.parse(CUDA0): 1024, PINNED: None})

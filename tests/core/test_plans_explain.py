@@ -122,7 +122,8 @@ def test_a_plan_refuses_a_reservation_name_twice_at_one_location_but_not_at_two(
         ("kv", "gpu", 1, ValueError),
         ("kv", CUDA0, -1, ValueError),
         ("kv", CUDA0, True, TypeError),
-        ("kv", CUDA0, 1.5, TypeError),
+        ("kv", CUDA0, 1.5, ValueError),  # a float size must be whole
+        ("kv", CUDA0, [1], TypeError),
     ],
 )
 def test_memory_reservation_refuses_bad_fields(name, location, nbytes, error):

@@ -1,0 +1,159 @@
+"""The loop-stall guard: fail an async test that blocked its event loop.
+
+Code built on aresidency must never block the event loop: a synchronize, a blocking copy or a
+busy wait on the loop stalls every other request the process serves. The guard catches it in
+tests. A ticker task runs beside the test and records the longest gap between its wake-ups; a
+gap over the allowed stall (``MAX_LOOP_STALL``, 0.1 s, or the ini option
+``residency_max_loop_stall``) means something ran on the loop that long without awaiting, and
+the test fails at teardown, saying for how long. The default is loose enough for a slow CI
+machine and tight enough to catch a blocking wait on a simulated kernel of a few hundred
+milliseconds.
+
+Two ways to use it, both for tests run by anyio's pytest plugin (``pytest.mark.anyio``; on
+asyncio, uvloop and trio alike):
+
+* request the ``loop_stall_guard`` fixture (the plugin provides it) in one test, or in a
+  module's ``pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("loop_stall_guard")]``;
+* import :func:`loop_never_blocked` into a ``conftest.py``: it is an autouse fixture, so every
+  async anyio test of that directory is guarded (except tests marked ``allow_loop_stall``).
+
+``NO_LOOP_GUARD=1`` in the environment turns the guard off (to tell a stall from another
+failure). Automatic garbage collection is paused while a guarded test runs: a full collection
+can stall any Python code for 0.1 s, and that is not the code under test blocking.
+
+How it works on every loop: :func:`loop_stall_guard` is an anyio async-generator fixture that
+opens a task group, starts the ticker in it, yields for the test and closes the group at
+teardown. anyio's pytest plugin runs an async generator fixture's set-up, the test and the
+fixture's teardown one after the other in one and the same task, so the group is entered and
+exited by that task, with the test nested inside it.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import anyio.abc
+import pytest
+
+__all__ = [
+    "ALLOW_MARKER",
+    "MAX_LOOP_STALL",
+    "MAX_LOOP_STALL_INI",
+    "TICK",
+    "guard_applies",
+    "loop_never_blocked",
+    "loop_stall_guard",
+    "max_loop_stall",
+    "runs_under_anyio",
+]
+
+MAX_LOOP_STALL = 0.1  # seconds
+TICK = 0.002  # seconds between the ticker's wake-ups
+#: The ini option (registered by the plugin) that changes ``MAX_LOOP_STALL`` for a project.
+MAX_LOOP_STALL_INI = "residency_max_loop_stall"
+#: The marker of a test that blocks the loop on purpose (the guard leaves it alone).
+ALLOW_MARKER = "allow_loop_stall"
+
+
+def max_loop_stall(config: pytest.Config) -> float:
+    """The longest stall allowed, in seconds: the ini option ``residency_max_loop_stall`` when
+    the plugin registered it and it is set, else ``MAX_LOOP_STALL``. ``pytest.UsageError`` for
+    a value that is not a number of seconds > 0."""
+    try:
+        text = config.getini(MAX_LOOP_STALL_INI)
+    except ValueError:  # the plugin is not loaded (-p no:aresidency): the ini is unknown
+        return MAX_LOOP_STALL
+    if not text:
+        return MAX_LOOP_STALL
+    try:
+        seconds = float(str(text))
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise pytest.UsageError(
+            f"{MAX_LOOP_STALL_INI} must be a number of seconds > 0, such as 0.1; got {text!r}"
+        )
+    return seconds
+
+
+def runs_under_anyio(request: pytest.FixtureRequest) -> bool:
+    """Whether the requesting test is a coroutine function that anyio's plugin runs (marked
+    ``anyio``, or anyio's auto mode): the tests the guard and the manager fixture serve."""
+    function = getattr(request, "function", None)
+    return inspect.iscoroutinefunction(function) and "anyio_backend" in request.fixturenames
+
+
+def guard_applies(request: pytest.FixtureRequest) -> bool:
+    """Whether :func:`loop_never_blocked` guards this test: an async test run by anyio, not
+    marked ``allow_loop_stall``, and ``NO_LOOP_GUARD`` not set."""
+    return (
+        runs_under_anyio(request)
+        and request.node.get_closest_marker(ALLOW_MARKER) is None
+        and not os.environ.get("NO_LOOP_GUARD")
+    )
+
+
+@pytest.fixture
+async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Fail the test if its event loop was blocked for longer than the allowed stall (see the
+    module docstring). The host never waits: the ticker sleeps on the loop between checks."""
+    if not runs_under_anyio(request):
+        pytest.fail(
+            "loop_stall_guard guards async tests run by anyio's pytest plugin: mark the test "
+            "with pytest.mark.anyio (a sync test has no event loop to guard)",
+            pytrace=False,
+        )
+    limit = max_loop_stall(request.config)
+    worst = 0.0
+    stop = False
+
+    async def ticker(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        task_status.started()
+        while not stop:
+            await anyio.sleep(TICK)
+            now = time.perf_counter()
+            worst = max(worst, now - last - TICK)
+            last = now
+
+    # Automatic garbage collection is paused during the test: a full collection under pytest
+    # can stall any Python code for 0.1 s or more, and that is not the code blocking.
+    gc.disable()
+    try:
+        async with anyio.create_task_group() as tasks:
+            # Started (its clock running) before the test: a test that blocks the loop at
+            # once is measured too (start_soon may let the test run first, as on trio).
+            await tasks.start(ticker)
+            try:
+                yield
+            finally:
+                # The ticker ends after its current sleep, so the last stretch (up to the
+                # teardown) is measured too.
+                stop = True
+    finally:
+        gc.enable()
+    if worst >= limit:
+        pytest.fail(
+            f"the event loop was blocked for {worst * 1e3:.0f} ms (at most {limit * 1e3:.0f} ms "
+            f"allowed): something ran on the loop without awaiting (a synchronize, a blocking "
+            f"copy, a busy wait); move it to a worker thread, or mark the test "
+            f"{ALLOW_MARKER} if it blocks on purpose",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(autouse=True)
+def loop_never_blocked(request: pytest.FixtureRequest) -> None:
+    """Autouse: the guard for every async anyio test of the directory whose ``conftest.py``
+    imports this fixture (``from aresidency.testing import loop_never_blocked``), except tests
+    marked ``allow_loop_stall`` and runs with ``NO_LOOP_GUARD`` set. A sync fixture: a sync
+    test cannot use an async fixture, so it requests the guard only for the async tests."""
+    if guard_applies(request):
+        request.getfixturevalue("loop_stall_guard")

@@ -1,0 +1,390 @@
+"""The pytest plugin, as a user meets it: small test files run through pytest (``pytester``),
+with the plugin loaded the way users get it, through its ``pytest11`` entry point.
+
+Each inner run turns pytest-asyncio off (``-p no:asyncio``) unless the test is about living
+beside it, and runs anyio's plugin, which runs the async tests and the plugin's fixtures. The
+inner tests run on asyncio alone (a conftest fixes ``anyio_backend``; anyio's own default runs
+each test on every loop it finds) unless a test is about choosing the loop."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ANYIO_ONLY = ("-p", "no:asyncio", "-p", "no:cacheprovider")
+
+ONE_LOOP = """
+import pytest as _pytest
+
+@_pytest.fixture
+def anyio_backend():
+    return "asyncio"
+"""
+
+
+def run(
+    pytester: pytest.Pytester, source: str, *args: str, conftest: str = "", one_loop: bool = True
+) -> pytest.RunResult:
+    """Run ``source`` as ``test_inner.py`` (beside ``conftest``) through pytest."""
+    pytester.makepyfile(test_inner=textwrap.dedent(source))
+    text = textwrap.dedent(conftest) + (ONE_LOOP if one_loop else "")
+    if text:
+        pytester.makeconftest(text)
+    return pytester.runpytest(*ANYIO_ONLY, *args)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+USES_THE_FIXTURE = """
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    async def test_it(residency_manager):
+        assert residency_manager.running
+"""
+
+
+def test_the_plugin_is_loaded_through_its_entry_point(pytester):
+    result = run(pytester, USES_THE_FIXTURE)  # no conftest, no pytest_plugins
+    result.assert_outcomes(passed=1)
+
+
+def test_the_plugin_can_be_turned_off(pytester):
+    result = run(pytester, USES_THE_FIXTURE, "-p", "no:aresidency")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'residency_manager' not found*"])
+
+
+def test_the_markers_are_registered_for_strict_markers(pytester):
+    result = pytester.runpytest(*ANYIO_ONLY, "--markers")
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.residency(**options): *simulation of CUDA devices*budgets, devices, "
+            "copy_gbps, fail_transfer_at, oom_at_allocation, staging_bytes, trace_capacity",
+            "@pytest.mark.allow_loop_stall: *",
+        ]
+    )
+
+
+# --- residency_manager and its configuration -------------------------------------------------
+
+
+def test_the_fixture_is_a_running_manager_on_the_simulation_with_the_defaults(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+        from aresidency import ResidencyManager
+
+        pytestmark = pytest.mark.anyio
+
+        async def test_defaults(residency_manager):
+            assert isinstance(residency_manager, ResidencyManager)
+            assert "SIMULATION" in repr(residency_manager.backend)
+            assert residency_manager.backend.device_count() == 2
+            assert residency_manager.backend.copy_gbps is None
+            budgets = [r.budget_bytes for r in residency_manager.snapshot().locations.values()]
+            assert budgets == [None, None, None, None]
+
+        async def test_each_test_gets_its_own(residency_manager):
+            assert residency_manager.state_version == 0
+            residency_manager.set_budget("cuda:0", "1MiB")
+        """,
+    )
+    result.assert_outcomes(passed=2)
+
+
+def test_markers_configure_the_simulation_the_closest_winning(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        pytestmark = [
+            pytest.mark.anyio,
+            pytest.mark.residency(budgets={"cuda:0": "1MiB"}, devices=1, copy_gbps=2),
+        ]
+
+        async def test_module_marker(residency_manager):
+            assert residency_manager.snapshot().location("cuda:0").budget_bytes == 1 << 20
+            assert residency_manager.backend.device_count() == 1
+            assert residency_manager.backend.copy_gbps == 2.0
+
+        @pytest.mark.residency(budgets={"pinned-host": "2GB"}, copy_gbps=0.5)
+        async def test_function_marker_replaces_options(residency_manager):
+            snapshot = residency_manager.snapshot()
+            assert snapshot.location("pinned-host").budget_bytes == 2_000_000_000
+            assert snapshot.location("cuda:0").budget_bytes is None  # budgets replaced whole
+            assert residency_manager.backend.device_count() == 1  # kept from the module
+            assert residency_manager.backend.copy_gbps == 0.5
+
+        class TestClass:
+            pytestmark = pytest.mark.residency(devices=3)
+
+            async def test_class_marker(self, residency_manager):
+                assert residency_manager.backend.device_count() == 3
+        """,
+    )
+    result.assert_outcomes(passed=3)
+
+
+def test_indirect_parametrization_configures_each_run(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+        from aresidency.testing import SimulationConfig
+
+        pytestmark = pytest.mark.anyio
+
+        @pytest.mark.residency(budgets={"cuda:0": "1MiB"})
+        @pytest.mark.parametrize(
+            ("residency_manager", "devices"),
+            [({"devices": 1}, 1), (SimulationConfig(devices=3), 3)],
+            indirect=["residency_manager"],
+        )
+        async def test_devices(residency_manager, devices):
+            assert residency_manager.backend.device_count() == devices
+
+        @pytest.mark.parametrize("residency_config", [{"copy_gbps": 8}], indirect=True)
+        async def test_config_parametrized(residency_manager, residency_config):
+            assert residency_config.copy_gbps == 8.0
+            assert residency_manager.backend.copy_gbps == 8.0
+        """,
+    )
+    result.assert_outcomes(passed=3)
+
+
+def test_a_conftest_sets_a_directorys_defaults_by_overriding_residency_defaults(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        pytestmark = pytest.mark.anyio
+
+        async def test_uses_the_projects_defaults(residency_manager):
+            assert residency_manager.backend.device_count() == 1
+            assert residency_manager.snapshot().location("cuda:0").budget_bytes == 4 << 20
+
+        @pytest.mark.residency(copy_gbps=3)
+        async def test_markers_still_apply_on_top(residency_manager):
+            assert residency_manager.backend.device_count() == 1
+            assert residency_manager.backend.copy_gbps == 3.0
+        """,
+        conftest="""
+        import pytest
+        from aresidency.testing import SimulationConfig
+
+        @pytest.fixture
+        def residency_defaults():
+            return SimulationConfig({"cuda:0": "4MiB"}, devices=1)
+        """,
+    )
+    result.assert_outcomes(passed=2)
+
+
+def test_fault_injection_options_fail_the_first_transfer_and_allocation(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+        import torch
+
+        pytestmark = pytest.mark.anyio
+
+        @pytest.mark.residency(fail_transfer_at=1)
+        async def test_transfer(residency_manager):
+            h = residency_manager.register(torch.ones(4), name="w")
+            with pytest.raises(RuntimeError, match="injected transfer failure"):
+                await residency_manager.materialize(h, "cuda:0")
+
+        @pytest.mark.residency(oom_at_allocation=1)
+        async def test_allocation(residency_manager):
+            h = residency_manager.register(torch.ones(4), name="w")
+            with pytest.raises(torch.OutOfMemoryError):
+                await residency_manager.materialize(h, "cuda:0")
+        """,
+    )
+    result.assert_outcomes(passed=2)
+
+
+def test_an_unknown_or_bad_marker_option_is_an_error_naming_it(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        pytestmark = pytest.mark.anyio
+
+        @pytest.mark.residency(budget={"cuda:0": "1MiB"})
+        async def test_typo(residency_manager):
+            pass
+
+        @pytest.mark.residency(budgets={"cuda:0": "1 MiBs"})
+        async def test_bad_size(residency_manager):
+            pass
+
+        @pytest.mark.residency({"devices": 1})
+        async def test_positional(residency_manager):
+            pass
+        """,
+    )
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*unknown simulation option(s) 'budget': the options are budgets, devices, *",
+            "*budget for cuda:0 must be a byte count*unknown unit 'MiBs'*",
+            "*@pytest.mark.residency takes keyword options only*",
+        ]
+    )
+
+
+def test_each_test_runs_on_the_loops_anyio_backend_chooses(pytester):
+    result = run(
+        pytester,
+        """
+        import sniffio
+        import pytest
+
+        pytestmark = pytest.mark.anyio
+
+        @pytest.fixture(params=["asyncio", "trio"])
+        def anyio_backend(request):
+            return request.param
+
+        async def test_loop(residency_manager, anyio_backend):
+            assert sniffio.current_async_library() == anyio_backend
+            residency_manager.check_thread()  # the manager lives on the test's loop
+        """,
+        one_loop=False,
+    )
+    result.assert_outcomes(passed=2)
+
+
+# --- beside pytest-asyncio, and misuse -------------------------------------------------------
+
+
+def test_anyio_tests_use_the_fixtures_beside_pytest_asyncio_in_strict_mode(pytester):
+    pytest.importorskip("pytest_asyncio")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makeconftest(ONE_LOOP)
+    pytester.makepyfile(
+        test_inner=textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.anyio
+            async def test_anyio(residency_manager):
+                assert residency_manager.running
+
+            @pytest.mark.asyncio
+            async def test_asyncio(residency_manager):
+                pass
+
+            def test_sync(residency_manager):
+                pass
+            """
+        )
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")  # pytest-asyncio loaded: strict mode
+    result.assert_outcomes(passed=1, errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*RuntimeError: residency_manager runs on anyio's event loop, so the test must too: "
+            "mark it pytest.mark.anyio (not pytest.mark.asyncio)*",
+            "*RuntimeError: residency_manager is an async fixture for async tests*",
+        ]
+    )
+
+
+# --- the loop-stall guard --------------------------------------------------------------------
+
+
+BLOCKS = """
+    import time
+    import anyio
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    async def test_blocks(loop_stall_guard):
+        time.sleep(0.3)
+
+    async def test_awaits(loop_stall_guard):
+        await anyio.sleep(0.3)
+"""
+
+
+def test_the_guard_fails_a_test_that_blocks_its_loop_and_passes_one_that_awaits(pytester):
+    result = run(pytester, BLOCKS)
+    result.assert_outcomes(passed=2, errors=1)  # the blocking test passes, then its teardown
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_blocks*",
+            "*the event loop was blocked for * ms (at most 100 ms allowed)*",
+        ]
+    )
+
+
+def test_the_allowed_stall_is_set_by_an_ini_option(pytester):
+    pytester.makeini("[pytest]\nresidency_max_loop_stall = 1.0\n")
+    result = run(pytester, BLOCKS)
+    result.assert_outcomes(passed=2)
+
+
+def test_a_bad_allowed_stall_is_a_usage_error(pytester):
+    pytester.makeini("[pytest]\nresidency_max_loop_stall = soon\n")
+    result = run(pytester, BLOCKS)
+    result.stdout.fnmatch_lines(
+        ["*residency_max_loop_stall must be a number of seconds > 0, such as 0.1; got 'soon'*"]
+    )
+    assert result.ret != 0
+
+
+def test_no_loop_guard_in_the_environment_turns_the_autouse_guard_off(pytester, monkeypatch):
+    monkeypatch.setenv("NO_LOOP_GUARD", "1")
+    result = run(
+        pytester,
+        """
+        import time
+        import pytest
+
+        pytestmark = pytest.mark.anyio
+
+        async def test_blocks():
+            time.sleep(0.3)
+        """,
+        conftest="from aresidency.testing import loop_never_blocked\n",
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_loop_never_blocked_guards_every_async_test_of_its_directory(pytester):
+    result = run(
+        pytester,
+        """
+        import time
+        import pytest
+
+        @pytest.mark.anyio
+        async def test_blocks():
+            time.sleep(0.3)
+
+        @pytest.mark.anyio
+        @pytest.mark.allow_loop_stall
+        async def test_blocks_on_purpose():
+            time.sleep(0.3)
+
+        def test_sync_tests_are_left_alone():
+            time.sleep(0.3)
+        """,
+        conftest="from aresidency.testing import loop_never_blocked\n",
+    )
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_blocks *"])
