@@ -1,0 +1,923 @@
+"""``ModelPool``: many models behind one device budget, request by request.
+
+See the package docstring for what the pool decides and why. This module holds the pool
+(registration, admission, the end of a request, statistics), the awaitable model a request
+body gets (:class:`PooledModel`), and the record of each admission (:class:`PoolDecision`).
+
+Why this module is long: admission is one procedure (first come first served, the mode, the
+demand-weighted decision, entering it, loading, protecting, and undoing each step when a
+later one fails or is cancelled) whose cancellation argument spans all of it; split, the
+steps' undo paths would no longer be read side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+from torch import nn
+
+from ..controller import (
+    CostModel,
+    FallbackGraph,
+    ResidencyController,
+    ResidencyDecision,
+    ResidencyRequest,
+    ResidencyRequirement,
+)
+from ..core.errors import (
+    ResidencyBudgetError,
+    ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+)
+from ..core.locations import Location, LocationLike
+from ..core.plans import MemoryReservation, ResidencyPlan
+from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
+from ..core.trace import Transition
+from ..core.values import MaterializationState, ValueHandle
+from ..integrations.streaming import HostKind
+from ..runtime.leases import Hold
+from ..runtime.manager import ResidencyManager
+from ..runtime.pending import PendingOperation
+from ..runtime.scopes import Scope
+from .demand import DEMAND_HALF_LIFE_VERSIONS, DemandTracker, DemandView
+from .entry import Mode, ModelEntry, PooledStreamedModule, fixed_reserved_bytes
+
+__all__ = ["ModelPool", "PoolDecision", "PooledModel"]
+
+logger = logging.getLogger("aresidency.serving")
+
+_RESIDENT = MaterializationState.RESIDENT
+
+#: How often a request parked for progress looks again without being woken: the safety net for
+#: changes that commit no transition (another tenant's scope leaving the queue, cancelled).
+_RECHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    """What the pool decided for one request, with its evidence.
+
+    ``decision`` is the controller's (its ``evictions`` say which groups left the device and
+    why, with the demand-weighted cost; ``explanation`` the predicted peak); ``evicted`` sums
+    the evictions per model (other values by name); ``loaded_bytes`` is what the admission
+    copied in; ``kept_groups`` how many groups the request held on the device; ``demand`` the
+    request rates (per second) the decision weighed; ``headroom_bytes`` what the decision left
+    free for streamed requests in flight; ``transitions`` what entering it committed in the
+    manager's trace (the evictions and the workspace reservation; the loads follow there).
+    """
+
+    request_id: int
+    model: str
+    mode: Mode
+    reserve_bytes: int
+    prefetch: int
+    decision: ResidencyDecision
+    loaded_bytes: int
+    kept_groups: int
+    evicted: dict[str, int]
+    demand: dict[str, float]
+    headroom_bytes: int
+    waited_seconds: float
+    transitions: tuple[Transition, ...] = field(repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly summary (for logs and the example server's ``/decisions``)."""
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "mode": self.mode,
+            "reserve_bytes": self.reserve_bytes,
+            "prefetch": self.prefetch,
+            "loaded_bytes": self.loaded_bytes,
+            "kept_groups": self.kept_groups,
+            "evicted": dict(self.evicted),
+            "demand_per_s": {k: round(v, 6) for k, v in self.demand.items()},
+            "headroom_bytes": self.headroom_bytes,
+            "waited_seconds": self.waited_seconds,
+            "explored_states": self.decision.explored_states,
+            "evictions": [str(e) for e in self.decision.evictions],
+            "reasons": [e.reason for e in self.decision.evictions],
+            "transitions": [t.kind for t in self.transitions],
+        }
+
+    def __str__(self) -> str:
+        parts = [f"request {self.request_id} for {self.model!r}: {self.mode}"]
+        if self.mode == "streamed":
+            parts.append(f"prefetch {self.prefetch}")
+        if self.loaded_bytes:
+            parts.append(f"loaded {format_nbytes(self.loaded_bytes)}")
+        else:
+            parts.append("nothing to load")
+        for name, nbytes in self.evicted.items():
+            rate = self.demand.get(name)
+            demand = "" if rate is None else f" (demand {rate:.3g}/s)"
+            parts.append(f"evicted {name!r} {format_nbytes(nbytes)}{demand}")
+        if self.reserve_bytes:
+            parts.append(f"reserved {format_nbytes(self.reserve_bytes)}")
+        if self.headroom_bytes:
+            parts.append(f"left {format_nbytes(self.headroom_bytes)} for streams in flight")
+        parts.append(f"waited {self.waited_seconds * 1e3:.1f} ms")
+        return ", ".join(parts)
+
+
+class _Request:
+    """One request from arrival to its end. State: ``id``, ``entry``, ``reserve``,
+    ``arrived``, ``why`` (what it waits for, for a timeout's message), and once admitted:
+    ``mode``, ``prefetch``, ``scope`` (holds the workspace reservation), ``holds``,
+    ``record``, ``active``."""
+
+    def __init__(self, request_id: int, entry: ModelEntry, reserve: int) -> None:
+        self.id = request_id
+        self.entry = entry
+        self.reserve = reserve
+        self.arrived = time.perf_counter()
+        self.why = "its turn (first come, first served)"
+        self.mode: Mode = "resident"
+        self.prefetch = 0
+        self.scope: Scope | None = None
+        self.holds: list[Hold] = []
+        self.kept: list[int] = []
+        self.record: PoolDecision | None = None
+        self.active = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.entry.name}#{self.id}"
+
+
+class PooledModel:
+    """The model one request uses inside ``async with pool.use(name) as model``.
+
+    ``y = await model(*args, **kwargs)`` runs the module (see
+    :class:`~aresidency.integrations.StreamedModule`: on CUDA the call returns once the work is
+    enqueued on the compute stream; the host waits for no copy). Calls of one model are run one
+    at a time, in arrival order, whichever request makes them. ``mode`` is ``"resident"``
+    (every group held on the device for the request: no copy) or ``"streamed"`` (the groups
+    the request holds stay, the rest go through a prefetch window of ``prefetch`` blocks).
+    ``module`` is the ``nn.Module`` (its config, its generation helpers), ``decision`` the
+    admission's :class:`PoolDecision`. Usable only inside its ``async with`` block.
+    """
+
+    def __init__(self, pool: ModelPool, request: _Request) -> None:
+        self._pool = pool
+        self._request = request
+
+    @property
+    def name(self) -> str:
+        return self._request.entry.name
+
+    @property
+    def mode(self) -> Mode:
+        return self._request.mode
+
+    @property
+    def prefetch(self) -> int:
+        return self._request.prefetch
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self._request.reserve
+
+    @property
+    def module(self) -> nn.Module:
+        return self._request.entry.streamed.module
+
+    @property
+    def decision(self) -> PoolDecision:
+        record = self._request.record
+        assert record is not None
+        return record
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on this request's residency. Awaits the model's earlier calls, then
+        the call itself (a streamed call awaits only blocks not admitted yet)."""
+        request = self._request
+        if not request.active:
+            raise RuntimeError(
+                f"{self.name!r} was used outside its 'async with pool.use(...)' block; make the "
+                "calls inside the block that admitted the request"
+            )
+        entry = request.entry
+        async with entry.call_lock:
+            streamed = entry.streamed
+            # The groups the active requests hold stay; only a streamed call has a window.
+            streamed.pool_keep = {index for index, n in entry.held.items() if n}
+            if request.mode == "streamed":
+                streamed.prefetch = request.prefetch
+            states = entry.states_at(self._pool.manager.state, self._pool.device)
+            entry.stats.bytes_copied += sum(
+                g.charge_bytes for g in entry.groups if g.index not in states
+            )
+            return await streamed(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        state = "active" if self._request.active else "ended"
+        return f"<PooledModel {self.name!r} {self.mode} request {self._request.id} {state}>"
+
+
+class ModelPool:
+    """Models (or adapters) that share one device budget, kept resident or streamed by demand.
+
+    ``ModelPool(manager, device="cuda:0")`` on the manager's loop; :meth:`add` models, then
+    serve each request with ``async with pool.use(name, reserve=..., timeout=...) as model``.
+    ``demand_half_life``: seconds over which a model's request rate is measured (see
+    :class:`~aresidency.serving.demand.DemandTracker`); ``cost_model``: transfer rates for
+    the controller (its ``recency_half_life`` is the pool's, which encodes demand);
+    ``fallback_graph``, ``search_state_limit``: the controller's; ``decision_log``: how many
+    :class:`PoolDecision` s :attr:`decisions` keeps; ``defer_hot_evictions``: wait for a
+    colder model in use to finish rather than evict a hotter idle one (see
+    :meth:`_colder_in_use`); ``clock``: the demand clock.
+
+    State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
+    :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
+    ``_entries`` (name -> :class:`~aresidency.serving.entry.ModelEntry`), ``_owner`` (value
+    handle -> entry), ``_gate`` (admission, first come first served), ``_requests`` (requests
+    between arrival and end), ``_admitted``, ``_ended`` (requests ended so far), ``_wake``
+    (what the head of the line parks on: set on every batch of transitions and at the end of
+    every request). Invariants: one request at a time decides and enters (the holder of
+    ``_gate``); every hold the pool takes belongs to an admitted request and is released when
+    it ends; the device budget is the manager's, never exceeded.
+    """
+
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        device: LocationLike = "cuda:0",
+        *,
+        demand_half_life: float = 30.0,
+        cost_model: CostModel | None = None,
+        fallback_graph: FallbackGraph | None = None,
+        search_state_limit: int = 10_000,
+        decision_log: int = 256,
+        defer_hot_evictions: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        manager.check_thread()
+        self.manager = manager
+        self.device = Location.parse(device)
+        if not self.device.is_cuda:
+            raise ValueError(f"a pool serves from a cuda device, got {self.device}")
+        manager.backend.check_location(self.device)
+        self.demand = DemandTracker(demand_half_life, clock=clock)
+        self.view = DemandView(manager)
+        base = cost_model if cost_model is not None else CostModel()
+        pool_costs = CostModel(
+            base.bandwidths,
+            base.source_bandwidth,
+            base.default_bandwidth,
+            DEMAND_HALF_LIFE_VERSIONS,
+        )
+        self.controller = ResidencyController(
+            self.view,
+            search_state_limit,
+            fallback_graph=fallback_graph,
+            cost_model=pool_costs,
+        )
+        if decision_log < 0:
+            raise ValueError(f"decision_log must be >= 0, got {decision_log}")
+        self.decisions: deque[PoolDecision] = deque(maxlen=decision_log)
+        self.defer_hot_evictions = bool(defer_hot_evictions)
+        self._entries: dict[str, ModelEntry] = {}
+        self._owner: dict[ValueHandle, ModelEntry] = {}
+        self._gate = anyio.Lock()
+        self._ids = itertools.count(1)
+        self._requests = 0
+        self._admitted = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._closed = False
+        self._ended = 0
+        self._wake: anyio.Event | None = None
+        self._unlisten = manager.add_change_listener(self._poke)
+
+    # ------------------------------------------------------------------ models
+
+    def add(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        host: HostKind = "pinned-host",
+        checkpoint: str | Path | None = None,
+        prefetch: int = 2,
+        blocks: Sequence[nn.Module] | None = None,
+    ) -> PooledStreamedModule:
+        """Register ``module`` under ``name``, nothing on the device yet.
+
+        Its blocks become managed values (see :func:`~aresidency.integrations.stream_module`):
+        kept in ``host`` memory, or rebuilt from the safetensors ``checkpoint`` (the module may
+        then be on the ``meta`` device). ``prefetch``: blocks copied ahead when it is streamed.
+        Registration copies the weights into host memory synchronously (a start-up cost).
+        ``ValueError`` for a name in use, or a model that could never run on the device (its
+        tensors outside the blocks plus its largest block exceed the budget). Loop thread."""
+        self._check_open()
+        self.manager.check_thread()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a model needs a non-empty str name, got {name!r}")
+        if name in self._entries:
+            raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
+        streamed = PooledStreamedModule(
+            self.manager,
+            module,
+            device=self.device,
+            prefetch=prefetch,
+            host=host,
+            checkpoint=checkpoint,
+            blocks=blocks,
+            name=name,
+            keep_resident=True,
+        )
+        entry = ModelEntry(name, streamed, prefetch)
+        self._entries[name] = entry
+        for handle in entry.handles:
+            self._owner[handle] = entry
+        logger.info(
+            "pool: added %r: %d groups, %s (largest block %s, outside the blocks %s)",
+            name,
+            len(entry.groups),
+            format_nbytes(entry.total_bytes),
+            format_nbytes(entry.largest_block),
+            format_nbytes(entry.outside_bytes),
+        )
+        return streamed
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._entries)
+
+    def module(self, name: str) -> PooledStreamedModule:
+        """The streamed module of ``name`` (its handles, block sizes, ``residency()``)."""
+        return self._entry(name).streamed
+
+    def _entry(self, name: str) -> ModelEntry:
+        entry = self._entries.get(name)
+        if entry is None:
+            known = ", ".join(repr(n) for n in self._entries) or "none"
+            raise KeyError(f"no model named {name!r} in the pool (it has: {known})")
+        return entry
+
+    # ---------------------------------------------------------------- requests
+
+    @asynccontextmanager
+    async def use(
+        self, name: str, *, reserve: ByteSize = 0, timeout: float | None = None
+    ) -> AsyncIterator[PooledModel]:
+        """``async with pool.use(name, reserve=..., timeout=...) as model``: one request.
+
+        Waits (without blocking the loop) for the request's turn, first come first served
+        among the pool's requests, then until its model and its ``reserve`` (the request's own
+        workspace: activations, KV cache; bytes or a size string like ``"64MiB"``) fit:
+        *resident* when the whole model plus the reserve fit the budget (its missing groups
+        are copied in, evicting the groups the controller finds cheapest to bring back given
+        each model's demand), *streamed* otherwise (its tensors outside the blocks, and the
+        leading blocks that fit in free room, stay; the rest stream through a prefetch window
+        as deep as the budget allows). The reserve is a named ``MemoryReservation`` for the
+        whole block; the model's device groups are held for it.
+
+        ``ResidencyPlanError`` at once when the request could never fit (its model's
+        smallest streaming footprint plus its reserve exceed the budget: the message gives
+        the bytes); ``TimeoutError`` if not admitted within ``timeout`` seconds; a failed load
+        raises its error to this request only. Cancellation at any point (waiting, loading,
+        in the body) leaves no reservation, hold or transfer behind."""
+        self._check_open()
+        self.manager.check_thread()
+        entry = self._entry(name)
+        nbytes = parse_nbytes(reserve, "reserve")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        request = _Request(next(self._ids), entry, nbytes)
+        self.demand.record(name)
+        entry.stats.requests += 1
+        try:
+            self._mode_for(entry, nbytes)  # a request that could never fit fails now
+        except ResidencyPlanError:
+            entry.stats.failures += 1
+            raise
+        if self._requests == 0:
+            self._idle = anyio.Event()
+        self._requests += 1
+        try:
+            try:
+                await self._admit(request, timeout)
+            except BaseException:
+                entry.stats.failures += 1
+                raise
+            try:
+                yield PooledModel(self, request)
+            except BaseException:
+                entry.stats.failures += 1
+                raise
+            finally:
+                await self._leave(request)
+        finally:
+            self._requests -= 1
+            if self._requests == 0:
+                self._idle.set()
+
+    async def _admit(self, request: _Request, timeout: float | None) -> None:
+        """Wait for the request's turn and admit it (see :meth:`use`)."""
+        try:
+            with anyio.fail_after(timeout):
+                async with self._gate:
+                    await self._admit_in_turn(request)
+        except TimeoutError:
+            raise TimeoutError(
+                f"request for {request.entry.name!r} was not admitted within {timeout} s: it "
+                f"waited for {request.why}"
+            ) from None
+
+    async def _admit_in_turn(self, request: _Request) -> None:
+        entry = request.entry
+        manager = self.manager
+        while True:
+            self._check_open()
+            before = self._progress()
+            mode, prefetch = self._mode_for(entry, request.reserve)
+            other: Mode = "streamed" if mode == "resident" else "resident"
+            if entry.active[other]:
+                # Holds of one mode would make the other's releases fail: switch when idle.
+                request.why = f"{entry.name!r} to finish its {other} requests"
+                await self._wait_for_progress(before)
+                continue
+            joining = entry.active[mode] > 0
+            if not joining:
+                await self._settle(entry)
+            headroom = self._headroom()
+            if mode == "streamed":
+                window = entry.window_bytes(prefetch)
+                current = max(entry.windows.values(), default=0)
+                own_window = max(0, window - current) if joining else window
+            else:
+                own_window = 0
+            spec = self._request_spec(request, mode, joining, own_window, headroom)
+            if self._surely_short(entry, mode, joining, request.reserve + own_window + headroom):
+                request.why = self._short_reason(entry, mode, request.reserve, headroom)
+                await self._wait_for_progress(before)
+                continue
+            self.view.weigh(self._weights())
+            try:
+                decision = await self.controller.decide(spec)
+            except ResidencySearchLimitError:
+                raise
+            except ResidencyPlanError as error:
+                request.why = f"room: {error.reason}"
+                await self._wait_for_progress(before)
+                continue
+            colder = self._colder_in_use(entry, decision) if self.defer_hot_evictions else None
+            if colder is not None:
+                request.why = colder
+                await self._wait_for_progress(before)
+                continue
+            reserve = (
+                [MemoryReservation(self._reservation_name(request), self.device, request.reserve)]
+                if request.reserve
+                else []
+            )
+            plan = ResidencyPlan(
+                reclaim=decision.plan.reclaim,
+                reserve=reserve,
+                expected_state_version=decision.expected_state_version,
+            )
+            scope = manager.scope(plan)
+            try:
+                await scope.__aenter__()
+            except ResidencyStaleStateError:
+                continue  # the manager moved since the decision: decide again
+            except ResidencyPlanError as error:
+                request.why = f"room: {error.reason}"
+                await self._wait_for_progress(before)
+                continue
+            request.scope = scope
+            request.mode, request.prefetch = mode, prefetch
+            try:
+                loaded = await self._load_and_hold(request, joining)
+            except ResidencyBudgetError as error:
+                # Refused synchronously (another tenant's scope waits for room first): undo
+                # and wait for our turn again.
+                await self._exit_scope(request)
+                request.why = f"room: {error}"
+                await self._wait_for_progress(before)
+                continue
+            except BaseException:
+                await self._exit_scope(request)
+                raise
+            self._record(request, decision, loaded, headroom, scope)
+            return
+
+    # -- waiting
+
+    def _progress(self) -> tuple[int, int, int, int, int]:
+        """What a waiting request watches: requests ended, free room at the device, the room
+        nothing protects there, the bytes still arriving (a landed copy can be evicted), and
+        the scopes waiting in the manager's admission queue (another tenant's)."""
+        ledger = self.manager.state.ledger(self.device)
+        budget = ledger.budget_bytes or 0
+        free = budget - ledger.charged_bytes
+        unprotected = budget - ledger.reserved_bytes - ledger.protected_bytes
+        return self._ended, free, unprotected, ledger.incoming_bytes, self.manager.waiting
+
+    async def _wait_for_progress(self, before: tuple[int, int, int, int, int]) -> None:
+        """Park until something happened since ``before`` that could admit a waiting request:
+        a request ended (its model is idle, its mode over), free room grew, the room nothing
+        protects grew, a copy landed, or a scope of another tenant left the manager's queue
+        (the manager refuses the pool's copies while one waits there for room: first come,
+        first served; once it entered, the room it leaves can be less than before and grow
+        back only to what it was, so the room alone would never wake this request). Only
+        those can turn a refusal into an admission, so the head of the line does not decide
+        again on every transition of the calls in flight. Woken by the manager's change
+        listener and by the end of each request; a scope that leaves the queue without a
+        transition (cancelled, timed out) is seen by a look every ``_RECHECK_S`` seconds."""
+        while True:
+            if self._wake is None:
+                self._wake = anyio.Event()
+            wake = self._wake
+            ended, free, unprotected, incoming, queued = self._progress()
+            if ended != before[0] or free > before[1] or unprotected > before[2]:
+                return
+            if incoming < before[3] or queued < before[4]:
+                return
+            with anyio.move_on_after(_RECHECK_S):
+                await wake.wait()
+
+    def _poke(self) -> None:
+        wake, self._wake = self._wake, None  # made again by the next waiter
+        if wake is not None:
+            wake.set()
+
+    # -- the parts of an admission
+
+    def _mode_for(self, entry: ModelEntry, reserve: int) -> tuple[Mode, int]:
+        """``("resident", 0)`` when the whole model plus ``reserve`` fit the budget; else
+        ``("streamed", prefetch)`` with the deepest prefetch (up to the model's) that fits
+        beside the tensors outside the blocks and the reserve. ``ResidencyPlanError`` when not
+        even one block fits: the request could never run."""
+        state = self.manager.state
+        ledger = state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return "resident", 0
+        fixed = fixed_reserved_bytes(state, self.device)
+        available = ledger.budget_bytes - fixed
+        if entry.total_bytes + reserve <= available:
+            return "resident", 0
+        floor = entry.outside_bytes + entry.largest_block + reserve
+        if floor > available:
+            raise ResidencyPlanError(
+                f"the request for {entry.name!r} can never fit {self.device}: the model needs "
+                f"at least {format_nbytes(entry.outside_bytes + entry.largest_block)} to be "
+                f"streamed (its tensors outside the blocks, "
+                f"{format_nbytes(entry.outside_bytes)}, plus its largest block, "
+                f"{format_nbytes(entry.largest_block)}) and the request reserves "
+                f"{format_nbytes(reserve)}: {format_nbytes(floor)} in all, more than the "
+                f"budget ({format_nbytes(ledger.budget_bytes)}) less fixed reservations "
+                f"({format_nbytes(fixed)}); ask for a smaller reserve or raise the budget"
+            )
+        depth = (available - entry.outside_bytes - reserve) // max(1, entry.largest_block) - 1
+        return "streamed", max(0, min(entry.prefetch, depth))
+
+    def _headroom(self) -> int:
+        """Bytes the streamed requests in flight may still charge at the device (their
+        prefetch windows): every admission leaves them free, so a stream always progresses."""
+        state = self.manager.state
+        return sum(e.window_need(state, self.device) for e in self._entries.values() if e.windows)
+
+    def _reservation_name(self, request: _Request) -> str:
+        return f"pool:{request.label}:workspace"
+
+    def _request_spec(
+        self, request: _Request, mode: Mode, joining: bool, window: int, headroom: int
+    ) -> ResidencyRequest:
+        """The controller request: the groups that must be on the device, the workspace, and
+        (only for the decision: never reserved) the room streams in flight and this request's
+        own prefetch window need. The blocks streams in flight have on the device, and the
+        blocks a module is releasing, stay too: once its readers' events are reaped and before
+        the release commits, such a block is protected by nothing, and a release whose block
+        was evicted meanwhile fails."""
+        entry = request.entry
+        if mode == "resident":
+            needed = list(entry.groups)
+        elif joining or entry.outside is None:
+            needed = []
+        else:
+            needed = [entry.outside]
+        state = self.manager.state
+        for other in self._entries.values():
+            if other.windows:
+                at_device = other.states_at(state, self.device)
+                needed += [g for g in other.groups if g.index in at_device]
+            needed += [other.streamed.group(index) for index in other.streamed.releasing]
+        handles = dict.fromkeys(g.handle for g in needed if g.handle is not None)
+        requirements = [ResidencyRequirement(handle, self.device) for handle in handles]
+        reservations = []
+        if request.reserve:
+            name = self._reservation_name(request)
+            reservations.append(MemoryReservation(name, self.device, request.reserve))
+        if window:
+            reservations.append(
+                MemoryReservation(f"pool:{request.label}:window", self.device, window)
+            )
+        if headroom:
+            reservations.append(
+                MemoryReservation(f"pool:{request.label}:streams", self.device, headroom)
+            )
+        return ResidencyRequest(f"pool:{request.label}", requirements, reservations)
+
+    def _surely_short(self, entry: ModelEntry, mode: Mode, joining: bool, extra: int) -> bool:
+        """Whether the request cannot fit now even if every unprotected value left the device
+        (an upper bound on the room: a cheap test before a search)."""
+        ledger = self.manager.state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return False
+        states = entry.states_at(self.manager.state, self.device)
+        if mode == "resident":
+            missing = sum(g.charge_bytes for g in entry.groups if g.index not in states)
+        elif joining or entry.outside is None or entry.outside.index in states:
+            missing = 0
+        else:
+            missing = entry.outside.charge_bytes
+        room = ledger.budget_bytes - ledger.reserved_bytes - ledger.protected_bytes
+        return missing + extra > room
+
+    def _short_reason(self, entry: ModelEntry, mode: Mode, reserve: int, headroom: int) -> str:
+        ledger = self.manager.state.ledger(self.device)
+        return (
+            f"room at {self.device} for {entry.name!r} ({mode}, reserve "
+            f"{format_nbytes(reserve)}): in use or held {format_nbytes(ledger.protected_bytes)}, "
+            f"reserved {format_nbytes(ledger.reserved_bytes)}, streams in flight "
+            f"{format_nbytes(headroom)}, budget {format_nbytes(ledger.budget_bytes or 0)}"
+        )
+
+    def _weights(self) -> dict[ValueHandle, float]:
+        """Each pool value's model's share of the top demand now (what the view encodes)."""
+        rates = self.demand.rates(list(self._entries))
+        top = max(rates.values(), default=0.0)
+        weights: dict[ValueHandle, float] = {}
+        for name, entry in self._entries.items():
+            share = 1.0 if top <= 0 else rates[name] / top
+            for handle in entry.handles:
+                weights[handle] = share
+        return weights
+
+    def _colder_in_use(self, entry: ModelEntry, decision: ResidencyDecision) -> str | None:
+        """Why the request should wait rather than enter ``decision``, or ``None``.
+
+        The controller evicts only what nothing holds, so it may take an idle hot model while
+        a colder one is in use; and the requests that keep the hot model busy wait behind this
+        one (first come, first served), so the hot model is idle precisely because of the
+        wait. When a model in use is colder than a victim and holds at least as many bytes as
+        the decision evicts, waiting for it to finish is cheaper than reloading the hot one
+        soon. It does finish: the requests that would keep it busy wait behind this one."""
+        evicted: dict[str, int] = {}
+        for eviction in decision.evictions:
+            owner = self._owner.get(eviction.handle)
+            if owner is not None and owner is not entry:
+                evicted[owner.name] = evicted.get(owner.name, 0) + eviction.charge_bytes
+        if not evicted:
+            return None
+        rates = self.demand.rates(list(self._entries))
+        hottest = max(evicted, key=lambda name: rates[name])
+        needed = sum(evicted.values())
+        state = self.manager.state
+        for other in self._entries.values():
+            if other is entry or not other.busy or rates[other.name] >= rates[hottest]:
+                continue
+            if other.resident_bytes_at(state, self.device) >= needed:
+                return (
+                    f"{other.name!r} (in use, {rates[other.name]:.3g} requests/s) to finish "
+                    f"rather than evict {hottest!r} ({rates[hottest]:.3g} requests/s)"
+                )
+        return None
+
+    async def _settle(self, entry: ModelEntry) -> None:
+        """Let an idle model's earlier releases finish before its groups are held (a hold
+        would make a release still waiting for its readers fail)."""
+        try:
+            await entry.streamed.drain()
+        except Exception as error:  # an earlier call's error: its request saw it already
+            logger.warning("pool: %r: an earlier call left an error: %s", entry.name, error)
+
+    async def _load_and_hold(self, request: _Request, joining: bool) -> int:
+        """Copy in what the request needs that is not on the device, then hold what it keeps.
+        Returns the bytes copied. On failure or cancellation, cancels the copies still in
+        flight and waits until every one settled, so nothing is left incoming."""
+        entry, mode = request.entry, request.mode
+        state = self.manager.state
+        states = entry.states_at(state, self.device)
+        if mode == "resident":
+            keep = [g.index for g in entry.groups]
+        elif joining:
+            keep = [index for index, n in entry.held.items() if n]
+        else:
+            keep = [index for index, st in states.items() if st is _RESIDENT]
+            if entry.outside is not None and entry.outside.index not in keep:
+                keep.append(entry.outside.index)
+            # Partial residency: the leading blocks that fit in room nobody else needs stay.
+            ledger = state.ledger(self.device)
+            room = (ledger.budget_bytes or 0) - ledger.charged_bytes - self._headroom()
+            room -= entry.window_bytes(request.prefetch)
+            if entry.outside is not None and entry.outside.index not in states:
+                room -= entry.outside.charge_bytes
+            for group in entry.streamed.groups:
+                if group.index in states:
+                    continue
+                if group.charge_bytes > room:
+                    break
+                room -= group.charge_bytes
+                keep.append(group.index)
+        wanted = set(keep)
+        load = [g for g in entry.groups if g.index in wanted and g.index not in states]
+        pending: list[PendingOperation] = []
+        try:
+            for group in load:
+                assert group.handle is not None
+                pending.append(self.manager.materialize_nowait(group.handle, self.device))
+            for operation in pending:
+                await operation
+        except BaseException as error:
+            for operation in pending:
+                if not operation.done():
+                    operation.cancel()
+            with anyio.CancelScope(shield=True):
+                for operation in pending:
+                    await operation.wait_settled()
+            if isinstance(error, Exception) and not isinstance(error, ResidencyBudgetError):
+                error.add_note(
+                    f"while loading model {entry.name!r} for request {request.id} (the "
+                    "model's other requests are not affected; the next one loads it again)"
+                )
+            raise
+        # Nothing awaited since the last copy landed: what is held is what was loaded.
+        for index in keep:
+            group = entry.streamed.group(index)
+            assert group.handle is not None
+            request.holds.append(self.manager.hold(group.handle, self.device))
+            entry.held[index] += 1
+        request.kept = keep
+        entry.active[mode] += 1
+        if mode == "streamed":
+            entry.windows[request.id] = entry.window_bytes(request.prefetch)
+        request.active = True
+        self._admitted += 1
+        return sum(g.charge_bytes for g in load)
+
+    def _record(
+        self,
+        request: _Request,
+        decision: ResidencyDecision,
+        loaded: int,
+        headroom: int,
+        scope: Scope,
+    ) -> None:
+        entry = request.entry
+        waited = time.perf_counter() - request.arrived
+        evicted: dict[str, int] = {}
+        for eviction in decision.evictions:
+            owner = self._owner.get(eviction.handle)
+            key = owner.name if owner is not None else (eviction.handle.name or "?")
+            evicted[key] = evicted.get(key, 0) + eviction.charge_bytes
+        for key, nbytes in evicted.items():
+            victim = self._entries.get(key)
+            if victim is not None:
+                victim.stats.evictions += 1
+                victim.stats.evicted_bytes += nbytes
+        stats = entry.stats
+        stats.wait_seconds += waited
+        stats.last_mode = request.mode
+        stats.bytes_copied += loaded
+        if loaded:
+            stats.loads += 1
+        elif request.mode == "resident":
+            stats.hits += 1
+        record = PoolDecision(
+            request_id=request.id,
+            model=entry.name,
+            mode=request.mode,
+            reserve_bytes=request.reserve,
+            prefetch=request.prefetch,
+            decision=decision,
+            loaded_bytes=loaded,
+            kept_groups=len(request.kept),
+            evicted=evicted,
+            demand=self.demand.rates(list(self._entries)),
+            headroom_bytes=headroom,
+            waited_seconds=waited,
+            transitions=scope.report.transitions,
+        )
+        request.record = record
+        self.decisions.append(record)
+        level = logging.INFO if (loaded or evicted) else logging.DEBUG
+        if logger.isEnabledFor(level):
+            logger.log(level, "pool: %s", record)
+
+    # -- the end of a request
+
+    async def _leave(self, request: _Request) -> None:
+        """End an admitted request: drop its holds (its groups stay on the device, now
+        evictable), end its workspace reservation. Runs shielded from cancellation."""
+        entry = request.entry
+        if request.active:
+            request.active = False
+            self._admitted -= 1
+            for hold in request.holds:
+                hold.release()
+            for index in request.kept:
+                entry.held[index] -= 1
+                if not entry.held[index]:
+                    del entry.held[index]
+            request.holds.clear()
+            entry.active[request.mode] -= 1
+            entry.windows.pop(request.id, None)
+            self._ended += 1
+            self._poke()
+        await self._exit_scope(request)
+
+    async def _exit_scope(self, request: _Request) -> None:
+        scope, request.scope = request.scope, None
+        if scope is not None:
+            with anyio.CancelScope(shield=True):
+                await scope.__aexit__(None, None, None)
+
+    # ------------------------------------------------------------------ reading
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per model: ``requests``, ``hits``, ``loads``, ``evictions``, ``evicted_bytes``,
+        ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, and now:
+        ``demand_per_s``, ``resident_bytes`` (on the device), ``total_bytes``, ``active``
+        (admitted requests). JSON-friendly. Loop thread."""
+        self.manager.check_thread()
+        state = self.manager.state
+        rates = self.demand.rates(list(self._entries))
+        out: dict[str, dict[str, Any]] = {}
+        for name, entry in self._entries.items():
+            row = entry.stats.to_dict()
+            row["demand_per_s"] = rates[name]
+            row["resident_bytes"] = entry.resident_bytes_at(state, self.device)
+            row["total_bytes"] = entry.total_bytes
+            row["active"] = sum(entry.active.values())
+            out[name] = row
+        return out
+
+    @property
+    def waiting(self) -> int:
+        """Requests that arrived and are not admitted yet."""
+        return self._requests - self._admitted
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    # ------------------------------------------------------------------- the end
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the pool is closed: it admits no more requests")
+
+    async def aclose(self) -> None:
+        """Admit nothing new, wait for the requests in flight (waiting ones included) to
+        finish, then give every model its own host tensors back and discard its values."""
+        self._closed = True
+        await self._idle.wait()
+        for entry in list(self._entries.values()):
+            try:
+                await entry.streamed.aclose()
+            except Exception as error:
+                logger.warning("pool: closing %r: %s", entry.name, error)
+        self._entries.clear()
+        self._owner.clear()
+        self.controller.close()
+        self._unlisten()
+
+    async def __aenter__(self) -> ModelPool:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        ledger = self.manager.state.find_ledger(self.device)
+        used = "?" if ledger is None else format_nbytes(ledger.charged_bytes)
+        budget = (
+            "unlimited"
+            if ledger is None or ledger.budget_bytes is None
+            else (format_nbytes(ledger.budget_bytes))
+        )
+        state = "closed" if self._closed else "open"
+        return (
+            f"<ModelPool {self.device} {state} [{len(self._entries)} models, "
+            f"{self._admitted} admitted, {self.waiting} waiting, {used} of {budget}]>"
+        )
