@@ -1,0 +1,103 @@
+"""``DeviceBatch``: one batch on the device, as ``DeviceLoader.batches()`` hands it out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from ..core.locations import Location
+from ..core.sizes import format_nbytes
+
+__all__ = ["DeviceBatch"]
+
+
+class DeviceBatch:
+    """A batch whose tensors are on ``device``, under leases, until it is released.
+
+    ``data`` is the batch as the source yielded it (same containers, non-tensor leaves as they
+    were) with every tensor replaced by its device copy; ``index`` its position in the epoch;
+    ``nbytes`` the bytes copied for it.
+
+    It is released (its leases exit, recording an event on each reader stream: the device
+    memory returns to the budget once the kernels enqueued so far have read it; the host never
+    waits) at the first of:
+
+    * the end of ``async with batch as data:`` (a block may span several steps: the batch is
+      then kept until the block ends);
+    * ``batch.release()``;
+    * the loader's next step (``__anext__``), unless a ``async with batch`` block is open;
+    * the end of the loader (``aclose``, or its ``async with`` block).
+
+    Do not use its tensors after that: the memory may hold the next batch (the simulated backend
+    poisons it, so such a read shows up as NaN or 0xA5 bytes in tests). ``.clone()`` what you
+    keep. Kernels on a stream other than the lease's (the consumer's current stream when the
+    batch was handed out, or the loader's ``stream=``) must be declared with
+    :meth:`register_stream` before the release.
+
+    State: ``_release`` (the loader's callback, ``None`` once released), ``_entered`` (open
+    ``async with`` blocks), ``_register`` (adds a reader stream to the leases).
+    """
+
+    __slots__ = ("_entered", "_register", "_release", "data", "device", "index", "nbytes")
+
+    def __init__(
+        self,
+        index: int,
+        data: Any,
+        nbytes: int,
+        device: Location,
+        release: Callable[[], None],
+        register_stream: Callable[[Any], None],
+    ) -> None:
+        self.index = index
+        self.data = data
+        self.nbytes = nbytes
+        self.device = device
+        self._release: Callable[[], None] | None = release
+        self._register = register_stream
+        self._entered = 0
+
+    @property
+    def released(self) -> bool:
+        return self._release is None
+
+    @property
+    def kept(self) -> bool:
+        """Whether an ``async with`` block holds the batch (the next step does not release it)."""
+        return self._entered > 0 and self._release is not None
+
+    def release(self) -> None:
+        """Release the batch now (see the class docstring); later calls do nothing. Loop
+        thread; the host does not wait."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def register_stream(self, stream: Any) -> None:
+        """Also protect the batch's memory from kernels enqueued on ``stream`` (an event is
+        recorded there too at the release). ``RuntimeError`` once released."""
+        if self._release is None:
+            raise RuntimeError(f"{self!r} was released: register_stream protects nothing now")
+        self._register(stream)
+
+    async def __aenter__(self) -> Any:
+        """Keep the batch until the block ends; returns :attr:`data`."""
+        if self._release is None:
+            raise RuntimeError(f"{self!r} was released: its tensors may hold another batch")
+        self._entered += 1
+        return self.data
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._entered -= 1
+        if self._entered == 0:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._release is None else "kept" if self._entered else "live"
+        return f"<DeviceBatch #{self.index} {format_nbytes(self.nbytes)} @ {self.device} {state}>"

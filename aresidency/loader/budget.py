@@ -1,0 +1,74 @@
+"""The budget arithmetic of the loader's admission: whether a batch fits a location now, whether
+it could ever fit, and the errors that say so with the numbers. Reads the live ledgers
+(``manager.state``); never waits."""
+
+from __future__ import annotations
+
+from ..core.errors import ResidencyBudgetError
+from ..core.locations import Location
+from ..core.sizes import format_nbytes
+from ..runtime.manager import ResidencyManager
+from .records import BatchRecord
+
+__all__ = ["never_fits", "room", "timeout_error"]
+
+
+def room(manager: ResidencyManager, location: Location, need: int) -> bool:
+    """Whether ``need`` more bytes fit ``location``'s budget now (no budget: always)."""
+    ledger = manager.state.find_ledger(location)
+    return (
+        ledger is None
+        or ledger.budget_bytes is None
+        or ledger.charged_bytes + need <= ledger.budget_bytes
+    )
+
+
+def never_fits(
+    manager: ResidencyManager, device: Location, batch: BatchRecord, name: str
+) -> ResidencyBudgetError | None:
+    """The error for a batch larger than a whole budget it needs (device, or the host
+    location its tensors are registered at), else None."""
+    needs: dict[Location, int] = {device: sum(p.charge for p in batch.parts)}
+    for part in batch.parts:
+        if part.location is not None and part.location != device:
+            needs[part.location] = needs.get(part.location, 0) + part.charge
+    for location, need in needs.items():
+        ledger = manager.state.find_ledger(location)
+        if ledger is None or ledger.budget_bytes is None or need <= ledger.budget_bytes:
+            continue
+        return ResidencyBudgetError(
+            location,
+            ledger.budget_bytes,
+            ledger.used_bytes,
+            ledger.reserved_bytes,
+            need,
+            what=(
+                f"batch {batch.index} of {name}: its {len(batch.parts)} "
+                f"tensor(s) need {format_nbytes(need)} at {location}, more than the whole "
+                f"budget of {format_nbytes(ledger.budget_bytes)}, so it could never be "
+                "copied there; lower the batch size or raise the budget"
+            ),
+        )
+    return None
+
+
+def timeout_error(
+    manager: ResidencyManager,
+    device: Location,
+    batch: BatchRecord,
+    name: str,
+    timeout: float | None,
+) -> TimeoutError:
+    """The error for a batch that waited ``timeout`` seconds for room at ``device``."""
+    ledger = manager.state.ledger(device)
+    need = sum(p.charge for p in batch.parts if p.pending is None)
+    waiting = manager.waiting
+    scopes = f"; {waiting} scope(s) wait for admission" if waiting else ""
+    budget = "no" if ledger.budget_bytes is None else format_nbytes(ledger.budget_bytes)
+    return TimeoutError(
+        f"batch {batch.index} of {name} waited {timeout} s for room "
+        f"at {device}: it needs {format_nbytes(need)}, and "
+        f"{format_nbytes(ledger.used_bytes)} used + {format_nbytes(ledger.reserved_bytes)} "
+        f"reserved of a {budget} budget left too little{scopes}; release batches you keep, "
+        "or give the loader more room"
+    )

@@ -1,0 +1,324 @@
+"""Reading host batches from the source without blocking the event loop.
+
+A synchronous iterable (a ``DataLoader``, a generator, a list) is iterated in a dedicated
+thread, :class:`ThreadFeeder`: ``iter(source)`` and every ``next`` run there (a ``DataLoader``
+starts its worker processes in ``iter``), and so does :func:`prepare`, which takes the batch's
+tensors out of its structure and makes each one a value the manager can own. An asynchronous
+iterable is iterated by a task (:func:`feed_async`) in the loader's task group. Either way the
+prepared batches go into :class:`Arrivals`, a bounded FIFO that the loop side empties: the feeder
+waits (its thread blocks, or its task parks) while it is full, so the source never runs more than
+``capacity`` batches ahead of what the loader has taken, and each batch added wakes the loop
+through the manager's bridge (no polling).
+
+The end of the source, or its exception, goes into the FIFO as an :class:`End` after the batches
+before it, so the consumer meets it in order. The exception object is the source's own, with the
+traceback of the ``next`` call that raised it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from ..backends.bridge import LoopBridge
+from .stats import BusyClock
+from .structure import Structure, flatten
+
+__all__ = [
+    "Arrivals",
+    "End",
+    "HostBatch",
+    "ThreadFeeder",
+    "bridge_wake",
+    "feed_async",
+    "needs_copy",
+    "prepare",
+]
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """One batch from a (non-staged) source, ready to be registered: its ``structure``, the
+    distinct tensors to register (``parts``, in first-seen order), and for each tensor leaf of
+    the structure the part it is (``leaf_part``). ``host_copies``: tensors copied to own their
+    memory. ``nbytes``: the parts' bytes. ``start``/``end``: when the source worked on it."""
+
+    index: int
+    structure: Structure
+    parts: list[torch.Tensor]
+    leaf_part: list[int]
+    nbytes: int
+    host_copies: int = 0
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass(slots=True)
+class End:
+    """The source ended after ``index`` batches: exhausted (``error is None``) or raising."""
+
+    index: int
+    error: BaseException | None = None
+
+
+def _owns_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage holds exactly its elements (so that registering it charges
+    what it holds and no other tensor can share it unnoticed)."""
+    storage = tensor.untyped_storage()
+    return storage.nbytes() == tensor.numel() * tensor.element_size()
+
+
+def needs_copy(tensors: list[Any]) -> bool:
+    """Whether :func:`prepare` would copy any of these tensors (cheap; for async sources, whose
+    preparation runs on the loop unless it has a copy to make)."""
+    seen: set[int] = set()
+    for tensor in tensors:
+        if not _owns_its_memory(tensor):
+            return True
+        if tensor.untyped_storage().nbytes():
+            key = tensor.untyped_storage().data_ptr()
+            if key in seen:
+                return True
+            seen.add(key)
+    return False
+
+
+def prepare(item: Any, index: int) -> HostBatch:
+    """Take the tensors out of ``item`` (any thread; copies block it).
+
+    A tensor that is a view into a larger storage (a slice of a bigger tensor) or shares its
+    storage with an earlier tensor of the batch is copied into memory of its own first: a value
+    must own its memory (the manager charges the whole storage, and two values cannot share
+    one). The same tensor object twice is one part. Tensors requiring grad are detached."""
+    tensors, structure = flatten(item)
+    parts: list[torch.Tensor] = []
+    leaf_part: list[int] = []
+    by_id: dict[int, int] = {}
+    storages: set[tuple[str, int]] = set()
+    copies = 0
+    nbytes = 0
+    for tensor in tensors:
+        known = by_id.get(id(tensor))
+        if known is not None:
+            leaf_part.append(known)
+            continue
+        part = tensor.detach()
+        key = (str(part.device), part.untyped_storage().data_ptr())
+        shared = part.untyped_storage().nbytes() > 0 and key in storages
+        if shared or not _owns_its_memory(part):
+            part = part.clone(memory_format=torch.contiguous_format)
+            key = (str(part.device), part.untyped_storage().data_ptr())
+            copies += 1
+        if part.untyped_storage().nbytes():
+            storages.add(key)
+        by_id[id(tensor)] = len(parts)
+        leaf_part.append(len(parts))
+        parts.append(part)
+        nbytes += part.numel() * part.element_size()
+    return HostBatch(index, structure, parts, leaf_part, nbytes, copies)
+
+
+class Arrivals:
+    """A bounded FIFO of prepared batches (and one final :class:`End`) between a feeder and the
+    loop. ``put`` (feeder thread) blocks while full; ``put_async`` (feeder task) parks;
+    :meth:`take` (loop) never waits and makes room. ``wake`` is called (from the feeder's thread
+    or task) after each item.
+
+    State (under ``_cond``): ``_items``, ``stopped`` (the loop wants no more: puts return
+    False at once), ``_room`` (an ``anyio.Event`` a feeder task parks on; loop thread).
+    """
+
+    def __init__(self, capacity: int, wake: Callable[[], None]) -> None:
+        self.capacity = max(1, capacity)
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._items: deque[HostBatch | End] = deque()
+        self.stopped = False
+        self._room: anyio.Event | None = None
+
+    def put(self, item: HostBatch | End) -> bool:
+        """Add ``item`` once there is room (blocking the calling feeder thread until then);
+        False if the loop stopped taking."""
+        with self._cond:
+            while (
+                len(self._items) >= self.capacity and not self.stopped and not isinstance(item, End)
+            ):
+                self._cond.wait()
+            if self.stopped:
+                return False
+            self._items.append(item)
+        self._wake()
+        return True
+
+    async def put_async(self, item: HostBatch | End) -> bool:
+        """:meth:`put` for a feeder task on the loop: parks while full."""
+        while True:
+            with self._cond:
+                if self.stopped:
+                    return False
+                if len(self._items) < self.capacity or isinstance(item, End):
+                    self._items.append(item)
+                    break
+            self._room = anyio.Event()
+            await self._room.wait()
+        self._wake()
+        return True
+
+    def take(self) -> HostBatch | End | None:
+        """The oldest item, or None; never waits (loop thread)."""
+        with self._cond:
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            self._cond.notify()
+        room, self._room = self._room, None
+        if room is not None:
+            room.set()
+        return item
+
+    def stop(self) -> None:
+        """Take no more: wake a blocked feeder (its puts return False) and drop what is queued
+        (loop thread)."""
+        with self._cond:
+            self.stopped = True
+            self._items.clear()
+            self._cond.notify_all()
+        room, self._room = self._room, None
+        if room is not None:
+            room.set()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+class ThreadFeeder:
+    """Iterates a synchronous iterable in a thread of its own and feeds :class:`Arrivals`.
+
+    The thread stops after the source ends or raises, or once :meth:`stop` was called and the
+    ``next`` call in progress returned (a call in progress cannot be interrupted). It then closes
+    the iterator (a generator's ``finally`` blocks run; a ``DataLoader`` iterator is dropped,
+    which shuts its workers down) in that same thread.
+
+    State: ``thread``, ``arrivals``, ``clock`` (the source's busy time), ``_stop``.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        arrivals: Arrivals,
+        clock: BusyClock,
+        name: str,
+    ) -> None:
+        self.source = source
+        self.arrivals = arrivals
+        self.clock = clock
+        self._stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"aresidency-loader-{name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to stop after its current ``next`` (any thread; never waits)."""
+        self._stop.set()
+        self.arrivals.stop()
+
+    async def join(self) -> None:
+        """Park until the thread finished (a worker thread joins it; cancelling this wait
+        abandons the join, not the thread)."""
+        if self.thread.is_alive():
+            await anyio.to_thread.run_sync(self.thread.join, abandon_on_cancel=True)
+
+    def _run(self) -> None:
+        iterator: Any = None
+        index = 0
+        try:
+            start = time.perf_counter()
+            iterator = iter(self.source)
+            while not self._stop.is_set():
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    self.arrivals.put(End(index))
+                    return
+                batch = prepare(item, index)
+                end = time.perf_counter()
+                batch.start, batch.end = start, end
+                self.clock.add(start, end)
+                if not self.arrivals.put(batch):
+                    return
+                index += 1
+                start = time.perf_counter()
+        except BaseException as error:  # the source's own error, for the consumer
+            self.arrivals.put(End(index, error))
+        finally:
+            close = getattr(iterator, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    pass  # a generator that fails in its finally: nothing left to tell
+            del iterator
+
+
+async def feed_async(source: AsyncIterable[Any], arrivals: Arrivals, clock: BusyClock) -> None:
+    """Iterate an async iterable into ``arrivals`` (a task of the loader's task group; cancel
+    its scope to stop it). Preparation runs on the loop unless it has tensors to copy, which
+    go to a worker thread. Closes an async generator in this same task when done."""
+    iterator = source.__aiter__()
+    index = 0
+    try:
+        while not arrivals.stopped:
+            start = time.perf_counter()
+            try:
+                item = await iterator.__anext__()
+                tensors, _ = flatten(item)
+                if needs_copy(tensors):
+                    batch = await anyio.to_thread.run_sync(prepare, item, index)
+                else:
+                    batch = prepare(item, index)
+            except StopAsyncIteration:
+                await arrivals.put_async(End(index))
+                return
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as error:  # the source's own error, for the consumer
+                await arrivals.put_async(End(index, error))
+                return
+            end = time.perf_counter()
+            batch.start, batch.end = start, end
+            clock.add(start, end)
+            if not await arrivals.put_async(batch):
+                return
+            index += 1
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if callable(aclose):
+            with anyio.CancelScope(shield=True):
+                try:
+                    await aclose()
+                except Exception:
+                    pass
+
+
+def bridge_wake(bridge: LoopBridge, fn: Callable[[], None]) -> Callable[[], None]:
+    """A wake-up callable for :class:`Arrivals`: ``fn()`` on the loop, soon (any thread; a loop
+    that has finished is not woken)."""
+
+    def wake() -> None:
+        if bridge.on_loop():
+            fn()
+        else:
+            bridge.call_soon_quietly(fn)
+
+    return wake

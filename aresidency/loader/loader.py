@@ -1,0 +1,291 @@
+"""``DeviceLoader``: batches already on the device when the step starts (see the package
+docstring for the design and the lifetimes)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..core.locations import Location, LocationLike
+from ..core.timeouts import check_timeout
+from ..runtime.manager import ResidencyManager
+from .batch import DeviceBatch
+from .pipeline import Epoch
+from .staging import StagedSource, StagingSlots
+from .stats import LoaderCounters, LoaderStats
+
+__all__ = ["DeviceLoader"]
+
+_NAMES = itertools.count()
+
+
+class DeviceLoader:
+    """An async iterator over batches already on ``device`` when handed out.
+
+    ``source``: any iterable of host batches (a ``torch.utils.data.DataLoader``, a generator, a
+    list; iterated in a thread of its own), any async iterable (read by a task: enter the loader
+    with ``async with`` first), or a staged source such as :class:`~aresidency.loader.ShardSource`
+    (read straight into the loader's pinned staging buffers). A batch is a tensor or nested
+    dicts, lists, tuples, namedtuples and dataclasses of tensors; other leaves pass through.
+
+    ``prefetch``: how many batches may be copied ahead of the one the consumer holds (the
+    device budget may allow fewer; the loader then waits for room and never fails for lack of
+    it, unless one batch alone exceeds the whole budget). ``stream``: the stream the consumer's
+    kernels run on (default: the device's current stream when each batch is handed out).
+    ``timeout``: seconds a batch may wait for room at the device before ``TimeoutError``
+    (``None``: as long as it takes). ``staging_slots``: pinned buffers for a staged source
+    (default: its ``workers`` + 2). ``read_ahead``: batches the source may run ahead of the
+    loader's admission (default ``prefetch + 1``).
+
+    Use::
+
+        async with DeviceLoader(manager, dataloader, "cuda:0", prefetch=4) as loader:
+            for epoch in range(epochs):
+                async for batch in loader:       # each one is released at the next step
+                    loss = model(batch["x"]).sum()
+                    ...
+
+    ``async for batch in loader.batches()`` hands out :class:`DeviceBatch` objects instead,
+    whose lifetime can be explicit (``async with batch as data``). Each ``async for`` is one
+    pass over the source (an epoch); starting one ends the previous one.
+
+    Call on the manager's event loop. State: ``manager``, ``source``, ``device``, ``prefetch``,
+    ``stream``, ``timeout``, ``name``, ``counters``, ``staging`` (the staged source's buffers,
+    while open), ``task_group`` (while entered), ``_epoch`` (the current iteration),
+    ``status`` (``open`` -> ``closed``).
+    """
+
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        source: Any,
+        device: LocationLike = "cuda:0",
+        prefetch: int = 4,
+        *,
+        stream: Any = None,
+        timeout: float | None = None,
+        name: str | None = None,
+        staging_slots: int | None = None,
+        read_ahead: int | None = None,
+    ) -> None:
+        if not isinstance(manager, ResidencyManager):
+            raise TypeError(f"DeviceLoader needs a ResidencyManager, got {type(manager).__name__}")
+        manager.check_thread()
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        self.manager = manager
+        self.device = Location.parse(device)
+        backend = manager.backend
+        backend.check_location(self.device)
+        if not self.device.is_cuda:
+            raise ValueError(f"device must be a cuda location, got {self.device}")
+        if stream is not None:
+            backend.check_stream(stream, self.device)
+        self.stream = stream
+        self.prefetch = prefetch
+        self.timeout = check_timeout(timeout)
+        self.name = name if name is not None else f"loader-{next(_NAMES)}"
+        self.source = source
+        self.is_staged = isinstance(source, StagedSource)
+        self.is_async_source = not self.is_staged and hasattr(source, "__aiter__")
+        if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
+            raise TypeError(
+                f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
+                f"generator, a ShardSource), got {type(source).__name__}"
+            )
+        if read_ahead is None:
+            read_ahead = prefetch + 1
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
+            raise ValueError(f"read_ahead must be an int >= 1, got {read_ahead!r}")
+        self.read_ahead = read_ahead
+        if staging_slots is not None and (
+            isinstance(staging_slots, bool)
+            or not isinstance(staging_slots, int)
+            or staging_slots < 1
+        ):
+            raise ValueError(f"staging_slots must be an int >= 1, got {staging_slots!r}")
+        if staging_slots is not None and not self.is_staged:
+            raise ValueError(
+                "staging_slots is for staged sources (such as ShardSource), which read into the "
+                "loader's pinned buffers; this source hands out batches of its own"
+            )
+        self.staging_slots = staging_slots
+        self.counters = LoaderCounters()
+        self.staging: StagingSlots | None = None
+        self.task_group: anyio.abc.TaskGroup | None = None
+        self._epoch: Epoch | None = None
+        self._epochs = 0
+        self._lock = anyio.Lock()
+        self.status = "open"
+
+    # ------------------------------------------------------------------ iteration
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """One pass over the source, handing out each batch's data (the source's structure,
+        with device tensors). A batch is released when the next one is asked for."""
+        return _Iteration(self, wrap=False)
+
+    def batches(self) -> AsyncIterator[DeviceBatch]:
+        """One pass over the source, handing out :class:`DeviceBatch` objects (released at the
+        end of their ``async with`` block, by ``release()``, or at the next step)."""
+        return _Iteration(self, wrap=True)
+
+    def __len__(self) -> int:
+        """Batches per pass, when the source knows (``TypeError`` otherwise)."""
+        return len(self.source)
+
+    async def _begin(self) -> Epoch:
+        """End the previous pass (releasing what it held), then start a new one."""
+        self.manager.check_thread()
+        if self.status != "open":
+            raise RuntimeError(f"{self.name} is closed")
+        async with self._lock:
+            previous = self._epoch
+            if previous is not None:
+                previous.shutdown()
+                with anyio.CancelScope(shield=True):
+                    await previous.drain()
+            plans = None
+            if self.is_staged:
+                await self._open_staging()
+                plans = await anyio.to_thread.run_sync(self.source.plan_epoch)
+            self._epochs += 1
+            self.counters.epochs += 1
+            epoch = Epoch(self, self._epochs)
+            self._epoch = epoch
+            epoch.start(list(plans) if plans is not None else None)
+            return epoch
+
+    async def _open_staging(self) -> None:
+        if self.staging is not None:
+            return
+        source: StagedSource = self.source
+        count = self.staging_slots if self.staging_slots is not None else source.workers + 2
+        slots = StagingSlots(count, source.max_batch_nbytes, source.workers, self.name)
+        await slots.open(self.manager)
+        self.staging = slots
+        self.counters.pinned_bytes = slots.total_nbytes
+
+    def current(self, epoch: Epoch) -> bool:
+        return self._epoch is epoch and self.status == "open"
+
+    # ------------------------------------------------------------------ evidence
+
+    def stats(self) -> LoaderStats:
+        """What the loader measured since it was made (see :class:`LoaderStats`)."""
+        return self.counters.snapshot()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned staging memory the loader holds (charged to ``pinned-host``); 0 when its
+        source hands out batches of its own."""
+        return 0 if self.staging is None else self.staging.total_nbytes
+
+    def __repr__(self) -> str:
+        kind = "staged" if self.is_staged else "async" if self.is_async_source else "sync"
+        epoch = "" if self._epoch is None else f" {self._epoch!r}"
+        return (
+            f"<DeviceLoader {self.name} {kind} source -> {self.device} prefetch={self.prefetch} "
+            f"{self.status}{epoch}>"
+        )
+
+    # ------------------------------------------------------------------ the end
+
+    async def drain(self) -> None:
+        """Park until every batch released so far has left the device budget (its readers'
+        events completed and its values were discarded). The host does not block."""
+        epoch = self._epoch
+        if epoch is not None:
+            await epoch.drain(releases_only=epoch.status == "running")
+
+    async def aclose(self) -> None:
+        """End the current pass and release everything: batches handed out (their tensors must
+        not be used afterwards), copies in flight (cancelled), the staging buffers and their
+        reservation. The manager-side cleanup completes even if this call is cancelled; then
+        it waits for the source's thread to finish its current ``next``. Raises a copy failure
+        that no step reported."""
+        await self._close(raise_deferred=True)
+
+    async def _close(self, *, raise_deferred: bool) -> None:
+        if self.status == "closed":
+            return
+        self.status = "closed"
+        epoch = self._epoch
+        deferred: list[BaseException] = []
+        try:
+            if epoch is not None:
+                epoch.shutdown()
+                with anyio.CancelScope(shield=True):
+                    await epoch.drain()
+                deferred = epoch.take_deferred()
+        finally:
+            try:
+                if self.staging is not None:
+                    await self.staging.aclose()
+            finally:
+                if epoch is not None:
+                    await epoch.join_feeder()
+        if raise_deferred and deferred:
+            raise deferred[0]
+
+    async def __aenter__(self) -> DeviceLoader:
+        if self.task_group is not None:
+            raise RuntimeError(f"{self.name} is entered already")
+        if self.status != "open":
+            raise RuntimeError(f"{self.name} is closed")
+        tasks = anyio.create_task_group()
+        await tasks.__aenter__()
+        self.task_group = tasks
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tasks, self.task_group = self.task_group, None
+        try:
+            await self._close(raise_deferred=exc is None)
+        finally:
+            if tasks is not None:
+                # The body's exception is not handed to the group (it would come back wrapped
+                # in an exception group); the feeder task was cancelled by the close.
+                tasks.cancel_scope.cancel()
+                with contextlib.suppress(Exception):
+                    await tasks.__aexit__(None, None, None)
+
+
+class _Iteration:
+    """One ``async for`` over a loader: its epoch starts at the first ``__anext__``."""
+
+    def __init__(self, loader: DeviceLoader, *, wrap: bool) -> None:
+        self._loader = loader
+        self._wrap = wrap
+        self._epoch: Epoch | None = None
+
+    def __aiter__(self) -> _Iteration:
+        return self
+
+    async def __anext__(self) -> Any:
+        epoch = self._epoch
+        if epoch is None:
+            epoch = self._epoch = await self._loader._begin()
+        elif not self._loader.current(epoch):
+            raise StopAsyncIteration  # a newer pass, or the loader's close, ended this one
+        batch = await epoch.next()
+        return batch if self._wrap else batch.data
+
+    async def aclose(self) -> None:
+        """End this pass now (as breaking out of it and starting the next would)."""
+        epoch = self._epoch
+        if epoch is not None and self._loader.current(epoch):
+            epoch.shutdown()
+            with anyio.CancelScope(shield=True):
+                await epoch.drain()

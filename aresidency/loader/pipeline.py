@@ -1,0 +1,733 @@
+"""One iteration (epoch) of a ``DeviceLoader``: the state machine that moves batches from the
+source to the consumer.
+
+Like the weight-streaming pipeline it has no task of its own: :meth:`Epoch.pump` advances it
+whenever something happened (the manager's change listener, a batch arriving from the feeder, a
+staging buffer filled, a copy issued or completed, the consumer asking), synchronously, on the
+loop. A batch goes
+
+``queued`` (its host tensors arrived) -> ``copying`` (registered, materialization begun: the
+device budget is charged and the copy enqueued) -> ``out`` (handed to the consumer under
+leases) -> ``releasing`` (leases exited, reader events recorded) -> ``done`` (every value
+discarded once its reader events completed: the budget is free again).
+
+Admission is in source order, never out of order (a later batch never takes room an earlier one
+waits for), at most ``prefetch`` batches ahead of the consumer (one when ``prefetch=0`` and the
+consumer waits), and only when the whole batch fits the device budget now: a batch never holds
+part of the budget while it waits for the rest, and a batch that could never fit (larger than
+the whole budget) fails at its place with the arithmetic. Room is checked on the live ledger
+(``manager.state``), and ``materialize_nowait`` is the final word (it also refuses while a scope
+waits for room at the device first: the loader then waits its turn like anyone else).
+
+A batch is ready for the consumer once every copy is issued (CUDA: the consumer's stream is made
+to wait for it on the device when the leases are entered, right before the step's kernels) or,
+where compute runs on the host (the simulation), once every copy completed.
+
+Why this module is long: the epoch's lifecycle of a batch (arrival, admission, protection,
+readiness, hand-out, release, discard) and of the epoch itself (start, failure, shutdown, drain)
+are steps of one state machine that read the state the others write; what stands alone lives
+elsewhere: the records (:mod:`~aresidency.loader.records`), the budget arithmetic
+(:mod:`~aresidency.loader.budget`), a staged source's fills (:mod:`~aresidency.loader.fills`),
+the source's reading (:mod:`~aresidency.loader.feeder`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
+from ..core.locations import Location
+from ..core.values import MaterializationState, value_charge
+from ..runtime.leases import LeaseWouldWait
+from ..runtime.pending import PendingOperation
+from ..runtime.signal import ManagerClosedError
+from .batch import DeviceBatch
+from .budget import never_fits, room, timeout_error
+from .feeder import Arrivals, End, HostBatch, ThreadFeeder, bridge_wake, feed_async
+from .fills import StagedFills, return_slot
+from .records import COPYING, DONE, OUT, QUEUED, RELEASING, BatchRecord, Part
+
+if TYPE_CHECKING:
+    from .loader import DeviceLoader
+
+__all__ = ["Epoch"]
+
+
+class Epoch:
+    """One iteration over the source (see the module docstring). Loop thread only.
+
+    State: ``status`` (``new`` -> ``running`` -> ``closing`` -> ``closed``), ``_queue`` (batches
+    not handed out yet, in order: queued, then copying), ``_out`` (handed out, not released),
+    ``_releasing``, ``_end`` (the source's end or error, once it arrived), ``_failure`` (an
+    error of the pipeline itself), ``_deferred`` (copy failures known only after their batch was
+    handed out), ``_host_storages`` (host storages registered and maybe still held by the
+    manager, so that a tensor the source hands out again waits for the first copy),
+    ``_consumer_waiting``, ``_pumping``/``_again`` (re-entrant pumps fold into the running one).
+    ``_fills``: a staged source's fills (:class:`~aresidency.loader.fills.StagedFills`).
+    Invariants: ``_queue`` holds batches in source order; a batch's values are all discarded
+    before it leaves ``_releasing``; a staging buffer returns to the free list only after the copy
+    reading it completed (or when it was never copied).
+    """
+
+    def __init__(self, loader: DeviceLoader, number: int) -> None:
+        self.loader = loader
+        self.number = number
+        self.manager = loader.manager
+        self.device = loader.device
+        self.counters = loader.counters
+        self.host_compute = self.manager.backend.host_compute
+        self.status = "new"
+        self._queue: deque[BatchRecord] = deque()
+        self._out: list[BatchRecord] = []
+        self._releasing: list[BatchRecord] = []
+        self._end: End | None = None
+        self._failure: BaseException | None = None
+        self._deferred: list[BaseException] = []
+        self._host_storages: dict[tuple[str, int], Part] = {}
+        self._consumer_waiting = False
+        self._pumping = False
+        self._again = False
+        self._progress: anyio.Event | None = None
+        self._unlisten: Callable[[], None] | None = None
+        self._arrivals: Arrivals | None = None
+        self._feeder: ThreadFeeder | None = None
+        self._feed_scope: anyio.CancelScope | None = None
+        self._fills: StagedFills | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Epoch {self.number} of {self.loader.name} {self.status} [{len(self._queue)} "
+            f"queued, {len(self._out)} out, {len(self._releasing)} releasing]>"
+        )
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, plans: Sequence[Any] | None = None) -> None:
+        """Start reading the source (a staged source: fill the buffers with ``plans``). Loop."""
+        loader = self.loader
+        self.status = "running"
+        self._unlisten = self.manager.add_change_listener(self.pump)
+        wake = bridge_wake(self.manager.bridge, self.pump)
+        if plans is not None:
+            self._fills = StagedFills(loader, self.number, plans, self.pump)
+        elif loader.is_async_source:
+            tasks = loader.task_group
+            if tasks is None:
+                raise RuntimeError(
+                    f"{loader.name}: an async source is read by a task of the loader; enter it "
+                    "first: 'async with DeviceLoader(...) as loader: async for batch in loader'"
+                )
+            self._arrivals = Arrivals(loader.read_ahead, wake)
+            self._feed_scope = anyio.CancelScope()
+            tasks.start_soon(self._feed_async, self._feed_scope, self._arrivals)
+        else:
+            self._arrivals = Arrivals(loader.read_ahead, wake)
+            self._feeder = ThreadFeeder(
+                loader.source, self._arrivals, self.counters.source_clock, loader.name
+            )
+            self._feeder.start()
+        self.pump()
+
+    async def _feed_async(self, scope: anyio.CancelScope, arrivals: Arrivals) -> None:
+        with scope:
+            await feed_async(self.loader.source, arrivals, self.counters.source_clock)
+
+    # ------------------------------------------------------------------ the pump
+
+    def pump(self) -> None:
+        """Advance everything that can advance now (never waits; never raises: an unexpected
+        error fails the epoch and reaches the consumer)."""
+        if self._pumping:
+            self._again = True
+            return
+        if self.status in ("new", "closed"):
+            return
+        self._pumping = True
+        try:
+            while True:
+                self._again = False
+                try:
+                    self._advance()
+                except BaseException as error:
+                    if self._failure is None:
+                        self._failure = error
+                if not self._again:
+                    break
+        finally:
+            self._pumping = False
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
+
+    def _advance(self) -> None:
+        if self.status == "running" and self._failure is None:
+            while True:
+                took = self._take_arrivals()
+                admitted = self._admit()
+                if not (took or admitted):
+                    break
+            for batch in (*self._queue, *self._out):
+                if batch.state in (COPYING, OUT):
+                    for part in batch.parts:
+                        self._protect(batch, part)
+        self._reap()
+
+    # ------------------------------------------------------------------ arrivals
+
+    def _take_arrivals(self) -> bool:
+        """Move arrived batches into the queue, keeping at most one batch on the loop side that
+        waits for admission (the feeder's FIFO holds the rest). True if one moved."""
+        moved = False
+        if self._fills is not None and self._end is None and self.status == "running":
+            self._fills.dispatch()
+        while self._end is None and not any(b.state == QUEUED for b in self._queue):
+            item = self._next_item()
+            if item is None:
+                break
+            if isinstance(item, End):
+                self._end = item
+                break
+            self._queue.append(item)
+            moved = True
+        return moved
+
+    def _next_item(self) -> BatchRecord | End | None:
+        if self._fills is not None:
+            return self._fills.take()
+        arrivals = self._arrivals
+        if arrivals is None:
+            return None
+        taken = arrivals.take()
+        if taken is None or isinstance(taken, End):
+            return taken
+        return self._batch_of(taken)
+
+    def _batch_of(self, host: HostBatch) -> BatchRecord:
+        counters = self.counters
+        counters.source_batches += 1
+        counters.source_bytes += host.nbytes
+        counters.host_copies += host.host_copies
+        granularity = self.manager.state.granularity
+        backend = self.manager.backend
+        parts = []
+        for tensor in host.parts:
+            storage = max(tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size())
+            parts.append(
+                Part(
+                    value_charge(storage, None, granularity),
+                    tensor.numel() * tensor.element_size(),
+                    host=tensor,
+                    location=backend.location_of(tensor),
+                )
+            )
+        return BatchRecord(host.index, parts, host.structure, host.nbytes, leaf_part=host.leaf_part)
+
+    # ------------------------------------------------------------------ admission
+
+    def _window(self) -> int:
+        return max(self.loader.prefetch, 1 if self._consumer_waiting else 0)
+
+    def _admit(self) -> bool:
+        """Admit queued batches in order while the window and the budget allow. True if one
+        was admitted."""
+        ahead = sum(1 for b in self._queue if b.state == COPYING)
+        limit = self._window()
+        admitted = False
+        for batch in self._queue:
+            if batch.state != QUEUED:
+                continue
+            if batch.error is not None or ahead >= limit or not self._try_admit(batch):
+                break
+            ahead += 1
+            admitted = True
+        return admitted
+
+    def _blocked(self, batch: BatchRecord) -> bool:
+        """Note when the batch began waiting for room; False (it was not admitted)."""
+        if batch.blocked_since is None:
+            batch.blocked_since = time.perf_counter()
+        return False
+
+    def _try_admit(self, batch: BatchRecord) -> bool:
+        """Register the batch's values and begin their materializations at the device, if the
+        whole batch fits now. False (changing nothing that holds room) if it must wait."""
+        manager = self.manager
+        waiting = [p for p in batch.parts if p.pending is None]
+        too_big = never_fits(self.manager, self.device, batch, self.loader.name)
+        if too_big is not None:
+            batch.error = too_big
+            return False
+        if not room(self.manager, self.device, sum(p.charge for p in waiting)):
+            return self._blocked(batch)
+        host_needs: dict[Location, int] = {}
+        for part in waiting:
+            if part.handle is None and part.location is not None:
+                host_needs[part.location] = host_needs.get(part.location, 0) + part.charge
+            if part.key is not None and self._host_storages.get(part.key, part) is not part:
+                # The source handed this storage out again while the manager still holds it
+                # for an earlier batch: wait until that copy completed.
+                return self._blocked(batch)
+        if not all(room(self.manager, loc, need) for loc, need in host_needs.items()):
+            return self._blocked(batch)
+        for part in waiting:
+            if part.handle is not None:
+                continue
+            label = self._label(batch, part)
+            try:
+                if part.source is not None:
+                    part.handle = manager.register_source(part.source, name=label)
+                else:
+                    assert part.host is not None
+                    part.handle = manager.register(part.host, name=label)
+            except ResidencyBudgetError:
+                return self._blocked(batch)
+            except Exception as error:
+                batch.error = error
+                return False
+            if part.key is not None:
+                self._host_storages[part.key] = part
+        for part in waiting:
+            assert part.handle is not None
+            try:
+                pending = manager.materialize_nowait(part.handle, self.device)
+            except ResidencyBudgetError:
+                return self._blocked(batch)  # a scope waits for room here first (FIFO)
+            except Exception as error:
+                batch.error = error
+                return False
+            part.pending = pending
+            part.issued_at = time.perf_counter()
+            if not pending.done():
+                part.hold = manager.hold(part.handle, self.device)
+            pending.add_done_callback(functools.partial(self._copied, batch, part))
+        batch.state = COPYING
+        batch.blocked_since = None
+        for part in waiting:
+            self._protect(batch, part)
+        return True
+
+    # ------------------------------------------------------------------ protection
+
+    def _protect(self, batch: BatchRecord, part: Part) -> None:
+        """Trade the part's hold for a lease once its copy is issued (or arm a callback for
+        that); report a copy failure the lease has seen."""
+        manager = self.manager
+        if part.handle is None or part.pending is None or part.discarded:
+            return
+        lease = part.lease
+        if lease is not None:
+            failure = lease.failure()
+            if failure is not None and not part.failed:
+                part.failed = True
+                self._copy_failed(batch, part, failure)
+            return
+        if batch.state != COPYING:
+            return  # released, or being released: never protect it again
+        if part.pending.done() and part.pending.exception() is not None:
+            return  # failed: nothing to protect
+        if not manager.copy_issued(part.handle, self.device):
+            if part.watching:
+                return
+            try:
+                manager.tensor(part.handle, self.device)
+            except ResidencyUnavailableError:
+                return  # a load still reading its source: the manager notifies when done
+            part.watching = True
+            manager.when_copy_issued(
+                part.handle, self.device, functools.partial(self._issued, part)
+            )
+            return
+        lease = manager.acquire(part.handle, self.device, order_stream=False)
+        try:
+            lease.enter_nowait()
+        except LeaseWouldWait:
+            return
+        except ResidencyUnavailableError as error:  # the copy failed already
+            self._unhold(part)
+            if not part.failed:
+                part.failed = True
+                self._copy_failed(batch, part, error.__cause__ or error)
+            return
+        part.lease = lease
+        self._unhold(part)
+        event = lease.ready_event
+        if event is not None and not event.query():
+            # Its completion commits the copy (a change the pump hears about), but a failed one
+            # waits for the lease to end: the pump must look at the lease when the copy ends.
+            manager.backend.notify(event, functools.partial(self._landed))
+
+    def _landed(self, error: BaseException | None) -> None:
+        # One more turn of the loop: the manager's own completion callback, queued at the
+        # same moment, has then recorded the copy's outcome on the lease.
+        self.manager.bridge.call_soon_quietly(self.pump)
+
+    def _copy_failed(self, batch: BatchRecord, part: Part, error: BaseException) -> None:
+        """A copy failed while the loader protected it: fail the batch if the consumer has not
+        got it yet, else report it at the next step; let the manager abort the copy (it waits
+        until nothing protects it)."""
+        if batch.state in (QUEUED, COPYING):
+            if batch.error is None:
+                batch.error = error
+            self._drop_protection(part)
+            return
+        assert part.handle is not None
+        late = ResidencyUnavailableError(
+            part.handle,
+            self.device,
+            f"the copy of batch {batch.index} failed after the batch was handed out, so what "
+            f"that step read was not the batch: {error}",
+        )
+        late.__cause__ = error
+        self._deferred.append(late)
+
+    def _drop_protection(self, part: Part) -> None:
+        """End the part's hold or lease (never handed out: no reader to record)."""
+        self._unhold(part)
+        lease, part.lease = part.lease, None
+        if lease is not None and lease.status == "entered":
+            lease.exit_nowait(reader_events=[])
+
+    def _label(self, batch: BatchRecord, part: Part) -> str:
+        """The value's name: loader, epoch, batch, and the path of its first tensor."""
+        name = f"{self.loader.name}/e{self.number}/b{batch.index}"
+        if batch.leaf_part is None or len(batch.structure) == 1:
+            return name
+        number = batch.parts.index(part)
+        return f"{name}{batch.structure.paths[batch.leaf_part.index(number)]}"
+
+    def _copied(self, batch: BatchRecord, part: Part, pending: PendingOperation) -> None:
+        """A materialization finished: committed, failed (once nothing protected it any more)
+        or cancelled."""
+        now = time.perf_counter()
+        error = pending.exception()
+        if error is None:
+            self.counters.copy_clock.add(part.issued_at, now)
+            self.counters.copy_bytes += part.nbytes
+            if part.key is not None and self._host_storages.get(part.key) is part:
+                del self._host_storages[part.key]  # moved: the manager holds it no more
+        elif not part.failed and self.status == "running" and batch.state in (QUEUED, COPYING):
+            part.failed = True
+            if batch.error is None:
+                batch.error = error
+        if batch.slot is not None and all(
+            p.pending is None or p.pending.done() for p in batch.parts
+        ):
+            return_slot(self.loader, batch)
+        self.pump()
+
+    # ------------------------------------------------------------------ readiness
+
+    def _ready(self, batch: BatchRecord) -> bool:
+        """Whether the consumer may have the batch: every copy issued and leased (the
+        consumer's stream is ordered after them at the hand-out), or, where compute runs on
+        the host (the simulation), every copy complete."""
+        if batch.state != COPYING or batch.error is not None:
+            return False
+        for part in batch.parts:
+            if part.lease is None:
+                self._protect(batch, part)
+                if part.lease is None:
+                    return False
+            if self.host_compute and not (part.pending is not None and part.pending.done()):
+                return False
+        return True
+
+    def _issued(self, part: Part) -> None:
+        # Called once: when the copy is issued (or soon, if it already was).
+        part.watching = False
+        self.pump()
+
+    def _cause(self, head: BatchRecord | None) -> str:
+        if head is None or (head.state == QUEUED and head.blocked_since is None):
+            return "source"
+        return "budget" if head.state == QUEUED else "copy"
+
+    # ------------------------------------------------------------------ the consumer
+
+    async def next(self) -> DeviceBatch:
+        """The next batch, once it is ready (see the module docstring). Any error but the
+        end closes the epoch (releasing everything, shielded from cancellation) before it
+        propagates, as an async generator's would; so does the end, without waiting."""
+        try:
+            return await self._next()
+        except StopAsyncIteration:
+            self.shutdown()
+            raise
+        except BaseException:
+            self.shutdown()
+            with anyio.CancelScope(shield=True):
+                await self.drain()
+            raise
+
+    async def _next(self) -> DeviceBatch:
+        self.manager.check_thread()
+        if self.status != "running":
+            raise StopAsyncIteration
+        counters = self.counters
+        self.release_unkept()
+        if self._deferred:
+            raise self._deferred.pop(0)
+        began = time.perf_counter()
+        if counters.first_request is None:
+            counters.first_request = began
+        self._consumer_waiting = True
+        try:
+            while True:
+                self.pump()
+                if self._failure is not None:
+                    raise self._failure
+                if self.status != "running":
+                    raise StopAsyncIteration  # closed by another task meanwhile
+                head = self._queue[0] if self._queue else None
+                if head is not None and head.error is not None:
+                    raise head.error
+                if head is not None and self._ready(head):
+                    handed = self._hand_out(head)
+                    # The window moved: admit the next batch now, while the step runs (no
+                    # manager change may come to pump it when every copy completed already).
+                    self._consumer_waiting = False
+                    self.pump()
+                    return handed
+                if head is None and self._end is not None:
+                    if self._end.error is not None:
+                        raise self._end.error
+                    raise StopAsyncIteration
+                cause = self._cause(head)
+                deadline = None
+                timeout = self.loader.timeout
+                if cause == "budget" and timeout is not None and head is not None:
+                    assert head.blocked_since is not None
+                    deadline = anyio.current_time() + (
+                        head.blocked_since + timeout - time.perf_counter()
+                    )
+                start = time.perf_counter()
+                timed_out = await self._wait(deadline)
+                counters.add_wait(cause, time.perf_counter() - start)
+                if timed_out and head is not None and head.state == QUEUED:
+                    raise timeout_error(
+                        self.manager, self.device, head, self.loader.name, self.loader.timeout
+                    )
+        finally:
+            self._consumer_waiting = False
+            counters.wait_s += time.perf_counter() - began
+
+    async def _wait(self, deadline: float | None) -> bool:
+        """Park until the pump made progress; True if ``deadline`` passed first."""
+        if self._progress is None:
+            self._progress = anyio.Event()
+        progress = self._progress
+        if deadline is None:
+            await progress.wait()
+            return False
+        with anyio.move_on_at(deadline) as scope:
+            await progress.wait()
+        return scope.cancelled_caught
+
+    def _hand_out(self, batch: BatchRecord) -> DeviceBatch:
+        """Order the consumer's stream after the batch's copies, on the device (the host does
+        not wait), and rebuild its structure around the device tensors."""
+        backend = self.manager.backend
+        stream = self.loader.stream
+        if stream is None:
+            stream = backend.current_stream(self.device)
+        tensors = []
+        for part in batch.parts:
+            lease = part.lease
+            assert lease is not None
+            event = lease.ready_event
+            if event is not None and not event.query():
+                backend.stream_wait(stream, event)
+            tensors.append(lease.tensor)
+        batch.streams = [stream]
+        if batch.specs is not None:
+            leaves = [spec.view(tensors[0]) for spec in batch.specs]
+        else:
+            assert batch.leaf_part is not None
+            leaves = [tensors[i] for i in batch.leaf_part]
+        data = batch.structure.rebuild(leaves)
+        self._queue.popleft()
+        batch.state = OUT
+        self._out.append(batch)
+        handed = DeviceBatch(
+            batch.index,
+            data,
+            batch.nbytes,
+            self.device,
+            functools.partial(self._release, batch),
+            functools.partial(self._register_stream, batch),
+        )
+        batch.handed = handed
+        counters = self.counters
+        counters.batches += 1
+        counters.bytes += batch.nbytes
+        counters.last_hand_out = time.perf_counter()
+        return handed
+
+    @staticmethod
+    def _unhold(part: Part) -> None:
+        hold, part.hold = part.hold, None
+        if hold is not None and hold.active:
+            hold.release()
+
+    def release_unkept(self) -> None:
+        """Release every batch handed out that no ``async with`` block keeps (the next step)."""
+        for batch in list(self._out):
+            if batch.handed is not None and not batch.handed.kept:
+                batch.handed.release()
+
+    def _register_stream(self, batch: BatchRecord, stream: Any) -> None:
+        self.manager.backend.check_stream(stream, self.device)
+        if stream is None:
+            raise ValueError("register_stream needs a stream")
+        if all(stream is not s for s in batch.streams):
+            batch.streams.append(stream)
+
+    def _release(self, batch: BatchRecord) -> None:
+        """End the batch's leases with an event recorded on each reader stream (after the
+        kernels enqueued there so far); its values are discarded once those completed (the
+        pump watches). The host does not wait."""
+        if batch.state != OUT:
+            return
+        # The batch changes state before any lease exits: each exit is a state change, whose
+        # listeners (this pump) must see it released already.
+        batch.state = RELEASING
+        self._out.remove(batch)
+        self._releasing.append(batch)
+        leases = [part.lease for part in batch.parts]
+        for part in batch.parts:
+            part.lease = None
+        events: list[Any] = []
+        try:
+            events = [self.manager.backend.record_event(stream) for stream in batch.streams]
+        finally:
+            for lease in leases:
+                if lease is not None and lease.status == "entered":
+                    lease.exit_nowait(reader_events=events)
+        self.pump()
+
+    # ------------------------------------------------------------------ discards
+
+    def _settled(self, part: Part) -> bool:
+        if part.pending is not None and not part.pending.done():
+            return False
+        assert part.handle is not None
+        value = self.manager.state.find_value(part.handle)
+        if value is None:
+            return True
+        return all(
+            m.state is MaterializationState.RESIDENT and not m.protected
+            for m in value.materializations.values()
+        )
+
+    def _reap(self) -> None:
+        """Discard the values of released batches whose readers completed."""
+        for batch in list(self._releasing):
+            for part in batch.parts:
+                if part.discarded:
+                    continue
+                if part.handle is None:
+                    part.discarded = True
+                    continue
+                if not self._settled(part):
+                    continue
+                if self.manager.state.find_value(part.handle) is not None:
+                    try:
+                        self.manager.discard_nowait(part.handle)
+                    except ResidencyError:
+                        continue  # someone else holds it now: try again at the next change
+                part.discarded = True
+                if part.key is not None and self._host_storages.get(part.key) is part:
+                    del self._host_storages[part.key]
+            if all(p.discarded for p in batch.parts):
+                if batch.slot is not None:
+                    return_slot(self.loader, batch)
+                self._releasing.remove(batch)
+                batch.state = DONE
+
+    # ------------------------------------------------------------------ the end
+
+    def shutdown(self) -> None:
+        """Stop reading the source and release everything (synchronous; loop thread): batches
+        handed out are released (their leases exit), copies not handed out yet are cancelled,
+        and every value is discarded as soon as nothing reads it. :meth:`drain` waits for
+        that."""
+        if self.status != "running":
+            return
+        self.status = "closing"
+        if self._arrivals is not None:
+            self._arrivals.stop()
+        if self._feeder is not None:
+            self._feeder.stop()
+        if self._feed_scope is not None:
+            self._feed_scope.cancel()
+        for batch in list(self._out):
+            if batch.handed is not None:
+                batch.handed.release()
+        for batch in self._queue:
+            for part in batch.parts:
+                self._drop_protection(part)
+                if part.pending is not None and not part.pending.done():
+                    part.pending.cancel()
+            batch.state = RELEASING
+            self._releasing.append(batch)
+        self._queue.clear()
+        if self._fills is not None:
+            self._fills.stop()
+        self._progress_now()
+        self.pump()
+
+    def _progress_now(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
+
+    @property
+    def settled(self) -> bool:
+        """Nothing left: no batch queued, out or releasing, and no fill in flight."""
+        fills = 0 if self._fills is None else self._fills.in_flight
+        return not (self._queue or self._out or self._releasing or fills)
+
+    async def drain(self, *, releases_only: bool = False) -> None:
+        """Park until every released batch has left the budget (``releases_only``), or, after
+        :meth:`shutdown`, until nothing is left at all; then stop listening. Returns at once
+        once the manager closed (it waited for every copy and reader already)."""
+        while True:
+            if not self.manager.running:
+                break
+            if releases_only:
+                if not self._releasing:
+                    return
+            elif self.settled:
+                break
+            try:
+                if self._fills is not None and self._fills.in_flight:
+                    await self._wait(None)  # a buffer being filled: its thread calls back
+                else:
+                    await self.manager.wait_for_change()
+            except ManagerClosedError:
+                break
+            self.pump()
+        if self.status == "closing":
+            self._finish()
+
+    def _finish(self) -> None:
+        self.status = "closed"
+        unlisten, self._unlisten = self._unlisten, None
+        if unlisten is not None:
+            unlisten()
+
+    async def join_feeder(self) -> None:
+        """Wait for the feeder thread to stop (after its current ``next``); abandonable."""
+        if self._feeder is not None:
+            await self._feeder.join()
+
+    def take_deferred(self) -> list[BaseException]:
+        """Copy failures no step reported (each only once)."""
+        deferred, self._deferred = self._deferred, []
+        return deferred

@@ -1,0 +1,495 @@
+"""``ShardSource``: batches read from memory-mapped ``.npy`` or safetensors shards.
+
+A dataset stored as shards, each holding a run of samples along the first dimension:
+
+* ``.npy`` files: ``ShardSource(["x-000.npy", "x-001.npy"], batch_size=64)`` yields tensor
+  batches; ``ShardSource({"x": [...], "y": [...]}, batch_size=64)`` dict batches, one list of
+  files per key (the i-th files of every key hold the same samples);
+* ``.safetensors`` files: ``ShardSource(["part-0.safetensors", ...], batch_size=64,
+  keys=["x", "y"])`` yields dicts of the named tensors (default: every tensor of the first
+  shard, sorted by name); every tensor of a shard has the same number of samples.
+
+A directory stands for the shards it holds (``*.safetensors``, else ``*.npy``, sorted by name).
+Every shard is memory-mapped once (safetensors through its library, ``.npy`` by reading the
+format's header, so numpy is not needed); reading a batch is one copy per tensor from the
+mapping, that is from the page cache, into the destination: batches may span shards. Samples come
+in file order, or with ``shuffle=True`` in a new random order each epoch (``seed + epoch``): a
+batch then holds a random set of samples, ordered inside the batch by their place in the files
+so that each shard is read in one forward gather straight into the destination.
+
+It is a *staged source* (:class:`~aresidency.loader.staging.StagedSource`): a
+:class:`~aresidency.loader.DeviceLoader` has ``workers`` threads read batches straight into its
+pinned staging buffers, so the only host copy is page cache to pinned memory. Iterated on its
+own (``for batch in source``) it yields batches in new host memory, one tensor per key.
+
+What the host waits on: construction reads the headers (file I/O in the calling thread; quick);
+:meth:`ShardSource.read_into` and iteration block the calling thread for the copies, which read
+the data from disk when it is not in the page cache. Several threads may read at once.
+"""
+
+from __future__ import annotations
+
+import ast
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ..backends.memory import as_bytes
+from .staging import TensorSpec
+
+__all__ = ["ShardSource"]
+
+StrPath = str | os.PathLike[str]
+
+# The .npy format (numpy's NEP 1): magic, version, header length, then a Python literal dict.
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_DTYPES: dict[str, torch.dtype] = {
+    "f8": torch.float64,
+    "f4": torch.float32,
+    "f2": torch.float16,
+    "i8": torch.int64,
+    "i4": torch.int32,
+    "i2": torch.int16,
+    "i1": torch.int8,
+    "u1": torch.uint8,
+    "u2": torch.uint16,
+    "u4": torch.uint32,
+    "u8": torch.uint64,
+    "b1": torch.bool,
+    "c8": torch.complex64,
+    "c16": torch.complex128,
+}
+
+
+def _default_workers() -> int:
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """One key of the dataset: its dtype and the shape of one sample."""
+
+    key: str | None
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+
+    @property
+    def row_nbytes(self) -> int:
+        count = 1
+        for dim in self.row_shape:
+            count *= dim
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _Shard:
+    """One run of samples: per key, a tensor over the file's mapping (``[rows, *row_shape]``).
+
+    State: ``rows``, ``columns`` (key -> mapped tensor), ``_maps`` (the ``mmap`` objects and
+    library handles to close).
+    """
+
+    def __init__(self, rows: int, columns: dict[str | None, torch.Tensor], keep: list[Any]):
+        self.rows = rows
+        self.columns = columns
+        self._keep = keep
+
+    def close(self) -> None:
+        self.columns = {}
+        keep, self._keep = self._keep, []
+        for thing in keep:
+            if isinstance(thing, mmap.mmap):
+                try:
+                    thing.close()
+                except BufferError:
+                    pass  # a tensor over it is still alive: unmapped when that one dies
+
+
+def _open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap]:
+    """The array of an ``.npy`` file as a tensor over a private mapping of the file."""
+    with open(path, "rb") as file:
+        if file.read(6) != _NPY_MAGIC:
+            raise ValueError(f"{path} is not a .npy file (no NUMPY magic)")
+        major = file.read(2)[0]
+        size_format = "<H" if major == 1 else "<I"
+        (header_len,) = struct.unpack(size_format, file.read(struct.calcsize(size_format)))
+        header = file.read(header_len).decode("latin1" if major < 3 else "utf8")
+        offset = file.tell()
+        try:
+            info = ast.literal_eval(header)
+            descr, fortran, shape = info["descr"], info["fortran_order"], tuple(info["shape"])
+        except (ValueError, SyntaxError, KeyError, TypeError):
+            raise ValueError(f"{path}: unreadable .npy header {header!r}") from None
+        if (
+            not isinstance(descr, str)
+            or descr[:1] == ">"
+            or (descr[:1] == "=" and sys.byteorder != "little")
+        ):
+            raise ValueError(
+                f"{path}: dtype {descr!r} is not little-endian plain data; save it with "
+                "numpy.save from a little-endian array of numbers or booleans"
+            )
+        dtype = _NPY_DTYPES.get(descr.lstrip("<|="))
+        if dtype is None:
+            raise ValueError(
+                f"{path}: dtype {descr!r} has no torch equivalent here (supported: "
+                f"{', '.join(sorted(_NPY_DTYPES))})"
+            )
+        if fortran and len(shape) > 1:
+            raise ValueError(f"{path} is stored in Fortran order; save a C-contiguous array")
+        if not shape or shape[0] == 0:
+            raise ValueError(f"{path} holds no samples (shape {shape})")
+        # ACCESS_COPY: a private mapping, so the tensor over it is writable (torch warns about
+        # read-only buffers) while reads still come from the page cache; nothing writes it.
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for dim in shape:
+        count *= dim
+    nbytes = count * itemsize
+    if offset + nbytes > len(mapped):
+        mapped.close()
+        raise ValueError(f"{path} is truncated: its header promises {nbytes} B of data")
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape), mapped
+
+
+def _open_safetensors(
+    path: Path, keys: Sequence[str] | None
+) -> tuple[dict[str | None, torch.Tensor], Any]:
+    """The named tensors of a safetensors file as views over the library's mapping of it."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - the extra is installed for the tests
+        raise ImportError(
+            "reading .safetensors shards needs the safetensors package: pip install "
+            "'aresidency[safetensors]'"
+        ) from None
+    handle: Any = safe_open(str(path), framework="pt")  # untyped library
+    held = sorted(handle.keys())
+    names = held if keys is None else list(keys)
+    tensors: dict[str | None, torch.Tensor] = {}
+    for name in names:
+        if name not in held:
+            raise KeyError(f"{path} has no tensor {name!r}; it holds {held}")
+        # A view over the library's private mapping of the file: no data is read here.
+        tensors[name] = handle.get_tensor(name)
+    return tensors, handle
+
+
+def _expand(paths: StrPath | Sequence[StrPath]) -> list[Path]:
+    if isinstance(paths, (str, os.PathLike)):
+        path = Path(paths)
+        if path.is_dir():
+            found = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.npy"))
+            if not found:
+                raise FileNotFoundError(f"{path} holds no *.safetensors or *.npy shard")
+            return found
+        return [path]
+    return [Path(p) for p in paths]
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Samples of one batch from one shard: rows ``start:stop``, or the rows ``index``."""
+
+    shard: int
+    start: int
+    stop: int
+    index: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start if self.index is None else int(self.index.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """Which samples make one batch: its number, row count and runs (one per shard read)."""
+
+    number: int
+    rows: int
+    runs: tuple[_Run, ...]
+
+
+class ShardSource:
+    """A dataset of memory-mapped shards, read in batches (see the module docstring).
+
+    ``batch_size`` samples per batch (the last one smaller unless ``drop_last``); ``keys`` the
+    safetensors tensors to read (default all); ``shuffle``/``seed`` a new random order each
+    epoch; ``workers`` threads a loader uses to read batches at once (default: half the CPUs,
+    2 to 8); ``align``: each tensor of a batch starts on a multiple of this many bytes in the
+    buffer it is read into (256: the alignment CUDA kernels like).
+
+    State: ``shards`` (each mapped once, at construction), ``columns`` (per key: dtype and
+    sample shape, the same in every shard), ``num_samples``, ``epoch`` (iterations planned so
+    far, for the shuffle's seed), ``closed``.
+    """
+
+    def __init__(
+        self,
+        paths: StrPath | Sequence[StrPath] | Mapping[str, Sequence[StrPath]],
+        batch_size: int,
+        *,
+        keys: Sequence[str] | None = None,
+        drop_last: bool = False,
+        shuffle: bool = False,
+        seed: int = 0,
+        workers: int | None = None,
+        align: int = 256,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if workers is None:
+            workers = _default_workers()
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        if isinstance(align, bool) or not isinstance(align, int) or align < 16 or align & align - 1:
+            raise ValueError(f"align must be a power of two >= 16, got {align!r}")
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.workers = workers
+        self.align = align
+        self.epoch = 0
+        self.closed = False
+        self.shards: list[_Shard] = []
+        self.keys: list[str | None] = []
+        self.tensor_batches = False
+        self.columns: list[_Column] = []
+        try:
+            self._open(paths, keys)
+        except BaseException:
+            self.close()
+            raise
+        self.num_samples = sum(s.rows for s in self.shards)
+        self._starts = torch.tensor([0] + [s.rows for s in self.shards]).cumsum(0)
+        self.max_batch_nbytes = self.batch_nbytes(min(batch_size, self.num_samples))
+
+    # -- opening
+
+    def _open(
+        self,
+        paths: StrPath | Sequence[StrPath] | Mapping[str, Sequence[StrPath]],
+        keys: Sequence[str] | None,
+    ) -> None:
+        if isinstance(paths, Mapping):
+            if keys is not None:
+                raise ValueError("keys= is for safetensors shards; a mapping names its keys")
+            files = {str(k): _expand(v) for k, v in paths.items()}
+            if not files:
+                raise ValueError("the mapping of keys to .npy files is empty")
+            counts = {k: len(v) for k, v in files.items()}
+            if len(set(counts.values())) != 1:
+                raise ValueError(f"every key needs as many .npy shards; got {counts}")
+            self.keys = list(files)
+            for i in range(next(iter(counts.values()))):
+                self._add_npy_shard({k: files[k][i] for k in files})
+        else:
+            found = _expand(paths)
+            if not found:
+                raise ValueError("no shard paths given")
+            suffixes = {p.suffix for p in found}
+            if suffixes == {".npy"}:
+                if keys is not None:
+                    raise ValueError(
+                        "keys= is for safetensors shards; for several .npy arrays per batch "
+                        "give a mapping {key: [files]}"
+                    )
+                self.tensor_batches = True
+                self.keys = [None]
+                for path in found:
+                    self._add_npy_shard({None: path})
+            elif suffixes == {".safetensors"}:
+                for path in found:
+                    self._add_safetensors_shard(path, keys)
+                    keys = [k for k in self.keys if k is not None]
+            else:
+                raise ValueError(
+                    f"shards must all be .npy or all .safetensors files, got {sorted(suffixes)}"
+                )
+        self.columns = self._columns_of(self.shards[0])
+        for number, shard in enumerate(self.shards):
+            columns = self._columns_of(shard)
+            if columns != self.columns:
+                raise ValueError(
+                    f"shard {number} holds {columns}, but the first shard holds {self.columns}: "
+                    "every shard needs the same keys, dtypes and sample shapes"
+                )
+
+    def _add_npy_shard(self, files: dict[str | None, Path]) -> None:
+        columns: dict[str | None, torch.Tensor] = {}
+        keep: list[Any] = []
+        shard = _Shard(0, columns, keep)
+        self.shards.append(shard)  # closed with the others if a later file fails
+        for key, path in files.items():
+            tensor, mapped = _open_npy(path)
+            keep.append(mapped)
+            columns[key] = tensor
+        self._check_rows(shard, files)
+
+    def _add_safetensors_shard(self, path: Path, keys: Sequence[str] | None) -> None:
+        tensors, handle = _open_safetensors(path, keys)
+        if not tensors:
+            raise ValueError(f"{path} holds no tensor")
+        shard = _Shard(0, dict(tensors), [handle])
+        self.shards.append(shard)
+        if not self.shards[:-1]:
+            self.keys = list(tensors)
+        for name, tensor in tensors.items():
+            if tensor.dim() == 0 or tensor.shape[0] == 0:
+                raise ValueError(
+                    f"{path}:{name} has shape {tuple(tensor.shape)}: a shard's tensors hold "
+                    "samples along their first dimension"
+                )
+        self._check_rows(shard, {k: path for k in tensors})
+
+    @staticmethod
+    def _check_rows(shard: _Shard, files: Mapping[Any, Path]) -> None:
+        rows = {key: int(t.shape[0]) for key, t in shard.columns.items()}
+        if len(set(rows.values())) != 1:
+            where = ", ".join(f"{files[k]}:{k}={n}" for k, n in rows.items())
+            raise ValueError(f"the tensors of one shard hold different sample counts: {where}")
+        shard.rows = next(iter(rows.values()))
+
+    @staticmethod
+    def _columns_of(shard: _Shard) -> list[_Column]:
+        return [_Column(k, t.dtype, tuple(t.shape[1:])) for k, t in shard.columns.items()]
+
+    # -- layout
+
+    def _align_up(self, nbytes: int) -> int:
+        return -(-nbytes // self.align) * self.align
+
+    def batch_nbytes(self, rows: int) -> int:
+        """Bytes a batch of ``rows`` samples takes in a buffer (each tensor aligned)."""
+        return sum(self._align_up(rows * c.row_nbytes) for c in self.columns)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    # -- epochs
+
+    def plan_epoch(self) -> list[BatchPlan]:
+        """The batches of the next epoch, in order (a new permutation with ``shuffle``)."""
+        self._check_open()
+        count = len(self)
+        size = self.batch_size
+        if not self.shuffle:
+            plans = [
+                self._plan_range(b, b * size, min((b + 1) * size, self.num_samples))
+                for b in range(count)
+            ]
+            self.epoch += 1
+            return plans
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        order = torch.randperm(self.num_samples, generator=generator)
+        return [self._plan_indices(b, order[b * size : (b + 1) * size]) for b in range(count)]
+
+    def _plan_range(self, number: int, start: int, stop: int) -> BatchPlan:
+        runs: list[_Run] = []
+        for index, shard_start in enumerate(self._starts[:-1].tolist()):
+            shard_stop = shard_start + self.shards[index].rows
+            lo, hi = max(start, shard_start), min(stop, shard_stop)
+            if lo < hi:
+                runs.append(_Run(index, lo - shard_start, hi - shard_start))
+        return BatchPlan(number, stop - start, tuple(runs))
+
+    def _plan_indices(self, number: int, samples: torch.Tensor) -> BatchPlan:
+        ordered = samples.sort().values
+        shard_of = torch.searchsorted(self._starts, ordered, right=True) - 1
+        runs: list[_Run] = []
+        unique: Any = torch.unique  # untyped in torch
+        for index in unique(shard_of).tolist():
+            local = ordered[shard_of == index] - self._starts[index]
+            runs.append(_Run(index, 0, 0, local))
+        return BatchPlan(number, int(samples.numel()), tuple(runs))
+
+    # -- reading
+
+    def read_into(self, plan: BatchPlan, out: torch.Tensor) -> Any:
+        """Copy the batch ``plan`` into the flat ``uint8`` buffer ``out`` and return its layout
+        (a :class:`TensorSpec`, or a dict of them by key). Blocks the calling thread."""
+        self._check_open()
+        nbytes = self.batch_nbytes(plan.rows)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
+            raise ValueError(
+                f"read_into needs a flat uint8 buffer of at least {nbytes} B, got "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
+        specs: dict[str | None, TensorSpec] = {}
+        offset = 0
+        for column in self.columns:
+            spec = TensorSpec(offset, column.dtype, (plan.rows, *column.row_shape))
+            self._read_column(plan, column, spec.view(out))
+            specs[column.key] = spec
+            offset += self._align_up(spec.nbytes)
+        if self.tensor_batches:
+            return specs[None]
+        return specs
+
+    def _read_column(self, plan: BatchPlan, column: _Column, out: torch.Tensor) -> None:
+        position = 0
+        for run in plan.runs:
+            source = self.shards[run.shard].columns[column.key]
+            rows = run.rows
+            destination = out[position : position + rows]
+            if run.index is None:
+                # Both contiguous: one memcpy from the page cache.
+                as_bytes(destination).copy_(as_bytes(source[run.start : run.stop]))
+            else:
+                torch.index_select(source, 0, run.index, out=destination)
+            position += rows
+
+    def __iter__(self) -> Iterator[Any]:
+        """The batches of one epoch in new host memory (one tensor per key)."""
+        for plan in self.plan_epoch():
+            batch: dict[str | None, torch.Tensor] = {}
+            for column in self.columns:
+                tensor = torch.empty((plan.rows, *column.row_shape), dtype=column.dtype)
+                self._read_column(plan, column, tensor)
+                batch[column.key] = tensor
+            yield batch[None] if self.tensor_batches else batch
+
+    # -- end
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    def close(self) -> None:
+        """Unmap the shards (a tensor still viewing one keeps its mapping alive)."""
+        self.closed = True
+        for shard in self.shards:
+            shard.close()
+
+    def __enter__(self) -> ShardSource:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        keys = "tensor" if getattr(self, "tensor_batches", True) else f"keys={self.keys}"
+        state = " closed" if self.closed else ""
+        return (
+            f"<ShardSource {len(self.shards)} shards, {getattr(self, 'num_samples', '?')} "
+            f"samples, batch_size={self.batch_size} {keys} workers={self.workers}{state}>"
+        )

@@ -1,0 +1,518 @@
+"""Feeding a training step from host memory: ``DeviceLoader`` side by side with the usual ways.
+
+A step of tunable compute (a loop of matmuls on the batch, sized so that its compute takes about
+as long as copying the batch over the link) is fed batches of 1, 16 and 64 MiB of float32. The
+source is a ``Dataset`` in pageable host memory read by a ``DataLoader`` with ``--workers``
+worker processes (or, for one row, shards on disk). Methods, each timed in steps per second
+(GPU time from the first measured step's start to the last one's end, by CUDA events):
+
+* ``compute``: the batch already on the GPU (the ceiling);
+* ``sync .to``: ``DataLoader`` -> ``batch.to(device)`` (synchronous);
+* ``pin+non_blocking``: ``DataLoader(pin_memory=True)`` -> ``.to(device, non_blocking=True)``
+  (the copy on the compute stream);
+* ``pin+side stream``: the same with the copy of the next batch on a side stream, one batch
+  ahead, ordered by events (hand-written double buffering);
+* ``aresidency``: ``DeviceLoader(manager, dataloader, prefetch=4)`` under a device budget;
+* ``aresidency shards``: ``DeviceLoader(manager, ShardSource(...))``: ``.npy`` shards written to
+  a temporary directory first, read memory-mapped by the loader's threads straight into its
+  pinned staging buffers.
+
+Also per method: GPU idle time between steps (the gaps between one step's last kernel and the
+next one's first, by CUDA events around each step's kernels, as a share of the measured span),
+pinned host memory (aresidency: the ``pinned-host`` ledger's peak, which holds the loader's
+staging reservation and the backend's staging pool; DataLoader: its pin-memory queue,
+``workers x prefetch_factor + 1`` batches, estimated) and, for aresidency, the event loop's lag
+p99 (a ticker task sleeping 1 ms and measuring how late it wakes).
+
+Goals: aresidency's step rate >= every alternative at each size; with the shard source >= 0.9x
+the compute-only rate at 16 and 64 MiB; GPU idle <= 2% when the copies take less than the
+compute; pinned memory bounded; loop lag p99 < 1 ms.
+
+usage: python3 benchmarks/bench_loader.py [--backend cuda|sim] [--quick] [--sizes 1,16,64]
+       [--workers 4] [--json PATH] [--markdown PATH]
+
+``--backend sim`` runs small sizes on the simulated backend (a simulation of CUDA devices in host
+memory) and the baselines on the CPU: a smoke test of this script, not a measurement. The GPU run
+takes about three minutes (``--quick``: about one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aresidency import ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.core.sizes import format_nbytes
+from aresidency.loader import DeviceLoader, ShardSource
+
+MiB = 1 << 20
+ROW = 1024  # floats per row: a batch is (rows, 1024) float32
+METHODS = [
+    "compute",
+    "sync .to",
+    "pin+non_blocking",
+    "pin+side stream",
+    "aresidency",
+    "aresidency shards",
+]
+PREFETCH = 4
+PREFETCH_FACTOR = 2  # the DataLoader's default
+
+
+def log(message: str) -> None:
+    print(f"[bench_loader {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the workload
+
+
+class FloatBatches(Dataset[torch.Tensor]):
+    """``count`` batches of ``numel`` float32 in pageable host memory, made in the workers: batch
+    i is filled with i (cheap, and checkable)."""
+
+    def __init__(self, count: int, numel: int) -> None:
+        self.count = count
+        self.numel = numel
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.empty(self.numel // ROW, ROW).fill_(float(index))
+
+
+@dataclass
+class Device:
+    """Where the step runs: a CUDA GPU, or (``sim``) the CPU for the baselines and the simulated
+    backend for aresidency."""
+
+    sim: bool
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.sim else torch.device("cuda:0")
+
+    def to(self, batch: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if self.sim:
+            return batch.clone()  # the "copy" of the CPU run
+        return batch.to(self.torch_device, non_blocking=non_blocking)
+
+    def synchronize(self) -> None:
+        if not self.sim:
+            torch.cuda.synchronize()
+
+
+class StepClock:
+    """Marks around each step's kernels: CUDA events on the current stream (the host does not
+    wait), or on the simulation host times."""
+
+    def __init__(self, dev: Device) -> None:
+        self.dev = dev
+        self.starts: list[Any] = []
+        self.ends: list[Any] = []
+
+    def _mark(self) -> Any:
+        if self.dev.sim:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.starts.append(self._mark())
+
+    def end(self) -> None:
+        self.ends.append(self._mark())
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return (b - a) * 1e3 if self.dev.sim else float(a.elapsed_time(b))
+
+    def summary(self, warmup: int) -> tuple[float, float]:
+        """(steps per second, GPU idle %) over the steps after ``warmup`` (call after a
+        synchronize)."""
+        first = min(warmup, len(self.starts) - 1)
+        span = self._ms(self.starts[first], self.ends[-1])
+        idle = sum(
+            max(0.0, self._ms(self.ends[i], self.starts[i + 1]))
+            for i in range(first, len(self.starts) - 1)
+        )
+        steps = len(self.starts) - first
+        return steps / (span / 1e3), 100.0 * idle / span
+
+
+@dataclass
+class Step:
+    """The step's compute: ``reps`` matmuls of the batch's first rows with a 1024x1024 weight."""
+
+    dev: Device
+    reps: int
+    rows: int
+    weight: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.weight = torch.randn(ROW, ROW, device=self.dev.torch_device) / 32
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        x = batch[: self.rows]
+        for _ in range(self.reps):
+            x = torch.tanh(x @ self.weight)
+        return x
+
+
+def calibrate(dev: Device, batch_bytes: int) -> Step:
+    """A step whose compute takes about as long as copying one batch from pinned memory."""
+    rows = min(batch_bytes // (ROW * 4), 4096)
+    if dev.sim:
+        return Step(dev, 1, min(rows, 16))
+    host = torch.empty(batch_bytes // 4).pin_memory()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        start.record()
+        host.to("cuda:0", non_blocking=True)
+        end.record()
+    torch.cuda.synchronize()
+    copy_ms = start.elapsed_time(end)
+    probe = Step(dev, 20, rows)
+    x = torch.randn(rows, ROW, device="cuda:0")
+    probe(x)
+    start.record()
+    probe(x)
+    end.record()
+    torch.cuda.synchronize()
+    per_rep = start.elapsed_time(end) / 20
+    reps = max(1, math.ceil(copy_ms / per_rep))
+    log(f"{format_nbytes(batch_bytes)}: copy {copy_ms:.3f} ms, {reps} matmul(s) of {rows} rows")
+    return Step(dev, reps, rows)
+
+
+@dataclass
+class Result:
+    steps_per_s: float | None = None
+    gpu_idle_pct: float | None = None
+    pinned_bytes: int | None = None
+    loop_lag_p99_ms: float | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- the methods
+
+
+def dataloader(dataset: Dataset[torch.Tensor], workers: int, pin: bool) -> DataLoader[Any]:
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=PREFETCH_FACTOR if workers else None,
+        persistent_workers=False,
+    )
+
+
+def run_compute(dev: Device, step: Step, steps: int, warmup: int, batch_bytes: int) -> Result:
+    batch = dev.to(torch.ones(batch_bytes // (ROW * 4), ROW))
+    clock = StepClock(dev)
+    for _ in range(steps):
+        clock.start()
+        step(batch)
+        clock.end()
+    dev.synchronize()
+    rate, idle = clock.summary(warmup)
+    return Result(rate, idle, 0)
+
+
+def run_sync(dev: Device, step: Step, loader: DataLoader[Any], warmup: int) -> Result:
+    clock = StepClock(dev)
+    for host in loader:
+        batch = dev.to(host)
+        clock.start()
+        step(batch)
+        clock.end()
+    dev.synchronize()
+    rate, idle = clock.summary(warmup)
+    return Result(rate, idle, 0)
+
+
+def pinned_estimate(workers: int, batch_bytes: int) -> int:
+    return (max(1, workers) * PREFETCH_FACTOR + 1) * batch_bytes
+
+
+def run_pinned(
+    dev: Device, step: Step, loader: DataLoader[Any], warmup: int, workers: int, nbytes: int
+) -> Result:
+    clock = StepClock(dev)
+    for host in loader:
+        batch = dev.to(host, non_blocking=True)
+        clock.start()
+        step(batch)
+        clock.end()
+    dev.synchronize()
+    rate, idle = clock.summary(warmup)
+    return Result(rate, idle, pinned_estimate(workers, nbytes) if not dev.sim else 0)
+
+
+def run_side_stream(
+    dev: Device, step: Step, loader: DataLoader[Any], warmup: int, workers: int, nbytes: int
+) -> Result:
+    if dev.sim:
+        return run_pinned(dev, step, loader, warmup, workers, nbytes)
+    copy_stream = torch.cuda.Stream()
+    compute_stream = torch.cuda.current_stream()
+    clock = StepClock(dev)
+
+    def issue(host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        with torch.cuda.stream(copy_stream):
+            batch = host.to(dev.torch_device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(copy_stream)
+        return batch, ready
+
+    iterator = iter(loader)
+    ahead: tuple[torch.Tensor, Any] | None = issue(next(iterator))
+    while ahead is not None:
+        batch, ready = ahead
+        try:
+            ahead = issue(next(iterator))
+        except StopIteration:
+            ahead = None
+        compute_stream.wait_event(ready)
+        batch.record_stream(compute_stream)  # the caching allocator must not reuse it early
+        clock.start()
+        step(batch)
+        clock.end()
+    dev.synchronize()
+    rate, idle = clock.summary(warmup)
+    return Result(rate, idle, pinned_estimate(workers, nbytes))
+
+
+@asynccontextmanager
+async def ticker() -> AsyncIterator[list[float]]:
+    """Measure the event loop's lag: a task sleeping 1 ms, recording how late each wake is."""
+    lags: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            lags.append(max(0.0, time.perf_counter() - start - 0.001))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(tick)
+        try:
+            yield lags
+        finally:
+            tasks.cancel_scope.cancel()
+
+
+def manager_for(dev: Device, batch_bytes: int) -> ResidencyManager:
+    budget = (PREFETCH + 3) * batch_bytes + 16 * MiB
+    backend: Any = SimBackend() if dev.sim else "cuda"
+    return ResidencyManager(budgets={"cuda:0": budget}, backend=backend)
+
+
+async def run_aresidency(
+    dev: Device, step: Step, source: Any, warmup: int, steps: int, batch_bytes: int
+) -> Result:
+    clock = StepClock(dev)
+    async with manager_for(dev, batch_bytes) as m, ticker() as lags:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=PREFETCH) as loader:
+            done = 0
+            while done < steps:  # a shard source holds fewer batches: several passes
+                async for batch in loader:
+                    clock.start()
+                    step(batch if isinstance(batch, torch.Tensor) else batch["x"])
+                    clock.end()
+                    done += 1
+                    if done == steps:
+                        break
+            stats = loader.stats()
+        await anyio.to_thread.run_sync(dev.synchronize)
+        pinned = m.snapshot().location("pinned-host").peak_bytes
+    rate, idle = clock.summary(warmup)
+    lag = statistics.quantiles(lags, n=100)[98] * 1e3 if len(lags) >= 2 else 0.0
+    log(f"  {stats}")
+    return Result(rate, idle, pinned, lag)
+
+
+def write_shards(directory: Path, batches: int, batch_bytes: int) -> list[Path]:
+    """``batches`` batches' worth of (rows, 1024) float32 samples in 4 ``.npy`` shards."""
+    rows = batches * (batch_bytes // (ROW * 4))
+    paths = []
+    per = -(-rows // 4)
+    for number in range(4):
+        count = min(per, rows - number * per)
+        if count <= 0:
+            break
+        path = directory / f"x-{number:03d}.npy"
+        np.save(path, np.full((count, ROW), float(number), dtype=np.float32))
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def run_size(
+    dev: Device, mib: float, steps: int, warmup: int, workers: int, tmp: Path
+) -> dict[str, Result]:
+    batch_bytes = int(mib * MiB) // (ROW * 4) * (ROW * 4)
+    step = calibrate(dev, batch_bytes)
+    dataset = FloatBatches(steps, batch_bytes // 4)
+    results: dict[str, Result] = {}
+    runs: dict[str, Callable[[], Any]] = {
+        "compute": lambda: run_compute(dev, step, steps, warmup, batch_bytes),
+        "sync .to": lambda: run_sync(dev, step, dataloader(dataset, workers, False), warmup),
+        "pin+non_blocking": lambda: run_pinned(
+            dev, step, dataloader(dataset, workers, not dev.sim), warmup, workers, batch_bytes
+        ),
+        "pin+side stream": lambda: run_side_stream(
+            dev, step, dataloader(dataset, workers, not dev.sim), warmup, workers, batch_bytes
+        ),
+    }
+    for name, run in runs.items():
+        log(f"{mib} MiB: {name}")
+        try:
+            results[name] = run()
+        except Exception as error:
+            traceback.print_exc()
+            results[name] = Result(error=f"{type(error).__name__}: {error}")
+    log(f"{mib} MiB: aresidency")
+    try:
+        results["aresidency"] = await run_aresidency(
+            dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes
+        )
+    except Exception as error:
+        traceback.print_exc()
+        results["aresidency"] = Result(error=f"{type(error).__name__}: {error}")
+    log(f"{mib} MiB: aresidency shards")
+    try:
+        shard_dir = tmp / f"{batch_bytes}B"
+        shard_dir.mkdir()
+        # At most 1 GiB of files (each new pass over them starts with an empty pipeline, so
+        # more batches per pass mean fewer refills; 64 MiB batches: 16 per pass).
+        in_files = min(steps, max(16, (1 << 30) // batch_bytes))
+        paths = write_shards(shard_dir, in_files, batch_bytes)
+        with ShardSource(paths, batch_size=batch_bytes // (ROW * 4), drop_last=True) as source:
+            results["aresidency shards"] = await run_aresidency(
+                dev, step, source, warmup, steps, batch_bytes
+            )
+    except Exception as error:
+        traceback.print_exc()
+        results["aresidency shards"] = Result(error=f"{type(error).__name__}: {error}")
+    return results
+
+
+def markdown(report: dict[str, dict[str, Result]], env: str) -> str:
+    lines = [f"DeviceLoader vs the usual ways, {env}.", ""]
+    head = ["batch", *METHODS]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for size, results in report.items():
+        for what, cell in (
+            ("steps/s", lambda r: f"{r.steps_per_s:.1f}"),
+            ("GPU idle %", lambda r: f"{r.gpu_idle_pct:.1f}"),
+            ("pinned", lambda r: format_nbytes(r.pinned_bytes or 0)),
+            (
+                "loop lag p99 ms",
+                lambda r: "" if r.loop_lag_p99_ms is None else f"{r.loop_lag_p99_ms:.2f}",
+            ),
+        ):
+            cells = [f"{size} {what}"]
+            for method in METHODS:
+                result = results.get(method, Result(error="not run"))
+                cells.append(f"error: {result.error}" if result.error else cell(result))
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.extend(goals(report))
+    return "\n".join(lines)
+
+
+def goals(report: dict[str, dict[str, Result]]) -> list[str]:
+    out = ["Goals:"]
+    for size, results in report.items():
+        ours = [results.get("aresidency"), results.get("aresidency shards")]
+        best_ours = max((r.steps_per_s or 0.0) for r in ours if r is not None)
+        others = [
+            results[m].steps_per_s or 0.0
+            for m in ("sync .to", "pin+non_blocking", "pin+side stream")
+            if m in results
+        ]
+        compute = results.get("compute", Result()).steps_per_s or 0.0
+        shards = results.get("aresidency shards", Result()).steps_per_s or 0.0
+        lags = [r.loop_lag_p99_ms for r in ours if r is not None and r.loop_lag_p99_ms is not None]
+        out.append(
+            f"* {size}: aresidency >= every alternative: {best_ours >= max(others, default=0)}; "
+            f"shards / compute = {shards / compute if compute else 0:.2f} (goal >= 0.9 at 16 and "
+            f"64 MiB); loop lag p99 < 1 ms: {all(lag < 1.0 for lag in lags)}"
+        )
+    return out
+
+
+def environment(dev: Device) -> str:
+    if dev.sim:
+        return f"simulated backend (smoke test, not a measurement), torch {torch.__version__}"
+    return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+
+
+async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    dev = Device(sim=args.backend == "sim")
+    if not dev.sim and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --backend sim for the smoke test")
+    sizes = [float(s) for s in args.sizes.split(",")]
+    scale = 1 / 64 if dev.sim else 1.0  # the simulation: tiny batches, a smoke test
+    steps = 12 if dev.sim else (60 if args.quick else 160)
+    warmup = 2 if dev.sim else 10
+    env = environment(dev)
+    log(env)
+    report: dict[str, dict[str, Result]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_loader-") as tmp:
+        for mib in sizes:
+            steps_here = steps if mib >= 16 or dev.sim else steps * 2
+            label = f"{mib:g} MiB"
+            if dev.sim:
+                label += f" (sim: {format_nbytes(int(mib * scale * MiB))})"
+            report[label] = await run_size(
+                dev, mib * scale, steps_here, warmup, args.workers, Path(tmp)
+            )
+    text = markdown(report, env)
+    print("\n" + text, flush=True)
+    data = {
+        "env": env,
+        "results": {s: {m: asdict(r) for m, r in res.items()} for s, res in report.items()},
+    }
+    return text, data
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["cuda", "sim"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--sizes", default="1,16,64", help="batch sizes in MiB")
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--markdown", help="write the markdown table to this path")
+    arguments = parser.parse_args()
+    text, data = anyio.run(main, arguments)
+    if arguments.markdown:
+        Path(arguments.markdown).write_text(text + "\n")
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps(data, indent=1, default=str))
+    log("done")

@@ -1,0 +1,742 @@
+"""``DeviceLoader`` on the simulated backend (a simulation of CUDA devices in host memory: its
+copies run on worker threads, optionally throttled with ``copy_gbps``; memory it frees is
+poisoned, so a batch used after its release shows NaN).
+
+Every batch is compared bit for bit with what the source yielded; the device budget is checked
+by replaying the manager's trace; after every way a pass can end, nothing may be leased, held,
+charged or registered."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import OrderedDict, defaultdict, namedtuple
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from aresidency import (
+    MemoryReservation,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlan,
+)
+from aresidency.backends import is_poisoned
+from aresidency.backends.sim import SimBackend
+from aresidency.loader import DeviceBatch, DeviceLoader, LoaderStats
+
+from ._support import (
+    AheadProbe,
+    Gate,
+    KiB,
+    assert_nothing_left,
+    batches,
+    gated,
+    max_charge,
+)
+
+pytestmark = pytest.mark.anyio
+
+CHARGE = 1 * KiB  # what a 256-float batch costs at the device (1024 B, a multiple of 512)
+
+
+def sim(copy_gbps: float | None = None) -> SimBackend:
+    return SimBackend(copy_gbps=copy_gbps)
+
+
+async def collect(loader: DeviceLoader) -> list[Any]:
+    """Every batch of one pass, cloned (the loader's tensors are released at the next step)."""
+    out = []
+    async for batch in loader:
+        out.append(_clone(batch))
+    return out
+
+
+def _clone(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: _clone(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_clone(v) for v in batch)
+    return batch
+
+
+# ---------------------------------------------------------------- order and identity
+
+
+async def test_batches_arrive_in_source_order_and_bit_identical() -> None:
+    data = batches(12)
+    async with ResidencyManager(backend=sim(copy_gbps=2.0)) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+            seen = []
+            async for batch in loader:
+                assert str(m.backend.location_of(batch)) == "cuda:0"
+                seen.append(batch.clone())
+            assert [s.view(torch.int32).tolist() for s in seen] == [
+                d.view(torch.int32).tolist() for d in data
+            ]
+            stats = loader.stats()
+            assert (stats.batches, stats.bytes) == (12, 12 * 1024)
+        assert_nothing_left(m)
+
+
+async def test_the_source_tensors_are_left_as_they_were() -> None:
+    data = batches(5)
+    before = [d.clone() for d in data]
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0") as loader:
+            await collect(loader)
+        assert all(torch.equal(a, b) for a, b in zip(data, before))
+
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    image: torch.Tensor
+    label: torch.Tensor
+    note: str
+    cached: Any = dataclasses.field(default=None, init=False)
+
+
+async def test_nested_structures_come_back_with_their_types_and_non_tensor_leaves() -> None:
+    x, y, z = batches(3, 16)
+    shared = torch.arange(4)
+    counts: defaultdict[str, Any] = defaultdict(list)
+    counts["a"] = torch.ones(2)
+    batch = {
+        "pair": Pair(x, [y, (z, "tag", 3)]),
+        "example": Example(x + 1, torch.tensor(7), "seven"),
+        "ordered": OrderedDict(b=shared, a=shared),
+        "counts": counts,
+        "none": None,
+        "plain": [1.5, "text"],
+    }
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, [batch], "cuda:0") as loader:
+            async for got in loader:
+                assert isinstance(got["pair"], Pair)
+                assert torch.equal(got["pair"].left, x)
+                assert torch.equal(got["pair"].right[0], y)
+                assert isinstance(got["pair"].right[1], tuple)
+                assert torch.equal(got["pair"].right[1][0], z)
+                assert got["pair"].right[1][1:] == ("tag", 3)
+                assert isinstance(got["example"], Example)
+                assert got["example"].note == "seven" and got["example"].label.item() == 7
+                assert str(m.backend.location_of(got["example"].image)) == "cuda:0"
+                assert isinstance(got["ordered"], OrderedDict)
+                assert list(got["ordered"]) == ["b", "a"]
+                # the same tensor twice is one value, copied once: still one tensor
+                assert got["ordered"]["a"] is got["ordered"]["b"]
+                assert isinstance(got["counts"], defaultdict)
+                assert got["counts"].default_factory is list
+                assert got["none"] is None and got["plain"] == [1.5, "text"]
+                handles = [v.handle.name for v in m.state.values()]
+                assert len(handles) == 7  # x, y, z, x + 1, 7, shared, ones
+        assert_nothing_left(m)
+
+
+async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor() -> None:
+    data = batches(3)
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, iter(data), "cuda:0") as loader,
+    ):
+        got = await collect(loader)
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+async def test_views_into_a_larger_tensor_are_copied_to_memory_of_their_own() -> None:
+    big = torch.randn(10, 64)
+    rows = [big[i : i + 2] for i in range(0, 10, 2)]
+    async with ResidencyManager(backend=sim()) as m, DeviceLoader(m, rows, "cuda:0") as loader:
+        got = await collect(loader)
+        assert loader.stats().host_copies == 5
+    assert torch.equal(torch.cat(got), big)
+
+
+async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time() -> None:
+    static = torch.randn(256)
+    async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
+        async with DeviceLoader(m, [static] * 6, "cuda:0", prefetch=3) as loader:
+            got = await collect(loader)
+        assert_nothing_left(m)
+    assert len(got) == 6 and all(torch.equal(g, static) for g in got)
+
+
+# ---------------------------------------------------------------- DataLoader sources
+
+
+class Numbered(Dataset[dict[str, Any]]):
+    """Sample i: a vector of i's, its index, and a name (collated into a list of str)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": torch.full((32,), float(index)), "i": index, "name": f"s{index}"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_a_dataloader_is_a_source_with_or_without_workers(workers: int) -> None:
+    dataloader = DataLoader(Numbered(), batch_size=4, num_workers=workers)
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, dataloader, "cuda:0", prefetch=2) as loader:
+            assert len(loader) == 6
+            for _epoch in range(2):  # a DataLoader is iterated again for each pass
+                got = await collect(loader)
+                assert [b["name"] for b in got] == [
+                    [f"s{i}" for i in range(k, k + 4)] for k in range(0, 24, 4)
+                ]
+                assert torch.equal(torch.cat([b["i"] for b in got]), torch.arange(24))
+                expected = torch.arange(24, dtype=torch.float32)[:, None].expand(24, 32)
+                assert torch.equal(torch.cat([b["x"] for b in got]), expected)
+            assert loader.stats().epochs == 2
+        assert_nothing_left(m)
+
+
+# ---------------------------------------------------------------- budgets and prefetch
+
+
+async def test_prefetch_bounds_the_batches_copied_ahead_of_the_consumer() -> None:
+    data = batches(16)
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+            probe = AheadProbe(m, loader)
+            async for _batch in loader:
+                # Hold each batch until the loader has filled its window (three ahead, or
+                # what is left) and those copies completed: the probe then shows it never went
+                # further, and the next hand-out, which no copy completes after, must refill
+                # the window by itself while this step runs.
+                left = 16 - loader.stats().batches
+                with anyio.fail_after(5):
+                    while probe.ahead(complete=True) < min(3, left):
+                        await m.wait_for_change()
+        probe.close()
+    assert probe.most == 3
+
+
+async def test_prefetch_zero_copies_each_batch_only_when_asked() -> None:
+    async with ResidencyManager(backend=sim()) as m:
+        got = []
+        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=0) as loader:
+            probe = AheadProbe(m, loader)
+            async for batch in loader:
+                got.append(batch.clone())
+                # Give the loader every chance to copy ahead: it must not.
+                await anyio.wait_all_tasks_blocked()
+                assert probe.ahead() == 0
+        probe.close()
+        assert probe.most == 1
+    assert len(got) == 6
+
+
+async def test_a_budget_smaller_than_the_prefetch_window_is_never_exceeded() -> None:
+    data = batches(20)
+    budget = 3 * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim(copy_gbps=1.0)) as m:
+        got = []
+        async with DeviceLoader(m, data, "cuda:0", prefetch=8) as loader:
+            probe = AheadProbe(m, loader)
+            async for batch in loader:
+                got.append(batch.clone())
+                with anyio.fail_after(5):  # the window must fill while the step runs
+                    while probe.ahead() < 2 and loader.stats().source_batches < 20:
+                        await m.wait_for_change()
+        probe.close()
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert max_charge(m.trace()) <= budget
+        # The budget (three batches: all ahead while the consumer waits with none in hand),
+        # not prefetch=8, was the limit.
+        assert probe.most == 3
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+async def test_the_loader_waits_for_another_tenant_and_never_exceeds_the_shared_budget() -> None:
+    data = batches(24)
+    budget = 4 * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
+        entered = anyio.Event()
+        leave = anyio.Event()
+        plan = ResidencyPlan(reserve=[MemoryReservation("tenant", "cuda:0", 3 * CHARGE)])
+
+        async def tenant() -> None:
+            async with m.scope(plan):
+                entered.set()
+                await leave.wait()
+
+        got = []
+        async with (
+            anyio.create_task_group() as tasks,
+            DeviceLoader(m, data, "cuda:0", prefetch=3) as loader,
+        ):
+            async for batch in loader:
+                got.append(batch.clone())
+                if len(got) == 2:
+                    # The loader holds the whole budget now: the scope queues for room
+                    # and the loader, which never overtakes it, lets it in.
+                    tasks.start_soon(tenant)
+                if len(got) == 12:
+                    assert entered.is_set()
+                    assert m.snapshot().location("cuda:0").reserved_bytes == 3 * CHARGE
+                    leave.set()
+            stats = loader.stats()
+        assert max_charge(m.trace()) <= budget
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert stats.wait_budget_s > 0
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+async def test_a_reservation_held_for_a_while_only_narrows_the_window() -> None:
+    data = batches(10)
+    budget = 3 * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
+        workspace = m.reservation("workspace", "cuda:0", 2 * CHARGE)
+        await workspace.__aenter__()
+        async with DeviceLoader(m, data, "cuda:0", prefetch=4) as loader:
+            probe = AheadProbe(m, loader)
+            got = []
+            iterator = aiter(loader)
+            for _ in range(3):  # room for the batch in use only: nothing ahead of it
+                got.append((await anext(iterator)).clone())
+                await anyio.wait_all_tasks_blocked()
+                assert probe.ahead() == 0
+            await workspace.__aexit__(None, None, None)
+            async for batch in iterator:
+                got.append(batch.clone())
+                with anyio.fail_after(5):  # the window must fill while the step runs
+                    while probe.ahead() < 2 and loader.stats().source_batches < 10:
+                        await m.wait_for_change()
+            assert 2 <= probe.most <= 3  # with the room back, the window opened up
+        probe.close()
+        assert max_charge(m.trace()) <= budget
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic() -> None:
+    data = [torch.randn(256), torch.randn(256), torch.randn(4096)]
+    async with (
+        ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend=sim()) as m,
+        DeviceLoader(m, data, "cuda:0") as loader,
+    ):
+        got = []
+        with pytest.raises(ResidencyBudgetError) as info:
+            async for batch in loader:
+                got.append(batch.clone())
+        assert len(got) == 2  # the batches before it were handed out
+        error = info.value
+        assert error.requested_bytes == 16 * KiB and error.budget_bytes == 8 * KiB
+        assert "batch 2" in str(error) and "could never be copied" in str(error)
+        assert_nothing_left(m)
+
+
+async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_error() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=sim()) as m:
+        async with (
+            m.reservation("hog", "cuda:0", 2 * CHARGE),
+            DeviceLoader(m, batches(3), "cuda:0", timeout=0.05) as loader,
+        ):
+            with pytest.raises(TimeoutError, match=r"waited 0\.05 s for room at cuda:0"):
+                await collect(loader)
+            assert loader.stats().wait_budget_s > 0  # the consumer waited for room, not the source
+        assert_nothing_left(m)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class SourceBroke(Exception):
+    pass
+
+
+def breaking_source(good: int) -> Iterator[torch.Tensor]:
+    yield from batches(good)
+    raise SourceBroke(f"the disk failed after {good} batches")
+
+
+async def breaking_async_source(good: int) -> AsyncIterator[torch.Tensor]:
+    for batch in batches(good):
+        await anyio.lowlevel.checkpoint()
+        yield batch
+    raise SourceBroke(f"the disk failed after {good} batches")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback(
+    kind: str,
+) -> None:
+    source = breaking_source(3) if kind == "sync" else breaking_async_source(3)
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, source, "cuda:0", prefetch=4) as loader,
+    ):
+        got = []
+        with pytest.raises(SourceBroke, match="after 3 batches") as info:
+            async for batch in loader:
+                got.append(batch.clone())
+        assert got == [] or all(torch.equal(a, b) for a, b in zip(got, batches(3)))
+        assert len(got) == 3
+        frames = [entry.name for entry in info.traceback]
+        assert frames[-1] in ("breaking_source", "breaking_async_source")
+        assert_nothing_left(m)
+        async for _ in loader:  # a new pass over an exhausted generator: empty
+            pytest.fail("the generator was exhausted")
+
+
+async def test_a_failed_copy_raises_at_its_batch_after_the_ones_before() -> None:
+    data = batches(6)
+    async with ResidencyManager(backend=sim()) as m:
+        m.backend.faults.fail_transfer_at = 3
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            got = []
+            with pytest.raises(RuntimeError, match="injected transfer failure"):
+                async for batch in loader:
+                    got.append(batch.clone())
+            assert [torch.equal(a, b) for a, b in zip(got, data)] == [True, True]
+        assert_nothing_left(m)
+
+
+async def test_an_async_source_needs_the_loader_entered() -> None:
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, breaking_async_source(2), "cuda:0")
+        with pytest.raises(RuntimeError, match="async with DeviceLoader"):
+            await collect(loader)
+        await loader.aclose()
+        assert_nothing_left(m)
+
+
+async def test_bad_arguments_are_refused_with_what_to_do() -> None:
+    async with ResidencyManager(backend=sim()) as m:
+        with pytest.raises(ValueError, match="cuda location"):
+            DeviceLoader(m, [], "pinned-host")
+        with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+            DeviceLoader(m, [], "cuda:0", prefetch=-1)
+        with pytest.raises(TypeError, match="iterable or async iterable"):
+            DeviceLoader(m, 42, "cuda:0")
+        with pytest.raises(ValueError, match="does not exist"):
+            DeviceLoader(m, [], "cuda:7")
+        with pytest.raises(ValueError, match="staging_slots is for staged sources"):
+            DeviceLoader(m, [], "cuda:0", staging_slots=2)
+
+
+# ---------------------------------------------------------------- ending a pass
+
+
+async def test_breaking_out_early_releases_everything_and_closes_the_source() -> None:
+    closed = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from batches(50)
+        finally:
+            closed.set()
+
+    async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
+        async with DeviceLoader(m, source(), "cuda:0", prefetch=4) as loader:
+            async for batch in loader:
+                if torch.equal(batch, batches(50)[2]):
+                    break
+        assert closed.is_set()  # the loader's exit waited for the source's thread
+        assert_nothing_left(m)
+
+
+async def test_a_new_pass_ends_the_previous_one() -> None:
+    dataloader = DataLoader(Numbered(), batch_size=4)
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, dataloader, "cuda:0", prefetch=2) as loader,
+    ):
+        first = aiter(loader)
+        await anext(first)
+        got = await collect(loader)  # the second pass
+        assert len(got) == 6
+        with pytest.raises(StopAsyncIteration):
+            await anext(first)
+        await loader.drain()
+        assert [v.handle.name for v in m.state.values()] == []
+
+
+async def test_aclose_without_async_with_releases_everything() -> None:
+    async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
+        loader = DeviceLoader(m, batches(20), "cuda:0", prefetch=4)
+        iterator = aiter(loader)
+        await anext(iterator)
+        await anext(iterator)
+        await loader.aclose()
+        assert_nothing_left(m)
+        with pytest.raises(StopAsyncIteration):
+            await anext(iterator)
+
+
+async def test_cancelled_before_the_first_batch_releases_everything() -> None:
+    gate = Gate()
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, gated(batches(5), gate, at=0), "cuda:0") as loader,
+    ):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tasks:
+
+                async def cancel_when_blocked() -> None:
+                    await anyio.to_thread.run_sync(gate.reached.wait)
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                tasks.start_soon(cancel_when_blocked)
+                await collect(loader)
+        assert scope.cancelled_caught
+        assert_nothing_left(m)
+        gate.open.set()
+
+
+async def test_cancelled_while_waiting_for_a_batch_mid_pass_releases_everything() -> None:
+    gate = Gate()
+    got: list[torch.Tensor] = []
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, gated(batches(8), gate, at=5), "cuda:0", prefetch=2) as loader,
+    ):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tasks:
+
+                async def cancel_when_blocked() -> None:
+                    await anyio.to_thread.run_sync(gate.reached.wait)
+                    while len(got) < 5:
+                        await m.wait_for_change()
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                tasks.start_soon(cancel_when_blocked)
+                async for batch in loader:
+                    got.append(batch.clone())
+        assert scope.cancelled_caught and len(got) == 5
+        assert_nothing_left(m)
+        gate.open.set()
+
+
+async def test_cancelled_inside_the_body_releases_everything_at_the_loaders_exit() -> None:
+    async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
+        with anyio.CancelScope() as scope:
+            async with DeviceLoader(m, batches(30), "cuda:0", prefetch=4) as loader:
+                async for _batch in loader:
+                    if loader.stats().batches == 3:
+                        scope.cancel()
+                        await anyio.lowlevel.checkpoint()  # the body is cancelled here
+        assert scope.cancelled_caught
+        assert_nothing_left(m)
+
+
+async def test_cancelling_the_consuming_task_from_outside_releases_everything() -> None:
+    async with ResidencyManager(backend=sim()) as m:
+        started = anyio.Event()
+
+        async def consume() -> None:
+            async with DeviceLoader(m, breaking_async_source(1000), "cuda:0", prefetch=3) as ld:
+                async for _batch in ld:
+                    started.set()
+                    await anyio.sleep_forever()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consume)
+            await started.wait()
+            tasks.cancel_scope.cancel()
+        assert_nothing_left(m)
+
+
+async def test_cancelled_aclose_still_releases_everything() -> None:
+    async with ResidencyManager(backend=sim()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        loader = DeviceLoader(m, batches(10), "cuda:0", prefetch=3)
+        iterator = aiter(loader)
+        batch = await anext(iterator)
+        done = threading.Event()
+        results: list[torch.Tensor] = []
+
+        def kernel() -> None:  # a slow "kernel" on the consumer's stream reads the batch
+            time.sleep(0.05)
+            results.append(batch.clone())
+            done.set()
+
+        m.backend.run_in_stream_order(stream, kernel)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await loader.aclose()  # cancelled from the start: its cleanup is shielded
+        assert done.is_set()  # the release waited for the kernel's reader event
+        assert torch.equal(results[0], batches(10)[0])
+        assert_nothing_left(m)
+
+
+# ---------------------------------------------------------------- slow sides
+
+
+def slow_source(count: int, seconds: float) -> Iterator[torch.Tensor]:
+    for batch in batches(count, 4096):
+        time.sleep(seconds)  # the source's own work: slower than the loader and consumer
+        yield batch
+
+
+async def test_a_source_slower_than_the_consumer_is_named_the_bottleneck() -> None:
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, slow_source(6, 0.02), "cuda:0", prefetch=2) as loader,
+    ):
+        got = await collect(loader)
+        stats = loader.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, batches(6, 4096)))
+    assert stats.bottleneck == "source"
+    assert stats.wait_source_s > stats.wait_copy_s + stats.wait_budget_s
+    assert stats.source_busy_s >= 6 * 0.02
+    assert stats.source_gbps is not None and stats.copy_gbps is not None
+    assert stats.source_gbps < stats.copy_gbps
+
+
+async def test_copies_slower_than_the_source_are_named_the_bottleneck() -> None:
+    data = batches(6, 64 * KiB)  # 256 KiB each: 13 ms at 0.02 GB/s
+    async with (
+        ResidencyManager(backend=sim(copy_gbps=0.02)) as m,
+        DeviceLoader(m, data, "cuda:0", prefetch=2) as loader,
+    ):
+        got = await collect(loader)
+        stats = loader.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
+    assert stats.bottleneck == "copy"
+    assert stats.copy_busy_s >= 6 * 256 * KiB / 0.02e9 * 0.9
+
+
+async def test_copies_overlap_a_slower_consumer() -> None:
+    data = batches(10, 16 * KiB)
+    compute_s = 0.02
+    waits = []
+    async with ResidencyManager(backend=sim(copy_gbps=0.5)) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            iterator = aiter(loader)
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = await anext(iterator)
+                except StopAsyncIteration:
+                    break
+                waits.append(time.perf_counter() - start)
+                stream.sleep(compute_s)  # the step's "kernels", on the consumer's stream
+                await m.backend.wait(m.backend.record_event(stream))
+                assert not is_poisoned(batch).any()
+    # After the first batch the next one was always there already.
+    assert sum(waits[1:]) < 0.25 * compute_s * len(data)
+
+
+# ---------------------------------------------------------------- DeviceBatch lifetimes
+
+
+async def test_a_batch_not_kept_is_released_at_the_next_step_and_its_memory_freed() -> None:
+    data = batches(4)
+    async with ResidencyManager(backend=sim()) as m, DeviceLoader(m, data, "cuda:0") as loader:
+        iterator = loader.batches()
+        first = await anext(iterator)
+        assert isinstance(first, DeviceBatch) and not first.released
+        assert torch.equal(first.data, data[0])
+        second = await anext(iterator)
+        assert first.released and not second.released
+        await loader.drain()
+        assert is_poisoned(first.data).all()  # the simulation poisons freed memory
+        assert torch.equal(second.data, data[1])
+
+
+async def test_a_batch_kept_in_async_with_outlives_later_steps() -> None:
+    data = batches(5)
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, data, "cuda:0", prefetch=1) as loader,
+    ):
+        iterator = loader.batches()
+        first = await anext(iterator)
+        async with first as kept:
+            for index in range(1, 4):
+                later = await anext(iterator)
+                assert torch.equal(later.data, data[index])
+                await loader.drain()
+                assert first.kept and torch.equal(kept, data[0])
+        assert first.released
+        await loader.drain()
+        assert is_poisoned(kept).all()
+        with pytest.raises(RuntimeError, match="was released"):
+            async with first:
+                pass
+
+
+async def test_release_frees_a_batch_before_the_next_step() -> None:
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, batches(3), "cuda:0", prefetch=0) as loader,
+    ):
+        iterator = loader.batches()
+        batch = await anext(iterator)
+        batch.release()
+        batch.release()  # a second call does nothing
+        await loader.drain()
+        assert [v.handle.name for v in m.state.values()] == []
+        assert "released" in repr(batch)
+
+
+async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran() -> None:
+    data = batches(3)
+    async with ResidencyManager(backend=sim()) as m:
+        side = m.backend.new_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0") as loader:
+            iterator = loader.batches()
+            batch = await anext(iterator)
+            results: list[torch.Tensor] = []
+
+            def kernel() -> None:
+                time.sleep(0.05)
+                results.append(batch.data.clone())
+
+            m.backend.run_in_stream_order(side, kernel)
+            batch.register_stream(side)
+            batch.release()
+            await loader.drain()
+            assert torch.equal(results[0], data[0])  # read before the release freed it
+
+
+# ---------------------------------------------------------------- stats
+
+
+async def test_stats_report_counts_rates_and_their_string_form() -> None:
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, batches(5), "cuda:0") as loader,
+    ):
+        await collect(loader)
+        stats = loader.stats()
+    assert isinstance(stats, LoaderStats)
+    assert (stats.batches, stats.source_batches, stats.epochs) == (5, 5, 1)
+    assert stats.bytes == stats.source_bytes == stats.copy_bytes == 5 * 1024
+    assert stats.wall_s > 0 and stats.batches_per_s is not None
+    text = str(stats)
+    assert "5 batches, 5120 B" in text and "bottleneck" in text
+    assert stats.to_dict()["bottleneck"] == stats.bottleneck
+
+
+async def test_the_next_batch_is_copied_while_the_step_runs_even_when_nothing_else_moves() -> None:
+    # prefetch=1: when the consumer asks for a batch, that batch alone is copied; once it is
+    # handed out no copy is in flight, so nothing but the hand-out itself can start the next.
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=1) as loader:
+            probe = AheadProbe(m, loader)
+            async for _batch in loader:
+                left = 6 - loader.stats().batches
+                with anyio.fail_after(5):
+                    while probe.ahead(complete=True) < min(1, left):
+                        await m.wait_for_change()
+        probe.close()
+        assert probe.most == 1

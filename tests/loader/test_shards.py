@@ -1,0 +1,203 @@
+"""``ShardSource`` (memory-mapped safetensors and ``.npy`` shards) alone and behind a
+``DeviceLoader`` on the simulated backend (a simulation of CUDA devices in host memory): batches
+bit-identical to the files, across shard boundaries and shuffled; the staging buffers charged to
+``pinned-host`` as one reservation while the loader runs, and nothing left after."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aresidency import ResidencyBudgetError, ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.loader import DeviceLoader, ShardSource, TensorSpec
+
+from ._support import KiB, assert_nothing_left, max_charge
+
+pytestmark = pytest.mark.anyio
+
+ROWS = (5, 7, 4)  # three shards of unequal length: batches of 4 straddle the boundaries
+
+
+def write_safetensors(directory: Path) -> tuple[list[Path], torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    paths, xs, ys = [], [], []
+    for number, rows in enumerate(ROWS):
+        x = torch.randn(rows, 3, 8, generator=generator)
+        y = torch.randint(0, 1000, (rows,), generator=generator)
+        path = directory / f"part-{number}.safetensors"
+        save_file({"x": x, "y": y}, str(path))
+        paths.append(path)
+        xs.append(x)
+        ys.append(y)
+    return paths, torch.cat(xs), torch.cat(ys)
+
+
+def sim() -> SimBackend:
+    return SimBackend()
+
+
+def test_iterated_alone_it_yields_the_files_samples_in_order(tmp_path: Path) -> None:
+    paths, x, y = write_safetensors(tmp_path)
+    with ShardSource(paths, batch_size=4) as source:
+        got = list(source)
+    assert len(got) == 4  # 16 samples
+    assert torch.equal(torch.cat([b["x"] for b in got]), x)
+    assert torch.equal(torch.cat([b["y"] for b in got]), y)
+
+
+def test_npy_shards_by_key_and_a_directory_of_them_read_the_same(tmp_path: Path) -> None:
+    generator = np.random.default_rng(2)
+    arrays = [generator.standard_normal((rows, 6)).astype(np.float32) for rows in ROWS]
+    files = []
+    for number, array in enumerate(arrays):
+        path = tmp_path / f"x-{number}.npy"
+        np.save(path, array)
+        files.append(path)
+    expected = torch.from_numpy(np.concatenate(arrays))
+    with ShardSource(tmp_path, batch_size=3) as by_directory:
+        assert torch.equal(torch.cat(list(by_directory)), expected)
+    with ShardSource({"x": files}, batch_size=3) as by_key:
+        assert torch.equal(torch.cat([b["x"] for b in by_key]), expected)
+
+
+def test_read_into_lays_each_key_out_aligned_in_one_buffer(tmp_path: Path) -> None:
+    paths, x, y = write_safetensors(tmp_path)
+    with ShardSource(paths, batch_size=4, align=256) as source:
+        plan = source.plan_epoch()[1]
+        buffer = torch.zeros(source.max_batch_nbytes, dtype=torch.uint8)
+        layout = source.read_into(plan, buffer)
+    assert isinstance(layout["x"], TensorSpec) and layout["x"].offset == 0
+    assert layout["y"].offset % 256 == 0
+    assert torch.equal(layout["x"].view(buffer), x[4:8])
+    assert torch.equal(layout["y"].view(buffer), y[4:8])
+
+
+async def test_a_loader_over_shards_hands_out_the_files_bit_identical(tmp_path: Path) -> None:
+    paths, x, y = write_safetensors(tmp_path)
+    budget = 4 * KiB
+    with ShardSource(paths, batch_size=4, workers=2) as source:
+        async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
+            got_x, got_y = [], []
+            async with DeviceLoader(m, source, "cuda:0", prefetch=2, staging_slots=3) as loader:
+                async for batch in loader:
+                    assert batch["x"].device == x.device  # the simulation's cuda is host memory
+                    got_x.append(batch["x"].clone())
+                    got_y.append(batch["y"].clone())
+                    # The staging buffers are one pinned-host reservation while the loader runs.
+                    pinned = m.snapshot().location("pinned-host")
+                    assert pinned.reserved_bytes == loader.pinned_bytes > 0
+                    assert loader.staging is not None
+                    assert loader.pinned_bytes == 3 * loader.staging.nbytes
+                stats = loader.stats()
+            assert max_charge(m.trace()) <= budget
+            assert_nothing_left(m)
+    assert torch.equal(torch.cat(got_x), x)
+    assert torch.equal(torch.cat(got_y), y)
+    assert stats.batches == stats.source_batches == 4
+    # A staged batch's bytes are its buffer's filled part: the tensors, each key aligned.
+    assert stats.source_bytes == stats.bytes >= x.numel() * 4 + y.numel() * 8
+    assert stats.pinned_bytes == loader.pinned_bytes
+
+
+async def test_shuffled_shards_give_every_sample_once_in_a_new_order_each_epoch(
+    tmp_path: Path,
+) -> None:
+    paths, _x, y = write_safetensors(tmp_path)
+    orders = []
+    with ShardSource(paths, batch_size=5, shuffle=True, seed=3, keys=["y"]) as source:
+        async with (
+            ResidencyManager(backend=sim()) as m,
+            DeviceLoader(m, source, "cuda:0", prefetch=2) as loader,
+        ):
+            for _epoch in range(2):
+                seen = [batch["y"].clone() async for batch in loader]
+                orders.append(torch.cat(seen))
+    for order in orders:
+        assert sorted(order.tolist()) == sorted(y.tolist())
+    assert not torch.equal(orders[0], orders[1])
+
+
+class FailingSource:
+    """A staged source whose read of batch ``bad`` raises."""
+
+    workers = 2
+    max_batch_nbytes = 64
+
+    def __init__(self, count: int, bad: int) -> None:
+        self.count = count
+        self.bad = bad
+
+    def plan_epoch(self) -> Sequence[Any]:
+        return list(range(self.count))
+
+    def read_into(self, plan: Any, out: torch.Tensor) -> Any:
+        if plan == self.bad:
+            raise OSError(f"shard for batch {plan} is unreadable")
+        spec = TensorSpec(0, torch.int64, (4,))
+        spec.view(out).copy_(torch.arange(4) + 4 * plan)
+        return spec
+
+
+async def test_a_failed_read_reaches_the_consumer_after_the_batches_before_it() -> None:
+    got = []
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, FailingSource(6, bad=3), "cuda:0", prefetch=2) as loader:
+            with pytest.raises(OSError, match="batch 3 is unreadable"):
+                async for batch in loader:
+                    got.append(batch.clone())
+        assert_nothing_left(m)
+    assert [b.tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+async def test_breaking_out_of_a_shard_loader_gives_back_the_staging_buffers(
+    tmp_path: Path,
+) -> None:
+    paths, x, _y = write_safetensors(tmp_path)
+    with ShardSource(paths, batch_size=2, keys=["x"]) as source:
+        async with ResidencyManager(backend=sim()) as m:
+            with anyio.fail_after(10):
+                async with DeviceLoader(m, source, "cuda:0", prefetch=3) as loader:
+                    async for batch in loader:
+                        assert torch.equal(batch["x"], x[:2])
+                        break
+            assert_nothing_left(m)
+
+
+async def test_staging_that_does_not_fit_pinned_host_is_refused_with_what_to_do(
+    tmp_path: Path,
+) -> None:
+    paths, _x, _y = write_safetensors(tmp_path)
+    with ShardSource(paths, batch_size=4) as source:
+        async with ResidencyManager(budgets={"pinned-host": 1 * KiB}, backend=sim()) as m:
+            async with DeviceLoader(m, source, "cuda:0") as loader:
+                with pytest.raises(ResidencyBudgetError) as info:
+                    await anext(aiter(loader))
+            assert "lower staging_slots" in "".join(getattr(info.value, "__notes__", []))
+            assert_nothing_left(m)
+
+
+async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
+    tmp_path: Path,
+) -> None:
+    paths, x, _y = write_safetensors(tmp_path)
+    with ShardSource(paths, batch_size=2, keys=["x"], workers=2) as source:
+        async with ResidencyManager(backend=sim()) as m:
+            with anyio.fail_after(5):
+                async with DeviceLoader(m, source, "cuda:0", prefetch=1, staging_slots=2) as loader:
+                    for _attempt in range(3):  # each pass stops with buffers filled ahead
+                        async for _batch in loader:
+                            # Wait until both buffers hold batches (one handed out, one filled).
+                            while loader.stats().source_batches < 2 * _attempt + 2:
+                                await m.wait_for_change()
+                            break
+                    got = [batch["x"].clone() async for batch in loader]
+            assert_nothing_left(m)
+    assert torch.equal(torch.cat(got), x)
