@@ -1,9 +1,13 @@
 """Layer-by-layer weight streaming on one GPU, side by side with the alternatives, in one run.
 
-The workload of ANCHORS.md ("Streaming 16 layers of 8192x8192 bf16 weights (128 MiB each) from
-pinned host, x @ W per layer", batch 8192) and two variants of it, a copy-bound one (batch
-1024) and a compute-bound one (4096x4096 weights, batch 32768). For each, in ms (median wall
-time from the call to ``torch.cuda.synchronize()`` returning, after warm-up):
+Why this module is long: one script runs every workload and every baseline in one process (so
+the ratios come from one run on one machine), and the baselines are written out in full.
+
+Part 1, ``nn.Sequential`` of matmuls: the reference workload of docs/performance.md
+("Streaming 16 layers of 8192x8192 bf16 weights (128 MiB each) from pinned host", x @ W per
+layer, batch 8192) and two variants of it, a copy-bound one (batch 1024) and a compute-bound
+one (4096x4096 weights, batch 32768). For each, in ms (median wall time from the call to
+``torch.cuda.synchronize()`` returning, after warm-up):
 
 * compute only: the weights already on the GPU;
 * copies only: the 16 host-to-device copies from pinned memory, back to back on one stream;
@@ -13,19 +17,35 @@ time from the call to ``torch.cuda.synchronize()`` returning, after warm-up):
 * aresidency: ``stream_module(manager, model, prefetch=2)`` with a ``cuda:0`` budget of three
   layers, weights in pinned host memory.
 
-For the ANCHORS workload also: aresidency with other prefetch depths (budget = prefetch + 1
+For the reference workload also: aresidency with other prefetch depths (budget = prefetch + 1
 layers), with the weights in pageable host memory (staged through pinned buffers), and rebuilt
 from a safetensors checkpoint for every call. For every aresidency run, device memory: the peak
 of ``torch.cuda.max_memory_allocated`` above what was allocated before, against the budget
 plus the activations (measured in the compute-only run), and the manager's own ledger peak.
 
-Goals (from the issue): aresidency within 5% of max(copies, compute), at least as fast as the
-hand-written double buffering, at least 7x faster than ``cpu_offload``.
+Part 2, Llama-shaped decoders built with ``transformers`` (``LlamaForCausalLM`` from a
+``LlamaConfig``, random weights, bf16) at about 6.5, 24.5 and 416 MiB per decoder layer (96, 48
+and 12 layers), prefill (1 x 512 tokens) and decode (one token on a KV cache of the prompt),
+each by: compute only (the model on the GPU), copies only (every layer's packed weights, back
+to back), a hand-written double buffer over the same layers (two device buffers, copies from
+pinned host on a side stream, events both ways, forward hooks), accelerate's ``cpu_offload``
+and diffusers' group offloading (``apply_group_offloading(..., offload_type="block_level",
+num_blocks_per_group=1, use_stream=True)``) where installed, aresidency with budget = the
+resident tensors + three layers, and aresidency with a budget of half the model (timed from the
+second call: what fits stays resident). Ratios against the hand double buffer, the floor
+max(copies, compute) and diffusers, and aresidency's host CPU time per layer (process CPU time
+of the call, every thread, divided by the layers).
 
-usage: python3 benchmarks/bench_stream.py [--quick] [--sim] [--json PATH] [--markdown PATH]
+Goals (issue 12): aresidency <= 1.02x the hand double buffer, <= 1.05x the floor, faster than
+diffusers at every layer size, host time per layer <= 50 us; with half the model in the budget,
+<= 1.05x max(compute, copies of the half that does not fit). Figures: benchmarks/RESULTS.md.
 
-``--quick`` runs fewer iterations; ``--sim`` runs tiny sizes on the simulated backend without a
-GPU (a smoke test of this script, not a measurement).
+usage: python3 benchmarks/bench_stream.py [--quick] [--sim | --backend sim] [--only NAME]
+       [--json PATH] [--markdown PATH]
+
+``--quick`` runs fewer iterations; ``--sim`` (or ``--backend sim``) runs tiny sizes on the
+simulated backend without a GPU (a smoke test of this script, not a measurement); ``--only
+matmul`` or ``--only llama`` runs one part.
 """
 
 from __future__ import annotations
@@ -33,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import gc
 import json
 import statistics
@@ -54,7 +75,7 @@ from aresidency import ResidencyManager
 from aresidency.integrations import StreamedModule, stream_module
 
 MiB = 1 << 20
-ANCHOR_MS = {
+REFERENCE_MS = {  # docs/performance.md, the reference workload
     "compute": 23.0,
     "copies": 38.9,
     "serial": 60.1,
@@ -63,7 +84,7 @@ ANCHOR_MS = {
 }
 METHODS = ["compute", "copies", "serial", "double buffer", "cpu_offload", "aresidency"]
 T0 = time.perf_counter()
-TIME_LIMIT_S = 200.0  # optional variants are skipped past this (the whole run: < 4 min)
+TIME_LIMIT_S = 140.0  # optional variants are skipped past this (the whole run: < 5 min)
 
 
 def log(message: str) -> None:
@@ -517,6 +538,403 @@ async def run_workload(
         torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------- Llama-shaped decoders
+
+
+@dataclass
+class LlamaWorkload:
+    """A ``LlamaForCausalLM`` from a ``LlamaConfig`` (random weights, bf16): embedding,
+    ``layers`` decoder layers (attention + MLP), norm and head."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    prompt: int  # prefill tokens (batch 1)
+
+    def config(self) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=max(2048, 2 * self.prompt),
+        )
+
+
+def build_llama(wl: LlamaWorkload, device: str) -> nn.Module:
+    """The model with random weights, made on ``device`` (fast on the GPU), then kept in
+    pageable host memory, in eval mode."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: nn.Module = LlamaForCausalLM(wl.config())
+    model = model.to(torch.bfloat16)
+    return model.to("cpu").eval()
+
+
+class HandDoubleBuffer:
+    """The hand-written baseline over a decoder's layers: each layer's weights packed into one
+    pinned host buffer, two device buffers, copies on a side stream, events both ways (the
+    copy into a buffer waits for the compute that read it; the compute waits for its copy);
+    forward hooks point the layer's parameters into the device buffer. The rest of the model
+    (embedding, norm, head, rotary buffers) stays on the device."""
+
+    def __init__(self, dev: Device, model: nn.Module) -> None:
+        self.dev = dev
+        self.model = model
+        self.layers: list[nn.Module] = list(cast_any(model).model.layers)
+        self.params = [list(layer.parameters()) for layer in self.layers]
+        sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.params]
+        self.nbytes = max(sizes)
+        self.host: list[torch.Tensor] = []
+        for params in self.params:
+            flat = torch.empty(sum(p.numel() * p.element_size() for p in params), dtype=torch.uint8)
+            flat = flat if dev.sim else flat.pin_memory()
+            offset = 0
+            for p in params:
+                n = p.numel() * p.element_size()
+                flat[offset : offset + n].copy_(p.detach().reshape(-1).view(torch.uint8))
+                offset += n
+            self.host.append(flat)
+        self.shapes = [[(p, p.shape) for p in ps] for ps in self.params]
+        for layer in self.layers:  # the layers' own weights go: the host copies hold them
+            for p in layer.parameters():
+                p.data = torch.empty(0, dtype=p.dtype)
+        model.to(dev.name)  # the rest of the model on the device
+        self.bufs = [torch.empty(self.nbytes, dtype=torch.uint8, device=dev.name) for _ in (0, 1)]
+        self.stream = dev.stream()
+        self.copied = [dev.event(), dev.event()]
+        self.consumed = [dev.event(), dev.event()]
+        self.hooks = []
+        for i, layer in enumerate(self.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._pre(i)))
+            self.hooks.append(layer.register_forward_hook(self._post(i)))
+        self.started = False
+
+    def issue(self, i: int) -> None:
+        if i >= len(self.layers):
+            return
+        buf = self.bufs[i % 2]
+        src = self.host[i]
+        if self.dev.sim:
+            buf[: src.numel()].copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            if self.started or i >= 2:
+                self.stream.wait_event(self.consumed[i % 2])
+            buf[: src.numel()].copy_(src, non_blocking=True)
+            self.copied[i % 2].record(self.stream)
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if i == 0:
+                self.issue(0)
+                self.issue(1)
+            if not self.dev.sim:
+                torch.cuda.current_stream().wait_event(self.copied[i % 2])
+            buf = self.bufs[i % 2]
+            offset = 0
+            for p, shape in self.shapes[i]:
+                n = shape.numel() * p.element_size()
+                p.data = buf[offset : offset + n].view(p.dtype).view(shape)
+                offset += n
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.dev.sim:
+                self.consumed[i % 2].record(torch.cuda.current_stream())
+            self.started = True
+            self.issue(i + 2)
+
+        return hook
+
+    def copies_only(self) -> None:
+        for i in range(len(self.layers)):
+            self.issue_plain(i)
+        if not self.dev.sim:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def issue_plain(self, i: int) -> None:
+        src = self.host[i]
+        with self.dev.on(self.stream):
+            self.bufs[i % 2][: src.numel()].copy_(src, non_blocking=True)
+
+
+def cast_any(obj: Any) -> Any:
+    return obj
+
+
+def host_cpu_s() -> float:
+    """CPU time of the whole process (every thread): the host's cost of a call."""
+    return time.process_time()
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward returned (``past_key_values``, or ``cache`` in newer versions)."""
+    cache = getattr(output, "past_key_values", None)
+    return cache if cache is not None else output["cache"]
+
+
+def decode_fns(
+    model: Callable[..., Any], ids: torch.Tensor
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """Prefill (the whole prompt) and decode (one token on a KV cache of the prompt; the cache
+    is cropped back after each call, so every call decodes the same step)."""
+    state: dict[str, Any] = {}
+
+    def prefill() -> Any:
+        return model(input_ids=ids, use_cache=False).logits
+
+    def decode() -> Any:
+        if "cache" not in state:
+            state["cache"] = cache_of(model(input_ids=ids, use_cache=True))
+        cache = state["cache"]
+        out = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)  # back to the prompt (negative: tokens to drop, in every version)
+        return out
+
+    return prefill, decode
+
+
+def streamed_fns(
+    streamed: StreamedModule, ids: torch.Tensor
+) -> tuple[Callable[[], Awaitable[Any]], Callable[[], Awaitable[Any]]]:
+    """:func:`decode_fns` for the streamed model (awaitables)."""
+    state: dict[str, Any] = {}
+
+    async def prefill() -> Any:
+        return (await streamed(input_ids=ids, use_cache=False)).logits
+
+    async def decode() -> Any:
+        if "cache" not in state:
+            state["cache"] = cache_of(await streamed(input_ids=ids, use_cache=True))
+        cache = state["cache"]
+        out = await streamed(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # back to the prompt (negative: tokens to drop, in every version)
+        return out.logits
+
+    return prefill, decode
+
+
+async def run_llama(
+    dev: Device, wl: LlamaWorkload, iters: int, warmup: int, report: dict[str, Any]
+) -> None:
+    """Prefill and decode of one Llama-shaped workload by every method (see the docstring)."""
+    log(f"== {wl.name}")
+    entry: dict[str, Any] = {"workload": wl.__dict__, "prefill": {}, "decode": {}}
+    report[wl.name] = entry
+    gen = "cpu" if dev.sim else "cuda:0"
+    model = build_llama(wl, gen)
+    layers = list(cast_any(model).model.layers)
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    entry["layer_bytes"] = layer_bytes
+    entry["model_bytes"] = total
+    log(f"{wl.layers} layers of {layer_bytes / MiB:.1f} MiB, model {total / MiB:.0f} MiB")
+    ids = torch.randint(3, wl.vocab, (1, wl.prompt), device=dev.name)
+
+    def fresh() -> nn.Module:
+        """A copy of the model in pageable host memory (each method changes the one it gets)."""
+        return copy.deepcopy(model)
+
+    def timed(phase: str, method: str, fn: Callable[[], Any], n: int = iters) -> None:
+        try:
+            cpu = host_cpu_s()
+            with torch.no_grad():
+                res = time_sync(dev, fn, n, warmup)
+            res.extra["host_cpu_ms_per_call"] = (host_cpu_s() - cpu) * 1e3 / (n + warmup)
+            entry[phase][method] = res
+        except Exception as error:
+            traceback.print_exc()
+            entry[phase][method] = Result(error=repr(error))
+        log(f"{phase} {method}: {entry[phase][method].cell()} ms")
+
+    # compute only: the whole model on the device
+    on_dev = fresh().to(dev.name)
+    for phase, fn in zip(("prefill", "decode"), decode_fns(on_dev, ids), strict=True):
+        timed(phase, "compute", fn)
+        with torch.no_grad():
+            entry[phase]["_reference"] = fn().float().cpu()
+    del on_dev
+    gc.collect()
+
+    # copies only and the hand-written double buffer
+    try:
+        hand = HandDoubleBuffer(dev, fresh())
+        timed("prefill", "copies", hand.copies_only)
+        entry["decode"]["copies"] = entry["prefill"]["copies"]  # the same copies
+        for phase, fn in zip(("prefill", "decode"), decode_fns(hand.model, ids), strict=True):
+            timed(phase, "double buffer", fn)
+        del hand
+    except Exception as error:
+        traceback.print_exc()
+        for phase in ("prefill", "decode"):
+            entry[phase]["double buffer"] = Result(error=repr(error))
+    gc.collect()
+
+    # aresidency: budget = the resident tensors + three layers, then half the model
+    async with ResidencyManager(
+        backend="sim" if dev.sim else "cuda", trace_capacity=1 << 16
+    ) as manager:
+        streamed = stream_module(manager, fresh(), "cuda:0", prefetch=2)
+        budgets = {
+            "aresidency": streamed.resident_bytes + 3 * max(streamed.block_bytes),
+            "aresidency half": (streamed.resident_bytes + sum(streamed.block_bytes)) // 2,
+        }
+        for method, budget in budgets.items():
+            manager.set_budget("cuda:0", budget)
+            for phase, fn in zip(("prefill", "decode"), streamed_fns(streamed, ids), strict=True):
+                try:
+                    with torch.no_grad():
+                        await fn()  # the first call (fills what stays resident)
+                        await streamed.drain()
+                        samples = []
+                        cpu = host_cpu_s()
+                        for _ in range(iters):
+                            dev.sync()
+                            start = time.perf_counter()
+                            out = await fn()
+                            dev.sync()
+                            samples.append(time.perf_counter() - start)
+                            await streamed.drain()
+                        cpu_ms = (host_cpu_s() - cpu) * 1e3 / iters
+                    res = Result(median_ms(samples), samples=samples)
+                    res.extra.update(
+                        budget_bytes=budget,
+                        host_cpu_ms_per_call=cpu_ms,
+                        host_us_per_layer=cpu_ms * 1e3 / wl.layers,
+                        kept=len(streamed.residency()["kept"]),
+                        bit_exact=bool(torch.equal(out.float().cpu(), entry[phase]["_reference"])),
+                    )
+                    entry[phase][method] = res
+                except Exception as error:
+                    traceback.print_exc()
+                    entry[phase][method] = Result(error=repr(error))
+                log(f"{phase} {method}: {entry[phase][method].cell()} ms")
+        await streamed.aclose()
+    gc.collect()
+
+    # accelerate's cpu_offload and diffusers' group offloading, where installed
+    for method in ("cpu_offload", "diffusers"):
+        if time.perf_counter() - T0 > TIME_LIMIT_S + 60:
+            break
+        try:
+            other = fresh()
+            if method == "cpu_offload":
+                from accelerate import cpu_offload
+
+                cpu_offload(other, execution_device=torch.device(dev.name))
+            else:
+                from diffusers.hooks import (  # type: ignore[import-not-found]
+                    apply_group_offloading,
+                )
+
+                apply_group_offloading(
+                    other,
+                    torch.device(dev.name),
+                    offload_type="block_level",
+                    num_blocks_per_group=1,
+                    use_stream=not dev.sim,
+                )
+        except ImportError as error:
+            for phase in ("prefill", "decode"):
+                entry[phase][method] = Result(error=f"not installed ({error.name})")
+            continue
+        except Exception as error:
+            traceback.print_exc()
+            for phase in ("prefill", "decode"):
+                entry[phase][method] = Result(error=repr(error))
+            continue
+        for phase, fn in zip(("prefill", "decode"), decode_fns(other, ids), strict=True):
+            timed(phase, method, fn, max(2, iters // 2))
+        del other
+        gc.collect()
+    for phase in ("prefill", "decode"):
+        entry[phase].pop("_reference", None)
+    if not dev.sim:
+        torch.cuda.empty_cache()
+
+
+LLAMA_METHODS = [
+    "compute",
+    "copies",
+    "double buffer",
+    "cpu_offload",
+    "diffusers",
+    "aresidency",
+    "aresidency half",
+]
+
+
+def llama_markdown(report: dict[str, Any]) -> str:
+    head = [
+        "workload",
+        "phase",
+        *LLAMA_METHODS,
+        "ours / double buffer",
+        "ours / floor",
+        "ours / diffusers",
+        "half / max(compute, copies x streamed share)",
+        "host us / layer",
+    ]
+    lines = [
+        "Llama-shaped decoders (LlamaForCausalLM, bf16, random weights). Median ms; ours = "
+        "aresidency with budget = resident tensors + 3 layers; half = budget of half the model "
+        "(second and later calls); floor = max(copies, compute).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, entry in report.items():
+        for phase in ("prefill", "decode"):
+            res: dict[str, Result] = entry[phase]
+            cells = [name, phase, *(res.get(m, Result()).cell() for m in LLAMA_METHODS)]
+            ours, half = res.get("aresidency"), res.get("aresidency half")
+            copies, compute = res.get("copies"), res.get("compute")
+            floor = None
+            if copies and compute and copies.ms is not None and compute.ms is not None:
+                floor = max(copies.ms, compute.ms)
+            half_floor = None
+            if half is not None and half.ms is not None and floor is not None and compute:
+                share = 0.5  # about half the bytes stream when half the model stays
+                assert copies is not None and copies.ms is not None and compute.ms is not None
+                half_floor = half.ms / max(compute.ms, share * copies.ms)
+            cells += [
+                fmt(ratio(ours, res.get("double buffer"))),
+                fmt(None if floor is None or ours is None or ours.ms is None else ours.ms / floor),
+                fmt(ratio(ours, res.get("diffusers"))),
+                fmt(half_floor),
+                fmt(None if ours is None else ours.extra.get("host_us_per_layer"), digits=0),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def llama_workloads(sim: bool) -> list[LlamaWorkload]:
+    if sim:
+        return [
+            LlamaWorkload("llama-tiny-a", 6, 64, 128, 4, 2, 96, 16),
+            LlamaWorkload("llama-tiny-b", 4, 128, 256, 4, 2, 96, 16),
+        ]
+    return [
+        # about 6.5, 24.5 and 416 MiB per decoder layer (bf16)
+        LlamaWorkload("llama-6MiB", 96, 512, 1536, 8, 8, 32000, 512),
+        LlamaWorkload("llama-25MiB", 48, 1024, 2816, 16, 16, 32000, 512),
+        LlamaWorkload("llama-400MiB", 12, 4096, 14336, 32, 8, 32000, 512),
+    ]
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -531,7 +949,11 @@ def fmt(value: float | None, suffix: str = "", digits: int = 2) -> str:
 
 
 def markdown(report: dict[str, Any], env: str) -> str:
-    lines = [f"Weight streaming, {env}. Median ms; ANCHORS.md in brackets (anchor workload).", ""]
+    lines = [
+        f"Weight streaming, {env}. Median ms; docs/performance.md's figures in brackets "
+        "(anchor workload).",
+        "",
+    ]
     head = [
         "workload",
         *METHODS,
@@ -548,8 +970,8 @@ def markdown(report: dict[str, Any], env: str) -> str:
         cells = [name]
         for method in METHODS:
             cell = res.get(method, Result()).cell()
-            if name == "anchor" and method in ANCHOR_MS:
-                cell += f" [{ANCHOR_MS[method]}]"
+            if name == "anchor" and method in REFERENCE_MS:
+                cell += f" [{REFERENCE_MS[method]}]"
             cells.append(cell)
         copies, compute = res.get("copies"), res.get("compute")
         floor = None
@@ -643,7 +1065,7 @@ def environment(dev: Device) -> str:
 
 
 async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    dev = Device(sim=args.sim or not torch.cuda.is_available())
+    dev = Device(sim=args.sim or args.backend == "sim" or not torch.cuda.is_available())
     if dev.sim and not args.sim:
         print("no CUDA device: running the --sim smoke test instead", flush=True)
     if dev.sim:
@@ -662,13 +1084,22 @@ async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     env = environment(dev)
     log(env)
     report: dict[str, Any] = {}
-    for wl in workloads:
+    for wl in workloads if args.only in (None, "matmul") else []:
         try:
             await run_workload(dev, wl, iters, warmup, report)
         except Exception:
             traceback.print_exc()
             log(f"workload {wl.name} failed; continuing")
-    text = markdown(report, env)
+    llama: dict[str, Any] = {}
+    for lw in llama_workloads(dev.sim) if args.only in (None, "llama") else []:
+        try:
+            await run_llama(dev, lw, iters, warmup, llama)
+        except Exception:
+            traceback.print_exc()
+            log(f"workload {lw.name} failed; continuing")
+    text = markdown(report, env) if report else f"Weight streaming, {env}."
+    if llama:
+        text += "\n\n" + llama_markdown(llama)
     print("\n" + text, flush=True)
 
     def plain(obj: Any) -> Any:
@@ -678,13 +1109,17 @@ async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             return {k: plain(v) for k, v in obj.items()}
         return obj
 
-    return text, {"env": env, **plain(report)}
+    return text, {"env": env, **plain(report), "llama": plain(llama)}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--sim", action="store_true", help="tiny smoke test, no GPU needed")
+    parser.add_argument(
+        "--backend", choices=["cuda", "sim"], default="cuda", help="sim: the same as --sim"
+    )
+    parser.add_argument("--only", choices=["matmul", "llama"], help="run one part only")
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--markdown", help="write the markdown tables to this path")
     arguments = parser.parse_args()

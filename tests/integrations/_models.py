@@ -101,3 +101,40 @@ def sequential(d: int = 32, n: int = 6, seed: int = 0) -> nn.Sequential:
 def linears(d: int = 32, n: int = 6, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*(nn.Linear(d, d) for _ in range(n)))
+
+
+def tiny_llama(
+    layers: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    meta: bool = False,
+    hidden: int = 64,
+    intermediate: int = 128,
+) -> nn.Module:
+    """A Hugging Face ``LlamaForCausalLM`` built from a small ``LlamaConfig`` (no download):
+    an embedding, ``layers`` decoder layers in ``model.layers`` (about 145 KiB each in float32
+    at the default sizes), a final norm and a head, a rotary embedding with its non-persistent
+    ``inv_freq``. Random weights from ``seed``; ``meta=True`` builds it on the meta device
+    (nothing allocated)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            model: nn.Module = LlamaForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(config)
+    return nn.Module.to(model, dtype).eval()

@@ -19,6 +19,21 @@ runs the module as usual while, block by block:
   reaper sees it complete; nothing synchronizes) and then frees the budget, which starts the next
   prefetch. The host copy stays, so nothing is ever copied back.
 
+Budgets that remember (``keep_resident=True``, the default): when the ``device`` budget holds
+more than the tensors outside the blocks plus the prefetch window, the groups that fit stay on
+the device between calls (the tensors outside the blocks first, then blocks spread evenly over
+the call order, so that the copies of the others overlap their compute), and a call copies only
+the rest; :meth:`StreamedModule.residency` says which and why. Blocks already on the device do
+not count in the prefetch window: copies run ahead over them.
+
+Hugging Face models: a ``transformers`` causal LM (``LlamaForCausalLM`` and the like: embedding,
+an ``nn.ModuleList`` of decoder layers, norm and head) streams as any module, its keyword
+arguments passed through (``input_ids=``, ``attention_mask=``, the KV cache, ``use_cache=``);
+``await streamed.generate(...)`` runs its ``generate`` with streamed weights, the prefetch window
+wrapping around from one forward pass to the next; its ``from_pretrained`` checkpoint (a sharded
+safetensors directory or its index) can be given as ``checkpoint=`` for a model built on the
+``meta`` device.
+
 One block's tensors form one value, so a block costs one copy, one lease, one event and one
 release whatever its number of parameters (a many-parameter block would otherwise pay per tensor
 in both Python overhead and small-copy bandwidth: ANCHORS.md, 44.6 GB/s at 4 MB against 55 GB/s
@@ -29,16 +44,20 @@ layout as for a tensor of its own and give bit-identical results.
 Blocks are found as: the children of an ``nn.Sequential``; otherwise the ``nn.ModuleList`` of
 ``module`` holding the most parameter and buffer bytes (ties: the first); or ``blocks=`` given
 explicitly. Tensors of ``module`` outside the blocks (embeddings, final norm, head) form one
-*resident* group, materialized at the start of each call and released at its end.
+*resident* group, materialized at the start of each call and released at its end (or kept, see
+above).
 
 How a call runs:
 
 * ``nn.Sequential`` (no ``blocks=``): the blocks are run one after the other on the event loop,
   awaiting only when a block's weights are not admitted yet.
-* any other module: ``module(*args, **kwargs)`` runs in a worker thread (one per streamed module);
-  forward hooks on the blocks ask the event loop for each block's leased weights and hand the
-  block back after it ran. The caller's grad mode, inference mode, autocast state and stream are
-  carried into that thread.
+* any other module: ``module(*args, **kwargs)`` (or ``module.generate(...)``) runs in a worker
+  thread (one per streamed module); forward hooks on the blocks take each block's leased weights
+  and hand the block back after it ran. In the common case (the block's copy already issued)
+  that crosses no thread and awaits nothing: the loop prepared the lease ahead, and takes the
+  blocks handed back in batches when one of the pipeline's own operations completes (waking
+  the loop itself only when none is in flight). The caller's grad mode, inference mode,
+  autocast state and stream are carried into that thread.
 * the simulated backend (``backend="sim"``): its ``cuda:N`` tensors live in host memory and
   blocks run on the CPU. An ``nn.Sequential``'s blocks are submitted to the simulated compute
   stream, so they run after their copies and before their releases exactly as kernels would

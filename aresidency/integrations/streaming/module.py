@@ -1,10 +1,15 @@
-"""``StreamedModule`` and ``stream_module``: an ``nn.Module`` run with streamed weights."""
+"""``StreamedModule`` and ``stream_module``: an ``nn.Module`` run with streamed weights.
+
+Why this module is long: it holds the whole life of a streamed module in one class, from
+registration (packed host copies or checkpoint sources) through calls and ``generate`` to the
+background releases, ``drain`` and the end; the pipeline, the runners and the residency
+arithmetic live in their own modules."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -17,6 +22,7 @@ from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
 from ...core.timeouts import check_timeout
 from ...core.values import ReplicaMode, ValueHandle
+from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
@@ -24,6 +30,7 @@ from ...runtime.sources import CallableSource
 from .checkpoint import block_loader
 from .packing import TensorGroup, collect_groups, find_blocks
 from .pipeline import CallPipeline
+from .residency import describe, others_bytes, spread
 from .runners import ThreadedRunner, run_sequential
 
 __all__ = ["HostKind", "StreamedModule", "stream_module"]
@@ -35,15 +42,17 @@ HostKind = Literal["pinned-host", "pageable-host"]
 class StreamedModule:
     """An ``nn.Module`` whose blocks' weights are streamed through a device budget.
 
-    Made by :func:`stream_module`; call it as ``y = await streamed(*args, **kwargs)``. See the
-    package docstring for how a call runs. On CUDA the call returns once every block's work is
+    Made by :func:`stream_module`; call it as ``y = await streamed(*args, **kwargs)``, or
+    ``ids = await streamed.generate(...)`` for a Hugging Face model. See the package docstring
+    for how a call runs. On CUDA the call returns once every block's work is
     enqueued on the compute stream (like any PyTorch call, the host does not wait for the
     device); its result is ready for work ordered after it on that stream.
 
     State: ``manager``, ``module``, ``device``, ``prefetch``, ``host`` (``None`` with a
     checkpoint), ``handles`` (one value per block with tensors, then the resident group's),
     ``releasing`` (group index -> the release of its device replica in flight),
-    ``kept`` (group indexes whose device replica stays between calls).
+    ``kept`` (group indexes whose device replica stays between calls), ``current_call`` (the
+    pipeline of the call in flight, or ``None``).
     Invariants: outside a call, every parameter and buffer of ``module`` is its own tensor
     again (``host`` mode: a view of the managed host copy); a group's device replica exists
     only while a call uses or prefetches it, while its release waits for its readers, or while
@@ -102,6 +111,7 @@ class StreamedModule:
             and isinstance(module, nn.Sequential)
             and type(module).forward is nn.Sequential.forward
             and self.resident_group is None
+            and not callable(getattr(module, "generate", None))
         )
         self.block_groups = groups
         self._groups: list[TensorGroup] = [g for g in groups if g is not None]
@@ -116,7 +126,7 @@ class StreamedModule:
         self._release_errors: list[BaseException] = []
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
-        self._call: CallPipeline | None = None
+        self.current_call: CallPipeline | None = None
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
@@ -166,6 +176,23 @@ class StreamedModule:
         if self.checkpoint is not None and self._checkpoint is None:
             self._checkpoint = Checkpoint.open(self.checkpoint)
         opened = self._checkpoint
+        # Packing and pinning every block of a large model takes seconds on the loop thread:
+        # one report over all of it (the registrations inside report nothing of their own).
+        # With a checkpoint nothing is copied here (the blocks load lazily): nothing to report.
+        copied = 0 if opened is not None else sum(g.nbytes for g in self.all_groups)
+        where = f"pack {len(self.all_groups)} blocks into {self.host}"
+        with progress_if_large(f"stream_module {self.name}: {where}", copied) as report:
+            self._register_groups(opened, report.update)
+        snap = manager.snapshot()
+        for group in self.all_groups:
+            assert group.handle is not None
+            group.charge_bytes = snap.value(group.handle).charge_bytes
+        self._largest = max((g.charge_bytes for g in self._groups), default=0)
+
+    def _register_groups(self, opened: Checkpoint | None, copied: Callable[[int], None]) -> None:
+        """Register every group: as a source reading ``opened``, or packed into the host
+        location (``copied(nbytes)`` after each)."""
+        manager = self.manager
         repointed: set[int] = set()
         for group in self.all_groups:
             if opened is not None:
@@ -200,13 +227,9 @@ class StreamedModule:
                         if id(entry.tensor) not in repointed:
                             repointed.add(id(entry.tensor))
                             entry.tensor.data = view
+                copied(group.nbytes)
                 continue
             self._registered.append(group)
-        snap = manager.snapshot()
-        for group in self.all_groups:
-            assert group.handle is not None
-            group.charge_bytes = snap.value(group.handle).charge_bytes
-        self._largest = max((g.charge_bytes for g in self._groups), default=0)
 
     def _never_fits(self, group: TensorGroup) -> ResidencyBudgetError:
         ledger = self.manager.state.ledger(self.device)
@@ -272,77 +295,43 @@ class StreamedModule:
         return (self.prefetch + 1) * self._largest
 
     def _plan_keep(self) -> set[int]:
-        """The groups to keep on the device after this call: the resident group, then blocks
-        in call order while they fit beside the window in what the budget leaves us (what
-        other tenants hold is not ours to take). A call then copies only the rest."""
+        """The groups to keep on the device after this call: the resident group, then as many
+        block bytes as fit beside the window in what the budget leaves us (what other tenants
+        hold is not ours to take), spread evenly over the call order. A call then copies only
+        the rest, and those copies overlap the compute of the kept blocks between them."""
         if not self.keep_resident:
             return set()
-        ledger = self.manager.state.find_ledger(self.device)
+        state = self.manager.state
+        ledger = state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None:
             return set()  # without a strict budget nothing says how much may stay
-        ours = 0
-        for group in self.all_groups:
-            assert group.handle is not None
-            value = self.manager.state.find_value(group.handle)
-            if value is not None and self.device in value.materializations:
-                ours += group.charge_bytes
-        room = ledger.budget_bytes - (ledger.charged_bytes - ours) - self._window_bytes()
+        others = others_bytes(state, self.device, self.all_groups)
+        room = ledger.budget_bytes - others - self._window_bytes()
         keep: set[int] = set()
         if self.resident_group is not None:
             room -= self.resident_group.charge_bytes
             if room < 0:
                 return set()
             keep.add(self.resident_group.index)
-        for index in self.order:
-            charge = self.group(index).charge_bytes
-            if charge > room:
-                break
-            room -= charge
-            keep.add(index)
-        return keep
+        return keep | spread(self._groups, room)
 
     def residency(self) -> dict[str, Any]:
         """Which groups stay on the device between calls, and why (the budget arithmetic of
-        the last call's plan): ``kept`` (group names), ``kept_bytes``, ``streamed_bytes``
-        (copied on each call), ``window_bytes``, ``budget_bytes``, ``others_bytes`` (what other
-        tenants held at the device), ``reason``."""
-        ledger = self.manager.state.find_ledger(self.device)
-        budget = None if ledger is None else ledger.budget_bytes
-        kept = [self.group(i) for i in sorted(self.kept, key=self._kept_order)]
-        kept_bytes = sum(g.charge_bytes for g in kept)
-        total = sum(g.charge_bytes for g in self.all_groups)
-        if not self.keep_resident:
-            reason = "keep_resident=False: every block is released after use"
-        elif budget is None:
-            reason = f"{self.device} has no strict budget, so nothing stays between calls"
-        elif len(self.kept) == len(self.all_groups):
-            reason = "the whole model fits beside the prefetch window: nothing is copied"
-        else:
-            reason = (
-                f"blocks stay in call order while they fit in the budget beside the prefetch "
-                f"window ({self.prefetch + 1} x the largest block) and what other tenants hold"
-            )
-        others = None
-        if ledger is not None:
-            ours = 0
-            for group in self.all_groups:
-                assert group.handle is not None
-                value = self.manager.state.find_value(group.handle)
-                if value is not None and self.device in value.materializations:
-                    ours += group.charge_bytes
-            others = ledger.charged_bytes - ours
-        return {
-            "kept": [g.name for g in kept],
-            "kept_bytes": kept_bytes,
-            "streamed_bytes": total - kept_bytes,
-            "window_bytes": self._window_bytes(),
-            "budget_bytes": budget,
-            "others_bytes": others,
-            "reason": reason,
-        }
-
-    def _kept_order(self, index: int) -> int:
-        return self.position.get(index, -1)
+        the last call's plan): ``kept`` (group names: the resident group, then blocks in call
+        order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
+        ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
+        window), ``budget_bytes``, ``others_bytes`` (what other tenants hold at the device),
+        ``reason`` (a sentence)."""
+        return describe(
+            self.manager.state,
+            self.device,
+            self._groups,
+            self.resident_group,
+            self.kept,
+            window_bytes=self._window_bytes(),
+            prefetch=self.prefetch,
+            keep_resident=self.keep_resident,
+        )
 
     # -- releases
 
@@ -362,6 +351,8 @@ class StreamedModule:
         assert group.handle is not None
         if index in self.releasing:
             return
+        if not self.manager.running:
+            return  # the manager is closing: it frees every replica itself
         try:
             pending = self.manager.release_nowait(group.handle, self.device)
         except ResidencyError as error:
@@ -376,9 +367,20 @@ class StreamedModule:
         error = pending.exception()
         if error is not None:
             self._release_errors.append(error)
-        call = self._call
+        call = self.current_call
         if call is not None:
-            call.pump()
+            call.pump()  # it may wait for this release; it also takes the blocks handed back
+
+    def _kept_readers(self) -> bool:
+        """Whether a replica kept at the device still has reader events not reaped."""
+        state = self.manager.state
+        for index in self.kept:
+            handle = self.group(index).handle
+            value = None if handle is None else state.find_value(handle)
+            record = None if value is None else value.materializations.get(self.device)
+            if record is not None and record.pending_event_count:
+                return True
+        return False
 
     def settle_later(self, pending: PendingOperation) -> None:
         """Keep track of a prefetch its call no longer needs until it settled (for drain)."""
@@ -387,15 +389,20 @@ class StreamedModule:
 
     async def drain(self) -> None:
         """Wait until every device replica this module released has left the budget (its
-        readers' events completed and the release committed) and every prefetch a call no
-        longer needed has settled. Raises the first release error, or a copy failure no call
-        reported."""
-        while self.releasing or self.settling:
+        readers' events completed and the release committed), every prefetch a call no
+        longer needed has settled, and the readers of the replicas kept resident are done
+        (their events reaped: on CUDA, the last call's kernels on the compute stream ran).
+        The host does not block: this awaits the manager's completions. Raises the first
+        release error, or a copy failure no call reported."""
+        while True:
             if self.settling:
-                pending = next(iter(self.settling))
+                await next(iter(self.settling)).wait_settled()
+            elif self.releasing:
+                await next(iter(self.releasing.values())).wait_settled()
+            elif self._kept_readers():
+                await self.manager.wait_for_change()  # an event reaped is a change
             else:
-                pending = next(iter(self.releasing.values()))
-            await pending.wait_settled()
+                break
         errors, self._release_errors = self._release_errors, []
         raised, self._raised = self._raised, set()
         for error in errors:
@@ -440,7 +447,40 @@ class StreamedModule:
 
         Awaits only when a block's weights are not admitted yet (waiting for budget); copies
         are waited for on the device by the compute stream. Returns the module's output,
-        enqueued on the compute stream (CUDA) or computed (simulated backend)."""
+        enqueued on the compute stream (CUDA) or computed (simulated backend). Hugging Face
+        keyword arguments pass through as they are (``input_ids=``, ``attention_mask=``,
+        ``past_key_values=``, ``use_cache=True``: the cache it returns lives on the device)."""
+        return await self._run(None, args, kwargs)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Run Hugging Face generation (``self.module.generate(*args, **kwargs)``, from
+        ``GenerationMixin``) with streamed weights, and return what it returns (the generated
+        ids, or its output object).
+
+        The generate loop runs in the worker thread that runs the module's forward: each of
+        its forward passes streams the blocks through the device budget as a call does (the
+        KV cache and activations stay on the device; only weights stream), and across the
+        passes the prefetch window wraps around: while the last blocks of one pass run, the
+        first blocks of the next are being copied (unless kept resident). The host waits in
+        that thread only (for a block not ready yet, and wherever generation itself syncs,
+        such as its stopping checks); this awaits the thread. Cancelling the awaiting task
+        stops generation at the next block boundary and leaves nothing behind beyond what
+        ``keep_resident`` keeps (:meth:`drain` waits for the releases).
+
+        ``TypeError`` for a module without a ``generate`` method."""
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise TypeError(
+                f"{type(self.module).__name__} has no generate() method: stream a Hugging Face "
+                "model with GenerationMixin (such as LlamaForCausalLM) to generate, or await "
+                "the streamed module itself for a forward pass"
+            )
+        return await self._run(generate, args, kwargs)
+
+    async def _run(
+        self, generate: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """One call: the module's forward (``generate`` is None) or its generate loop."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         self.manager.check_thread()
@@ -452,16 +492,20 @@ class StreamedModule:
                 self.release_replica(index)  # the budget shrank: no longer ours to keep
             self.kept = keep
             stream = self._compute_stream()
-            host_wait = self.host_compute and not self._sequential
-            call = CallPipeline(self, stream, host_wait=host_wait, keep=keep)
-            self._call = call
+            on_loop = self._sequential and generate is None
+            host_wait = self.host_compute and not on_loop
+            call = CallPipeline(
+                self, stream, host_wait=host_wait, keep=keep, cyclic=generate is not None
+            )
+            self.current_call = call
             self.calls += 1
             try:
                 call.start()
-                if self._sequential:
+                if on_loop:
                     result = await run_sequential(self, call, stream, args, kwargs)
                 else:
-                    result = await self._threaded.run(call, stream, args, kwargs)
+                    fn = self.module if generate is None else generate
+                    result = await self._threaded.run(call, stream, fn, args, kwargs)
                 if call.failures:
                     raise call.failures[0]
                 return result
@@ -470,7 +514,7 @@ class StreamedModule:
                 raise
             finally:
                 call.finish()
-                self._call = None
+                self.current_call = None
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
@@ -518,7 +562,7 @@ class StreamedModule:
         await self.aclose()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("running" if self._call else "idle")
+        state = "closed" if self._closed else ("running" if self.current_call else "idle")
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else self.host
         return (
             f"<StreamedModule {self.name!r} {len(self._groups)} blocks -> {self.device} "
@@ -555,8 +599,9 @@ def stream_module(
     :func:`find_blocks`). ``stream``: the compute stream (default: the caller's current stream
     at each call). ``timeout``: seconds a block may wait for budget before ``TimeoutError``
     (``None``: as long as it takes). ``keep_resident``: between calls, keep on the device the
-    blocks that fit beside the prefetch window (first blocks first), so a call copies only
-    what does not fit (see :meth:`StreamedModule.residency`); needs a strict ``device`` budget.
+    tensors outside the blocks and the blocks that fit beside the prefetch window (spread
+    evenly over the call order), so a call copies only what does not fit (see
+    :meth:`StreamedModule.residency`); needs a strict ``device`` budget.
 
     Call on the manager's event loop (registration copies the weights into host memory
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors

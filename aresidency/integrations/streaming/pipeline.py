@@ -1,42 +1,52 @@
 """The per-call prefetch pipeline of a streamed module.
 
-One :class:`CallPipeline` per call. It runs on the event loop, without a task of its own: it
-advances whenever something changes (the manager's change signal, a copy being issued, a block
-handed back) and keeps, for each group of weights, a :class:`Slot` that goes
+One :class:`CallPipeline` per call (a forward, or a whole ``generate``). It runs on the event
+loop, without a task of its own: it advances when one of its own operations completes (a copy,
+a release), when the consumer hands blocks back or asks for one, and, only while it is blocked
+on something else (room in the budget another tenant holds, a copy still being issued), on the
+manager's change signal. For each group of weights it keeps a :class:`Slot` that goes
 
-``idle`` -> ``starting`` (materialization begun: charged, copy enqueued) -> ``ready`` (leased;
-its views made) -> ``returning`` -> back to ``idle`` once the consumer handed it back (lease
-exited with the consumer's reader event; the device replica released in the background, or
-kept resident).
+``idle`` -> ``starting`` (materialization begun: charged, copy enqueued; or already resident)
+-> ``ready`` (leased; its views made) -> ``returning`` -> back to ``idle`` once the consumer
+handed it back (lease exited with the consumer's reader event; the device replica released in
+the background, or kept resident).
 
 The *consumer* runs the blocks: the event loop itself for an ``nn.Sequential``, or the worker
 thread that runs the module's own forward (through forward hooks). Either way the common case
 crosses no thread and awaits nothing: the consumer finds the slot ready (its copy already
 issued, its lease already entered), makes its own stream wait for the copy on the device right
-before the block's kernels, runs the block, records one event and hands the slot back; a
-thread hands it back through a lock-protected queue that wakes the loop once per batch. Only
-when a slot is not ready yet does the consumer wait (a task parks on the slot; a thread blocks
-on it, never the loop).
+before the block's kernels, runs the block, records one event and hands the slot back. A thread
+hands it back by appending to a queue, without waking the loop when one of the pipeline's own
+operations is in flight (its completion wakes the loop, which then takes every block handed
+back so far: their lease exits, their releases and the next prefetches in one batch). Only
+when a slot is not ready does the consumer wait (a task parks on the slot; a thread blocks on
+it, never the loop), and only then does a thread wake the loop itself.
 
-Order: groups start in call order (the resident group first), at most ``prefetch`` ahead of
-the block in use, never out of order (a later block never takes an earlier one's room), and
-only the first block until the consumer has enqueued its kernels (or has to wait), so that they
+Order: groups start in call order from the block expected next (the resident group first),
+never out of order (a later block never takes an earlier one's room). The window covers the
+next ``prefetch + 1`` blocks that need a copy; blocks already on the device (kept resident)
+are leased as the window passes them but do not count, so copies run ahead over them. Before
+the consumer has enqueued its first block the window is that one block, so that its kernels
 are enqueued right behind its copy and not behind the Python work of issuing the prefetches.
-Groups in ``keep`` stay resident on the device after use ("budgets that remember": see
+A *cyclic* call (``generate``: one forward after the other over the same blocks) wraps around:
+while the last blocks of a forward run, the first blocks of the next are being copied. Groups
+in ``keep`` stay on the device after use ("budgets that remember": see
 :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
 from ...core.errors import ResidencyBudgetError, ResidencyError
+from ...core.values import MaterializationState
 from ...runtime.leases import Lease, LeaseWouldWait
 from ...runtime.pending import PendingOperation
 from .packing import TensorGroup
@@ -46,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CallAborted", "CallPipeline", "Slot"]
 
+_RESIDENT = MaterializationState.RESIDENT
+
 
 class CallAborted(Exception):
     """The call ended (cancelled or failed elsewhere) while a consumer waited for a block."""
@@ -53,7 +65,9 @@ class CallAborted(Exception):
 
 class Slot:
     """One group of weights in one call. The loop writes it; a consumer thread reads it only
-    after ``flag`` is set (``ready`` or ``failed``), which orders the reads after the writes."""
+    after ``flag`` is set (``ready`` or ``failed``), which orders the reads after the writes.
+    A consumer thread clears ``flag`` when it hands the slot back, so that it never takes the
+    same lease twice."""
 
     __slots__ = (
         "failure",
@@ -69,8 +83,8 @@ class Slot:
 
     def __init__(self, group: TensorGroup) -> None:
         self.group = group
-        self.state = "idle"  # idle -> starting -> ready (or failed) -> idle
-        self.pending: PendingOperation | None = None
+        self.state = "idle"  # idle -> starting -> ready (or failed) -> returning -> idle
+        self.pending: PendingOperation | None = None  # None: it was resident already
         self.lease: Lease | None = None
         self.tensors: list[torch.Tensor] | None = None
         self.ready_event: Any = None  # what the consumer's stream waits for (None: data there)
@@ -78,7 +92,7 @@ class Slot:
         self.flag = threading.Event()  # set while ready or failed (thread consumers)
         self.waiter: anyio.Event | None = None  # a loop consumer parked on this slot
 
-    def _signal(self) -> None:
+    def signal(self) -> None:
         self.flag.set()
         waiter, self.waiter = self.waiter, None
         if waiter is not None:
@@ -92,13 +106,20 @@ class CallPipeline:
     """The pipeline state of one call (see the module docstring).
 
     ``host_wait``: a slot is ready only once its copy completed (a consumer that computes on
-    the host, the simulation's worker thread); otherwise once its copy is issued.
-    State (loop thread): ``slots`` (group index -> slot), ``pos`` (order position of the block
-    expected next), ``requested`` (a group asked for out of order), ``window_open``,
-    ``active``, ``failures`` (copy errors seen after their block ran), ``_returns`` (blocks
-    handed back by a thread, under ``_lock``).
+    the host, the simulation's worker thread); otherwise once its copy is issued. ``cyclic``:
+    the blocks run over and over (``generate``); the window wraps around.
+    State (loop thread unless said): ``slots`` (group index -> slot), ``pos`` (the position of
+    the block expected next: an index into the call order, counting on past its end when
+    cyclic), ``window_open``, ``active``, ``failures`` (copy errors seen after their block
+    ran), ``returned`` (groups handed back in this call), ``copies_in_flight`` (this call's
+    materializations not complete yet; read by the consumer thread), ``taken`` (groups the
+    consumer thread holds: that thread only), ``_returns`` (blocks handed back by the thread,
+    not taken by the loop yet), ``_waiting`` (the ticket of the consumer thread's wait in
+    progress, 0 if none: a request from the thread counts only while its wait lasts).
     Invariants: a slot is ready only while its lease is entered; a slot returns to idle only
-    after its lease exited; groups start in order from ``pos``.
+    after its lease exited; groups start in order from ``pos``; while the consumer thread left
+    blocks in ``_returns`` without waking the loop, an operation of ours is in flight (its
+    completion takes them) or the thread will wake the loop when it next waits.
     """
 
     def __init__(
@@ -108,6 +129,7 @@ class CallPipeline:
         *,
         host_wait: bool,
         keep: set[int],
+        cyclic: bool = False,
     ) -> None:
         self.streamed = streamed
         self.manager = streamed.manager
@@ -115,125 +137,202 @@ class CallPipeline:
         self.stream = stream
         self.host_wait = host_wait
         self.keep = keep
+        self.cyclic = cyclic
+        self.order = streamed.order
         self.slots: dict[int, Slot] = {g.index: Slot(g) for g in streamed.all_groups}
         self.pos = 0
-        self.requested: int | None = None
         self.window_open = False
         self.active = True
         self.failures: list[BaseException] = []
-        self.returned: set[int] = set()  # groups the consumer handed back in this call
+        self.returned: set[int] = set()
+        self.copies_in_flight = 0
+        self.taken: set[int] = set()
         self._returns: deque[tuple[int, Any]] = deque()
-        self._lock = threading.Lock()
-        self._drain_scheduled = False
+        self._wake_lock = threading.Lock()
+        self._wake_scheduled = False
         self._pumping = False
         self._pump_again = False
-        self._window_asked = False  # a consumer thread asked the loop to open the window
+        self._window_asked = False  # the consumer thread asked the loop to open the window
+        self._wait_ticket = 0  # consumer thread: numbers its waits for a slot not ready
+        self._waiting = 0  # the ticket of the wait in progress (0: none; the loop reads it)
         self._unlisten: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ driving
 
     def start(self) -> None:
-        """Start the first groups now and follow the manager's state from here on."""
-        self._unlisten = self.manager.add_change_listener(self.pump)
+        """Start the first groups now."""
         self.pump()
 
-    def _candidates(self) -> Iterator[int]:
-        streamed = self.streamed
-        resident = streamed.resident_group
-        if resident is not None and resident.index not in self.returned:
-            yield resident.index
-        if self.requested is not None:
-            yield self.requested
-        ahead = streamed.prefetch + 1 if self.window_open else 1
-        yield from streamed.order[self.pos : self.pos + ahead]
-
     def pump(self) -> None:
-        """Start what the budget admits, in order; make started slots ready. Synchronous and
-        not re-entrant: starting a copy changes the state, which notifies, which pumps; that
-        nested pump is folded into a further round of this one."""
+        """Take the blocks the consumer thread handed back, then start what the budget
+        admits, in order, and make started slots ready. Synchronous and not re-entrant:
+        starting a copy changes the state, which may notify, which may pump; that nested pump
+        is folded into a further round of this one. Listens to the manager's change signal
+        only while blocked on something no callback of ours announces."""
         if self._pumping:
             self._pump_again = True
             return
         self._pumping = True
+        blocked = False
         try:
             while self.active:
                 self._pump_again = False
-                self._pump_once()
+                if self._returns:
+                    self._take_returns()
+                blocked = self._advance()
                 if not self._pump_again:
-                    return
+                    break
         finally:
             self._pumping = False
+        if blocked and self.active:
+            if self._unlisten is None:
+                self._unlisten = self.manager.add_change_listener(self.pump)
+        elif self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
 
-    def _pump_once(self) -> None:
-        releasing = self.streamed.releasing
-        for index in self._candidates():
-            slot = self.slots[index]
-            if slot.state == "idle" and (index in releasing or not self._start(slot)):
-                break  # keep block order: a later block never takes an earlier one's room
-            if slot.state == "starting":
-                self._make_ready(slot)
+    def _advance(self) -> bool:
+        """One round of :meth:`pump`; returns whether it is blocked waiting for a state
+        change (room in the budget, a copy still being issued)."""
+        streamed = self.streamed
+        releasing = streamed.releasing
+        resident = streamed.resident_group
+        listen = False
+        if resident is not None and resident.index not in self.returned:
+            outcome = self._visit(self.slots[resident.index], releasing)
+            if outcome == "stop" or outcome == "blocked":
+                return outcome == "blocked"
+            listen = outcome == "listen"
+        order = self.order
+        count = len(order)
+        ahead = streamed.prefetch + 1 if self.window_open else 1
+        stop = self.pos + count if self.cyclic else count
+        copies = 0
+        position = self.pos
+        while position < stop and copies < ahead:
+            slot = self.slots[order[position % count]]
+            if slot.group.index not in self.keep:
+                copies += 1  # kept blocks are leased as the window passes but do not count
+            outcome = self._visit(slot, releasing)
+            if outcome == "stop" or outcome == "blocked":
+                return listen or outcome == "blocked"
+            listen = listen or outcome == "listen"
+            position += 1
+        return listen
 
-    def _start(self, slot: Slot) -> bool:
+    def _visit(self, slot: Slot, releasing: dict[int, PendingOperation]) -> str:
+        """Start ``slot`` or make it ready. ``"next"``: go on to the next block; ``"listen"``:
+        go on, but only a state change says when this one is ready (its copy is still being
+        issued or loaded); ``"stop"``: stop here, a callback of ours pumps again;
+        ``"blocked"``: stop here until a state change (no room in the budget)."""
+        if slot.state == "idle":
+            if slot.group.index in releasing:
+                return "stop"  # its last release must finish first (_released pumps)
+            started = self._start(slot)
+            if started is None:
+                return "stop"  # failed: the consumer raises it
+            if not started:
+                return "blocked"  # no room: keep block order, wait for a change
+        if slot.state == "starting" and not self._make_ready(slot):
+            pending = slot.pending
+            if self.host_wait and pending is not None and not pending.done():
+                return "next"  # _materialized pumps when the copy completed
+            return "listen"
+        return "next"
+
+    def _fits(self, group: TensorGroup) -> bool:
+        """Whether the device budget has room for ``group`` now (a cheap look at the ledger
+        before asking the manager, which would raise): a refusal costs nothing this way.
+        A group that could never fit is let through, for the manager's error."""
+        ledger = self.manager.state.find_ledger(self.streamed.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return True
+        charge = group.charge_bytes
+        return charge > ledger.budget_bytes or ledger.charged_bytes + charge <= ledger.budget_bytes
+
+    def _start(self, slot: Slot) -> bool | None:
+        """Begin bringing ``slot``'s group to the device: ``True`` begun (or there already),
+        ``False`` no room now, ``None`` failed (the slot carries the error)."""
         group = slot.group
-        assert group.handle is not None
+        handle = group.handle
+        assert handle is not None
         device = self.streamed.device
+        value = self.manager.state.find_value(handle)
+        here = None if value is None else value.materializations.get(device)
+        if here is not None and here.state is _RESIDENT:
+            # Kept from an earlier call (or put there by someone else): lease it as it is.
+            slot.pending = None
+            slot.state = "starting"
+            return True
+        if here is None and not self._fits(group):
+            return False
         try:
-            pending = self.manager.materialize_nowait(group.handle, device)
+            pending = self.manager.materialize_nowait(handle, device)
         except ResidencyBudgetError as error:
             if error.budget_bytes is not None and error.requested_bytes > error.budget_bytes:
                 self._fail(slot, error)  # it could never fit
+                return None
             return False
         except ResidencyError as error:
             self._fail(slot, error)
-            return False
+            return None
         slot.pending = pending
         slot.state = "starting"
-        pending.add_done_callback(lambda done: self._materialized(slot, done))
-        if not self.host_wait and not pending.done():
+        counted = not pending.done()
+        if counted:
+            self.copies_in_flight += 1
+        pending.add_done_callback(functools.partial(self._materialized, slot, counted))
+        if not self.host_wait and counted and not self.manager.copy_issued(handle, device):
             # A staged copy takes a while to issue: look again once it is.
-            self.manager.when_copy_issued(group.handle, device, self.pump)
+            self.manager.when_copy_issued(handle, device, self.pump)
         return True
 
-    def _make_ready(self, slot: Slot) -> None:
+    def _make_ready(self, slot: Slot) -> bool:
+        """Enter ``slot``'s lease if that needs no wait: ``True`` once ready (or failed)."""
         pending = slot.pending
-        if self.host_wait and (pending is None or not pending.done()):
-            return
+        if self.host_wait and pending is not None and not pending.done():
+            return False
         group = slot.group
         assert group.handle is not None
-        if not self.manager.copy_issued(group.handle, self.streamed.device):
-            return  # pumped again once it is (or once the load put its data there)
+        device = self.streamed.device
+        if not self.manager.copy_issued(group.handle, device):
+            return False  # pumped again once it is (or once the load put its data there)
         try:
             lease = self.manager.acquire(
-                group.handle, self.streamed.device, stream=self.stream, order_stream=False
+                group.handle, device, stream=self.stream, order_stream=False
             )
             lease.enter_nowait()
         except LeaseWouldWait:
-            return  # not issued (or not loaded) yet: pumped again when it is
+            return False
         except ResidencyError as error:
             self._fail(slot, error)
-            return
+            return True
         slot.lease = lease
         slot.tensors = group.views(lease.tensor)
         slot.ready_event = lease.ready_event
         slot.state = "ready"
-        slot._signal()
+        slot.signal()
+        return True
 
-    def _materialized(self, slot: Slot, pending: PendingOperation) -> None:
+    def _materialized(self, slot: Slot, counted: bool, pending: PendingOperation) -> None:
+        # Counted down before the returns are taken (in pump): a consumer thread that saw it
+        # above zero and did not wake the loop has its returns taken here.
+        if counted:
+            self.copies_in_flight -= 1
         error = pending.exception()
-        if error is None:
-            if slot.state == "starting":
-                self.pump()
-            return
-        if slot.state == "starting" and slot.pending is pending:
-            self._fail(slot, error)
-        elif slot.pending is pending:
-            # Its block may have run already (CUDA): the call (or drain) reports it.
-            self.failures.append(error)
+        if error is not None:
+            if slot.state == "starting" and slot.pending is pending:
+                self._fail(slot, error)
+            elif slot.pending is pending:
+                # Its block may have run already (CUDA): the call (or drain) reports it.
+                self.failures.append(error)
+        if self.active and (slot.state == "starting" or self._returns):
+            self.pump()
 
     def _fail(self, slot: Slot, error: BaseException) -> None:
         slot.failure = error
         slot.state = "failed"
-        slot._signal()
+        slot.signal()
 
     def open_window(self) -> None:
         """Prefetch from now on (the first block is on its way), and start what fits."""
@@ -242,18 +341,17 @@ class CallPipeline:
             self.pump()
 
     def _request(self, index: int) -> None:
-        """The consumer asks for ``index`` next (loop)."""
+        """The consumer asks for group ``index`` next (loop): the window moves there."""
+        if self._returns:
+            self._take_returns()
         position = self.streamed.position.get(index)
         if position is not None:
-            self.pos = position
-        if index != self._resident_index and position is None:
-            self.requested = index
+            if self.cyclic:
+                count = len(self.order)
+                self.pos += (position - self.pos) % count
+            else:
+                self.pos = position
         self.pump()
-
-    @property
-    def _resident_index(self) -> int:
-        group = self.streamed.resident_group
-        return -1 if group is None else group.index
 
     # ------------------------------------------------------------------ consumers
 
@@ -281,20 +379,37 @@ class CallPipeline:
         if slot.state == "failed":
             assert slot.failure is not None
             raise slot.failure
-        self.requested = None
         return slot
+
+    def give_back(self, index: int, event: Any) -> None:
+        """The loop consumer is done with group ``index``; ``event`` completes after its last
+        reader. Exits the lease, releases (or keeps) the replica, starts what is next."""
+        self._give_back_one(index, event)
+        if not self.window_open:
+            self.window_open = True
+        self.pump()
 
     def take_blocking(self, index: int) -> Slot:
         """A consumer thread's access to group ``index``: returns the ready slot at once in the
         common case (no thread crossing); otherwise asks the loop for it and blocks this thread
         (never the loop) until it is ready. Raises its failure, :class:`CallAborted` or
         ``TimeoutError``."""
+        if not self.active:
+            raise CallAborted(f"{self.streamed.name}: the call ended")
         slot = self.slots[index]
         if not slot.flag.is_set():
-            self.bridge.call_soon(self._request_from_thread, index)
-            timeout = self.streamed.timeout
-            if not slot.flag.wait(timeout):
-                raise TimeoutError(self.streamed.timeout_message(slot.group))
+            # The request may reach the loop after a pump made the slot ready and the block
+            # ran: the ticket tells the loop it is stale then (moving the window back to a
+            # block already run would copy it again).
+            self._wait_ticket += 1
+            ticket = self._wait_ticket
+            self._waiting = ticket
+            self.bridge.call_soon(self._request_from_thread, index, ticket)
+            try:
+                if not slot.flag.wait(self.streamed.timeout):
+                    raise TimeoutError(self.streamed.timeout_message(slot.group))
+            finally:
+                self._waiting = 0
         elif not self._window_asked:
             # The first block is on its way to the compute stream: prefetch from now on.
             self._window_asked = True
@@ -304,16 +419,46 @@ class CallPipeline:
         if slot.state == "failed":
             assert slot.failure is not None
             raise slot.failure
+        self.taken.add(index)
         return slot
 
-    def _request_from_thread(self, index: int) -> None:
-        if self.active:
+    def _request_from_thread(self, index: int, ticket: int) -> None:
+        if self.active and self._waiting == ticket:  # the thread still waits for it
+            self.window_open = True  # the consumer waits: let the prefetches use the time
             self._request(index)
-            self.open_window()
 
-    def give_back(self, index: int, event: Any) -> None:
-        """The consumer is done with group ``index``; ``event`` completes after its last
-        reader (loop)."""
+    def give_back_threadsafe(self, index: int, event: Any) -> bool:
+        """:meth:`give_back` from the consumer thread: queued for the loop, which is woken only
+        if no operation of ours is in flight (whose completion would take it anyway). Returns
+        whether the thread held ``index`` (a block whose take failed holds nothing)."""
+        if index not in self.taken:
+            return False
+        self.taken.discard(index)
+        self.slots[index].flag.clear()  # never take this lease again
+        self._returns.append((index, event))
+        if self.copies_in_flight or self.streamed.releasing:
+            return True
+        with self._wake_lock:
+            if self._wake_scheduled:
+                return True
+            self._wake_scheduled = True
+        self.bridge.call_soon(self._woken)
+        return True
+
+    def _woken(self) -> None:
+        with self._wake_lock:
+            self._wake_scheduled = False
+        self.pump()
+
+    def _take_returns(self) -> None:
+        """Take every block the consumer thread handed back (loop): their lease exits and
+        releases in one batch; the caller pumps once after."""
+        returns = self._returns
+        while returns:
+            index, event = returns.popleft()
+            self._give_back_one(index, event)
+
+    def _give_back_one(self, index: int, event: Any) -> None:
         slot = self.slots[index]
         lease = slot.lease
         if lease is None:
@@ -332,28 +477,14 @@ class CallPipeline:
         if index not in self.keep:
             self.streamed.release_replica(index, slot.pending)
         position = self.streamed.position.get(index)
-        if position is not None and position + 1 > self.pos:
-            self.pos = position + 1
+        if position is not None:
+            if self.cyclic:
+                # the next time the block comes at or after pos is the one just run
+                at = self.pos + (position - self.pos) % len(self.order)
+                self.pos = at + 1
+            elif position + 1 > self.pos:
+                self.pos = position + 1
         slot.state = "idle"
-        self.open_window()
-        self.pump()
-
-    def give_back_threadsafe(self, index: int, event: Any) -> None:
-        """:meth:`give_back` from a consumer thread: queued, the loop woken once per batch."""
-        with self._lock:
-            self._returns.append((index, event))
-            schedule = not self._drain_scheduled
-            self._drain_scheduled = True
-        if schedule:
-            self.bridge.call_soon(self._drain_returns)
-
-    def _drain_returns(self) -> None:
-        with self._lock:
-            returns = list(self._returns)
-            self._returns.clear()
-            self._drain_scheduled = False
-        for index, event in returns:
-            self.give_back(index, event)
 
     # ------------------------------------------------------------------ the end
 
@@ -361,35 +492,40 @@ class CallPipeline:
         """Stop: waiting consumers (tasks and threads) raise :class:`CallAborted`."""
         self.active = False
         for slot in self.slots.values():
-            slot._signal()
+            slot.signal()
 
     def finish(self) -> None:
-        """End the call (loop, synchronous): hand back what a consumer still holds (with an
-        event on the compute stream, after anything it may have enqueued), release every
-        replica not kept, cancel copies nobody needs any more."""
-        self._drain_returns()
+        """End the call (loop, synchronous): take what the consumer handed back, hand back
+        what it still holds (with an event on the compute stream, after anything it may have
+        enqueued), release every replica not kept, cancel copies nobody needs any more."""
+        self._take_returns()
         self.abort()
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
         backend = self.manager.backend
+        streamed = self.streamed
         for index, slot in self.slots.items():
+            kept = index in self.keep
             if slot.lease is not None:
                 lease, slot.lease = slot.lease, None
                 slot.tensors = None
                 error = lease.exit_nowait(reader_events=[backend.record_event(self.stream)])
                 if error is not None:
                     self.failures.append(error)
-                if index not in self.keep:
-                    self.streamed.release_replica(index, slot.pending)
-            elif slot.state == "starting" and slot.pending is not None:
+                if not kept:
+                    streamed.release_replica(index, slot.pending)
+            elif slot.state == "starting":
                 pending = slot.pending
-                if pending.done():
-                    if pending.exception() is None and index not in self.keep:
-                        self.streamed.release_replica(index)
+                if pending is None:
+                    if not kept:
+                        streamed.release_replica(index)  # resident at the start, unused
+                elif pending.done():
+                    if pending.exception() is None and not kept:
+                        streamed.release_replica(index)
                 else:
                     pending.cancel()
-                    self.streamed.settle_later(pending)
+                    streamed.settle_later(pending)
                     pending.add_done_callback(self._release_if_arrived(index))
             slot.state = "idle"
             slot.flag.clear()
@@ -405,4 +541,5 @@ class CallPipeline:
         states: dict[str, int] = {}
         for slot in self.slots.values():
             states[slot.state] = states.get(slot.state, 0) + 1
-        return f"<CallPipeline {self.streamed.name} pos={self.pos} {states}>"
+        kind = "cyclic " if self.cyclic else ""
+        return f"<CallPipeline {kind}{self.streamed.name} pos={self.pos} {states}>"

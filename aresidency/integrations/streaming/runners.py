@@ -8,7 +8,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,10 +159,17 @@ class ThreadedRunner:
             self._executor = None
 
     async def run(
-        self, call: CallPipeline, stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        call: CallPipeline,
+        stream: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
-        """Run the module's own forward in a worker thread; its blocks' hooks take and give
-        back their weights through the pipeline (no round trip to the loop when ready)."""
+        """Run ``fn(*args, **kwargs)`` (the module itself, or its ``generate``) in the worker
+        thread; its blocks' hooks take and give back their weights through the pipeline (no
+        round trip to the loop when ready). Awaits the thread; cancelling the await aborts
+        the call at the next block boundary and waits (shielded) for the thread to unwind."""
         streamed = self.streamed
         resident = streamed.resident_group
         resident_slot: Slot | None = None
@@ -176,7 +183,7 @@ class ThreadedRunner:
                     max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
                 )
             work = functools.partial(
-                self._work, call, stream, resident_slot, TorchState.capture(), args, kwargs
+                self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
             )
             future = self._executor.submit(work)
             done = anyio.Event()
@@ -203,11 +210,12 @@ class ThreadedRunner:
         stream: Any,
         resident: Slot | None,
         torch_state: TorchState,
+        fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, Any]:
-        """The worker thread: run the module with the caller's thread-local torch state;
-        return its output and an event after its last kernel."""
+        """The worker thread: run ``fn`` with the caller's thread-local torch state and the
+        compute stream current; return its output and an event after its last kernel."""
         streamed = self.streamed
         backend = streamed.manager.backend
         with torch_state.enter(), backend.stream_context(stream):
@@ -215,7 +223,7 @@ class ThreadedRunner:
             try:
                 if resident is not None and resident.ready_event is not None:
                     backend.stream_wait(stream, resident.ready_event)
-                output = streamed.module(*args, **kwargs)
+                output = fn(*args, **kwargs)
                 return output, self._reader_event(stream)
             finally:
                 self._worker_ident = None
@@ -232,7 +240,7 @@ class ThreadedRunner:
     def _pre_hook(self, group: TensorGroup, module: nn.Module, args: Any) -> None:
         if self._worker_ident != threading.get_ident():
             return
-        call = self.streamed._call
+        call = self.streamed.current_call
         assert call is not None
         slot = call.take_blocking(group.index)
         if slot.ready_event is not None and not self.streamed.host_compute:
@@ -242,9 +250,11 @@ class ThreadedRunner:
         group.swap_in(tensors)
 
     def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
+        # Also called when the block (or its pre-hook) raised: give back only what was taken.
         if self._worker_ident != threading.get_ident():
             return
         group.restore()
-        call = self.streamed._call
+        call = self.streamed.current_call
         assert call is not None
-        call.give_back_threadsafe(group.index, self._reader_event(call.stream))
+        if group.index in call.taken:
+            call.give_back_threadsafe(group.index, self._reader_event(call.stream))

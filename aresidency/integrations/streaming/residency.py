@@ -1,0 +1,109 @@
+"""Budgets that remember: which groups of a streamed module stay on the device between calls.
+
+Pure arithmetic over the groups' charges and the device ledger (read from the manager's state,
+never changed here). :func:`spread` picks the blocks that fill the room left beside the prefetch
+window, spread evenly over the call order; :func:`others_bytes` is what other tenants hold at
+the device; :func:`describe` is what
+:meth:`~aresidency.integrations.streaming.module.StreamedModule.residency` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from ...core.locations import Location
+from ...core.sizes import format_nbytes
+from ...core.state import ResidencyState
+from .packing import TensorGroup
+
+__all__ = ["describe", "others_bytes", "spread"]
+
+
+def spread(groups: Sequence[TensorGroup], room: int) -> set[int]:
+    """The indexes of blocks (``groups``, in call order) that fill ``room`` bytes, spread evenly
+    over the call order (every other block when half of them fit): for equal blocks the most
+    bytes kept, so the fewest copied per call, and the copies of the others fall between kept
+    blocks, whose compute they overlap. What rounding leaves is filled in call order."""
+    total = sum(g.charge_bytes for g in groups)
+    if total <= room:
+        return {g.index for g in groups}
+    keep: set[int] = set()
+    if room <= 0 or not groups:
+        return keep
+    fraction = room / total
+    credit = 0.5 * groups[0].charge_bytes  # rounded to the nearest: the first block is kept
+    for group in groups:
+        credit += fraction * group.charge_bytes
+        if credit >= group.charge_bytes and group.charge_bytes <= room:
+            keep.add(group.index)
+            room -= group.charge_bytes
+            credit -= group.charge_bytes
+    for group in groups:
+        if group.index not in keep and group.charge_bytes <= room:
+            keep.add(group.index)
+            room -= group.charge_bytes
+    return keep
+
+
+def others_bytes(state: ResidencyState, device: Location, groups: Sequence[TensorGroup]) -> int:
+    """What other tenants have charged at ``device``: its charge less ``groups`` there now."""
+    ledger = state.find_ledger(device)
+    if ledger is None:
+        return 0
+    ours = 0
+    for group in groups:
+        assert group.handle is not None
+        value = state.find_value(group.handle)
+        if value is not None and device in value.materializations:
+            ours += group.charge_bytes
+    return ledger.charged_bytes - ours
+
+
+def describe(
+    state: ResidencyState,
+    device: Location,
+    blocks: Sequence[TensorGroup],
+    resident: TensorGroup | None,
+    kept: Collection[int],
+    *,
+    window_bytes: int,
+    prefetch: int,
+    keep_resident: bool,
+) -> dict[str, Any]:
+    """Which of the groups (``blocks`` in call order, and the ``resident`` one) stay, and why:
+    see :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`."""
+    ledger = state.find_ledger(device)
+    budget = None if ledger is None else ledger.budget_bytes
+    groups = [*blocks] if resident is None else [*blocks, resident]
+    staying = [g for g in groups if g.index in kept]
+    if resident is not None and resident.index in kept:
+        staying = [resident, *staying[:-1]]  # the resident group is kept first
+    kept_bytes = sum(g.charge_bytes for g in staying)
+    streamed = [g for g in groups if g.index not in kept]
+    total = sum(g.charge_bytes for g in groups)
+    if not keep_resident:
+        reason = "keep_resident=False: every block is released after use"
+    elif budget is None:
+        reason = f"{device} has no strict budget, so nothing stays between calls"
+    elif not streamed:
+        reason = "the whole model fits beside the prefetch window: nothing is copied"
+    else:
+        reason = (
+            f"{len(staying)} of {len(groups)} groups ({format_nbytes(kept_bytes)}) stay: what "
+            f"fits in the {format_nbytes(budget)} budget beside the prefetch window "
+            f"({prefetch + 1} x the largest block, {format_nbytes(window_bytes)}) and what "
+            f"other tenants hold, the tensors outside the blocks first, then blocks spread "
+            f"evenly over the call order so that the copies of the {len(streamed)} others "
+            f"({format_nbytes(total - kept_bytes)} per call) overlap their compute"
+        )
+    return {
+        "kept": [g.name for g in staying],
+        "streamed": [g.name for g in streamed],
+        "kept_bytes": kept_bytes,
+        "streamed_bytes": total - kept_bytes,
+        "window_bytes": window_bytes,
+        "budget_bytes": budget,
+        "others_bytes": None if ledger is None else others_bytes(state, device, groups),
+        "reason": reason,
+    }
