@@ -1,4 +1,4 @@
-"""Explicit residency: place values by hand, explain a plan, run it in a scope, read the evidence.
+"""Explicit Example 1: place values by hand, explain a plan, run it in a scope, read the evidence.
 
 Runs on a GPU when there is one (backend "auto") and on the simulated backend otherwise, which
 makes ``cuda:N`` out of host memory (a simulation, said so in the output).
@@ -31,14 +31,8 @@ MiB = 1 << 20
 async def main() -> None:
     budgets = {"cuda:0": 40 * MiB, "pinned-host": 256 * MiB}
     async with ResidencyManager(budgets=budgets, backend="auto") as manager:
-        print(
-            f"backend: {manager.backend.name}"
-            + (
-                " (a simulation of CUDA devices in host memory)"
-                if manager.backend.simulated
-                else ""
-            )
-        )
+        note = " (a simulation of CUDA devices made of host memory)"
+        print(f"backend: {manager.backend.name}{note if manager.backend.host_compute else ''}")
 
         # 1. Values: two weight matrices in pageable memory, one rebuilt from a source.
         w0 = manager.register(torch.randn(2048, 2048), name="w0")  # 16 MiB

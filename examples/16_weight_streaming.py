@@ -1,4 +1,4 @@
-"""Weight streaming: run a model whose weights do not fit the GPU budget, block by block.
+"""Automatic Example 16: weight streaming runs a model bigger than the GPU budget, block by block.
 
 The model keeps its weights in pinned host memory; a budget of three blocks on ``cuda:0`` is
 all it gets. While block ``i`` computes, the copies of blocks ``i+1`` and ``i+2`` are already on
@@ -9,7 +9,7 @@ bit, as running the whole model on the GPU.
 Runs on a GPU when there is one (backend "auto") and on the simulated backend otherwise, which
 makes ``cuda:N`` out of host memory (a simulation, said so in the output; smaller sizes).
 
-    python examples/02_weight_streaming.py
+    python examples/16_weight_streaming.py
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * d, d, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
+        return out
 
 
 class Model(nn.Module):
@@ -54,7 +55,8 @@ class Model(nn.Module):
         h = self.embed(tokens)
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        logits: torch.Tensor = self.head(h)
+        return logits
 
 
 async def main() -> None:
@@ -66,8 +68,8 @@ async def main() -> None:
     reference_model = copy.deepcopy(model)  # to check the result against, at the end
 
     async with ResidencyManager(backend="auto") as manager:
-        simulated = manager.backend.simulated
-        note = " (a simulation of CUDA devices in host memory)" if simulated else ""
+        simulated = manager.backend.host_compute  # "device" work runs on host threads
+        note = " (a simulation of CUDA devices made of host memory)" if simulated else ""
         print(f"backend: {manager.backend.name}{note}")
 
         # 1. Register: each block's parameters become one managed value in pinned host memory
