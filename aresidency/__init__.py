@@ -3,6 +3,9 @@
 Pageable host memory, pinned host memory or ``cuda:N``, under strict per-location byte budgets,
 with transfers on dedicated copy streams overlapped with compute. Start with
 ``async with ResidencyManager(budgets=...) as manager``; see README.md and ``examples/``.
+Budgets and other byte counts may be written as people write them (``"10GiB"``, ``"512MB"``);
+:func:`budgets_from_max_memory` converts accelerate's ``max_memory``. Test code built on the
+simulated backend lives in :mod:`aresidency.testing` (a pytest plugin too).
 """
 
 from .controller import (
@@ -44,7 +47,10 @@ from .core import (
     ValueHandle,
     ValueSnapshot,
 )
+from .core.sizes import budgets_from_max_memory, format_nbytes, parse_nbytes
+from .diagnosis import DiagnosisReport, diagnose
 from .integrations import StreamedModule, stream_module
+from .loader import DeviceLoader as DeviceLoader  # re-exported: aresidency.DeviceLoader
 from .runtime import (
     CallableSource,
     Hold,
@@ -54,6 +60,7 @@ from .runtime import (
     Scope,
     Source,
 )
+from .serving import ModelPool as ModelPool  # re-exported: aresidency.ModelPool
 
 __version__ = "0.1.0"
 
@@ -62,6 +69,7 @@ __all__ = [
     "PINNED_HOST",
     "CallableSource",
     "CostModel",
+    "DiagnosisReport",
     "Eviction",
     "ExecutionReport",
     "FallbackGraph",
@@ -102,5 +110,9 @@ __all__ = [
     "ValueHandle",
     "ValueSnapshot",
     "__version__",
+    "budgets_from_max_memory",
+    "diagnose",
+    "format_nbytes",
+    "parse_nbytes",
     "stream_module",
 ]

@@ -22,6 +22,26 @@ import torch
 from aresidency import Materialize, Move, ResidencyManager, ResidencyPlan
 
 
+async def profile_transfer(backend: str, iterations: int) -> None:
+    """cProfile of the transfer case: where the host time of a scope goes."""
+    import cProfile
+    import pstats
+
+    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
+        moving = m.register(torch.randn(1024), name="moving", location="pinned-host")
+        plan = ResidencyPlan(enter=[Move(moving, "cuda:0")], exit=[Move(moving, "pinned-host")])
+        for _ in range(100):
+            async with m.scope(plan):
+                pass
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(iterations):
+            async with m.scope(plan):
+                pass
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+
+
 async def measure(backend: str, iterations: int) -> list[tuple[str, float, float]]:
     rows = []
     async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
@@ -71,7 +91,11 @@ def main() -> None:
     parser.add_argument("--backend", default="sim")
     parser.add_argument("--iterations", type=int, default=20000)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    parser.add_argument("--profile", action="store_true", help="cProfile the transfer case")
     args = parser.parse_args()
+    if args.profile:
+        asyncio.run(profile_transfer(args.backend, args.iterations))
+        return
     if args.uvloop:
         import uvloop
 

@@ -6,7 +6,9 @@
 #
 # PARTS picks what runs (default: all of "tests examples copy scope stream loader serve");
 # TEST_PATHS narrows the test directories; TEST_K the tests, with pytest -k (for example
-# "not uvloop and not trio": asyncio only).
+# "not uvloop and not trio": asyncio only). STREAM_ARGS, LOADER_ARGS, SERVE_ARGS pass options
+# (such as --quick) to those benchmarks; SCOPE_QUICK=1 runs bench_scope on asyncio only;
+# EXAMPLES names the examples to run (default: all of examples/[0-9]*.py).
 # Wheels the machine lacks (it has no network) travel in .whl/ and are installed to /tmp/site.
 set -u
 cd "$(dirname "$0")/.."
@@ -23,20 +25,23 @@ has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  python3 -c "import sys, torch, anyio; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'anyio', anyio.__version__)"
+  python3 -c "import sys, importlib.metadata, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'anyio', importlib.metadata.version('anyio'))"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 if has tests; then
-  timeout "${TEST_TIMEOUT:-280}" python3 -m pytest ${TEST_PATHS:-tests} -q -rfE -p no:cacheprovider -p no:asyncio \
-    -m "cuda or cuda2" -k "${TEST_K:-}" --timeout="${PER_TEST_TIMEOUT:-60}" > "$OUT/pytest_cuda.log" 2>&1
+  # SIGINT first: pytest still prints its summary when the time runs out; -v names every test.
+  timeout -s INT -k 20 "${TEST_TIMEOUT:-280}" python3 -m pytest ${TEST_PATHS:-tests} -v -rfE --tb=short \
+    -p no:cacheprovider -p no:asyncio -m "cuda or cuda2" -k "${TEST_K:-}" \
+    --timeout="${PER_TEST_TIMEOUT:-60}" -o faulthandler_timeout=45 > "$OUT/pytest_cuda.log" 2>&1
   echo "== pytest -m 'cuda or cuda2' -k '${TEST_K:-}' rc=$?"
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -n 2
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -n 30
+  grep -E "^E  " "$OUT/pytest_cuda.log" | sort | uniq -c | sort -rn | head -n 15
 fi
 
 if has examples; then
-  for ex in examples/[0-9]*.py; do
+  for ex in ${EXAMPLES:-examples/[0-9]*.py}; do
     timeout 90 python3 "$ex" > "$OUT/$(basename "$ex" .py).log" 2>&1
     echo "== $ex rc=$?"; tail -n 3 "$OUT/$(basename "$ex" .py).log"
   done
@@ -54,23 +59,25 @@ fi
 if has scope; then
   timeout 90 python3 benchmarks/bench_scope.py --backend cuda --iterations 3000 > "$OUT/bench_scope.log" 2>&1
   echo "== bench_scope (cuda, asyncio) rc=$?"; cat "$OUT/bench_scope.log"
-  timeout 90 python3 benchmarks/bench_scope.py --backend cuda --iterations 3000 --uvloop > "$OUT/bench_scope_uvloop.log" 2>&1
+  [ -n "${SCOPE_QUICK:-}" ] || timeout 90 python3 benchmarks/bench_scope.py --backend cuda --iterations 3000 --uvloop > "$OUT/bench_scope_uvloop.log" 2>&1
   echo "== bench_scope (cuda, uvloop) rc=$?"; cat "$OUT/bench_scope_uvloop.log"
+  [ -n "${SCOPE_QUICK:-}" ] || timeout 60 python3 benchmarks/bench_scope.py --backend cuda --iterations 1000 --profile > "$OUT/bench_scope_profile.log" 2>&1
+  echo "== bench_scope --profile rc=$?"; head -n 50 "$OUT/bench_scope_profile.log"
 fi
 
 if has stream; then
-  timeout "${STREAM_TIMEOUT:-300}" python3 benchmarks/bench_stream.py --json "$OUT/bench_stream.json" \
+  timeout "${STREAM_TIMEOUT:-300}" python3 benchmarks/bench_stream.py ${STREAM_ARGS:-} --json "$OUT/bench_stream.json" \
     --markdown "$OUT/bench_stream.md" > "$OUT/bench_stream.log" 2>&1
   echo "== bench_stream rc=$?"
   cat "$OUT/bench_stream.md" 2>/dev/null || tail -n 60 "$OUT/bench_stream.log"
 fi
 
 if has loader && [ -f benchmarks/bench_loader.py ]; then
-  timeout 240 python3 benchmarks/bench_loader.py > "$OUT/bench_loader.log" 2>&1
+  timeout "${LOADER_TIMEOUT:-240}" python3 benchmarks/bench_loader.py ${LOADER_ARGS:-} > "$OUT/bench_loader.log" 2>&1
   echo "== bench_loader rc=$?"; tail -n 40 "$OUT/bench_loader.log"
 fi
 
 if has serve && [ -f benchmarks/bench_serve.py ]; then
-  timeout 240 python3 benchmarks/bench_serve.py > "$OUT/bench_serve.log" 2>&1
+  timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/bench_serve.py ${SERVE_ARGS:-} > "$OUT/bench_serve.log" 2>&1
   echo "== bench_serve rc=$?"; tail -n 40 "$OUT/bench_serve.log"
 fi

@@ -263,7 +263,13 @@ class PinnedArena:
             with self._lock:
                 self._growing = False
         with self._lock:
-            self._add_locked(slab)
+            # The limit may have dropped while the slab was registered: then it goes again.
+            fits = self.limit_bytes is None or self.total_bytes + slab.nbytes <= self.limit_bytes
+            if fits and not self._closed:
+                self._add_locked(slab)
+        if not fits or self._closed:
+            self._release(slab)
+            return False
         return True
 
     def _should_grow_locked(self) -> bool:

@@ -58,6 +58,7 @@ from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
 from .memory import as_bytes, poison_
 from .pinned import PinnedAllocator, cuda_event, register_pinned, unregister_pinned
+from .polling import spin_wait
 from .staging import (
     StagingLane,
     StagingPool,
@@ -65,7 +66,7 @@ from .staging import (
     copy_h2d_staged,
     pageable_empty,
 )
-from .waiter import EventWaiter, spin_wait
+from .waiter import EventWaiter
 
 __all__ = ["CopyStreams", "CudaBackend"]
 
@@ -260,19 +261,22 @@ class CudaBackend(Backend):
     def limit_pinned_overhead(self, headroom: int | None) -> None:
         """Let the arena keep at most ``headroom`` registered bytes beyond its live blocks
         (``None``: only ``pinned_arena_bytes`` bounds it). Slabs left entirely free past the
-        new limit are unregistered in a worker thread. Cheap; on the loop."""
+        new limit are unregistered, and a slab the last requests want is added ahead of need
+        if the new limit allows it, in a worker thread. Cheap; on the loop."""
         arena = self.arena
         if arena is None:
             return
         limit = self.pinned_arena_bytes
         if headroom is not None:
             limit = min(limit, arena.value_bytes + max(headroom, 0))
-        if limit == arena.limit_bytes:
+        if limit == arena.limit_bytes or self._closed:
             return
         shrinking = arena.limit_bytes is None or limit < arena.limit_bytes
         arena.limit_bytes = limit
-        if shrinking and arena.total_bytes > limit and not self._closed:
+        if shrinking and arena.total_bytes > limit:
             self._executor.submit(arena.trim, keep_within_limit=True)
+        elif arena.needs_growth():
+            self._executor.submit(arena.grow_ahead)
 
     def _carve_pinned(
         self, shape: Sequence[int] | torch.Size, dtype: torch.dtype

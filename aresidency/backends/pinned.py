@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -88,7 +89,15 @@ def _register(ptr: int, nbytes: int) -> None:
         )
 
 
+_OWNER_PID = os.getpid()
+
+
 def _unregister(ptr: int) -> None:
+    # In a process forked after CUDA was initialized (a DataLoader worker), the registration
+    # belongs to the parent and any CUDA call aborts the child: a mapping the child drops is
+    # only unmapped (its copy of the pages was never registered in the child's context).
+    if os.getpid() != _OWNER_PID:
+        return
     _cudart().cudaHostUnregister(ptr)
 
 

@@ -8,7 +8,7 @@ previous chunk's wake-up and memcpy while only one device copy is queued; see
 device-to-host, so both copy engines are fed at once. Each lane owns ``buffers`` pinned buffers
 of ``chunk_bytes`` and one thread that runs its jobs in FIFO order, never on the event loop; a
 buffer is refilled only after the device copy that last used it completed
-(:func:`~aresidency.backends.waiter.spin_wait` on its event).
+(:func:`~aresidency.backends.polling.spin_wait` on its event).
 
 Host-to-device, the lane thread copies each chunk into a buffer (torch's ``copy_``, which
 releases the GIL and runs on several threads). Device-to-host, the host side is the limit: a
@@ -36,7 +36,7 @@ import torch
 
 from .arena import private_mapping
 from .pinned import PAGE_BYTES, PinnedAllocator, cuda_event
-from .waiter import spin_wait
+from .polling import spin_wait
 
 __all__ = [
     "StagingLane",

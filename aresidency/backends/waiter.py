@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -74,9 +73,9 @@ from typing import Any, Final
 
 import anyio
 
-from .base import BackendClosedError
 from .bridge import LoopBridge
 from .cudadriver import CudaDriver, Timespec, cuda_driver, hostfunc_available
+from .polling import EventNotes, LoopPoller, closed_error, set_timer_slack, spin_wait
 
 __all__ = [
     "STRATEGIES",
@@ -124,7 +123,7 @@ class EventWaiter:
     ``_notify`` (origin stream key -> notify stream handle, ``hostfunc`` only), ``_closed``,
     ``_loop_pollers`` (one per loop that has events polled on it). What the waiter knows of
     one event (its origin stream, when it is expected, whether its notification is enqueued)
-    is noted on the event object itself (:class:`_EventNotes`): never in a weak-keyed table,
+    is noted on the event object itself (:class:`EventNotes`): never in a weak-keyed table,
     because a weak reference to a ``torch.cuda.Event`` corrupted the interpreter's memory
     when the event was freed on an H200 with torch 2.11 (the garbage collector then crashed).
     Invariants: an entry leaves ``_pending`` only when its event has completed (its callback
@@ -159,7 +158,7 @@ class EventWaiter:
         self.window_s = window_s
         self.lazy_arm_s = lazy_arm_s
         self.loop_poll_s = loop_poll_s
-        self._loop_pollers: dict[LoopBridge, _LoopPoller] = {}
+        self._loop_pollers: dict[LoopBridge, LoopPoller] = {}
         self.loop_hits = 0  # completions seen by polling on the loop
         # hybrid: origin stream -> the durations of its last waits, newest last (under _cond)
         self._durations: dict[Any, list[float]] = {}
@@ -211,7 +210,7 @@ class EventWaiter:
         event is awaited (see the module docstring). ``expected_at``: when (``time.monotonic``)
         the work before the event should be done, if the caller knows (a copy of known size).
         The host does not wait; the origin stream gets no work. Thread-safe."""
-        notes = _EventNotes.of(event)
+        notes = EventNotes.of(event)
         if notes is None:
             return
         notes.expected_at = expected_at
@@ -254,7 +253,7 @@ class EventWaiter:
 
             # Under the lock: the notify stream receives its waits in record order.
             driver.call_in(device, enqueue, "cuStreamWaitEvent/cuLaunchHostFunc")
-            notes = _EventNotes.of(event)
+            notes = EventNotes.of(event)
             if notes is not None:
                 notes.armed = True
 
@@ -272,9 +271,9 @@ class EventWaiter:
             bridge.call_soon_quietly(callback, None)
             return
         if self._closed:
-            bridge.call_soon_quietly(callback, _closed_error())
+            bridge.call_soon_quietly(callback, closed_error())
             return
-        notes = _EventNotes.of(event)
+        notes = EventNotes.of(event)
         if self.loop_poll_s > 0 and bridge.on_loop() and notes is not None:
             expected_at = notes.expected_at
             if expected_at is not None:
@@ -286,17 +285,17 @@ class EventWaiter:
                     return
         self._watch_thread(event, bridge, callback)
 
-    def _loop_poller(self, bridge: LoopBridge) -> _LoopPoller:
+    def _loop_poller(self, bridge: LoopBridge) -> LoopPoller:
         poller = self._loop_pollers.get(bridge)
         if poller is None:
-            poller = self._loop_pollers[bridge] = _LoopPoller(self, bridge)
+            poller = self._loop_pollers[bridge] = LoopPoller(self, bridge)
         return poller
 
     def _watch_thread(self, event: Any, bridge: LoopBridge, callback: Callback) -> None:
         """:meth:`watch` through the waiter thread (any thread)."""
         if self._thread is None:
             self.start()
-        notes = _EventNotes.of(event)
+        notes = EventNotes.of(event)
         key = notes.origin if notes is not None else None
         if key is None:
             # Recorded elsewhere (not by the backend): notify through a per-device stream.
@@ -426,7 +425,7 @@ class EventWaiter:
     def _run_hybrid(self) -> None:
         driver = self._driver
         assert driver is not None and self._sem is not None
-        _set_timer_slack()
+        set_timer_slack()
         sem = ctypes.addressof(self._sem)
         libc = driver.libc
         timeout = Timespec()
@@ -474,7 +473,7 @@ class EventWaiter:
                 self.poll_hits += found
 
     def _run_poll(self) -> None:
-        _set_timer_slack()
+        set_timer_slack()
         interval = self.poll_min_s
         while True:
             with self._cond:
@@ -514,7 +513,7 @@ class EventWaiter:
             notify = dict(self._notify)
             self._notify.clear()
         for p in pending:
-            p.bridge.call_soon_quietly(p.callback, _closed_error())
+            p.bridge.call_soon_quietly(p.callback, closed_error())
         for poller in list(self._loop_pollers.values()):
             poller.bridge.call_soon_quietly(poller.tick)  # fails its entries: closed
         if self._driver is not None and self._sem is not None:
@@ -537,99 +536,7 @@ class EventWaiter:
         )
 
 
-class _EventNotes:
-    """What the waiter knows of one event, kept on the event (attribute ``_aresidency``):
-    ``origin`` (the stream it was recorded on, as ``(device, handle)``), ``expected_at`` (when
-    the backend expects it to complete, ``time.monotonic``), ``armed`` (its notification is
-    enqueued). Events that take no attributes get none (and are waited for without them)."""
-
-    __slots__ = ("armed", "expected_at", "origin")
-
-    def __init__(self) -> None:
-        self.origin: tuple[int, int | None] | None = None
-        self.expected_at: float | None = None
-        self.armed = False
-
-    @classmethod
-    def of(cls, event: Any) -> _EventNotes | None:
-        notes = getattr(event, "_aresidency", None)
-        if notes is None:
-            notes = cls()
-            try:
-                event._aresidency = notes
-            except AttributeError:
-                return None
-        return notes  # type: ignore[no-any-return]
-
-
-class _LoopPoller:
-    """Events due within ``loop_poll_s``, queried on their loop once per loop iteration (a
-    callback that reschedules itself while any remain). One per loop; loop thread only.
-    An event still pending at its deadline goes to the waiter thread."""
-
-    __slots__ = ("bridge", "entries", "scheduled", "waiter")
-
-    def __init__(self, waiter: EventWaiter, bridge: LoopBridge) -> None:
-        self.waiter = waiter
-        self.bridge = bridge
-        self.entries: list[tuple[Any, Callback, float]] = []
-        self.scheduled = False
-
-    def add(self, event: Any, callback: Callback, deadline: float) -> None:
-        self.entries.append((event, callback, deadline))
-        if not self.scheduled:
-            self.scheduled = True
-            self.bridge.call_soon_quietly(self.tick)
-
-    def tick(self) -> None:
-        self.scheduled = False
-        entries, self.entries = self.entries, []
-        closed = self.waiter._closed
-        now = time.monotonic()
-        for event, callback, deadline in entries:
-            if closed:
-                callback(_closed_error())
-            elif event.query():
-                self.waiter.loop_hits += 1
-                callback(None)
-            elif now >= deadline:
-                self.waiter._watch_thread(event, self.bridge, callback)
-            else:
-                self.entries.append((event, callback, deadline))
-        if self.entries and not self.scheduled:
-            self.scheduled = True
-            self.bridge.call_soon_quietly(self.tick)
-
-
-def _set_timer_slack(nanoseconds: int = 1000) -> None:
-    """Make this thread's timed sleeps precise (Linux ``PR_SET_TIMERSLACK``; the default slack
-    of 50 us would dominate a 40 us polling interval). Best effort."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(29, ctypes.c_ulong(nanoseconds), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _run_batch(callbacks: list[Callback]) -> None:
     """On the loop: the completions one sweep found."""
     for callback in callbacks:
         callback(None)
-
-
-def _closed_error() -> BaseException:
-    return BackendClosedError("the event waiter closed before the event completed")
-
-
-def spin_wait(event: Any, spin_s: float = 200e-6) -> None:
-    """Block the calling thread (never the loop) until ``event`` completes: query it for up to
-    ``spin_s`` (a chunk copy usually finishes that soon), then ``synchronize()``, which sleeps
-    for a blocking-sync event."""
-    if event.query():
-        return
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline:
-        if event.query():
-            return
-        os.sched_yield()
-    event.synchronize()

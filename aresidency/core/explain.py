@@ -26,14 +26,16 @@ from .locations import Location
 from .plans import (
     ActionFailed,
     Checkpoint,
+    Move,
     PhaseRequest,
+    Release,
     ResidencyPlan,
     SettleRequest,
     run_phase,
 )
 from .state import ResidencyState
 from .trace import Transition
-from .values import DuplicateReservationError, ValueHandle
+from .values import DuplicateReservationError, ReplicaMode, ValueHandle
 
 __all__ = [
     "PeakLedger",
@@ -43,6 +45,7 @@ __all__ = [
     "explain_plan",
     "explain_plan_steps",
     "plan_fits",
+    "plan_fits_at_once",
     "plan_fits_steps",
     "plan_phases",
     "simulate_requests",
@@ -299,6 +302,39 @@ def plan_fits_steps(state: ResidencyState, plan: ResidencyPlan) -> Steps[bool]:
     sim = yield from state.clone_steps(plan.handles())
     failure = yield from _simulate_plan(sim, plan)
     return failure is None
+
+
+def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
+    """Whether ``plan`` certainly fits without simulating it (admission's fastest path, O(its
+    actions)): it reserves nothing and releases nothing; each value it places exists, is held
+    somewhere (no rebuild), is not being written, and is not in use where a move takes it
+    from; and every location it copies to has room for all of its copies at once, counting
+    no credit for what its moves free. False means "simulate", never "does not fit"."""
+    if plan.reserve:
+        return False
+    adds: dict[Location, int] = {}
+    for action in (*plan.reclaim, *plan.enter, *plan.exit):
+        if isinstance(action, Release):
+            return False
+        value = state.find_value(action.handle)
+        if value is None or value.discarded:
+            return False
+        holders = value.holders()
+        if not holders or any(m.write_count for m in holders):
+            return False
+        if action.location in value.materializations:
+            continue  # already there (or arriving): nothing charged
+        moves = isinstance(action, Move) or value.replica_mode is ReplicaMode.EXCLUSIVE
+        if moves and any(m.use_count or m.hold_count for m in holders):
+            return False
+        adds[action.location] = adds.get(action.location, 0) + value.charge_bytes
+    for location, nbytes in adds.items():
+        ledger = state.find_ledger(location)
+        if ledger is None:
+            return False
+        if ledger.budget_bytes is not None and ledger.charged_bytes + nbytes > ledger.budget_bytes:
+            return False
+    return True
 
 
 def plan_fits(state: ResidencyState, plan: ResidencyPlan) -> bool:

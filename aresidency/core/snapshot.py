@@ -9,8 +9,9 @@ from typing import Any
 
 import immutables
 
-from .errors import ResidencyUnavailableError, format_bytes
+from .errors import ResidencyUnavailableError
 from .locations import Location
+from .sizes import format_nbytes
 from .state import ResidencyState
 from .values import MaterializationState, ReplicaMode, ValueHandle
 
@@ -28,7 +29,11 @@ NOT_RECONSTRUCTIBLE = "not-reconstructible"
 
 @dataclass(frozen=True, slots=True)
 class LocationRecord:
-    """One location's ledger: ``charged_bytes = used_bytes + reserved_bytes``."""
+    """One location's ledger: ``charged_bytes = used_bytes + reserved_bytes``.
+
+    ``spare_bytes``: page-locked memory the backend keeps ready for new values here (the pinned
+    arena's free space, ``aresidency.pinned-arena``): not charged, since a value copied there
+    takes it over, and kept within the budget's headroom."""
 
     location: Location
     budget_bytes: int | None
@@ -37,12 +42,17 @@ class LocationRecord:
     charged_bytes: int
     peak_bytes: int
     reservations: tuple[tuple[str, int], ...]
+    spare_bytes: int = 0
 
     def __repr__(self) -> str:
+        # Sizes as torch.cuda.memory_summary prints them (to_dict keeps the exact counts).
+        budget = "unlimited" if self.budget_bytes is None else format_nbytes(self.budget_bytes)
         return (
-            f"<Location {self.location} used={format_bytes(self.used_bytes)} "
-            f"reserved={format_bytes(self.reserved_bytes)} "
-            f"budget={format_bytes(self.budget_bytes)}>"
+            f"<Location {self.location} used={format_nbytes(self.used_bytes)} "
+            f"reserved={format_nbytes(self.reserved_bytes)} "
+            f"peak={format_nbytes(self.peak_bytes)} budget={budget}"
+            + (f" spare={format_nbytes(self.spare_bytes)}" if self.spare_bytes else "")
+            + ">"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,6 +64,7 @@ class LocationRecord:
             "charged_bytes": self.charged_bytes,
             "peak_bytes": self.peak_bytes,
             "reservations": [[name, nbytes] for name, nbytes in self.reservations],
+            "spare_bytes": self.spare_bytes,
         }
 
     @classmethod
@@ -66,6 +77,7 @@ class LocationRecord:
             data["charged_bytes"],
             data["peak_bytes"],
             tuple((str(n), int(b)) for n, b in data["reservations"]),
+            int(data.get("spare_bytes", 0)),
         )
 
 
@@ -287,6 +299,7 @@ def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
             entry.charged_bytes,
             entry.peak_bytes,
             tuple(sorted((name, nbytes) for name, (nbytes, _) in entry.reservations.items())),
+            entry.spare_bytes,
         )
     previous = state.snapshot_values
     if previous is None:

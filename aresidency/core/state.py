@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from .errors import (
@@ -37,6 +37,7 @@ from .errors import (
     format_bytes,
 )
 from .locations import Location, LocationLike
+from .sizes import ByteSize, parse_nbytes
 from .trace import TraceRing, Transition
 from .values import (
     DEFAULT_GRANULARITY,
@@ -60,7 +61,7 @@ class ResidencyState:
     def __init__(
         self,
         manager_id: str | None = None,
-        budgets: dict[Any, int | None] | None = None,
+        budgets: Mapping[Any, ByteSize | None] | None = None,
         trace_capacity: int = 4096,
         granularity: int = DEFAULT_GRANULARITY,
         clock_ns: Any = time.monotonic_ns,
@@ -78,6 +79,8 @@ class ResidencyState:
         self._seq = 0
         self._trace = TraceRing(trace_capacity)
         self._clock_ns = clock_ns
+        # True on the copies explain and admission simulate on: their budget errors say so.
+        self.in_simulation = False
         # Lists that collect every committed transition (the runtime's journal) and callbacks
         # told of each (explain's peak watcher, the controller's index); usually short.
         self.recorders: list[list[Transition]] = []
@@ -92,12 +95,13 @@ class ResidencyState:
         # Nothing is tracked before the first snapshot; at most O(values) after it.
         self.changed_values: set[ValueHandle] = set()
         self.snapshot_values: Any = None
+        # Budgets as people write them ("10GiB", 10.5e9, 8 << 30): parse_nbytes reads them
+        # exactly; all are parsed before any ledger exists, so a bad one leaves no state.
         parsed: list[tuple[Location, int | None]] = []
         for key, budget in (budgets or {}).items():
             location = Location.parse(key)
-            if budget is not None:
-                check_nbytes(budget, f"budget for {location}")
-            parsed.append((location, budget))
+            nbytes = None if budget is None else parse_nbytes(budget, f"budget for {location}")
+            parsed.append((location, nbytes))
         for location, budget in parsed:
             self._locations[location] = LocationLedger(location, budget)
 
@@ -178,6 +182,9 @@ class ResidencyState:
         location: Location | None,
         nbytes: int,
         name: str | None = None,
+        *,
+        source: Location | None = None,
+        destination: Location | None = None,
     ) -> None:
         self.state_version += 1
         self._seq += 1
@@ -188,7 +195,16 @@ class ResidencyState:
             if value is not None:
                 value.last_used_version = self.state_version
         transition = Transition(
-            self._seq, self.state_version, kind, handle, location, nbytes, self._clock_ns(), name
+            self._seq,
+            self.state_version,
+            kind,
+            handle,
+            location,
+            nbytes,
+            self._clock_ns(),
+            name,
+            source,
+            destination,
         )
         self._trace.append(transition)
         for recorder in self.recorders:
@@ -285,7 +301,9 @@ class ResidencyState:
                 f"value {name!r} needs a location or a source: without either it would hold no data"
             )
         if loc is not None:
-            self.ledger(loc).check_admit(charge_bytes, f"registering {name!r}")
+            self.ledger(loc).check_admit(
+                charge_bytes, f"registering {name!r}", in_simulation=self.in_simulation
+            )
         handle = ValueHandle(self.manager_id, self._new_id(), name)
         value = Value(handle, replica_mode, charge_bytes, has_source, src)
         self._values[handle] = value
@@ -297,11 +315,13 @@ class ResidencyState:
         self._commit("register", handle, loc, charge_bytes if loc is not None else 0)
         return handle
 
-    def set_budget(self, location: LocationLike, budget_bytes: int | None) -> None:
-        """Set or clear a strict budget. Refused if the location already holds more."""
+    def set_budget(self, location: LocationLike, budget_bytes: ByteSize | None) -> None:
+        """Set or clear a strict budget (a byte count as :func:`~.sizes.parse_nbytes` reads
+        it, or ``None``). Refused if the location already holds more."""
         loc = Location.parse(location)
-        if budget_bytes is not None:
-            check_nbytes(budget_bytes, f"budget for {loc}")
+        budget_bytes = (
+            None if budget_bytes is None else parse_nbytes(budget_bytes, f"budget for {loc}")
+        )
         entry = self.ledger(loc)
         if budget_bytes is not None and entry.charged_bytes > budget_bytes:
             raise ResidencyBudgetError(
@@ -311,25 +331,40 @@ class ResidencyState:
                 entry.reserved_bytes,
                 0,
                 what="the new budget (it is below what is already charged)",
+                kind="budget",
+                in_simulation=self.in_simulation,
             )
         entry.budget_bytes = budget_bytes
         self._commit("budget", None, loc, 0)
 
-    def reserve(self, name: str, location: LocationLike, nbytes: int, owner: Any = None) -> None:
-        """Admit a named reservation of ``nbytes`` at ``location``."""
+    def reserve(
+        self, name: str, location: LocationLike, nbytes: ByteSize, owner: Any = None
+    ) -> None:
+        """Admit a named reservation of ``nbytes`` (as :func:`~.sizes.parse_nbytes` reads it)
+        at ``location``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a reservation needs a non-empty str name, got {name!r}")
         loc = Location.parse(location)
-        check_nbytes(nbytes, f"reservation {name!r}")
+        nbytes = parse_nbytes(nbytes, f"reservation {name!r}")
         entry = self.ledger(loc)
         if name in entry.reservations:
             raise DuplicateReservationError(
                 f"a reservation named {name!r} is already active at {loc}"
             )
-        entry.check_admit(nbytes, f"reservation {name!r}")
+        entry.check_admit(
+            nbytes, f"reservation {name!r}", kind="reservation", in_simulation=self.in_simulation
+        )
         entry.add_reservation(name, nbytes, owner)
         entry.note_peak()
         self._commit("reserve", None, loc, nbytes, name)
+
+    def set_spare_bytes(self, location: LocationLike, nbytes: int) -> None:
+        """Note the page-locked bytes the backend keeps ready at ``location`` for new values
+        (see ``LocationLedger.spare_bytes``). Not a transition: nothing is charged, nothing is
+        admitted against it, the state version stays."""
+        loc = Location.parse(location)
+        check_nbytes(nbytes, f"spare bytes at {loc}")
+        self.ledger(loc).spare_bytes = nbytes
 
     def unreserve(self, name: str, location: LocationLike) -> int:
         loc = Location.parse(location)
@@ -545,7 +580,12 @@ class ResidencyState:
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
         charge = value.charge_bytes
-        self.ledger(dst).check_admit(charge, f"{handle} ({'move' if move else 'copy'})")
+        self.ledger(dst).check_admit(
+            charge,
+            f"{handle} ({'move' if move else 'copy'} from {src})",
+            handle=handle,
+            in_simulation=self.in_simulation,
+        )
         ticket = CopyTicket(self._new_id(), handle, src, dst, charge, move)
         value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
         self._charge(dst, charge)
@@ -557,7 +597,9 @@ class ResidencyState:
             mat.state = MaterializationState.OUTGOING
             self._locations[src].outgoing_bytes += charge
         self._open(ticket)
-        self._commit("move_begin" if move else "copy_begin", handle, dst, charge)
+        self._commit(
+            "move_begin" if move else "copy_begin", handle, dst, charge, source=src, destination=dst
+        )
         return ticket
 
     def begin_load(
@@ -584,19 +626,30 @@ class ResidencyState:
         # Checked on existing ledgers only: a refused call must not add a location (a location
         # without a ledger has no budget and admits anything).
         if via is not None and via in self._locations:
-            self._locations[via].check_admit(charge, f"{handle} (temporary load from its source)")
+            self._locations[via].check_admit(
+                charge,
+                f"{handle} (temporary load from its source, on its way to {dst})",
+                handle=handle,
+                kind="reconstruction",
+                in_simulation=self.in_simulation,
+            )
         if dst in self._locations:
-            self._locations[dst].check_admit(charge, f"{handle} (rebuilt from its source)")
+            self._locations[dst].check_admit(
+                charge,
+                f"{handle} (rebuilt from its source)",
+                handle=handle,
+                in_simulation=self.in_simulation,
+            )
         ticket = CopyTicket(self._new_id(), handle, None, dst, charge, False, via)
         self._open(ticket)
         if via is not None:
             self._charge(via, charge)
             self._locations[via].reconstruction_bytes += charge
-            self._commit("rebuild_temp", handle, via, charge)
+            self._commit("rebuild_temp", handle, via, charge, source=via, destination=dst)
         value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
         self._charge(dst, charge)
         self._locations[dst].incoming_bytes += charge
-        self._commit("load_begin", handle, dst, charge)
+        self._commit("load_begin", handle, dst, charge, source=via, destination=dst)
         return ticket
 
     def commit_copy(self, ticket: CopyTicket) -> None:
@@ -630,17 +683,35 @@ class ResidencyState:
                 self._uncharge(src.location, src.charged_bytes)
                 self._locations[src.location].outgoing_bytes -= src.charged_bytes
                 freed = src.charged_bytes
+        # Both ends are named: a move's commit is recorded where its bytes change (the source).
+        source, destination = ticket.source or ticket.via, ticket.destination
         if src is not None and ticket.move:
             # The bytes change at the source: record the transition there.
-            self._commit("move_commit", ticket.handle, src.location, -freed)
+            self._commit(
+                "move_commit",
+                ticket.handle,
+                src.location,
+                -freed,
+                source=source,
+                destination=destination,
+            )
         elif ticket.via is not None:
             # The temporary charge ends at the source location: record it there.
             self._uncharge(ticket.via, ticket.nbytes)
             self._locations[ticket.via].reconstruction_bytes -= ticket.nbytes
-            self._commit("load_commit", ticket.handle, ticket.via, -ticket.nbytes)
+            self._commit(
+                "load_commit",
+                ticket.handle,
+                ticket.via,
+                -ticket.nbytes,
+                source=source,
+                destination=destination,
+            )
         else:
             kind = "load_commit" if src is None else "copy_commit"
-            self._commit(kind, ticket.handle, ticket.destination, 0)
+            self._commit(
+                kind, ticket.handle, destination, 0, source=source, destination=destination
+            )
 
     def abort_copy(self, ticket: CopyTicket) -> None:
         """The transfer failed: drop the destination; the source stays intact."""
@@ -661,11 +732,26 @@ class ResidencyState:
             if ticket.move:
                 src.state = MaterializationState.RESIDENT
                 self._locations[ticket.source].outgoing_bytes -= src.charged_bytes
-        self._commit("copy_abort", ticket.handle, ticket.destination, -dst.charged_bytes)
+        source, destination = ticket.source or ticket.via, ticket.destination
+        self._commit(
+            "copy_abort",
+            ticket.handle,
+            destination,
+            -dst.charged_bytes,
+            source=source,
+            destination=destination,
+        )
         if ticket.via is not None:
             self._uncharge(ticket.via, ticket.nbytes)
             self._locations[ticket.via].reconstruction_bytes -= ticket.nbytes
-            self._commit("rebuild_abort", ticket.handle, ticket.via, -ticket.nbytes)
+            self._commit(
+                "rebuild_abort",
+                ticket.handle,
+                ticket.via,
+                -ticket.nbytes,
+                source=source,
+                destination=destination,
+            )
 
     def _open(self, ticket: CopyTicket) -> None:
         self._tickets[ticket.ticket_id] = ticket
@@ -750,6 +836,7 @@ class ResidencyState:
         other._seq = self._seq
         other._trace = TraceRing(0)
         other._clock_ns = self._clock_ns
+        other.in_simulation = True
         other.recorders = []
         other.observers = []
         other.origin = None

@@ -220,6 +220,9 @@ class LocationLedger:
     ``protected_bytes`` are materializations in use, held or read (what admission may wait
     for, since protection ends on its own).
     ``reserved_bytes`` is the sum of the named reservations (kept, not recomputed).
+    ``spare_bytes``: page-locked bytes the backend keeps ready for new pinned values (a pinned
+    arena's free space). Not charged: a value copied there takes them over; the runtime keeps
+    them within the budget's headroom (shown, never admitted against).
     """
 
     __slots__ = (
@@ -232,6 +235,7 @@ class LocationLedger:
         "reconstruction_bytes",
         "reservations",
         "reserved_bytes",
+        "spare_bytes",
         "used_bytes",
     )
 
@@ -245,6 +249,7 @@ class LocationLedger:
         self.protected_bytes = 0
         self.reservations: dict[str, tuple[int, Any]] = {}  # name -> (nbytes, owner)
         self.reserved_bytes = 0
+        self.spare_bytes = 0
         self.peak_bytes = 0
 
     def add_reservation(self, name: str, nbytes: int, owner: Any) -> None:
@@ -265,6 +270,7 @@ class LocationLedger:
         twin.protected_bytes = self.protected_bytes
         twin.reservations = dict(self.reservations)
         twin.reserved_bytes = self.reserved_bytes
+        twin.spare_bytes = self.spare_bytes
         twin.peak_bytes = self.peak_bytes
         return twin
 
@@ -272,7 +278,17 @@ class LocationLedger:
     def charged_bytes(self) -> int:
         return self.used_bytes + self.reserved_bytes
 
-    def check_admit(self, requested: int, what: str) -> None:
+    def check_admit(
+        self,
+        requested: int,
+        what: str,
+        *,
+        handle: ValueHandle | None = None,
+        kind: str = "materialization",
+        in_simulation: bool = False,
+    ) -> None:
+        """``ResidencyBudgetError`` if ``requested`` more bytes would exceed the budget;
+        ``handle``, ``kind`` and ``in_simulation`` go into the error (see its docstring)."""
         if self.budget_bytes is not None and self.charged_bytes + requested > self.budget_bytes:
             raise ResidencyBudgetError(
                 self.location,
@@ -281,6 +297,9 @@ class LocationLedger:
                 self.reserved_bytes,
                 requested,
                 what=what,
+                handle=handle,
+                kind=kind,
+                in_simulation=in_simulation,
             )
 
     def note_peak(self) -> None:

@@ -30,6 +30,7 @@ from ..core.explain import (
     Steps,
     drain,
     explain_plan_steps,
+    plan_fits_at_once,
     plan_fits_steps,
 )
 from ..core.locations import Location
@@ -128,7 +129,10 @@ class AdmissionQueue:
         # plan, a plan for another device): it does not wait behind them.
         queued = self.must_queue(charged)
         waiter = _Waiter(plan, charged)
-        if not queued and await self._sliced(lambda: plan_fits_steps(state, plan)):
+        if not queued and (
+            plan_fits_at_once(state, plan)
+            or await self._sliced(lambda: plan_fits_steps(state, plan))
+        ):
             self._queue.append(waiter)
             return waiter
         explanation = await self._sliced(
@@ -145,7 +149,9 @@ class AdmissionQueue:
             while True:
                 if self._queue[0] is waiter:
                     self._check_stale(expected_version)
-                    if await self._sliced(lambda: plan_fits_steps(state, plan)):
+                    if plan_fits_at_once(state, plan) or await self._sliced(
+                        lambda: plan_fits_steps(state, plan)
+                    ):
                         return waiter
                     explanation = await self._sliced(
                         lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())

@@ -22,6 +22,7 @@ import anyio.abc
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
+from ..core.locations import Location
 from ..core.state import ResidencyState
 from ..core.trace import Transition
 from ..core.values import ValueHandle
@@ -32,6 +33,8 @@ from .signal import ChangeSignal, ManagerClosedError
 from .sources import Source
 
 __all__ = ["Runtime"]
+
+PINNED = Location("pinned-host")
 
 
 class Runtime:
@@ -91,7 +94,25 @@ class Runtime:
         journal.clear()
         for tensor, location in self.payloads.effects(committed):
             self.backend.free(tensor, location)
+        self.sync_spare()
         self.signal.notify()
+
+    def sync_spare(self) -> None:
+        """Bound the backend's spare pinned memory (its pinned arena) by the pinned-host
+        budget and show it in the ledger. The arena may hold what its live blocks and the
+        copies admitted into pinned memory need, plus the budget's headroom; no more."""
+        ledger = self.state.find_ledger(PINNED)
+        if ledger is None:
+            return
+        backend = self.backend
+        if ledger.budget_bytes is None:
+            backend.limit_pinned_overhead(None)
+        else:
+            headroom = ledger.budget_bytes - ledger.charged_bytes
+            backend.limit_pinned_overhead(ledger.incoming_bytes + max(headroom, 0))
+        spare = backend.pinned_overhead_bytes()
+        if spare != ledger.spare_bytes:
+            self.state.set_spare_bytes(PINNED, spare)
 
     # -- checks
 

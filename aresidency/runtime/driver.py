@@ -68,9 +68,9 @@ class PhaseRun:
 
     State: ``_gen`` (the model's phase generator), ``_request`` (what it asked for last),
     ``_open`` (ticket id -> ticket, transfers not complete yet), ``_transfers`` (ticket id ->
-    the backend's transfer), ``_errors`` (ticket id -> outcome), ``_unlisten`` (set while the
-    run waits for a state change), ``transitions`` (what this run committed, in order),
-    ``finished``/``error``, ``cancel_requested``.
+    the backend's transfer, while open), ``_errors`` (ticket id -> outcome), ``_unlisten``
+    (set while the run waits for a state change), ``transitions`` (what this run committed,
+    in order), ``finished``/``error``, ``cancel_requested``.
     Invariants: while not finished, every begun ticket is either open or has its outcome in
     ``_errors``; the run finishes only after the generator ended, so every ticket it began is
     committed or aborted by then.
@@ -246,6 +246,9 @@ class PhaseRun:
         are made per ticket as they complete, not over the whole request at the end)."""
         self._errors[ticket.ticket_id] = error
         self._open.pop(ticket.ticket_id, None)
+        # A finished transfer is only needed for cancelling an open one: dropped here, so that
+        # the run (and an operation object a caller keeps) never holds its tensor alive.
+        self._transfers.pop(ticket.ticket_id, None)
         payload = self._rt.payloads.get(ticket.handle, ticket.destination)
         if payload is not None:
             if error is not None:

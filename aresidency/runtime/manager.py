@@ -20,13 +20,21 @@ is: :attr:`ResidencyManager.state` (read it, never mutate it),
 :meth:`ResidencyManager.wait_for_change`, :attr:`ResidencyManager.bridge` (to call back into
 the loop from another thread), :meth:`ResidencyManager.materialize_nowait` and
 :meth:`ResidencyManager.copy_issued`.
+
+Why this module is long: it is the one public front of the runtime; every operation is a short
+method that checks its arguments and hands over to the runtime's modules, and their docstrings
+(what the host waits for, on which stream) are the API reference. The diagnosis methods at the
+end (``owners``, ``dump``, ``export_timeline``) delegate to :mod:`aresidency.diagnosis`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -36,10 +44,11 @@ import torch
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
-from ..core.errors import ResidencyUnavailableError
+from ..core.errors import ResidencyBudgetError, ResidencyUnavailableError
 from ..core.explain import PlanExplanation, explain_plan
 from ..core.locations import Location, LocationLike
 from ..core.plans import Action, ActionFailed, Materialize, Move, Release
+from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
 from ..core.snapshot import ResidencySnapshot, take_snapshot
 from ..core.state import ResidencyState
 from ..core.timeouts import check_timeout
@@ -50,9 +59,10 @@ from ..core.values import (
     ValueHandle,
     value_charge,
 )
+from ..progress import progress_if_large
 from .context import Runtime
 from .driver import PhaseRun
-from .leases import Hold, Lease
+from .leases import Hold, Lease, add_owners, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
@@ -62,6 +72,8 @@ from .sources import Source
 __all__ = ["STAGING_RESERVATION", "ResidencyManager"]
 
 STAGING_RESERVATION = "aresidency.staging"
+
+_log = logging.getLogger(__name__)
 
 
 def _make_backend(spec: Any) -> Backend:
@@ -106,7 +118,10 @@ def _check_tensor(tensor: Any) -> torch.Tensor:
 class ResidencyManager:
     """Owns residency state and carries out transitions on a device backend.
 
-    ``budgets`` maps locations to strict byte budgets (``None`` or absent: no strict budget).
+    ``budgets`` maps locations to strict byte budgets (``None`` or absent: no strict budget),
+    written as ints, whole floats (``10.5e9``) or strings (``"10GiB"``, ``"64GB"``; see
+    :func:`~aresidency.core.sizes.parse_nbytes`); accelerate's ``max_memory`` form converts with
+    :func:`~aresidency.core.sizes.budgets_from_max_memory`.
     ``backend`` is ``"auto"`` (CUDA when available, else the simulation), ``"cuda"``, ``"sim"``
     (a simulation of CUDA devices in host memory) or a ``Backend`` instance.
     ``trace_capacity=0`` disables the trace. Use as ``async with ResidencyManager(...) as m``
@@ -115,7 +130,7 @@ class ResidencyManager:
 
     def __init__(
         self,
-        budgets: Mapping[Any, int | None] | None = None,
+        budgets: Mapping[Any, ByteSize | None] | None = None,
         backend: Any = "auto",
         trace_capacity: int = 4096,
         *,
@@ -257,9 +272,20 @@ class ResidencyManager:
         backend = self._backend.name if self._backend is not None else self._backend_spec
         waiting = len(self._rt.admission) if self._rt is not None else 0
         values = sum(1 for _ in self._state.values())
+        # Sizes as torch.cuda.memory_summary prints them, for the locations that hold or limit.
+        charged = []
+        for location in self._state.locations():
+            ledger = self._state.ledger(location)
+            if ledger.charged_bytes or ledger.budget_bytes is not None:
+                limit = (
+                    "unlimited"
+                    if ledger.budget_bytes is None
+                    else format_nbytes(ledger.budget_bytes)
+                )
+                charged.append(f" {location} {format_nbytes(ledger.charged_bytes)}/{limit}")
         return (
             f"<ResidencyManager {self.id} v{self.state_version} backend={backend} "
-            f"{self._status} [{values} values, {waiting} waiting]>"
+            f"{self._status} [{values} values, {waiting} waiting]{''.join(charged)}>"
         )
 
     # ---------------------------------------------------------- waiting
@@ -304,17 +330,22 @@ class ResidencyManager:
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
         *,
         location: LocationLike | None = None,
-        charge_bytes: int | None = None,
+        charge_bytes: ByteSize | None = None,
     ) -> ValueHandle:
         """Register ``tensor`` where it lives (or at ``location``, copying it there
-        synchronously, which blocks the host: use it at start-up).
+        synchronously, which blocks the host: use it at start-up). A copy of
+        :data:`~aresidency.progress.LARGE_WORK_BYTES` or more is reported as it runs (log
+        records, and a bar on a terminal: see :func:`~aresidency.progress.progress`).
 
         The charge is the tensor's storage size rounded up to the allocator granularity, or a
-        larger ``charge_bytes``; it is fixed for the value's life and the same everywhere. A
-        tensor whose storage the manager already holds (what ``manager.tensor`` returned, or
-        a tensor registered before) is refused: two values must not share memory."""
+        larger ``charge_bytes`` (an int or a size such as ``"4MiB"``); it is fixed for the
+        value's life and the same everywhere. A tensor whose storage the manager already holds
+        (what ``manager.tensor`` returned, or a tensor registered before) is refused: two values
+        must not share memory."""
         rt = self._running()
         _check_tensor(tensor)
+        if charge_bytes is not None:
+            charge_bytes = parse_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
         owner = rt.payloads.owner_of(tensor)
         if owner is not None:
             raise ValueError(
@@ -328,7 +359,13 @@ class ResidencyManager:
         charge = value_charge(storage, charge_bytes, self._state.granularity)
         label = name if name is not None else f"value-{id(tensor):x}"
         self._state.ledger(loc).check_admit(charge, f"registering {label!r}")
-        placed = tensor if loc == here else rt.backend.place(tensor, loc)
+        if loc == here:
+            placed = tensor
+        else:
+            # Seconds for gigabytes into pinned memory: say so, so it is not taken for a hang.
+            with progress_if_large(f"register {label!r}: copy to {loc}", storage) as report:
+                placed = rt.backend.place(tensor, loc)
+                report.update(storage)
         handle = self._state.register(
             name=label, charge_bytes=charge, replica_mode=replica_mode, location=loc
         )
@@ -405,7 +442,16 @@ class ResidencyManager:
         try:
             await run.wait()
         except ActionFailed as failed:
-            raise failed.cause from None
+            raise self._failed(rt, failed.cause) from None
+
+    @staticmethod
+    def _failed(rt: Runtime, error: BaseException) -> BaseException:
+        """A direct operation's error, on its way out: a ``ResidencyInUseError`` names the
+        tasks owning the leases and holds; a budget error is logged (INFO)."""
+        add_owners(rt, error)
+        if isinstance(error, ResidencyBudgetError) and _log.isEnabledFor(logging.INFO):
+            _log.info("direct operation refused: %s", error)
+        return error
 
     async def materialize(self, handle: ValueHandle, location: LocationLike) -> None:
         """Make the value present at ``location`` (EXCLUSIVE: a move; REPLICABLE: a replica;
@@ -444,7 +490,7 @@ class ResidencyManager:
             rt.admission.refuse_nowait(charged, f"{handle} ({loc})")
         run = PhaseRun(rt, "execute", [action]).start()
         if run.finished and isinstance(run.error, ActionFailed):
-            raise run.error.cause from None
+            raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)
 
     def release_nowait(self, handle: ValueHandle, location: LocationLike) -> PendingOperation:
@@ -457,7 +503,7 @@ class ResidencyManager:
         rt.backend.check_location(loc)
         run = PhaseRun(rt, "execute", [Release(handle, loc)]).start()
         if run.finished and isinstance(run.error, ActionFailed):
-            raise run.error.cause from None
+            raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)
 
     def when_copy_issued(
@@ -478,7 +524,10 @@ class ResidencyManager:
         """:meth:`discard` now, synchronously, for a value without pending consumer events
         (``ResidencyInUseError`` otherwise, changing nothing)."""
         rt = self._running()
-        self._state.discard(handle)
+        try:
+            self._state.discard(handle)
+        except BaseException as error:
+            raise self._failed(rt, error) from None
         rt.sources.pop(handle, None)
         rt.settle()
 
@@ -492,7 +541,10 @@ class ResidencyManager:
             if not any(m.pending_event_count for m in value.materializations.values()):
                 break
             await rt.signal.wait()
-        self._state.discard(handle)
+        try:
+            self._state.discard(handle)
+        except BaseException as error:
+            raise self._failed(rt, error) from None
         rt.sources.pop(handle, None)
         rt.settle()
 
@@ -588,3 +640,41 @@ class ResidencyManager:
         finally:
             self._state.unreserve(name, loc)
             rt.settle()
+
+    # ------------------------------------------------------------- diagnosis
+
+    def owners(self) -> list[tuple[ValueHandle, Location, str, str]]:
+        """Every active lease and hold as ``(handle, location, kind, task name)``: the task
+        that entered it (``kind`` is ``"read lease"``, ``"write lease"`` or ``"hold"``).
+        Loop thread; empty once the manager closed."""
+        rt = self._rt
+        if rt is None or self._status != "running":
+            return []
+        rt.check_thread()
+        return lease_owners(rt).entries()
+
+    def dump(self, path: str | os.PathLike[str], error: BaseException | None = None) -> Path:
+        """Write the evidence for a diagnosis to ``path`` as JSON: the snapshot, the trace,
+        the owners of active leases and holds, ``error.to_dict()`` and, for an error that
+        carries a plan, ``explain`` of it against the current state. ``python -m aresidency
+        diagnose PATH`` prints the report :func:`aresidency.diagnose` would from it.
+
+        Taken in one synchronous step on the loop (so it is one state), also after the
+        manager closed; the host then waits for the file to be written (a few hundred KiB
+        at most for the default trace capacity; call it off the hot path). Returns the path."""
+        from ..diagnosis.evidence import collect, write_dump
+
+        return write_dump(path, collect(self, error), error)
+
+    def export_timeline(self, path: str | os.PathLike[str]) -> Path:
+        """Write the trace as a Chrome trace-event JSON file (open it in Perfetto or
+        chrome://tracing): each value a track with its copies, moves and loads (begin to
+        commit or abort), leases and holds as durations; each location's used and reserved
+        bytes as counters; reservations on tracks of their own. Covers what the trace kept
+        (``trace_capacity``). One synchronous step on the loop, then the host waits for the
+        file to be written. Returns the path."""
+        from ..diagnosis.timeline import write_timeline
+
+        if self.running:
+            self.check_thread()
+        return write_timeline(path, self._state.trace_ring.view(), take_snapshot(self._state))

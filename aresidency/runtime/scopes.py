@@ -10,30 +10,44 @@ A failure after admission is ``ResidencyPlanExecutionError``: nothing committed 
 and the reservations a failed entry admitted are released. A body exception stays primary; a
 failing exit is kept on ``exit_error`` (and raised when the body succeeded). ``report`` lists
 the transitions this scope committed, and only those (not what other tasks committed while it
-waited). Cancellation at any await of the entry leaves no reservation, charge or protection
-behind (the driver finishes or aborts every transfer begun); the exit phase runs shielded from
+waited); the release of a failed entry's reservations is marked as clean-up there, so that
+``report.in_effect`` lists what stays. Errors raised at entry carry the scope's ``plan`` and
+``decision``; a ``ResidencyInUseError`` cause names the tasks owning the leases and holds.
+
+Logging (logger ``aresidency.runtime.scopes``, nothing computed when disabled): INFO when a
+scope is about to wait for admission and for what (an extra simulation of the plan, made only
+when INFO is enabled), how long it waited, a summary of the controller decision it enters, and
+its failures; DEBUG each eviction of the decision.
+
+Cancellation at any await of the entry leaves no reservation, charge or protection behind (the
+driver finishes or aborts every transfer begun); the exit phase runs shielded from
 cancellation, so the plan's exit actions are carried out even when the body was cancelled.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..core.errors import ResidencyError, ResidencyPlanExecutionError
+from ..core.errors import ResidencyError, ResidencyPlanError, ResidencyPlanExecutionError
+from ..core.explain import explain_plan, plan_fits
 from ..core.locations import Location
 from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
 from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, Transition
 from .driver import PhaseRun
+from .leases import add_owners
 
 if TYPE_CHECKING:
     from .context import Runtime
 
 __all__ = ["Scope"]
+
+_log = logging.getLogger(__name__)
 
 
 def plan_of(plan_or_decision: Any) -> ResidencyPlan:
@@ -71,13 +85,19 @@ class Scope:
         self.timeout = check_timeout(timeout)
         self._phase_name = phase_name
         self._transitions: list[Transition] = []
+        self._cleanup: set[int] = set()  # seqs of the failed entry's reservation release
         self._reserved: list[tuple[str, Location]] = []
         self.exit_error: BaseException | None = None
         self.status = "new"
 
     @property
     def report(self) -> ExecutionReport:
-        return ExecutionReport(tuple(self._transitions))
+        return ExecutionReport(tuple(self._transitions), frozenset(self._cleanup))
+
+    def _name(self) -> str:
+        request = getattr(self.decision, "request", None)
+        name = getattr(request, "name", None)
+        return f"scope for request {name!r}" if name else f"scope {id(self):#x}"
 
     def __repr__(self) -> str:
         return f"<Scope {self.status} [{len(self._transitions)} transitions]>"
@@ -94,7 +114,10 @@ class Scope:
             failed_reservation_index=index if phase == "reserve" else None,
             partial_report=self.report,
             detail=f"{phase} failed: {cause}",
+            plan=self.plan,
+            decision=self.decision,
         )
+        add_owners(self._rt, cause)
         error.__cause__ = cause
         return error
 
@@ -129,13 +152,53 @@ class Scope:
                 self._reserved.append((reservation.name, reservation.location))
         self._rt.settle()
 
-    def _unreserve_all(self) -> None:
+    def _unreserve_all(self, cleanup: bool = False) -> None:
+        """End the reservations; ``cleanup``: a failed entry's (marked so in the report)."""
         state = self._rt.state
+        start = len(self._transitions)
         with TransitionRecorder(state, self, self._transitions):
             while self._reserved:
                 name, location = self._reserved.pop()
                 state.unreserve(name, location)
+        if cleanup:
+            self._cleanup.update(t.seq for t in self._transitions[start:])
         self._rt.settle()
+
+    def _log_blocked(self) -> bool:
+        """INFO: what the scope is about to wait for, if anything; returns whether it logged.
+        Runs an extra simulation of the plan (and ``explain`` when it does not fit): call it
+        only when INFO is enabled."""
+        rt = self._rt
+        ahead = len(rt.admission)
+        if not plan_fits(rt.state, self.plan):
+            reason = explain_plan(rt.state, self.plan).reason
+            _log.info("%s may wait for admission: %s", self._name(), reason)
+            return True
+        if ahead:
+            _log.info("%s may wait behind %d earlier waiter(s) (FIFO)", self._name(), ahead)
+            return True
+        return False
+
+    def _log_decision(self) -> None:
+        """INFO: the summary of the controller decision entered; DEBUG: each eviction."""
+        decision = self.decision
+        summary = getattr(decision, "summary", None)
+        if not callable(summary):
+            return
+        data = summary()
+        _log.info(
+            "%s entered decision v%s: explored %s states, %d eviction(s), placements %s, "
+            "predicted peaks %s",
+            self._name(),
+            data.get("expected_state_version"),
+            data.get("explored_states"),
+            len(data.get("evictions", ())),
+            data.get("placements"),
+            data.get("predicted_peak_bytes"),
+        )
+        if _log.isEnabledFor(logging.DEBUG):
+            for eviction in getattr(decision, "evictions", ()):
+                _log.debug("%s evicts %s: %s", self._name(), eviction, eviction.reason)
 
     async def __aenter__(self) -> Scope:
         rt = self._rt
@@ -150,7 +213,12 @@ class Scope:
         try:
             for action in (*plan.reclaim, *plan.enter, *plan.exit, *plan.reserve):
                 rt.backend.check_location(action.location)
+            blocked = _log.isEnabledFor(logging.INFO) and self._log_blocked()
+            started = anyio.current_time() if blocked else 0.0
             claim = await rt.admission.admit(plan, self.expected_state_version, self.timeout)
+            if blocked:
+                waited = anyio.current_time() - started
+                _log.info("%s admitted after waiting %.3f s", self._name(), waited)
             try:
                 await self._run_phase("reclaim", plan.reclaim)
                 self._reserve_all()
@@ -159,12 +227,18 @@ class Scope:
                 rt.admission.release(claim)  # what it needs is charged: let the next in
         except BaseException as error:
             self.status = "failed"
-            self._unreserve_all()
+            self._unreserve_all(cleanup=True)
             if isinstance(error, ResidencyPlanExecutionError):
-                error.partial_report = self.report  # with the reservation clean-up included
+                error.set_report(self.report)  # with the reservation clean-up included
+            elif isinstance(error, ResidencyPlanError) and error.plan is None:
+                error.plan, error.decision = self.plan, self.decision
+            if isinstance(error, ResidencyError) and _log.isEnabledFor(logging.INFO):
+                _log.info("%s failed at entry: %s", self._name(), error)
             raise
         self.status = "entered"
         rt.scopes.add(self)
+        if self.decision is not None and _log.isEnabledFor(logging.INFO):
+            self._log_decision()
         return self
 
     async def __aexit__(
@@ -185,6 +259,8 @@ class Scope:
             self.status = "failed"
             self.exit_error = error
             if isinstance(error, ResidencyPlanExecutionError):
-                error.partial_report = self.report
+                error.set_report(self.report)
+            if isinstance(error, ResidencyError) and _log.isEnabledFor(logging.INFO):
+                _log.info("%s failed at exit: %s", self._name(), error)
             if exc is None:
                 raise

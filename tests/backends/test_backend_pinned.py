@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 from _registry import FakeRegistry
 
+from aresidency.backends import pinned as pinned_module
 from aresidency.backends.memory import as_bytes
 from aresidency.backends.pinned import PAGE_BYTES, PinnedAllocator
 
@@ -103,3 +105,28 @@ def test_unpinned_allocation_is_pinned_later_exactly_once(registry: FakeRegistry
     del t
     gc.collect()
     assert registry.ranges == {} and alloc.pinned_bytes == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_calls_cuda_to_unregister(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A DataLoader worker forked after CUDA was initialized drops its copies of pinned
+    # mappings; a CUDA call there aborts the child ("CUDA error: initialization error").
+    calls: list[int] = []
+
+    class Runtime:
+        def cudaHostUnregister(self, ptr: int) -> int:
+            calls.append(ptr)
+            if os.getpid() != parent:
+                os._exit(3)  # the child reached CUDA
+            return 0
+
+    parent = os.getpid()
+    monkeypatch.setattr(pinned_module, "_cudart", Runtime)
+    pid = os.fork()
+    if pid == 0:  # the child
+        pinned_module._unregister(4096)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child called cudaHostUnregister"
+    pinned_module._unregister(8192)  # the parent still unregisters
+    assert calls == [8192]

@@ -59,6 +59,7 @@ class Chaos:
     ops_per_task: int = 25
     faults: bool = False
     checksum: Callable[[torch.Tensor], Any] | None = None  # run where the data is read
+    locations: tuple[str, ...] = LOCATIONS  # where tasks place and read values
     handles: list[ValueHandle] = field(default_factory=list)
     expected: dict[ValueHandle, float] = field(default_factory=dict)
     # (what, expected, got, state version at entry, lease)
@@ -109,7 +110,7 @@ class Chaos:
     async def _op(self, rng: random.Random) -> None:
         m = self.manager
         h = rng.choice(self.handles)
-        where = rng.choice(LOCATIONS)
+        where = rng.choice(self.locations)
         kind = rng.choice(
             ["move", "move", "materialize", "release", "read", "read", "write", "scope", "nowait"]
         )
@@ -155,11 +156,11 @@ class Chaos:
             plan = ResidencyPlan(
                 reserve=[MemoryReservation(f"ws-{rng.randrange(10**9)}", "cuda:0", 4096)],
                 enter=[Materialize(h, where)],
-                exit=[Move(h, rng.choice(LOCATIONS))] if rng.random() < 0.5 else [],
+                exit=[Move(h, rng.choice(self.locations))] if rng.random() < 0.5 else [],
             )
             if other is not h and rng.random() < 0.3:
                 plan = ResidencyPlan(
-                    reclaim=[Release(other, rng.choice(LOCATIONS))],
+                    reclaim=[Release(other, rng.choice(self.locations))],
                     reserve=plan.reserve,
                     enter=plan.enter,
                 )

@@ -1,0 +1,71 @@
+"""Spare pinned memory (a backend's pinned arena): bounded by the pinned-host budget's headroom
+and shown in the ledger, never charged. On the simulated backend (a simulation of CUDA devices
+in host memory) with a stand-in for the arena's two questions; the real arena is covered by
+the CUDA tests."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ReplicaMode, ResidencyManager, ResidencySnapshot
+from aresidency.backends import SimBackend
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+
+
+class ArenaSim(SimBackend):
+    """A simulation whose "arena" holds whatever spare the runtime lets it: the limit given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[int | None] = []
+        self.spare = 0
+
+    def pinned_overhead_bytes(self) -> int:
+        return self.spare
+
+    def limit_pinned_overhead(self, headroom: int | None) -> None:
+        self.limits.append(headroom)
+        self.spare = min(self.spare, headroom) if headroom is not None else self.spare
+
+
+async def test_the_arena_is_bounded_by_the_budget_headroom_and_shown_uncharged() -> None:
+    backend = ArenaSim()
+    async with ResidencyManager(budgets={"pinned-host": 10 * MiB}, backend=backend) as m:
+        backend.spare = 6 * MiB  # grown ahead while nothing was charged
+        h = m.register(
+            torch.zeros(MiB, dtype=torch.uint8), None, ReplicaMode.REPLICABLE, location="cuda:0"
+        )
+        await m.materialize(h, "pinned-host")
+        ledger = m.state.ledger("pinned-host")
+        assert ledger.charged_bytes == MiB, "the spare bytes are not charged"
+        assert backend.limits[-1] == 9 * MiB, "budget less what is charged"
+        record = m.snapshot().location("pinned-host")
+        assert record.spare_bytes == 6 * MiB and "spare=6144 KiB" in repr(record)
+        again = ResidencySnapshot.from_dict(m.snapshot().to_dict())
+        assert again.location("pinned-host").spare_bytes == 6 * MiB
+        big = m.register(
+            torch.zeros(7 * MiB, dtype=torch.uint8), None, ReplicaMode.REPLICABLE, location="cuda:0"
+        )
+        await m.materialize(big, "pinned-host")  # admitted against the budget, not the spare
+        assert backend.limits[-1] == 2 * MiB
+        assert m.snapshot().location("pinned-host").spare_bytes == 2 * MiB, "the arena shrank"
+        version = m.state_version
+        backend.spare = MiB
+        await m.release(big, "pinned-host")
+        assert backend.limits[-1] == 9 * MiB
+        assert m.state_version == version + 1, "the spare is noted, not a transition"
+
+
+async def test_without_a_pinned_budget_only_the_backend_bounds_its_arena() -> None:
+    backend = ArenaSim()
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(torch.zeros(1000), None, ReplicaMode.REPLICABLE, location="cuda:0")
+        await m.materialize(h, "pinned-host")
+        assert backend.limits and set(backend.limits) == {None}
+        with anyio.fail_after(5):
+            await m.release(h, "pinned-host")
