@@ -36,9 +36,9 @@ safetensors directory or its index) can be given as ``checkpoint=`` for a model 
 
 One block's tensors form one value, so a block costs one copy, one lease, one event and one
 release whatever its number of parameters (a many-parameter block would otherwise pay per tensor
-in both Python overhead and small-copy bandwidth: ANCHORS.md, 44.6 GB/s at 4 MB against 55 GB/s
-for large copies). Inside the flat buffer each tensor starts on a 512-byte boundary (the CUDA
-caching allocator's granularity) and keeps its strides, so kernels see the same alignment and
+in both Python overhead and small-copy bandwidth: docs/performance.md, 44.6 GB/s at 4 MB against
+55 GB/s for large copies). Inside the flat buffer each tensor starts on a 512-byte boundary (the
+CUDA caching allocator's granularity) and keeps its strides, so kernels see the same alignment and
 layout as for a tensor of its own and give bit-identical results.
 
 Blocks are found as: the children of an ``nn.Sequential``; otherwise the ``nn.ModuleList`` of
