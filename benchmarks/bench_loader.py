@@ -224,6 +224,9 @@ def dataloader(dataset: Dataset[torch.Tensor], workers: int, pin: bool) -> DataL
         pin_memory=pin,
         prefetch_factor=PREFETCH_FACTOR if workers else None,
         persistent_workers=False,
+        # Workers forked from a process that initialized CUDA crash on their first CUDA call
+        # (freeing an inherited pinned tensor is one): start them from a clean server.
+        multiprocessing_context="forkserver" if workers and torch.cuda.is_initialized() else None,
     )
 
 

@@ -31,8 +31,10 @@ cat "$OUT/env.txt"
 
 if has tests; then
   # SIGINT first: pytest still prints its summary when the time runs out; -v names every test.
+  # The package is not installed here (PYTHONPATH): load its pytest plugin by name.
+  PLUGIN=$(python3 -c "import importlib.metadata as m; print('' if any(e.name == 'aresidency' for e in m.entry_points(group='pytest11')) else '-p aresidency.testing.plugin')")
   timeout -s INT -k 20 "${TEST_TIMEOUT:-280}" python3 -m pytest ${TEST_PATHS:-tests} -v -rfE --tb=short \
-    -p no:cacheprovider -p no:asyncio -m "cuda or cuda2" -k "${TEST_K:-}" \
+    -p no:cacheprovider -p no:asyncio $PLUGIN -m "cuda or cuda2" -k "${TEST_K:-}" \
     --timeout="${PER_TEST_TIMEOUT:-60}" -o faulthandler_timeout=45 > "$OUT/pytest_cuda.log" 2>&1
   echo "== pytest -m 'cuda or cuda2' -k '${TEST_K:-}' rc=$?"
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -n 2

@@ -27,6 +27,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +238,11 @@ class SimBackend(Backend):
         self._extra_streams: list[SimStream] = []
         self._lock = threading.Lock()
         self._owned: dict[int, Location] = {}
+        # Simulated device memory in use, as torch.cuda.memory_allocated counts it: the bytes of
+        # every live tensor this backend allocated at a cuda location (until its last reference
+        # dies, not when the runtime frees it), and the peak since the last reset.
+        self._device_bytes: dict[Location, int] = {}
+        self._device_peak: dict[Location, int] = {}
         self._host_waits = OnceCallbacks()
         self._closed = False
         self._started = False
@@ -327,10 +333,47 @@ class SimBackend(Backend):
             )
         tensor = torch.empty(tuple(shape), dtype=dtype)
         poison_(tensor)
-        if tensor.untyped_storage().nbytes():
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes:
             with self._lock:
                 self._owned[tensor.untyped_storage().data_ptr()] = loc
+                if loc.is_cuda:
+                    used = self._device_bytes.get(loc, 0) + nbytes
+                    self._device_bytes[loc] = used
+                    if used > self._device_peak.get(loc, 0):
+                        self._device_peak[loc] = used
+            if loc.is_cuda:
+                # Views keep their base tensor object alive, so this runs when the last
+                # reference to the memory dies, in whatever thread drops it.
+                weakref.finalize(tensor, self._device_tensor_died, loc, nbytes)
         return tensor
+
+    def _device_tensor_died(self, location: Location, nbytes: int) -> None:
+        with self._lock:
+            self._device_bytes[location] -= nbytes
+
+    def memory_allocated(self, location: LocationLike) -> int:
+        """SIMULATED device memory in use at a cuda location: the bytes of the live tensors
+        this backend allocated there (as ``torch.cuda.memory_allocated``: memory counts until
+        its last reference dies, whatever the ledger says)."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        with self._lock:
+            return self._device_bytes.get(loc, 0)
+
+    def max_memory_allocated(self, location: LocationLike) -> int:
+        """The peak of :meth:`memory_allocated` since the start or the last
+        :meth:`reset_peak_memory_allocated` (as ``torch.cuda.max_memory_allocated``)."""
+        loc = Location.parse(location)
+        self.check_location(loc)
+        with self._lock:
+            return self._device_peak.get(loc, 0)
+
+    def reset_peak_memory_allocated(self, location: LocationLike) -> None:
+        loc = Location.parse(location)
+        self.check_location(loc)
+        with self._lock:
+            self._device_peak[loc] = self._device_bytes.get(loc, 0)
 
     def place(self, tensor: torch.Tensor, location: Location) -> torch.Tensor:
         """Return ``tensor``'s data at ``location``, synchronously (registration only): as is

@@ -12,6 +12,10 @@ from ..core.sizes import format_nbytes
 __all__ = ["DeviceBatch"]
 
 
+def _released(stream: Any) -> None:  # pragma: no cover - register_stream checks first
+    raise RuntimeError("the batch was released")
+
+
 class DeviceBatch:
     """A batch whose tensors are on ``device``, under leases, until it is released.
 
@@ -72,6 +76,9 @@ class DeviceBatch:
         thread; the host does not wait."""
         release, self._release = self._release, None
         if release is not None:
+            # The callbacks reach the loader's record of this batch, which holds the batch:
+            # dropped, so that no cycle keeps the device tensors alive until a collection.
+            self._register = _released
             release()
 
     def register_stream(self, stream: Any) -> None:

@@ -92,10 +92,16 @@ class Runtime:
             return
         committed = journal[:]
         journal.clear()
-        for tensor, location in self.payloads.effects(committed):
-            self.backend.free(tensor, location)
+        self._free(committed)
         self.sync_spare()
         self.signal.notify()
+
+    def _free(self, committed: list[Transition]) -> None:
+        # A function of its own: no local of settle() may hold a freed tensor while the
+        # notify that follows wakes code that allocates again (the memory would be counted
+        # twice on a device: freed in the ledger, still allocated in torch).
+        for tensor, location in self.payloads.effects(committed):
+            self.backend.free(tensor, location)
 
     def sync_spare(self) -> None:
         """Bound the backend's spare pinned memory (its pinned arena) by the pinned-host

@@ -239,6 +239,7 @@ class PhaseRun:
         transfer = self._transfers.get(ticket.ticket_id)
         if error is None and transfer is not None:
             error = transfer.outcome()
+        del transfer  # completing may free its destination (an abort): hold nothing of it
         self._complete(ticket, error)
 
     def _complete(self, ticket: CopyTicket, error: BaseException | None) -> None:
@@ -255,6 +256,7 @@ class PhaseRun:
                 payload.failure = error  # leases entered on the incoming copy report it
             else:
                 payload.transfer = None  # its data is there (committed with the request)
+        del payload  # the commit below may free it (an abort): hold nothing of it
         if not self._may_commit(ticket):
             self._blocking.add(ticket.ticket_id)
         if not self._open:

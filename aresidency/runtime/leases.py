@@ -313,6 +313,12 @@ class Lease:
             raise RuntimeError(f"the lease is {self.status}, not entered")
         self.status = "exited"
         self._tensor = None
+        payload = self._payload
+        if payload is not None and payload.transfer is None and payload.failure is None:
+            # Nothing left to report (the data was there): an exited lease must not keep the
+            # payload's tensor alive once the materialization is released.
+            self._payload = None
+        del payload
         rt = self._rt
         error: BaseException | None = None
         events: list[Any] = []
@@ -346,8 +352,8 @@ class Lease:
     ) -> None:
         if self.status != "entered":
             return
-        payload = self._payload
         error = self.exit_nowait()
+        payload = self._payload  # kept only when entered on a copy that was still incoming
         transfer = None if payload is None else payload.transfer
         if transfer is not None and not transfer.query():
             # Entered on an incoming copy: the body's reads are valid only if it succeeds.

@@ -45,12 +45,20 @@ class _Watch:
     ) -> None:
         self.reaper = reaper
         self.token = token
-        self.waitable = waitable
+        self.waitable: DeviceEvent | Transfer | None = waitable
         self.callback = callback
+
+    def done(self) -> bool:
+        """Whether the watched work completed (queried now; never blocks)."""
+        waitable = self.waitable
+        return waitable is not None and waitable.query()
 
     def fire(self, error: BaseException | None) -> None:
         if self.reaper._watched.pop(self.token, None) is None:
             return  # the other path (notification or safety sweep) was first
+        # The callback may free what the waitable holds (a transfer's destination) and what
+        # that wakes may allocate again: nothing here may keep it alive meanwhile.
+        self.waitable = None
         try:
             self.callback(error)
         finally:
@@ -119,6 +127,9 @@ class Reaper:
                 payload.readers.remove(event)
             except ValueError:
                 pass
+            # No local may hold the payload across settle(): the reap may free its tensor, and
+            # what settle() wakes may allocate again in this very frame's lifetime.
+            del payload
         value = runtime.state.find_value(handle)
         mat = None if value is None else value.materializations.get(location)
         if mat is not None and mat.pending_event_count > 0:
@@ -137,6 +148,6 @@ class Reaper:
                 continue
             await anyio.sleep(self.safety_interval)
             for watch in list(self._watched.values()):
-                if watch.waitable.query():
+                if watch.done():
                     self.safety_hits += 1
                     watch.fire(None)

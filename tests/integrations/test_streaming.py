@@ -679,3 +679,35 @@ async def test_checkpoint_loads_in_flight_count_against_the_budget(tmp_path: Pat
         assert len(loads) == 8  # each block read once
         assert not [t for t in trace.transitions if t.kind == "copy_abort"]
         assert_all_released(m, streamed, host="none")
+
+
+@pytest.mark.parametrize("host", ["pinned-host", "pageable-host"])
+@pytest.mark.parametrize("kind", ["sequential", "module"])
+async def test_device_memory_in_use_never_exceeds_the_budget(kind: str, host: str) -> None:
+    """The simulation counts its device memory as torch.cuda.memory_allocated does (a tensor
+    counts until its last reference dies, whatever the ledger says): a streamed call's peak
+    must stay within the budget. A local that held a released block's payload across the
+    reap that freed it once kept a fourth block of a three-block budget alive."""
+    model: nn.Module = linears(64, 12) if kind == "sequential" else Net(d=64, n=12)
+    x = torch.randn(4, 64) if kind == "sequential" else torch.randn(4, 16)
+    expected = reference(model, x)
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as probe_manager:
+        probe = stream_module(probe_manager, model, "cuda:0", prefetch=0)
+        budget = probe.resident_bytes + 3 * max(probe.block_bytes)
+        await probe.aclose()
+    backend = SimBackend()
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        streamed = stream_module(m, model, "cuda:0", prefetch=2, host=host)  # type: ignore[arg-type]
+        for _ in range(2):
+            backend.reset_peak_memory_allocated("cuda:0")
+            with torch.no_grad():
+                y = await streamed(x)
+            assert torch.equal(y, expected)
+            await streamed.drain()
+            assert backend.max_memory_allocated("cuda:0") <= budget, (
+                backend.max_memory_allocated("cuda:0"),
+                budget,
+            )
+        await streamed.aclose()
+    assert backend.memory_allocated("cuda:0") == 0

@@ -247,11 +247,16 @@ async def test_a_budget_smaller_than_the_prefetch_window_is_never_exceeded() -> 
             probe = AheadProbe(m, loader)
             async for batch in loader:
                 got.append(batch.clone())
+                # The loop variable would hold this batch's tensors while the next is fetched
+                # (torch counts memory until its last reference dies; docs/loader.md).
+                del batch
                 with anyio.fail_after(5):  # the window must fill while the step runs
                     while probe.ahead() < 2 and loader.stats().source_batches < 20:
                         await m.wait_for_change()
         probe.close()
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        # the memory really allocated (simulated, counted as torch counts it) too
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
         assert max_charge(m.trace()) <= budget
         # The budget (three batches: all ahead while the consumer waits with none in hand),
         # not prefetch=8, was the limit.
@@ -280,6 +285,9 @@ async def test_the_loader_waits_for_another_tenant_and_never_exceeds_the_shared_
         ):
             async for batch in loader:
                 got.append(batch.clone())
+                # The loop variable would hold this batch's tensors while the next is fetched
+                # (torch counts memory until its last reference dies; docs/loader.md).
+                del batch
                 if len(got) == 2:
                     # The loader holds the whole budget now: the scope queues for room
                     # and the loader, which never overtakes it, lets it in.
@@ -291,6 +299,8 @@ async def test_the_loader_waits_for_another_tenant_and_never_exceeds_the_shared_
             stats = loader.stats()
         assert max_charge(m.trace()) <= budget
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        # the memory really allocated (simulated, counted as torch counts it) too
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
         assert stats.wait_budget_s > 0
         assert_nothing_left(m)
     assert all(torch.equal(a, b) for a, b in zip(got, data))

@@ -472,6 +472,7 @@ class CallPipeline:
         slot.state = "returning"
         self.returned.add(index)
         error = lease.exit_nowait(reader_events=[event])
+        del lease  # a release may free the replica right away: hold nothing of it
         if error is not None:
             self.failures.append(error)
         if index not in self.keep:
@@ -511,6 +512,7 @@ class CallPipeline:
                 lease, slot.lease = slot.lease, None
                 slot.tensors = None
                 error = lease.exit_nowait(reader_events=[backend.record_event(self.stream)])
+                del lease
                 if error is not None:
                     self.failures.append(error)
                 if not kept:
