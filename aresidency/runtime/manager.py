@@ -583,8 +583,10 @@ class ResidencyManager:
     # ------------------------------------------------------------- evidence
 
     def snapshot(self) -> ResidencySnapshot:
-        """Atomic, tensor-free view (taken in one synchronous step on the loop)."""
-        self._running()
+        """Atomic, tensor-free view (taken in one synchronous step on the loop). The pinned
+        arena's spare bytes are read now: its blocks return when their last tensor dies,
+        which is no state change of the manager's."""
+        self._running().sync_spare()
         return take_snapshot(self._state)
 
     def reset_peak_bytes(self, location: LocationLike | None = None) -> None:

@@ -711,3 +711,20 @@ async def test_device_memory_in_use_never_exceeds_the_budget(kind: str, host: st
             )
         await streamed.aclose()
     assert backend.memory_allocated("cuda:0") == 0
+
+
+async def test_drain_waits_for_a_release_that_waits_for_its_copy_to_arrive() -> None:
+    """On a GPU a block is handed back as soon as its kernels are enqueued, often before its
+    copy completed: its release starts once the copy arrives, and drain must wait for both."""
+    model = linears(256, 3)
+    async with ResidencyManager(backend=SimBackend(copy_gbps=0.05)) as m:
+        streamed = stream_module(m, model, "cuda:0", prefetch=0)
+        group = streamed.groups[0]
+        assert group.handle is not None
+        pending = m.materialize_nowait(group.handle, "cuda:0")
+        assert not pending.done(), "the slow simulated copy is still in flight"
+        streamed.release_replica(group.index, pending)
+        await streamed.drain()
+        assert pending.done()
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+        await streamed.aclose()

@@ -121,7 +121,8 @@ class StreamedModule:
         if self.resident_group is not None:
             self._by_index[self.resident_group.index] = self.resident_group
         self.releasing: dict[int, PendingOperation] = {}
-        self.settling: set[PendingOperation] = set()  # prefetches a finished call cancelled
+        # copies a finished call cancelled, or whose block was handed back before it arrived
+        self.settling: set[PendingOperation] = set()
         self.kept: set[int] = set()
         self._release_errors: list[BaseException] = []
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
@@ -344,6 +345,7 @@ class StreamedModule:
             arriving.add_done_callback(
                 lambda done: None if done.exception() else self.release_replica(index)
             )
+            self.settle_later(arriving)  # drain waits for it, then for the release it starts
             return
         if arriving is not None and arriving.exception() is not None:
             return  # the failed copy was aborted: nothing to release
