@@ -56,6 +56,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -826,7 +827,10 @@ async def run_llama(
     gc.collect()
 
     # accelerate's cpu_offload and diffusers' group offloading, where installed
+    skipped = os.environ.get("BENCH_STREAM_SKIP", "").split(",")  # e.g. cpu_offload,diffusers
     for method in ("cpu_offload", "diffusers"):
+        if method in skipped:
+            continue
         if time.perf_counter() - T0 > TIME_LIMIT_S + 60:
             break
         try:
@@ -927,11 +931,16 @@ def llama_workloads(sim: bool) -> list[LlamaWorkload]:
             LlamaWorkload("llama-tiny-a", 6, 64, 128, 4, 2, 96, 16),
             LlamaWorkload("llama-tiny-b", 4, 128, 256, 4, 2, 96, 16),
         ]
+    chosen = os.environ.get("BENCH_STREAM_WORKLOADS")  # a comma-separated subset, by name
     return [
-        # about 6.5, 24.5 and 416 MiB per decoder layer (bf16)
-        LlamaWorkload("llama-6MiB", 96, 512, 1536, 8, 8, 32000, 512),
-        LlamaWorkload("llama-25MiB", 48, 1024, 2816, 16, 16, 32000, 512),
-        LlamaWorkload("llama-400MiB", 12, 4096, 14336, 32, 8, 32000, 512),
+        wl
+        for wl in [
+            # about 6.5, 24.5 and 416 MiB per decoder layer (bf16)
+            LlamaWorkload("llama-6MiB", 96, 512, 1536, 8, 8, 32000, 512),
+            LlamaWorkload("llama-25MiB", 48, 1024, 2816, 16, 16, 32000, 512),
+            LlamaWorkload("llama-400MiB", 12, 4096, 14336, 32, 8, 32000, 512),
+        ]
+        if chosen is None or wl.name in chosen.split(",")
     ]
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import mmap
 import threading
 import weakref
@@ -134,6 +135,13 @@ class _Slab:
             self.unlock()
 
 
+def _unmap(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # a view still exists (cannot happen for an empty slab); unmapped at death
+
+
 def _return_block(owner: weakref.ref[PinnedArena], slab: _Slab, offset: int, nbytes: int) -> None:
     arena = owner()
     if arena is not None:
@@ -157,6 +165,7 @@ class PinnedArena:
         slab_bytes: int = 64 << 20,
         limit_bytes: int | None = None,
         prefault: Callable[[torch.Tensor], None] | None = None,
+        unregister_later: Callable[[int, object, Callable[[], None]], None] | None = None,
     ) -> None:
         if slab_bytes <= 0 or slab_bytes % mmap.PAGESIZE:
             raise ValueError(
@@ -166,6 +175,9 @@ class PinnedArena:
             raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
         self._register = register
         self._unregister = unregister
+        # unregister_later(ptr, keep, then): unlock off the calling thread, keeping ``keep``
+        # (the slab's mapping) alive until then (the CUDA backend's unpinner); None: at once.
+        self._unregister_later = unregister_later
         self._prefault = prefault
         self.slab_bytes = slab_bytes
         self.limit_bytes = limit_bytes
@@ -399,11 +411,13 @@ class PinnedArena:
             self._release(slab)
 
     def _release(self, slab: _Slab) -> None:
+        later = self._unregister_later
+        if later is not None and slab.registered:
+            slab.registered = False
+            later(slab.ptr, slab.mapping, functools.partial(_unmap, slab.mapping))
+            return
         slab.unlock()
-        try:
-            slab.mapping.close()
-        except BufferError:
-            pass  # a view still exists (cannot happen for an empty slab); unmapped at death
+        _unmap(slab.mapping)
 
     def __repr__(self) -> str:
         return (

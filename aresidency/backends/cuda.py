@@ -57,7 +57,14 @@ from .bridge import LoopBridge
 from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
 from .memory import as_bytes, poison_
-from .pinned import PinnedAllocator, cuda_event, register_pinned, unregister_pinned
+from .pinned import (
+    PinnedAllocator,
+    cuda_event,
+    flush_unpins,
+    register_pinned,
+    unpin_later,
+    unregister_pinned,
+)
 from .polling import spin_wait
 from .staging import (
     StagingLane,
@@ -173,7 +180,7 @@ class CudaBackend(Backend):
             raise RuntimeError("CudaBackend needs a CUDA device; use SimBackend without one")
         self.faults = faults if faults is not None else FaultInjector()
         self.waiter = waiter if isinstance(waiter, EventWaiter) else EventWaiter(waiter)
-        self.pinned = PinnedAllocator(cache_bytes=pinned_cache_bytes)
+        self.pinned = PinnedAllocator(cache_bytes=pinned_cache_bytes, unpin_later=True)
         if staging_memcpy_threads is None:
             staging_memcpy_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self.pool = StagingPool(
@@ -193,6 +200,7 @@ class CudaBackend(Backend):
                 slab_bytes=arena_slab_bytes,
                 limit_bytes=pinned_arena_bytes,
                 prefault=_prefault,
+                unregister_later=unpin_later,
             )
         self.pageable_mmap_bytes = pageable_mmap_bytes
         self.inline_pageable_bytes = inline_pageable_bytes
@@ -246,6 +254,7 @@ class CudaBackend(Backend):
             self.pinned.trim()
             if self.arena is not None:
                 self.arena.close()
+            flush_unpins()  # closed means unlocked
 
         await anyio.to_thread.run_sync(close_all)
 

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -32,8 +32,10 @@ __all__ = [
     "PAGE_BYTES",
     "PinnedAllocator",
     "cuda_event",
+    "flush_unpins",
     "register_available",
     "register_pinned",
+    "unpin_later",
     "unregister_pinned",
 ]
 
@@ -101,6 +103,100 @@ def _unregister(ptr: int) -> None:
     _cudart().cudaHostUnregister(ptr)
 
 
+class _Unpinner:
+    """One daemon thread that unlocks page-locked ranges for whoever asks (:func:`unpin_later`).
+
+    ``cudaHostUnregister`` waits until the device is idle, and while it waits every other
+    thread's CUDA call waits too (measured on an H200 with
+    ``benchmarks/diag_register_stall.py``: behind a 500 ms kernel the unregister took 491 ms
+    and an event record + query on another thread 486 ms). Called on the event loop it would
+    stall the loop for as long as the GPU is busy; called anywhere while kernels run it stalls
+    every thread's CUDA calls. So it runs here, and this thread first waits for the devices
+    itself (``torch.cuda.synchronize`` blocks only the calling thread), so that the unregister
+    finds them idle or nearly so. A range stays mapped (``keep`` referenced) until unlocked:
+    a registered range must never be unmapped.
+
+    State: ``_queue`` (ranges not unlocked yet: pointer, what keeps it mapped, a callback),
+    ``_pending`` (queued or being unlocked), ``_thread``.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, object, Callable[[], None] | None]] = []
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, ptr: int, keep: object, then: Callable[[], None] | None) -> None:
+        if os.getpid() != _OWNER_PID:
+            # A forked child never calls CUDA (see _unregister): nothing to wait for.
+            if then is not None:
+                then()
+            return
+        with self._cond:
+            self._queue.append((ptr, keep, then))
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="aresidency-unpin", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every range submitted so far is unlocked; ``False`` on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch, self._queue = self._queue, []
+            _wait_for_devices()
+            for ptr, _keep, then in batch:
+                try:
+                    _unregister(ptr)
+                except Exception:
+                    pass  # a torn-down CUDA context: nothing left to unlock
+                if then is not None:
+                    try:
+                        then()
+                    except Exception:
+                        pass
+            done = len(batch)
+            del batch, _keep, then  # the ranges may be unmapped now
+            with self._cond:
+                self._pending -= done
+                self._cond.notify_all()
+
+
+def _wait_for_devices() -> None:
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return
+    try:
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+    except Exception:
+        pass  # the unregister below then waits itself
+
+
+_UNPINNER = _Unpinner()
+
+
+def unpin_later(ptr: int, keep: object, then: Callable[[], None] | None = None) -> None:
+    """Unlock the range at ``ptr`` on the unpinner thread, after the devices' work queued so
+    far (see :class:`_Unpinner`); ``keep`` (what keeps the range mapped) is referenced until
+    then, and ``then()`` runs after, on that thread. Returns at once."""
+    _UNPINNER.submit(ptr, keep, then)
+
+
+def flush_unpins(timeout: float | None = None) -> bool:
+    """Block until every :func:`unpin_later` so far has run (off the event loop: this waits
+    for the devices). ``False`` on timeout."""
+    return _UNPINNER.flush(timeout)
+
+
 class _Mapping(mmap.mmap):
     """Anonymous page-aligned memory that backs pinned tensors (one at a time).
 
@@ -143,10 +239,15 @@ class PinnedAllocator:
     Invariant: a cached mapping is registered and referenced by no tensor.
     """
 
-    def __init__(self, *, cache_bytes: int = 0, prefault: bool = True) -> None:
+    def __init__(
+        self, *, cache_bytes: int = 0, prefault: bool = True, unpin_later: bool = False
+    ) -> None:
         if cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self.cache_bytes = cache_bytes
+        # Unlock on the unpinner thread (see _Unpinner), never on the caller's: the runtime's
+        # allocator, whose releases happen on the event loop while kernels run.
+        self.unpin_later = unpin_later
         self.prefault = prefault
         self.exact = register_available()
         self._lock = threading.Lock()
@@ -258,7 +359,9 @@ class PinnedAllocator:
             mapping.registered = False
             if was_registered:
                 self.pinned_bytes -= mapping.nbytes
-        if was_registered:
+        if was_registered and self.unpin_later:
+            unpin_later(mapping.ptr, mapping)  # the mapping stays mapped until unlocked
+        elif was_registered:
             start = time.perf_counter()
             _unregister(mapping.ptr)
             with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -130,3 +131,63 @@ def test_a_forked_child_never_calls_cuda_to_unregister(monkeypatch: pytest.Monke
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child called cudaHostUnregister"
     pinned_module._unregister(8192)  # the parent still unregisters
     assert calls == [8192]
+
+
+def test_unpin_later_unlocks_off_the_calling_thread_and_keeps_the_range_mapped(
+    registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cudaHostUnregister waits for the device to be idle and stalls every thread's CUDA calls
+    meanwhile: the runtime's allocator hands it to the unpinner thread. The range must stay
+    mapped until it is unlocked (a registered range is never unmapped)."""
+    import threading
+    import weakref
+
+    from aresidency.backends import pinned
+
+    seen: list[tuple[str, bool]] = []
+    alloc = PinnedAllocator(unpin_later=True)
+    t = alloc.empty((1000,), torch.float32)
+    mapping = weakref.ref(alloc._mapping_of(t))  # type: ignore[arg-type]
+    gate = threading.Event()
+
+    def unregister(ptr: int) -> None:
+        gate.wait(5)
+        seen.append((threading.current_thread().name, mapping() is not None))
+        registry.unregister(ptr)
+
+    monkeypatch.setattr(pinned, "_unregister", unregister)
+    ptr = t.data_ptr()
+    del t  # the last tensor dies: unlocked later, on the unpinner thread
+    gc.collect()
+    assert alloc.pinned_bytes == 0, "counted as released at once"
+    assert ptr in registry.ranges and mapping() is not None, "still locked, still mapped"
+    gate.set()
+    assert pinned.flush_unpins(5)
+    assert seen == [("aresidency-unpin", True)]
+    assert registry.ranges == {}
+    gc.collect()
+    assert mapping() is None, "unmapped once unlocked"
+
+
+def test_an_arena_slab_released_later_is_unmapped_only_after_it_is_unlocked(
+    registry: FakeRegistry,
+) -> None:
+    from aresidency.backends.arena import PinnedArena
+
+    order: list[str] = []
+
+    def later(ptr: int, keep: object, then: Callable[[], None]) -> None:
+        order.append("queued")
+        registry.unregister(ptr)
+        order.append("unlocked")
+        then()
+        order.append("unmapped" if keep.closed else "still mapped")  # type: ignore[attr-defined]
+
+    arena = PinnedArena(
+        registry.register, registry.unregister, slab_bytes=1 << 20, unregister_later=later
+    )
+    block = arena.carve((100,), torch.float32)
+    del block
+    arena.close()
+    assert order == ["queued", "unlocked", "unmapped"]
+    assert registry.ranges == {} and arena.total_bytes == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import anyio
 import anyio.lowlevel
@@ -77,12 +78,16 @@ async def test_cuda_release_waits_for_a_readers_event(no_gpu_leak: object) -> No
         side = torch.cuda.Stream()
         torch.cuda._sleep(1000)  # load the spin kernel first (lazy module loading)
         torch.cuda.synchronize()
+        launched = time.perf_counter()
         async with m.acquire(h, "cuda:0", stream=side) as lease:
             with torch.cuda.stream(side):
-                torch.cuda._sleep(spin_cycles(200))  # a 200 ms kernel, then a real read
+                torch.cuda._sleep(spin_cycles(1000))  # a 1 s kernel, then a real read
                 total = lease.tensor.sum()
         assert m.snapshot().value(h).materialization("cuda:0").pending_event_count == 1
-        assert not side.query(), "the reader's kernel is still running when the release starts"
+        assert not side.query(), (
+            "the reader's kernel should still run when the release starts; "
+            f"{time.perf_counter() - launched:.3f} s passed since its launch"
+        )
         await m.release(h, "cuda:0")
         # The property itself, not a duration: the release returned only once the reader's
         # kernel had completed (freeing earlier would let the allocator reuse memory it reads).
