@@ -521,6 +521,8 @@ def run_method(
         f"p50 {result.percentile(0.5) * 1e3:.0f} ms, p99 {result.percentile(0.99) * 1e3:.0f} ms, "
         f"{result.failed} failed"
     )
+    for error in sorted(set(result.errors))[:5]:  # what failed, each kind once
+        log(f"{method}: failed: {error}")
     return result
 
 
