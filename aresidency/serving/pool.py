@@ -36,6 +36,7 @@ from ..controller import (
 )
 from ..core.errors import (
     ResidencyBudgetError,
+    ResidencyError,
     ResidencyPlanError,
     ResidencySearchLimitError,
     ResidencyStaleStateError,
@@ -468,8 +469,19 @@ class ModelPool:
             self.view.weigh(self._weights())
             try:
                 decision = await self.controller.decide(spec)
-            except ResidencySearchLimitError:
-                raise
+            except ResidencySearchLimitError as error:
+                # Many models of many equal blocks make the exact search space huge. Shrink
+                # it as a swapping server would: evict the coldest idle model whole, then
+                # decide again; with nothing idle to evict, wait for a request to end.
+                victim = await self._evict_coldest_idle(entry)
+                if victim is not None:
+                    request.why = f"a search past its limit; evicted the coldest idle {victim!r}"
+                    continue
+                if not any(e.busy for e in self._entries.values() if e is not entry):
+                    raise
+                request.why = f"a search past its limit with nothing idle to evict: {error}"
+                await self._wait_for_progress(before)
+                continue
             except ResidencyPlanError as error:
                 request.why = f"room: {error.reason}"
                 await self._wait_for_progress(before)
@@ -514,6 +526,40 @@ class ModelPool:
                 raise
             self._record(request, decision, loaded, headroom, scope)
             return
+
+    async def _evict_coldest_idle(self, entry: ModelEntry) -> str | None:
+        """Release every resident device replica of the idle model with the lowest demand
+        (other than ``entry``, and none a stream is releasing); returns its name, or ``None``
+        when no idle model has anything resident at the device."""
+        state = self.manager.state
+        rates = self.demand.rates(list(self._entries))
+        idle = [
+            other
+            for other in self._entries.values()
+            if other is not entry
+            and not other.busy
+            and not other.streamed.releasing
+            and other.resident_bytes_at(state, self.device)
+        ]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda other: (rates[other.name], other.name))
+        states = victim.states_at(state, self.device)
+        evicted = 0
+        for group in victim.groups:
+            if states.get(group.index) is not _RESIDENT:
+                continue
+            assert group.handle is not None
+            try:
+                await self.manager.release(group.handle, self.device)
+            except ResidencyError:
+                continue  # taken meanwhile (a hold, a lease): the next decision sees it
+            evicted += group.charge_bytes
+        if not evicted:
+            return None
+        victim.stats.evictions += 1
+        victim.stats.evicted_bytes += evicted
+        return victim.name
 
     # -- waiting
 

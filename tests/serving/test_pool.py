@@ -887,3 +887,23 @@ async def test_a_llama_generates_the_same_tokens_resident_and_streamed() -> None
         await streamed.drain()
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_a_search_past_its_limit_evicts_the_coldest_idle_model_whole() -> None:
+    """Many models of many equal blocks make the exact search huge (on the H200, 8 Llama
+    models of 1.4 GB made requests fail with a search past its 10,000-state limit). The pool
+    then evicts the coldest idle model whole, as a swapping server would, and decides again:
+    the request is served, never failed."""
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m, clock=still, search_state_limit=1)
+        for seed, name in enumerate("abc"):
+            pool.add(name, TinyLM(seed=seed))
+        for name in ("a", "a", "b"):
+            await run(pool, name)
+        assert await run(pool, "c") == "resident"
+        stats = pool.stats()
+        assert stats["b"]["resident_bytes"] == 0, "b (asked for once) was the colder"
+        assert (stats["b"]["evictions"], stats["b"]["evicted_bytes"]) == (1, TOTAL)
+        assert stats["a"]["resident_bytes"] == TOTAL and stats["c"]["resident_bytes"] == TOTAL
+        assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL
+        await pool.aclose()
