@@ -9,7 +9,7 @@ and prints as the string it was parsed from. This module is pure: it never touch
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = ["PAGEABLE_HOST", "PINNED_HOST", "Location", "LocationLike"]
@@ -28,8 +28,11 @@ class Location:
 
     kind: str
     index: int | None = None
+    # Locations key the runtime's tables: hashed once, not on every lookup.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind, self.index)))
         if self.kind not in _KIND_ORDER:
             raise ValueError(
                 f"unknown location kind {self.kind!r}: expected 'pageable-host', "
@@ -51,11 +54,17 @@ class Location:
         if isinstance(value, Location):
             return value
         if isinstance(value, str):
+            known = _PARSED.get(value)
+            if known is not None:
+                return known
             if value in ("pageable-host", "pinned-host"):
-                return cls(value)
+                return _PARSED.setdefault(value, cls(value))
             match = _CUDA_RE.fullmatch(value)
             if match:
-                return cls("cuda", int(match.group(1)))
+                parsed = cls("cuda", int(match.group(1)))
+                if len(_PARSED) < 1024:  # a few strings name every location a program uses
+                    _PARSED[value] = parsed
+                return parsed
             raise ValueError(
                 f"unknown location {value!r}: expected 'pageable-host', 'pinned-host' or "
                 "'cuda:N' (N a device index)"
@@ -121,6 +130,16 @@ class Location:
             return NotImplemented
         return self._key() >= other._key()
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Location):
+            return NotImplemented
+        return self.kind == other.kind and self.index == other.index
+
     def __str__(self) -> str:
         return self.kind if self.index is None else f"cuda:{self.index}"
 
@@ -130,6 +149,8 @@ class Location:
     def __reduce__(self) -> tuple[Any, ...]:
         return (Location, (self.kind, self.index))
 
+
+_PARSED: dict[str, Location] = {}  # string -> its Location (immutable: shared)
 
 LocationLike = Location | str | Any  # Any: a torch.device, checked at parse time
 
