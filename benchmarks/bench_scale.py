@@ -8,7 +8,9 @@ touches a device, so the figures are the runtime's own host cost.
 * ``snapshot``: the first snapshot of V values (built whole), then one after 100 changes (only
   the changed values are rebuilt: O(changes), not O(V)).
 * scope entry: a scope whose plan moves N values, entered while a ticker task measures the
-  longest time the loop went without running it (the loop-blocking figure).
+  longest time the loop went without running it (the loop-blocking figure), and the same
+  leaving out the stretches in which CPython's garbage collector ran (``gc.callbacks``): a
+  full collection stops every thread, whatever it is doing.
 * churn: register, move, lease, discard, 100,000 operations: time per operation and Python heap
   in each tenth of the run (they must stay flat).
 
@@ -36,13 +38,38 @@ import anyio.lowlevel
 from aresidency import Move, ResidencyManager, ResidencyPlan
 
 
-async def ticker(gaps: list[float], stop: list[bool]) -> None:
+async def ticker(gaps: list[tuple[float, float]], stop: list[bool]) -> None:
+    """Note every stretch between two of its turns on the loop: (start, end)."""
     last = time.perf_counter()
     while not stop[0]:
         await anyio.lowlevel.checkpoint()
         now = time.perf_counter()
-        gaps.append(now - last)
+        gaps.append((last, now))
         last = now
+
+
+class Collections:
+    """The garbage collector's pauses while installed: (generation, start, end)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], self._start, time.perf_counter()))
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+    def overlaps(self, start: float, end: float) -> bool:
+        return any(b < end and start < e for _, b, e in self.pauses)
 
 
 async def with_values(count: int) -> tuple[ResidencyManager, list[Any]]:
@@ -115,7 +142,7 @@ async def bench_scope_entry(sizes: list[int], actions: list[int]) -> list[dict[s
             if n > values:
                 continue
             m, handles = await with_values(values)
-            gaps: list[float] = []
+            gaps: list[tuple[float, float]] = []
             stop = [False]
             plan = ResidencyPlan(
                 enter=[Move(h, "cuda:0") for h in handles[:n]],
@@ -125,24 +152,35 @@ async def bench_scope_entry(sizes: list[int], actions: list[int]) -> list[dict[s
             # server's do): a full collection over them is not the runtime blocking.
             gc.collect()
             gc.freeze()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ticker, gaps, stop)
-                await anyio.sleep(0.01)
-                gaps.clear()
-                start = time.perf_counter()
-                async with m.scope(plan):
-                    pass
-                entered = time.perf_counter() - start
-                stop[0] = True
+            with Collections() as collections:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker, gaps, stop)
+                    await anyio.sleep(0.01)
+                    gaps.clear()
+                    collections.pauses.clear()
+                    start = time.perf_counter()
+                    async with m.scope(plan):
+                        pass
+                    entered = time.perf_counter() - start
+                    stop[0] = True
             gc.unfreeze()
-            gaps.sort()
+            lengths = sorted(end - begin for begin, end in gaps)
+            # The stretches with no collection in them: what the runtime itself blocked.
+            own = max(
+                (end - begin for begin, end in gaps if not collections.overlaps(begin, end)),
+                default=0.0,
+            )
+            full = [e - b for g, b, e in collections.pauses if g == 2]
             rows.append(
                 {
                     "values": values,
                     "actions": n,
                     "enter_and_exit_ms": entered * 1e3,
-                    "loop_blocked_max_ms": gaps[-1] * 1e3,
-                    "loop_blocked_p99_ms": gaps[int(len(gaps) * 0.99)] * 1e3,
+                    "loop_blocked_max_ms": lengths[-1] * 1e3,
+                    "loop_blocked_p99_ms": lengths[int(len(lengths) * 0.99)] * 1e3,
+                    "loop_blocked_max_without_gc_ms": own * 1e3,
+                    "full_collections": len(full),
+                    "longest_full_collection_ms": max(full, default=0.0) * 1e3,
                 }
             )
             await m.__aexit__(None, None, None)
@@ -201,12 +239,17 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['unchanged_ms']:.3f} |"
         )
     lines += ["", "### scope entry and exit (N moves in, N out)", ""]
-    lines.append("| values | actions | enter + exit ms | loop blocked max ms | p99 ms |")
-    lines.append("|---|---|---|---|---|")
+    lines.append(
+        "| values | actions | enter + exit ms | loop blocked max ms | p99 ms | max outside a "
+        "collection ms | full collections (longest ms) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|")
     for r in result["scope"]:
         lines.append(
             f"| {r['values']:,} | {r['actions']:,} | {r['enter_and_exit_ms']:.1f} | "
-            f"{r['loop_blocked_max_ms']:.2f} | {r['loop_blocked_p99_ms']:.2f} |"
+            f"{r['loop_blocked_max_ms']:.2f} | {r['loop_blocked_p99_ms']:.2f} | "
+            f"{r['loop_blocked_max_without_gc_ms']:.2f} | {r['full_collections']} "
+            f"({r['longest_full_collection_ms']:.1f}) |"
         )
     c = result["churn"]
     lines += [
