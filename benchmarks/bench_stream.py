@@ -346,7 +346,7 @@ async def run_workload(
     budget = 3 * layer
 
     async with ResidencyManager(
-        budgets={"cuda:0": budget}, backend="sim" if dev.sim else "cuda", trace_capacity=1 << 17
+        budgets={"cuda:0": budget}, backend=backend_for(dev), trace_capacity=1 << 17
     ) as manager:
         # aresidency first: registration copies the weights into pinned host memory and the
         # model's parameters become views of it, which the hand-written methods reuse.
@@ -785,9 +785,7 @@ async def run_llama(
     gc.collect()
 
     # aresidency: budget = the resident tensors + three layers, then half the model
-    async with ResidencyManager(
-        backend="sim" if dev.sim else "cuda", trace_capacity=1 << 16
-    ) as manager:
+    async with ResidencyManager(backend=backend_for(dev), trace_capacity=1 << 16) as manager:
         streamed = stream_module(manager, fresh(), "cuda:0", prefetch=2)
         budgets = {
             "aresidency": streamed.resident_bytes + 3 * max(streamed.block_bytes),
@@ -923,6 +921,26 @@ def llama_markdown(report: dict[str, Any]) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+WAITER = "auto"  # --waiter: how the CUDA backend learns that events completed
+LOOP_POLL_US: float | None = None  # --loop-poll-us: the waiter's loop polling (0: none)
+
+
+def backend_for(dev: Device) -> Any:
+    """The manager's backend: the simulation, or CUDA with the waiter ``--waiter`` and
+    ``--loop-poll-us`` chose."""
+    if dev.sim:
+        return "sim"
+    if WAITER == "auto" and LOOP_POLL_US is None:
+        return "cuda"
+    from aresidency.backends import CudaBackend
+    from aresidency.backends.waiter import EventWaiter
+
+    waiter = EventWaiter(
+        WAITER, **({} if LOOP_POLL_US is None else {"loop_poll_s": LOOP_POLL_US * 1e-6})
+    )
+    return CudaBackend(waiter=waiter)
 
 
 def llama_workloads(sim: bool) -> list[LlamaWorkload]:
@@ -1129,9 +1147,23 @@ if __name__ == "__main__":
         "--backend", choices=["cuda", "sim"], default="cuda", help="sim: the same as --sim"
     )
     parser.add_argument("--only", choices=["matmul", "llama"], help="run one part only")
+    parser.add_argument(
+        "--waiter",
+        default="auto",
+        choices=["auto", "hybrid", "hostfunc", "poll", "blocking"],
+        help="the CUDA backend's event waiter (its polling threads share the interpreter "
+        "with the thread that runs a streamed model's forward)",
+    )
+    parser.add_argument(
+        "--loop-poll-us",
+        type=float,
+        help="events expected within this many us are polled on the event loop (0: never)",
+    )
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--markdown", help="write the markdown tables to this path")
     arguments = parser.parse_args()
+    WAITER = arguments.waiter
+    LOOP_POLL_US = arguments.loop_poll_us
     text, data = asyncio.run(main(arguments))
     if arguments.markdown:
         Path(arguments.markdown).write_text(text + "\n")
