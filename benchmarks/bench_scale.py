@@ -6,7 +6,8 @@ touches a device, so the figures are the runtime's own host cost.
 * ``explain``: a plan of N moves (N up to 10,000) against a manager holding V values (V up to
   100,000): time per call, and per action.
 * ``snapshot``: the first snapshot of V values (built whole), then one after 100 changes (only
-  the changed values are rebuilt: O(changes), not O(V)).
+  the changed values are rebuilt: O(changes), not O(V)); and the first one with
+  ``snapshot_async`` (built in slices) with the longest the loop went without a ticker task.
 * scope entry: a scope whose plan moves N values, entered while a ticker task measures the
   longest time the loop went without running it (the loop-blocking figure), and the same
   leaving out the stretches in which CPython's garbage collector ran (``gc.callbacks``): a
@@ -123,12 +124,34 @@ async def bench_snapshot(sizes: list[int]) -> list[dict[str, Any]]:
         m.snapshot()
         unchanged = time.perf_counter() - start
         assert len(snap.values) == values
+        await m.__aexit__(None, None, None)
+        # The first snapshot again, with snapshot_async (slices of 0.5 ms) while a ticker runs.
+        m, handles = await with_values(values)
+        gaps: list[tuple[float, float]] = []
+        stop = [False]
+        with Collections() as collections:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker, gaps, stop)
+                await anyio.sleep(0.01)
+                gaps.clear()
+                collections.pauses.clear()
+                start = time.perf_counter()
+                sliced = await m.snapshot_async()
+                first_async = time.perf_counter() - start
+                stop[0] = True
+        assert len(sliced.values) == values
+        blocked = max(
+            (end - begin for begin, end in gaps if not collections.overlaps(begin, end)),
+            default=0.0,
+        )
         rows.append(
             {
                 "values": values,
                 "first_ms": first * 1e3,
                 "after_100_changes_ms": after * 1e3,
                 "unchanged_ms": unchanged * 1e3,
+                "first_async_ms": first_async * 1e3,
+                "first_async_loop_blocked_max_ms": blocked * 1e3,
             }
         )
         await m.__aexit__(None, None, None)
@@ -231,12 +254,19 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['values']:,} | {r['actions']:,} | {r['explain_ms']:.2f} | "
             f"{r['us_per_action']:.1f} |"
         )
-    lines += ["", "### snapshot", "", "| values | first ms | after 100 changes ms | unchanged ms |"]
-    lines.append("|---|---|---|---|")
+    lines += [
+        "",
+        "### snapshot",
+        "",
+        "| values | first ms | after 100 changes ms | unchanged ms | first with snapshot_async "
+        "ms | its loop blocked max ms (outside collections) |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
     for r in result["snapshot"]:
         lines.append(
             f"| {r['values']:,} | {r['first_ms']:.1f} | {r['after_100_changes_ms']:.2f} | "
-            f"{r['unchanged_ms']:.3f} |"
+            f"{r['unchanged_ms']:.3f} | {r['first_async_ms']:.1f} | "
+            f"{r['first_async_loop_blocked_max_ms']:.2f} |"
         )
     lines += ["", "### scope entry and exit (N moves in, N out)", ""]
     lines.append(

@@ -10,7 +10,8 @@ duration. Endpoints:
   and ``max_new_tokens`` greedy decode steps with the KV cache; returns the tokens, the mode
   (resident or streamed) and the time spent waiting for admission;
 * ``POST /embed/{model}``: the mean of the last hidden state over the prompt;
-* ``GET /residency``: ``manager.snapshot().to_dict()`` (what is where, budgets, peaks);
+* ``GET /residency``: ``(await manager.snapshot_async()).to_dict()`` (what is where, budgets,
+  peaks; built without blocking the loop);
 * ``GET /stats``: ``pool.stats()`` (per model: requests, hits, loads, evictions, bytes
   copied, time waiting, mode of the last request);
 * ``GET /decisions``: the pool's latest decisions with their evidence.
@@ -366,8 +367,11 @@ def create_app(
     @app.get("/residency")
     async def residency(request: Request) -> dict[str, Any]:
         manager, _, _ = state(request)
-        snapshot: dict[str, Any] = manager.snapshot().to_dict()
-        return snapshot
+        # Built in slices (the loop keeps serving), then turned into JSON-ready data in a
+        # worker thread: the snapshot is immutable and holds no tensor.
+        snapshot = await manager.snapshot_async()
+        data: dict[str, Any] = await anyio.to_thread.run_sync(snapshot.to_dict)
+        return data
 
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -256,6 +257,36 @@ class ResidencySnapshot:
         return hash((self.manager_id, self.state_version))
 
 
+def bring_up_to_date(state: ResidencyState, seconds: float | None = None) -> bool:
+    """Rebuild the records of the values changed since the map was last brought up to date
+    (for the first time: of every value), for at most ``seconds`` (``None``: all of them).
+    Returns whether nothing is left. A value changed meanwhile is noted again and redone, so
+    ``manager.snapshot_async`` can bring the map up in slices and take the snapshot, atomically,
+    once the last slice left nothing: its loop is never blocked by a snapshot of many values."""
+    if state.snapshot_values is None:
+        state.snapshot_values = immutables.Map()
+        state.snapshot_backlog = state.value_handles()
+        state.changed_values.clear()
+    backlog, changed = state.snapshot_backlog, state.changed_values
+    if not backlog and not changed:
+        return True
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    done = 0
+    with state.snapshot_values.mutate() as changing:
+        while backlog or changed:
+            handle = backlog.pop() if backlog else changed.pop()
+            value = state.find_value(handle)
+            if value is None:
+                changing.pop(handle, None)  # discarded
+            else:
+                changing[handle] = _value_record(value)
+            done += 1
+            if deadline is not None and done % 64 == 0 and time.perf_counter() >= deadline:
+                break
+        state.snapshot_values = changing.finish()
+    return not backlog and not changed
+
+
 def _value_record(value: Any) -> ValueSnapshot:
     mats = tuple(
         MaterializationRecord(
@@ -301,20 +332,14 @@ def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
             tuple(sorted((name, nbytes) for name, (nbytes, _) in entry.reservations.items())),
             entry.spare_bytes,
         )
-    previous = state.snapshot_values
-    if previous is None:
-        values = immutables.Map({v.handle: _value_record(v) for v in state.values()})
+    if state.snapshot_values is None:
+        # The first snapshot: every record at once (a dict is quicker to fill than the map).
+        state.snapshot_values = immutables.Map({v.handle: _value_record(v) for v in state.values()})
+        state.changed_values.clear()
+        state.snapshot_backlog = []
     else:
-        with previous.mutate() as changing:
-            for handle in state.changed_values:
-                value = state.find_value(handle)
-                if value is None:
-                    changing.pop(handle, None)  # discarded
-                else:
-                    changing[handle] = _value_record(value)
-            values = changing.finish()
-    state.changed_values.clear()
-    state.snapshot_values = values
+        bring_up_to_date(state)
+    values = state.snapshot_values
     return ResidencySnapshot(
         state.manager_id,
         state.state_version,

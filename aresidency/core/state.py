@@ -95,6 +95,8 @@ class ResidencyState:
         # Nothing is tracked before the first snapshot; at most O(values) after it.
         self.changed_values: set[ValueHandle] = set()
         self.snapshot_values: Any = None
+        # Values whose records the map lacks since it was (re)started (see bring_up_to_date).
+        self.snapshot_backlog: list[ValueHandle] = []
         # Budgets as people write them ("10GiB", 10.5e9, 8 << 30): parse_nbytes reads them
         # exactly; all are parsed before any ledger exists, so a bad one leaves no state.
         parsed: list[tuple[Location, int | None]] = []
@@ -151,6 +153,10 @@ class ResidencyState:
 
     def values(self) -> Iterator[Value]:
         return iter(self._values.values())
+
+    def value_handles(self) -> list[ValueHandle]:
+        """The handles of every value, as a list (one C-level copy of the table's keys)."""
+        return list(self._values)
 
     def materialization(self, handle: Any, location: LocationLike) -> Materialization:
         location = Location.parse(location)
@@ -224,6 +230,7 @@ class ResidencyState:
         if len(changed) > len(self._values) + 1024:
             changed.clear()
             self.snapshot_values = None
+            self.snapshot_backlog = []
 
     def subscribe(self, observer: Any) -> Any:
         """Call ``observer(transition)`` after every committed transition (synchronously, in
@@ -843,6 +850,7 @@ class ResidencyState:
         other.origin_recorders = {}
         other.changed_values = set()
         other.snapshot_values = None
+        other.snapshot_backlog = []
         return other
 
     def _new_id(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from aresidency import (
     ResidencyPlanError,
     ResidencyUnavailableError,
 )
+from aresidency.core.locations import Location
 
 pytestmark = pytest.mark.anyio
 
@@ -265,3 +267,42 @@ async def test_snapshot_and_trace_report_state_and_overwrites() -> None:
     async with ResidencyManager(backend="sim", trace_capacity=0) as m:
         m.register(random_tensor(), name="w")
         assert not m.trace().enabled and m.trace().transitions == ()
+
+
+async def test_snapshot_async_never_blocks_the_loop_and_equals_snapshot() -> None:
+    """The first snapshot of many values builds every record; ``snapshot_async`` builds them in
+    slices, letting the loop run between them (a ticker task keeps running), and its snapshot
+    is atomic: equal to ``snapshot()`` taken right after, values changed meanwhile included."""
+    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend="sim") as m:
+        handles = [m.register(torch.zeros(4), name=f"v{i}") for i in range(3000)]
+        ticks = 0
+        stop = anyio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            await m.discard(handles[0])  # a change before the snapshot begins
+            before = ticks
+            snap = await m.snapshot_async(slice_seconds=0.0002)
+            sliced = ticks - before
+            stop.set()
+        assert sliced > 1, "the loop ran between the slices"
+        assert snap == m.snapshot()
+        assert len(snap.values) == 2999 and handles[0] not in snap.values
+        # Changed values are redone: a value discarded after the first slice is absent too.
+        await m.materialize(handles[1], "cuda:0")
+        again = await m.snapshot_async(slice_seconds=0.0002)
+        assert Location.parse("cuda:0") in again.value(handles[1]).locations
+        assert again == m.snapshot()
+
+
+async def test_snapshot_async_refuses_a_bad_slice() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match="slice_seconds"):
+            await m.snapshot_async(slice_seconds=float("nan"))
