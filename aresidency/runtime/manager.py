@@ -433,9 +433,13 @@ class ResidencyManager:
         return frozenset(out)
 
     async def _run_direct(self, action: Action) -> None:
-        """A direct operation: one action, its own errors raised as they are."""
+        """A direct operation: one action, its own errors raised as they are. Always a
+        checkpoint (as every async call of trio's API is): a cancelled caller changes nothing,
+        and an operation that had nothing to wait for (a value already there) still lets the
+        loop run once it is done, so a loop of them never starves the other tasks."""
         rt = self._running()
         rt.backend.check_location(action.location)
+        await anyio.lowlevel.checkpoint_if_cancelled()
         charged = self._charged_by(action)
         if charged:
             await rt.admission.wait_turn(charged)
@@ -444,6 +448,7 @@ class ResidencyManager:
             await run.wait()
         except ActionFailed as failed:
             raise self._failed(rt, failed.cause) from None
+        await anyio.lowlevel.cancel_shielded_checkpoint()
 
     @staticmethod
     def _failed(rt: Runtime, error: BaseException) -> BaseException:
@@ -535,19 +540,26 @@ class ResidencyManager:
     async def discard(self, handle: ValueHandle) -> None:
         """Forget the value: waits for its consumer events, then frees every materialization
         and removes the value from the state. Active leases or holds are
-        ``ResidencyInUseError``."""
+        ``ResidencyInUseError``. Always a checkpoint: a cancelled caller discards nothing, and
+        one that had nothing to wait for still lets the loop run (after the discard), so a
+        loop of discards never starves the other tasks."""
         rt = self._running()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             value = self._state.value(handle)
             if not any(m.pending_event_count for m in value.materializations.values()):
                 break
             await rt.signal.wait()
+            waited = True
         try:
             self._state.discard(handle)
         except BaseException as error:
             raise self._failed(rt, error) from None
         rt.sources.pop(handle, None)
         rt.settle()
+        if not waited:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def acquire(
         self,

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -488,3 +489,58 @@ async def test_a_source_that_returns_the_wrong_tensor_fails_the_load_and_leaks_n
             await m.materialize(h, "cuda:0")
         assert m.snapshot().value(h).locations == ()
         quiet(m)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("operation", ["materialize", "move", "release", "discard"])
+async def test_a_direct_operation_with_nothing_to_wait_for_still_lets_the_loop_run(
+    operation: str,
+) -> None:
+    """Every async call is a checkpoint: a loop of operations that complete at once (a value
+    already there, a release with no reader) must not starve the other tasks."""
+    async with ResidencyManager(backend="sim") as m:
+        handles = [
+            m.register(tensor(64, seed=i), name=f"v{i}", replica_mode=ReplicaMode.REPLICABLE)
+            for i in range(20)
+        ]
+        if operation == "release":
+            for h in handles:
+                await m.materialize(h, "pinned-host")
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            before = ticks
+            for h in handles:
+                if operation == "release":
+                    await m.release(h, "pinned-host")
+                elif operation == "discard":
+                    await m.discard(h)
+                else:
+                    await getattr(m, operation)(h, "pageable-host")
+            ran = ticks - before
+            tg.cancel_scope.cancel()
+        # once per call (give or take the turn at either end): before, not at all
+        assert ran >= len(handles) - 1, f"the ticker ran {ran} times during {len(handles)} calls"
+
+
+async def test_a_cancelled_caller_of_a_direct_operation_changes_nothing() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        before = m.snapshot()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await m.discard(h)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await m.materialize(h, "cuda:0")
+        assert m.snapshot() == before
