@@ -565,9 +565,9 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
     # A streamed call cancelled while it copies leaves copies and releases to settle in the
     # background. A resident request for the same model (the budget raised meanwhile) must
     # not hold those blocks before they settled: their releases would fail on the holds.
-    # Copies slow enough (a block takes ~0.2 s) that the background outlives a busy machine's
-    # hiccups between the cancellation and the look at it.
-    backend = SimBackend(copy_gbps=0.0001)
+    # Copies slow enough (a block takes ~0.9 s) that the background outlives a busy machine's
+    # hiccups between the cancellation and the look at it (at ~0.2 s it once did not, in CI).
+    backend = SimBackend(copy_gbps=0.00002)
     async with ResidencyManager(budgets={"cuda:0": OUTSIDE + 2 * BLOCK}, backend=backend) as m:
         pool = ModelPool(m)
         streamed = pool.add("a", TinyLM(seed=1), prefetch=1)
