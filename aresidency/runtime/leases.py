@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from ..core.errors import ResidencyInUseError, ResidencyUnavailableError
@@ -270,6 +271,9 @@ class Lease:
         return self
 
     async def __aenter__(self) -> Lease:
+        # A checkpoint, entering and leaving (as trio's async context managers are): a caller
+        # already cancelled enters nothing; __aexit__ lets the loop run once the use ended.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         payload = self._begin()
         rt = self._rt
         try:
@@ -358,6 +362,8 @@ class Lease:
         if transfer is not None and not transfer.query():
             # Entered on an incoming copy: the body's reads are valid only if it succeeds.
             await self._rt.backend.wait(transfer)
+        else:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         if payload is not None and payload.failure is None and transfer is not None:
             payload.failure = transfer.outcome()
         if payload is not None and payload.failure is not None:

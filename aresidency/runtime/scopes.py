@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 
 from ..core.errors import ResidencyError, ResidencyPlanError, ResidencyPlanExecutionError
 from ..core.explain import explain_plan, plan_fits
@@ -208,6 +209,9 @@ class Scope:
                 f"a scope is single use and this one is {self.status}; make a new scope (and a "
                 "new decision) from the current state"
             )
+        # A checkpoint, entering and leaving (as trio's async context managers are): a caller
+        # already cancelled enters nothing; see __aexit__ for the other end.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self.status = "entering"
         plan = self.plan
         try:
@@ -254,6 +258,9 @@ class Scope:
             self._unreserve_all()
             with anyio.CancelScope(shield=True):
                 await self._run_phase("exit", self.plan.exit)
+                # Lets the loop run even when nothing had to move: a loop of scopes on
+                # resident values never starves the other tasks.
+                await anyio.lowlevel.cancel_shielded_checkpoint()
             self.status = "exited"
         except BaseException as error:
             self.status = "failed"

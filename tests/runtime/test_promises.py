@@ -494,7 +494,9 @@ async def test_a_source_that_returns_the_wrong_tensor_fails_the_load_and_leaks_n
 # ---------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("operation", ["materialize", "move", "release", "discard"])
+@pytest.mark.parametrize(
+    "operation", ["materialize", "move", "release", "discard", "scope", "lease"]
+)
 async def test_a_direct_operation_with_nothing_to_wait_for_still_lets_the_loop_run(
     operation: str,
 ) -> None:
@@ -525,6 +527,12 @@ async def test_a_direct_operation_with_nothing_to_wait_for_still_lets_the_loop_r
                     await m.release(h, "pinned-host")
                 elif operation == "discard":
                     await m.discard(h)
+                elif operation == "scope":
+                    async with m.scope(ResidencyPlan(enter=[Materialize(h, "pageable-host")])):
+                        pass
+                elif operation == "lease":
+                    async with m.acquire(h, "pageable-host"):
+                        pass
                 else:
                     await getattr(m, operation)(h, "pageable-host")
             ran = ticks - before
@@ -543,4 +551,14 @@ async def test_a_cancelled_caller_of_a_direct_operation_changes_nothing() -> Non
         with anyio.CancelScope() as scope:
             scope.cancel()
             await m.materialize(h, "cuda:0")
+        entered = []
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with m.scope(ResidencyPlan(enter=[Materialize(h, "cuda:0")])):
+                entered.append("scope")
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with m.acquire(h, "pageable-host"):
+                entered.append("lease")
+        assert entered == []
         assert m.snapshot() == before
