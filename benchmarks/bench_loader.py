@@ -39,6 +39,7 @@ takes about three minutes (``--quick``: about one).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -308,21 +309,39 @@ def run_side_stream(
 
 @asynccontextmanager
 async def ticker() -> AsyncIterator[list[float]]:
-    """Measure the event loop's lag: a task sleeping 1 ms, recording how late each wake is."""
+    """Measure the event loop's lag: a task sleeping 1 ms, recording how late each wake is.
+    Also notes the wakes a garbage collection overlapped (``GC_LAGS``: CPython's collector
+    stops every thread; the lag without them is what the loader itself caused)."""
     lags: list[float] = []
+    GC_LAGS.clear()
+    collecting: list[float] = []  # (start, end) pairs, flat
+
+    def collections(phase: str, info: dict[str, Any]) -> None:
+        collecting.append(time.perf_counter())
 
     async def tick() -> None:
         while True:
             start = time.perf_counter()
             await anyio.sleep(0.001)
-            lags.append(max(0.0, time.perf_counter() - start - 0.001))
+            end = time.perf_counter()
+            lag = max(0.0, end - start - 0.001)
+            lags.append(lag)
+            pauses = zip(collecting[::2], collecting[1::2])
+            if any(b < end and start < e for b, e in pauses):
+                GC_LAGS.append(lag)
+            collecting.clear()
 
+    gc.callbacks.append(collections)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(tick)
         try:
             yield lags
         finally:
             tasks.cancel_scope.cancel()
+            gc.callbacks.remove(collections)
+
+
+GC_LAGS: list[float] = []  # the ticker's lags that a garbage collection overlapped
 
 
 def manager_for(dev: Device, batch_bytes: int) -> ResidencyManager:
@@ -352,6 +371,13 @@ async def run_aresidency(
     rate, idle = clock.summary(warmup)
     lag = statistics.quantiles(lags, n=100)[98] * 1e3 if len(lags) >= 2 else 0.0
     log(f"  {stats}")
+    if lags:
+        slow = [x for x in lags if x > 0.001]
+        in_gc = [x for x in GC_LAGS if x > 0.001]
+        log(
+            f"  loop lag: {len(slow)} of {len(lags)} wakes over 1 ms late, {len(in_gc)} of them "
+            f"during a garbage collection; worst {max(lags) * 1e3:.1f} ms"
+        )
     return Result(rate, idle, pinned, lag)
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
 from ..core.locations import Location
@@ -364,8 +365,10 @@ class Epoch:
 
     def _landed(self, error: BaseException | None) -> None:
         # One more turn of the loop: the manager's own completion callback, queued at the
-        # same moment, has then recorded the copy's outcome on the lease.
-        self.manager.bridge.call_soon_quietly(self.pump)
+        # same moment, has then recorded the copy's outcome on the lease. A manager that is
+        # closing pumps nothing more (its close released the batches).
+        if self.manager.running:
+            self.manager.bridge.call_soon_quietly(self.pump)
 
     def _copy_failed(self, batch: BatchRecord, part: Part, error: BaseException) -> None:
         """A copy failed while the loader protected it: fail the batch if the consumer has not
@@ -467,6 +470,10 @@ class Epoch:
 
     async def _next(self) -> DeviceBatch:
         self.manager.check_thread()
+        # A checkpoint per batch, even when the next one is ready: a consumer whose steps only
+        # enqueue kernels would otherwise never let the loop run the other tasks (a cancelled
+        # consumer stops here, and next() releases everything).
+        await anyio.lowlevel.checkpoint()
         if self.status != "running":
             raise StopAsyncIteration
         counters = self.counters

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -750,3 +751,38 @@ async def test_the_next_batch_is_copied_while_the_step_runs_even_when_nothing_el
                         await m.wait_for_change()
         probe.close()
         assert probe.most == 1
+
+
+async def test_each_step_lets_the_loop_run_even_when_the_next_batch_is_ready() -> None:
+    """A consumer whose step only enqueues work (no await of its own) must still give the loop
+    a turn per batch: with every batch already on the device, a ticker task keeps running."""
+    data = batches(12)
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=12) as loader:
+            probe = AheadProbe(m, loader)
+            ticks = 0
+            stop = anyio.Event()
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not stop.is_set():
+                    ticks += 1
+                    await anyio.lowlevel.checkpoint()
+
+            got = []
+            async with anyio.create_task_group() as tg:
+                iterator = loader.__aiter__()
+                got.append((await iterator.__anext__()).clone())
+                with anyio.fail_after(5):  # every other batch on the device before the steps
+                    while probe.ahead(complete=True) < 11:
+                        await m.wait_for_change()
+                tg.start_soon(ticker)
+                await anyio.lowlevel.checkpoint()
+                before = ticks
+                for _ in range(11):
+                    got.append((await iterator.__anext__()).clone())  # no await in the "step"
+                ran = ticks - before
+                stop.set()
+            probe.close()
+        assert ran >= 10, f"the ticker ran {ran} times during 11 steps"
+    assert all(torch.equal(a, b) for a, b in zip(got, data))
