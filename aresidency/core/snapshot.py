@@ -262,7 +262,8 @@ def bring_up_to_date(state: ResidencyState, seconds: float | None = None) -> boo
     (for the first time: of every value), for at most ``seconds`` (``None``: all of them).
     Returns whether nothing is left. A value changed meanwhile is noted again and redone, so
     ``manager.snapshot_async`` can bring the map up in slices and take the snapshot, atomically,
-    once the last slice left nothing: its loop is never blocked by a snapshot of many values."""
+    once the last slice left nothing: its loop is blocked one slice at a time (plus, the first
+    time, one copy of the handles), not for every record at once."""
     if state.snapshot_values is None:
         state.snapshot_values = immutables.Map()
         state.snapshot_backlog = state.value_handles()
