@@ -60,6 +60,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -354,7 +355,9 @@ async def run_workload(
         streamed: StreamedModule | None = None
         try:
             start = time.perf_counter()
-            streamed = stream_module(manager, model, "cuda:0", prefetch=2, host="pinned-host")
+            streamed = stream_module(
+                manager, model, "cuda:0", prefetch=2, host="pinned-host", ring=RING
+            )
             elapsed = time.perf_counter() - start
             log(f"registered {wl.layers} layers in pinned memory in {elapsed:.1f} s")
             pinned = [layer.weight.detach() for layer in model if isinstance(layer, MatMul)]
@@ -681,6 +684,36 @@ def host_cpu_s() -> float:
     return time.process_time()
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds per thread so far, keyed by the Python thread's name (digits dropped, so
+    that a pool's threads add up; threads Python did not start are "native"). Linux only
+    (``/proc/self/task``); empty elsewhere."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "native")
+        name = name.rstrip("0123456789_-").split(" ")[0] or "native"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def thread_cpu_since(before: dict[str, float], calls: int) -> dict[str, float]:
+    """ms of CPU per call for each thread group since ``before`` (groups under 0.05 ms left out)."""
+    after = thread_cpu_s()
+    per = {k: (v - before.get(k, 0.0)) * 1e3 / calls for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def cache_of(output: Any) -> Any:
     """The KV cache a forward returned (``past_key_values``, or ``cache`` in newer versions)."""
     cache = getattr(output, "past_key_values", None)
@@ -753,14 +786,19 @@ async def run_llama(
     def timed(phase: str, method: str, fn: Callable[[], Any], n: int = iters) -> None:
         try:
             cpu = host_cpu_s()
+            threads = thread_cpu_s()
             with torch.no_grad():
                 res = time_sync(dev, fn, n, warmup)
             res.extra["host_cpu_ms_per_call"] = (host_cpu_s() - cpu) * 1e3 / (n + warmup)
+            res.extra["thread_cpu_ms_per_call"] = thread_cpu_since(threads, n + warmup)
             entry[phase][method] = res
         except Exception as error:
             traceback.print_exc()
             entry[phase][method] = Result(error=repr(error))
         log(f"{phase} {method}: {entry[phase][method].cell()} ms")
+        threads_ms = entry[phase][method].extra.get("thread_cpu_ms_per_call")
+        if threads_ms:
+            log(f"  CPU ms per call by thread: {threads_ms}")
 
     # compute only: the whole model on the device
     on_dev = fresh().to(dev.name)
@@ -787,7 +825,7 @@ async def run_llama(
 
     # aresidency: budget = the resident tensors + three layers, then half the model
     async with ResidencyManager(backend=backend_for(dev), trace_capacity=1 << 16) as manager:
-        streamed = stream_module(manager, fresh(), "cuda:0", prefetch=2)
+        streamed = stream_module(manager, fresh(), "cuda:0", prefetch=2, ring=RING)
         budgets = {
             "aresidency": streamed.resident_bytes + 3 * max(streamed.block_bytes),
             "aresidency half": (streamed.resident_bytes + sum(streamed.block_bytes)) // 2,
@@ -801,6 +839,7 @@ async def run_llama(
                         await streamed.drain()
                         samples = []
                         cpu = host_cpu_s()
+                        threads = thread_cpu_s()
                         for _ in range(iters):
                             dev.sync()
                             start = time.perf_counter()
@@ -809,11 +848,13 @@ async def run_llama(
                             samples.append(time.perf_counter() - start)
                             await streamed.drain()
                         cpu_ms = (host_cpu_s() - cpu) * 1e3 / iters
+                        per_thread = thread_cpu_since(threads, iters)
                     res = Result(median_ms(samples), samples=samples)
                     res.extra.update(
                         budget_bytes=budget,
                         host_cpu_ms_per_call=cpu_ms,
                         host_us_per_layer=cpu_ms * 1e3 / wl.layers,
+                        thread_cpu_ms_per_call=per_thread,
                         kept=len(streamed.residency()["kept"]),
                         bit_exact=bool(torch.equal(out.float().cpu(), entry[phase]["_reference"])),
                     )
@@ -822,6 +863,9 @@ async def run_llama(
                     traceback.print_exc()
                     entry[phase][method] = Result(error=repr(error))
                 log(f"{phase} {method}: {entry[phase][method].cell()} ms")
+                threads_ms = entry[phase][method].extra.get("thread_cpu_ms_per_call")
+                if threads_ms:
+                    log(f"  CPU ms per call by thread: {threads_ms}")
         await streamed.aclose()
     gc.collect()
 
@@ -941,6 +985,7 @@ def added_host_us(method: Result | None, compute: Result | None, layers: Any) ->
     return (float(ours) - float(base)) * 1e3 / int(layers)
 
 
+RING: bool | None = None  # --no-ring: stream through managed values, block by block
 WAITER = "auto"  # --waiter: how the CUDA backend learns that events completed
 LOOP_POLL_US: float | None = None  # --loop-poll-us: the waiter's loop polling (0: none)
 
@@ -1177,11 +1222,26 @@ if __name__ == "__main__":
         type=float,
         help="events expected within this many us are polled on the event loop (0: never)",
     )
+    parser.add_argument(
+        "--no-ring",
+        action="store_true",
+        help="stream pinned weights through managed values block by block (ring=False), "
+        "as before the ring",
+    )
+    parser.add_argument(
+        "--switch-interval-us",
+        type=float,
+        help="sys.setswitchinterval for the whole run (how long a thread that wants the GIL "
+        "waits before asking its holder to drop it; Python's default is 5000 us)",
+    )
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--markdown", help="write the markdown tables to this path")
     arguments = parser.parse_args()
     WAITER = arguments.waiter
     LOOP_POLL_US = arguments.loop_poll_us
+    RING = False if arguments.no_ring else None
+    if arguments.switch_interval_us is not None:
+        sys.setswitchinterval(arguments.switch_interval_us * 1e-6)
     text, data = asyncio.run(main(arguments))
     if arguments.markdown:
         Path(arguments.markdown).write_text(text + "\n")

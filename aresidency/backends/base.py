@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import anyio
 import torch
 
-from ..core.locations import Location
+from ..core.locations import Location, LocationLike
 from .bridge import LoopBridge
 from .events import HostEvent, OnceCallbacks
 
@@ -335,6 +335,46 @@ class Backend(abc.ABC):
         readers of ``src`` that must come first) and for the current stream of the source
         device. Allocation failure raises ``torch.OutOfMemoryError`` here; a failed copy is the
         transfer's outcome."""
+
+    def allocate(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, location: LocationLike
+    ) -> torch.Tensor:
+        """An uninitialized contiguous tensor at ``location`` that the caller owns (the
+        runtime never sees it: charge it yourself, as a reservation). ``torch.OutOfMemoryError``
+        when it cannot be had (also an injected failure)."""
+        raise NotImplementedError(f"{type(self).__name__} has no allocate")
+
+    def copy_into(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        dst_location: Location,
+        *,
+        wait_events: Sequence[DeviceEvent] = (),
+        event: Any = None,
+    ) -> DeviceEvent:
+        """Enqueue a copy of ``src`` (page-locked host memory) into ``dst`` (memory the caller
+        owns at ``dst_location``, a device: same shape and dtype) on the device's host-to-device
+        copy stream, after ``wait_events`` on the device; return an event after it (recorded
+        into ``event`` when given: CUDA reuses event objects). Any thread; the host does not
+        wait, nothing is allocated and no state changes: the caller owns ``dst`` and keeps
+        ``src`` alive and unchanged until the event completed. An injected transfer failure
+        raises here, before anything is enqueued. The hot path of weight streaming's ring
+        (see :mod:`aresidency.integrations.streaming.ring`); a backend without it streams
+        through managed values instead."""
+        raise NotImplementedError(f"{type(self).__name__} has no copy_into")
+
+    @property
+    def has_copy_into(self) -> bool:
+        """Whether :meth:`copy_into` is implemented (a capability, not a backend test)."""
+        return type(self).copy_into is not Backend.copy_into
+
+    def device_event(self, stream: Any, event: Any = None) -> DeviceEvent:
+        """Record an event on ``stream`` (into ``event`` when given) that the host will not
+        wait for: only other streams wait on it (no completion tracking, cheaper than
+        :meth:`record_event`). ``None`` (host compute) gives a completed event."""
+        del event
+        return self.record_event(stream)
 
     @abc.abstractmethod
     def free(self, tensor: torch.Tensor, location: Location) -> None:

@@ -480,6 +480,49 @@ class CudaBackend(Backend):
             return self._copy_d2h(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
         return self._copy_host(src, src_loc, dst_loc, nbytes, [*device_waits, *host_waits])
 
+    def copy_into(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        dst_location: Location,
+        *,
+        wait_events: Sequence[DeviceEvent] = (),
+        event: Any = None,
+    ) -> DeviceEvent:
+        """See :meth:`Backend.copy_into`: ``dst.copy_(src, non_blocking=True)`` on the
+        device's host-to-device copy stream, in the calling thread."""
+        if not dst_location.is_cuda or not src.is_pinned():
+            raise ValueError(
+                f"copy_into copies page-locked host memory to a device, got a "
+                f"{'pinned' if src.is_pinned() else 'pageable'} source and {dst_location}"
+            )
+        if self.faults.next_transfer_fails():
+            raise RuntimeError("injected transfer failure")
+        j = dst_location.device_index
+        stream = copy_streams(j).h2d
+        for waited in wait_events:
+            if isinstance(waited, torch.cuda.Event):
+                stream.wait_event(waited)
+            elif not waited.query():
+                raise ValueError(f"copy_into cannot wait on the device for {waited!r}")
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        if event is None:
+            event = cuda_event()
+        event.record(stream)
+        done: DeviceEvent = event
+        return done
+
+    def device_event(self, stream: Any, event: Any = None) -> DeviceEvent:
+        """See :meth:`Backend.device_event`: a ``torch.cuda.Event`` not given to the waiter."""
+        if stream is None:
+            return HostEvent(done=True, label="host")
+        if event is None:
+            event = cuda_event()
+        event.record(stream)
+        recorded: DeviceEvent = event
+        return recorded
+
     # -- helpers shared by the routes
 
     def _defer(self, transfer: Transfer, fn: Callable[[], DeviceEvent]) -> None:

@@ -513,6 +513,46 @@ class SimBackend(Backend):
         transfer._finish_issue(stream.record_event())
         return transfer
 
+    def copy_into(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        dst_location: Location,
+        *,
+        wait_events: Sequence[DeviceEvent] = (),
+        event: Any = None,
+    ) -> DeviceEvent:
+        """See :meth:`Backend.copy_into`: the copy runs on the simulated device's ``h2d``
+        stream after ``wait_events`` (throttled to ``copy_gbps``); ``event`` is ignored (a
+        new simulated event each time)."""
+        del event
+        self.check_location(dst_location)
+        if not dst_location.is_cuda:
+            raise ValueError(f"copy_into copies to a device, got {dst_location}")
+        if self._closed:
+            raise RuntimeError("the simulated backend is closed")
+        if self.faults.next_transfer_fails():
+            raise RuntimeError("injected transfer failure")
+        stream = self._devices[dst_location.device_index].h2d
+        for waited in wait_events:
+            stream.wait_event(waited)
+        stream.submit(functools.partial(self._copy_whole, src, dst))
+        return stream.record_event()
+
+    def _copy_whole(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dst.copy_(src)
+        if self.copy_gbps is not None:
+            nbytes = src.numel() * src.element_size()
+            remaining = nbytes / (self.copy_gbps * 1e9) - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)
+
+    def device_event(self, stream: Any, event: Any = None) -> DeviceEvent:
+        """See :meth:`Backend.device_event` (the same as :meth:`record_event` here)."""
+        del event
+        return self.record_event(stream)
+
     @staticmethod
     def _prepare(copy: _SimCopy, src: torch.Tensor) -> None:
         # Runs on the stream, after the waits: only now may the source be read.

@@ -670,6 +670,24 @@ class ResidencyManager:
             self._state.unreserve(name, loc)
             rt.settle()
 
+    def reserve_nowait(self, name: str, location: LocationLike, nbytes: int) -> None:
+        """Admit a named reservation of ``nbytes`` at ``location`` now, held until
+        :meth:`unreserve_nowait` (``ResidencyBudgetError`` at once when it does not fit;
+        ``DuplicateReservationError`` for a name already active there). Loop thread."""
+        rt = self._running()
+        loc = Location.parse(location)
+        rt.backend.check_location(loc)
+        self._state.reserve(name, loc, nbytes, owner="direct")
+        rt.settle()
+
+    def unreserve_nowait(self, name: str, location: LocationLike) -> int:
+        """End the reservation ``name`` at ``location``; returns its bytes. ``ValueError`` if
+        none is active. Loop thread."""
+        rt = self._running()
+        nbytes = self._state.unreserve(name, location)
+        rt.settle()
+        return nbytes
+
     # ------------------------------------------------------------- diagnosis
 
     def owners(self) -> list[tuple[ValueHandle, Location, str, str]]:

@@ -47,6 +47,9 @@ class PooledStreamedModule(StreamedModule):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.pool_keep: set[int] = set()
         self.constructed = False
+        # The pool's arithmetic counts a streamed call's blocks as managed values at the
+        # device (its window_need): no ring here.
+        kwargs["ring"] = False
         super().__init__(*args, **kwargs)
         self.constructed = True
 

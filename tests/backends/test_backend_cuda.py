@@ -594,3 +594,34 @@ async def test_peer_copies_are_bit_exact_and_ordered(backend: CudaBackend) -> No
         b = backend.copy(a, _loc(f"cuda:{i}"), _loc(f"cuda:{j}"))
         await b.wait()
         assert _same_bits(b.tensor, data)
+
+
+async def test_copy_into_waits_on_the_device_for_the_previous_reader(backend: CudaBackend) -> None:
+    """copy_into (the streaming ring's copy): into memory the caller owns, on the copy stream,
+    after the events given, without the host waiting. A reader that still runs (a 0.1 s
+    kernel) must see the old data: the new copy waits for its event on the device."""
+    device = Location.parse("cuda:0")
+    old = _pattern(1 << 20, torch.uint8).pin_memory()
+    new = (old + 1).pin_memory()
+    dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
+    first = backend.copy_into(old, dst, device)
+    reader = torch.cuda.Stream()
+    reader.wait_event(first)
+    with torch.cuda.stream(reader):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        seen = dst.clone()  # reads the old data, after the sleep
+    read = backend.device_event(reader)
+    start = time.perf_counter()
+    second = backend.copy_into(new, dst, device, wait_events=[read])
+    assert time.perf_counter() - start < 0.05  # the host did not wait for the reader
+    assert not second.query()  # still behind the reader's kernel
+    await backend.wait_event(second)
+    assert _same_bits(seen, old)
+    assert _same_bits(dst, new)
+    backend.faults.fail_transfer_at = 1  # the next transfer
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.copy_into(new, dst, device)
+    with pytest.raises(ValueError, match="page-locked"):
+        backend.copy_into(_pattern(16, torch.uint8), dst[:16], device)
+    del seen, dst
+    torch.cuda.synchronize()

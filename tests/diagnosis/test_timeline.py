@@ -157,7 +157,7 @@ async def test_a_streamed_module_run_exports_a_valid_timeline_within_its_budget(
     x = torch.randn(4, 32)
     budget = 16 * KiB
     async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
-        streamed = stream_module(m, model, "cuda:0", prefetch=2)
+        streamed = stream_module(m, model, "cuda:0", prefetch=2, ring=False)  # values: tracks
         with torch.no_grad():
             await streamed(x)
         await streamed.drain()

@@ -26,6 +26,7 @@ from aresidency import ResidencyManager, ResidencyTrace
 from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.integrations.streaming.checkpoint import recover_meta_buffers
+from aresidency.integrations.streaming.ring import RingCall
 
 from ._models import Net, tiny_llama
 
@@ -188,7 +189,8 @@ async def test_hf_keyword_arguments_and_a_kv_cache_pass_through() -> None:
 # ---------------------------------------------------------------- generate
 
 
-async def test_generate_gives_the_tokens_of_unstreamed_generate() -> None:
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_generate_gives_the_tokens_of_unstreamed_generate(ring: bool) -> None:
     model = await built(LAYERS)
     ids, mask = inputs()
     expected = await off_loop(generated, model, ids, mask)
@@ -199,7 +201,7 @@ async def test_generate_gives_the_tokens_of_unstreamed_generate() -> None:
         budget = probe.resident_bytes + budget_layers * max(probe.block_bytes)
         await probe.aclose()
         m.set_budget("cuda:0", budget)
-        streamed = stream_module(m, model, prefetch=2, name="llama")
+        streamed = stream_module(m, model, prefetch=2, name="llama", ring=ring)
         out = await streamed.generate(
             ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
         )
@@ -208,11 +210,9 @@ async def test_generate_gives_the_tokens_of_unstreamed_generate() -> None:
         assert max_charge(m.trace()) <= budget
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
         assert_nothing_left(m, streamed)
-        # every forward pass streamed every block
-        copies = [
-            t.handle.name for t in m.trace().transitions if t.kind == "copy_begin" and t.handle
-        ]
-        assert copies.count("llama.block0") >= NEW_TOKENS
+        # every forward pass streamed every block (the budget keeps none of them)
+        assert streamed.residency()["kept"] == ["llama.resident"]
+        assert streamed.copies >= NEW_TOKENS * len(streamed.groups)
         await streamed.aclose()
 
 
@@ -279,7 +279,7 @@ async def test_generate_copies_the_next_pass_first_blocks_while_the_last_ones_ru
     ids, mask = inputs()
     expected = await off_loop(generated, model, ids, mask)
     async with ResidencyManager(backend="sim", trace_capacity=1 << 12) as m:
-        streamed = stream_module(m, model, prefetch=2, name="llama")
+        streamed = stream_module(m, model, prefetch=2, name="llama", ring=False)
         gate = WrapGate(m, model, "llama.block0")
         try:
             with anyio.fail_after(60):
@@ -291,6 +291,48 @@ async def test_generate_copies_the_next_pass_first_blocks_while_the_last_ones_ru
         assert torch.equal(out, expected)
         assert gate.passes == NEW_TOKENS and gate.copies >= NEW_TOKENS + 1
         assert gate.gaps == 0
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_generate_through_the_ring_copies_the_next_pass_first_blocks_early() -> None:
+    """The ring wraps around too: when the last layer of a forward pass is taken, the copy of
+    the first layer for the next pass is already enqueued (the ring's own count of copies
+    issued, read in the worker thread that moves it)."""
+    model = await built(LAYERS)
+    ids, mask = inputs()
+    expected = await off_loop(generated, model, ids, mask)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2, name="llama", ring=True)
+        layers: nn.ModuleList = cast(Any, model).model.layers
+        count = len(streamed.groups)
+        passes: list[int] = []
+        ahead: list[int] = []
+
+        def first(module: nn.Module, args: Any) -> None:
+            passes.append(len(passes))
+
+        def last(module: nn.Module, args: Any) -> None:
+            call = streamed.current_call
+            assert isinstance(call, RingCall)
+            ahead.append(call.issued - len(passes) * count)
+
+        hooks = [
+            layers[0].register_forward_pre_hook(first),
+            layers[-1].register_forward_pre_hook(last),
+        ]
+        try:
+            out = await streamed.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert torch.equal(out, expected)
+        assert len(ahead) == NEW_TOKENS
+        # copies of the next pass's first two layers enqueued while this pass's last one runs
+        assert all(n >= 1 for n in ahead), ahead
         await streamed.drain()
         assert_nothing_left(m, streamed)
         await streamed.aclose()
@@ -394,13 +436,14 @@ async def test_cancelling_generate_stops_at_a_block_boundary_and_leaves_nothing(
 # ---------------------------------------------------------------- budgets that remember
 
 
-async def test_half_the_model_in_the_budget_copies_about_half_of_it_per_call() -> None:
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_half_the_model_in_the_budget_copies_about_half_of_it_per_call(ring: bool) -> None:
     layers = 32
     model = await built(layers)
     ids, mask = inputs()
     expected = await off_loop(lambda: logits_of(model, input_ids=ids, attention_mask=mask))
     async with ResidencyManager(backend="sim", trace_capacity=1 << 16) as m:
-        streamed = stream_module(m, model, prefetch=1, name="llama")
+        streamed = stream_module(m, model, prefetch=1, name="llama", ring=ring)
         total = streamed.resident_bytes + sum(streamed.block_bytes)
         block = max(streamed.block_bytes)
         budget = total // 2
@@ -408,11 +451,14 @@ async def test_half_the_model_in_the_budget_copies_about_half_of_it_per_call() -
         per_call = []
         for _ in range(3):
             since = last_seq(m)
+            before = streamed.copied_bytes
             with torch.no_grad():
                 out = await streamed(input_ids=ids, attention_mask=mask)
             assert torch.equal(out.logits, expected)
             await streamed.drain()
-            per_call.append(block_bytes_copied(m.trace(), since))
+            per_call.append(streamed.copied_bytes - before)
+            if not ring:  # the managed values' copies are in the trace too
+                assert block_bytes_copied(m.trace(), since) == per_call[-1]
         residency = streamed.residency()
         assert per_call[0] == total  # the first call copies everything
         # later calls copy only what does not stay: the budget less the window, at most

@@ -146,7 +146,7 @@ async def test_a_budget_of_two_blocks_streams_all_of_them() -> None:
 async def test_prefetch_starts_copies_ahead_of_the_running_block() -> None:
     model = linears(n=6)
     async with ResidencyManager(backend="sim") as m:
-        streamed = stream_module(m, model, prefetch=2, name="net")
+        streamed = stream_module(m, model, prefetch=2, name="net", ring=False)
         with torch.no_grad():
             await streamed(torch.randn(2, 32))
         await streamed.drain()
@@ -189,7 +189,7 @@ async def test_prefetches_start_while_the_first_copy_is_still_being_issued() -> 
     instead of waiting for the first block to run."""
     model = linears(n=5)
     async with ResidencyManager(backend=SlowIssueBackend()) as m:
-        streamed = stream_module(m, model, prefetch=2, name="net")
+        streamed = stream_module(m, model, prefetch=2, name="net", ring=False)
         x = torch.randn(2, 32)
         with torch.no_grad():
             y = await streamed(x)
@@ -204,7 +204,7 @@ async def test_prefetches_start_while_the_first_copy_is_still_being_issued() -> 
 async def test_prefetch_zero_copies_one_block_at_a_time() -> None:
     model = linears(n=4)
     async with ResidencyManager(backend="sim") as m:
-        streamed = stream_module(m, model, prefetch=0, name="net")
+        streamed = stream_module(m, model, prefetch=0, name="net", ring=False)
         with torch.no_grad():
             await streamed(torch.randn(2, 32))
         await streamed.drain()
@@ -224,7 +224,7 @@ async def test_release_waits_for_the_blocks_compute_event() -> None:
     x = torch.randn(2, 16)
     expected = reference(model, x)
     async with ResidencyManager(backend=SimBackend(copy_gbps=0.05)) as m:
-        streamed = stream_module(m, model, prefetch=1, name="net")
+        streamed = stream_module(m, model, prefetch=1, name="net", ring=False)
         with torch.no_grad():
             y = await streamed(x)
         assert torch.equal(y, expected)
@@ -243,7 +243,7 @@ async def test_the_host_does_not_wait_for_the_blocks_to_run() -> None:
     torch.manual_seed(4)
     model = nn.Sequential(*(Sleepy(16, 0.03) for _ in range(5)))
     async with ResidencyManager(backend="sim") as m:
-        streamed = stream_module(m, model, prefetch=8, name="net")
+        streamed = stream_module(m, model, prefetch=8, name="net", ring=False)
         with torch.no_grad():
             await streamed(torch.randn(2, 16))
         trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
@@ -557,7 +557,8 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
         assert_all_released(m, patient)
 
 
-async def test_a_cancelled_call_leaves_no_charge_or_protection() -> None:
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_a_cancelled_call_leaves_no_charge_or_protection(ring: bool) -> None:
     torch.manual_seed(7)
     models: list[nn.Module] = [nn.Sequential(*(Sleepy(16, 0.02) for _ in range(6))), SleepyNet()]
 
@@ -573,17 +574,20 @@ async def test_a_cancelled_call_leaves_no_charge_or_protection() -> None:
 
     for model in models:
         async with ResidencyManager(backend=SimBackend(copy_gbps=0.01)) as m:
-            streamed = stream_module(m, model, prefetch=2)
+            streamed = stream_module(m, model, prefetch=2, ring=ring)
+            first = next(sub for sub in model.modules() if isinstance(sub, Sleepy))
+            ran = threading.Event()
+            hook = first.register_forward_hook(lambda *_, ran=ran: ran.set())
             x = torch.randn(2, 16)
             cancel = anyio.CancelScope()
             outcome: list[object] = []
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(call, streamed, x, cancel, outcome)
-                # In the middle of the call: its first block ran and was released (about 20 ms
-                # into a call of about 120 ms).
-                while released(m) == 0:
-                    await m.wait_for_change()
+                # In the middle of the call: its first block ran (about 20 ms into a call of
+                # about 120 ms).
+                await anyio.to_thread.run_sync(ran.wait)
                 cancel.cancel()
+            hook.remove()
             (result,) = outcome
             assert isinstance(result, anyio.get_cancelled_exc_class()), (
                 f"the cancelled call returned its output instead of raising: {type(result)}"

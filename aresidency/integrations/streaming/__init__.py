@@ -6,7 +6,12 @@ manager as one REPLICABLE value: either kept in host memory (``host="pinned-host
 ``"pageable-host"``; the module's own parameters then become views of that managed host copy, so
 host memory is not doubled), or rebuilt from a safetensors checkpoint each time
 (``checkpoint=path``; the module may then live on the ``meta`` device). ``await streamed(x)``
-runs the module as usual while, block by block:
+runs the module as usual. Weights in pinned host memory stream through a *ring* (the default,
+``ring=None``; :mod:`.ring`): one reservation per call admits ``prefetch + 1`` device buffers,
+and the thread running the blocks enqueues each block's copy into a buffer itself, after the
+previous user's reader event on the device, as a hand-written double buffer does, with no
+event loop work per block. Otherwise (``ring=False``, pageable host memory, checkpoints) the
+blocks stream as managed values, block by block:
 
 * the copies of the next ``prefetch`` blocks are started with
   :meth:`~aresidency.ResidencyManager.materialize_nowait` (the budget is charged at once and the

@@ -31,6 +31,7 @@ from .checkpoint import block_loader
 from .packing import TensorGroup, collect_groups, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
+from .ring import IdleRing, RingCall
 from .runners import ThreadedRunner, run_sequential
 
 __all__ = ["HostKind", "StreamedModule", "stream_module"]
@@ -73,6 +74,7 @@ class StreamedModule:
         timeout: float | None = None,
         name: str | None = None,
         keep_resident: bool = True,
+        ring: bool | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"stream_module takes an nn.Module, got {type(module).__name__}")
@@ -86,6 +88,8 @@ class StreamedModule:
             raise ValueError(f"device must be a cuda location, got {self.device}")
         if checkpoint is None and host not in ("pinned-host", "pageable-host"):
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
+        if ring is not None and not isinstance(ring, bool):
+            raise TypeError(f"ring must be True, False or None, got {ring!r}")
         self.prefetch = prefetch
         self.keep_resident = bool(keep_resident)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
@@ -98,6 +102,14 @@ class StreamedModule:
         if stream is not None:
             backend.check_stream(stream, self.device)
         self.host_compute = backend.host_compute
+        can_ring = self.host == "pinned-host" and backend.has_copy_into
+        if ring and not can_ring:
+            raise ValueError(
+                "ring=True needs the weights in pinned host memory (host='pinned-host', no "
+                f"checkpoint) and a backend with copy_into; this module has host={self.host!r} "
+                f"on {type(backend).__name__}"
+            )
+        self.ring = can_ring if ring is None else ring
         self.blocks = list(find_blocks(module) if blocks is None else blocks)
         if not self.blocks:
             raise ValueError("no blocks to stream: the module has no children")
@@ -123,16 +135,23 @@ class StreamedModule:
         self.releasing: dict[int, PendingOperation] = {}
         # copies a finished call cancelled, or whose block was handed back before it arrived
         self.settling: set[PendingOperation] = set()
+        # rings of finished calls waiting for the device to pass their last use (name -> set
+        # once the buffer is freed and the reservation ended)
+        self.rings: dict[str, IdleRing] = {}
         self.kept: set[int] = set()
         self._release_errors: list[BaseException] = []
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
-        self.current_call: CallPipeline | None = None
+        self.current_call: CallPipeline | RingCall | None = None
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
         self._checkpoint: Checkpoint | None = None
         self.calls = 0
+        # Copies to the device this module started (a block each time it is streamed in, the
+        # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
+        self.copies = 0
+        self.copied_bytes = 0
         try:
             self._register_all()
             self._check_budget()
@@ -249,14 +268,20 @@ class StreamedModule:
         if record.budget_bytes is None:
             return
         need = self._largest + self.resident_bytes
-        if need > record.budget_bytes - record.reserved_bytes:
+        # Our own finished calls' rings leave (or are taken over) once the device passed them.
+        reserved = record.reserved_bytes - self._idle_ring_bytes()
+        if need > record.budget_bytes - reserved:
             largest = self._largest
             raise ValueError(
                 f"{self.name}: the largest block ({largest} B) plus the tensors outside the "
                 f"blocks ({self.resident_bytes} B) need {need} B at {self.device}, more than its "
                 f"budget ({record.budget_bytes} B) less its reservations "
-                f"({record.reserved_bytes} B); streaming could never run"
+                f"({reserved} B); streaming could never run"
             )
+
+    def _idle_ring_bytes(self) -> int:
+        """Bytes reserved by the rings of our finished calls not retired yet."""
+        return sum(r.reserved_bytes for r in self.rings.values())
 
     def _unregister_now(self) -> None:
         """Undo a failed construction: hooks, the module's tensors, holds and values, now (a
@@ -306,7 +331,8 @@ class StreamedModule:
         ledger = state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None:
             return set()  # without a strict budget nothing says how much may stay
-        others = others_bytes(state, self.device, self.all_groups)
+        # (our finished calls' rings are ours: the next call takes one over or it retires)
+        others = others_bytes(state, self.device, self.all_groups) - self._idle_ring_bytes()
         room = ledger.budget_bytes - others - self._window_bytes()
         keep: set[int] = set()
         if self.resident_group is not None:
@@ -389,6 +415,14 @@ class StreamedModule:
         self.settling.add(pending)
         pending.add_done_callback(self.settling.discard)
 
+    def end_reservation(self, name: str) -> None:
+        """End a retired ring's reservation (loop; nothing to do once the manager closed)."""
+        if self.manager.running:
+            try:
+                self.manager.unreserve_nowait(name, self.device)
+            except (ResidencyError, ValueError, RuntimeError) as error:
+                self._release_errors.append(error)
+
     async def drain(self) -> None:
         """Wait until every device replica this module released has left the budget (its
         readers' events completed and the release committed), every prefetch a call no
@@ -401,6 +435,8 @@ class StreamedModule:
                 await next(iter(self.settling)).wait_settled()
             elif self.releasing:
                 await next(iter(self.releasing.values())).wait_settled()
+            elif self.rings:
+                await next(iter(self.rings.values())).done.wait()
             elif self._kept_readers():
                 await self.manager.wait_for_change()  # an event reaped is a change
             else:
@@ -496,13 +532,19 @@ class StreamedModule:
             stream = self._compute_stream()
             on_loop = self._sequential and generate is None
             host_wait = self.host_compute and not on_loop
-            call = CallPipeline(
-                self, stream, host_wait=host_wait, keep=keep, cyclic=generate is not None
-            )
+            cyclic = generate is not None
+            call: CallPipeline | RingCall
+            if self.ring:
+                call = RingCall(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
+            else:
+                call = CallPipeline(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
             self.current_call = call
             self.calls += 1
             try:
-                call.start()
+                if isinstance(call, RingCall):
+                    await call.open()
+                else:
+                    call.start()
                 if on_loop:
                     result = await run_sequential(self, call, stream, args, kwargs)
                 else:
@@ -586,6 +628,7 @@ def stream_module(
     timeout: float | None = None,
     name: str | None = None,
     keep_resident: bool = True,
+    ring: bool | None = None,
 ) -> StreamedModule:
     """Register ``module``'s weights with ``manager`` for streaming to ``device``.
 
@@ -603,7 +646,12 @@ def stream_module(
     (``None``: as long as it takes). ``keep_resident``: between calls, keep on the device the
     tensors outside the blocks and the blocks that fit beside the prefetch window (spread
     evenly over the call order), so a call copies only what does not fit (see
-    :meth:`StreamedModule.residency`); needs a strict ``device`` budget.
+    :meth:`StreamedModule.residency`); needs a strict ``device`` budget. ``ring``: copy the
+    streamed blocks through a ring of ``prefetch + 1`` device buffers admitted once per call
+    as one reservation, enqueued from the thread that runs the blocks (the cost of a
+    hand-written double buffer; see :mod:`aresidency.integrations.streaming.ring`) instead
+    of as managed values one by one; ``None`` (the default) uses it wherever it applies
+    (weights in pinned host memory, no checkpoint), ``False`` never.
 
     Call on the manager's event loop (registration copies the weights into host memory
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors
@@ -621,4 +669,5 @@ def stream_module(
         timeout=timeout,
         name=name,
         keep_resident=keep_resident,
+        ring=ring,
     )

@@ -278,6 +278,8 @@ class CallPipeline:
             return None
         slot.pending = pending
         slot.state = "starting"
+        self.streamed.copies += 1
+        self.streamed.copied_bytes += group.nbytes
         counted = not pending.done()
         if counted:
             self.copies_in_flight += 1
@@ -421,6 +423,11 @@ class CallPipeline:
             raise slot.failure
         self.taken.add(index)
         return slot
+
+    def reader_event(self, stream: Any) -> Any:
+        """An event after the consumer thread's work so far, reaped with the lease it exits
+        (compute on the host: done now)."""
+        return self.manager.backend.record_event(None if self.streamed.host_compute else stream)
 
     def _request_from_thread(self, index: int, ticket: int) -> None:
         if self.active and self._waiting == ticket:  # the thread still waits for it

@@ -19,6 +19,7 @@ from torch import nn
 
 from .packing import TensorGroup
 from .pipeline import CallPipeline, Slot
+from .ring import RingCall, RingSlot
 
 if TYPE_CHECKING:
     from .module import StreamedModule
@@ -59,7 +60,7 @@ class TorchState:
 
 async def run_sequential(
     streamed: StreamedModule,
-    call: CallPipeline,
+    call: CallPipeline | RingCall,
     stream: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -160,7 +161,7 @@ class ThreadedRunner:
 
     async def run(
         self,
-        call: CallPipeline,
+        call: CallPipeline | RingCall,
         stream: Any,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
@@ -172,7 +173,7 @@ class ThreadedRunner:
         the call at the next block boundary and waits (shielded) for the thread to unwind."""
         streamed = self.streamed
         resident = streamed.resident_group
-        resident_slot: Slot | None = None
+        resident_slot: Slot | RingSlot | None = None
         if resident is not None:
             resident_slot = await call.take(resident.index)
             assert resident_slot.tensors is not None
@@ -206,9 +207,9 @@ class ThreadedRunner:
 
     def _work(
         self,
-        call: CallPipeline,
+        call: CallPipeline | RingCall,
         stream: Any,
-        resident: Slot | None,
+        resident: Slot | RingSlot | None,
         torch_state: TorchState,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
@@ -257,4 +258,4 @@ class ThreadedRunner:
         call = self.streamed.current_call
         assert call is not None
         if group.index in call.taken:
-            call.give_back_threadsafe(group.index, self._reader_event(call.stream))
+            call.give_back_threadsafe(group.index, call.reader_event(call.stream))

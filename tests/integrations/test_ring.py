@@ -1,0 +1,281 @@
+"""Weight streaming through the ring (``stream_module(..., ring=True)``, the default for weights
+in pinned host memory) on the simulated backend (CUDA devices simulated in host memory: streams
+run work in order on worker threads, memory is poisoned when released).
+
+The ring charges one reservation per call and copies blocks into its slots from the thread
+that runs them; these tests check what it promises: the budget sees exactly that reservation,
+slots are reused only after their readers, a block asked out of order still gets its own
+weights, a failed copy or a cancelled call leaves nothing, and a call that follows before the
+device passed the previous one takes its ring over instead of waiting."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+from aresidency import ReplicaMode, ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.integrations import StreamedModule, stream_module
+
+from ._models import Block, Net, Sleepy, SleepyNet
+
+pytestmark = pytest.mark.anyio
+
+
+def reference(module: nn.Module, *args: Any) -> torch.Tensor:
+    """The plain module's output on the CPU (slow blocks made quick: this runs on the loop)."""
+    sleepy = [(sub, sub.seconds) for sub in module.modules() if isinstance(sub, Sleepy)]
+    for sub, _ in sleepy:
+        sub.seconds = 0.0
+    try:
+        with torch.no_grad():
+            out = module(*args)
+    finally:
+        for sub, seconds in sleepy:
+            sub.seconds = seconds
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def ring_reservations(manager: ResidencyManager) -> dict[str, int]:
+    """The ring reservations active at cuda:0 now (name -> bytes)."""
+    snap = manager.snapshot()
+    return {
+        name: nbytes
+        for name, nbytes in snap.location("cuda:0").reservations
+        if name.startswith("stream ring")
+    }
+
+
+def assert_nothing_left(manager: ResidencyManager, streamed: StreamedModule) -> None:
+    snap = manager.snapshot()
+    location = snap.location("cuda:0")
+    assert location.reserved_bytes == 0, location
+    kept = set(streamed.residency()["kept"])
+    kept_bytes = sum(snap.value(h).charge_bytes for h in streamed.handles if h.name in kept)
+    assert location.used_bytes == kept_bytes
+    for handle in streamed.handles:
+        for record in snap.value(handle).materializations:
+            assert record.use_count == 0 and record.pending_event_count == 0
+    assert not streamed.rings
+
+
+async def sizes(model: nn.Module) -> tuple[int, int]:
+    """(largest block, resident bytes) of ``model`` streamed."""
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, model, prefetch=0)
+        out = max(probe.block_bytes), probe.resident_bytes
+        await probe.aclose()
+    return out
+
+
+async def test_a_call_charges_one_reservation_for_its_ring_and_no_block_replicas() -> None:
+    model = SleepyNet(n=6, seconds=0.02)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2, name="net")
+        assert streamed.ring
+        ran = threading.Event()
+        hook = model.layers[1].register_forward_hook(lambda *_: ran.set())
+        result: list[torch.Tensor] = []
+
+        async def call() -> None:
+            with torch.no_grad():
+                result.append(await streamed(x))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call)
+            await anyio.to_thread.run_sync(ran.wait)  # in the middle of the call
+            block = max(streamed.block_bytes)
+            assert list(ring_reservations(m).values()) == [3 * block]
+            snap = m.snapshot()
+            on_device = [
+                h.name
+                for h in streamed.handles
+                if "cuda:0" in [str(loc) for loc in snap.value(h).locations]
+            ]
+            assert on_device == []  # blocks live in the ring, not as replicas
+        hook.remove()
+        assert torch.equal(result[0], expected)
+        assert streamed.copies == 6  # each block once
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_device_memory_stays_within_a_budget_of_three_blocks() -> None:
+    model = Net(d=64, n=12)
+    x = torch.randn(4, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(Net(d=64, n=12))
+    budget = resident + 3 * block
+    backend = SimBackend()
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        streamed = stream_module(m, model, prefetch=5)  # wants six slots: three fit
+        for _ in range(3):
+            backend.reset_peak_memory_allocated("cuda:0")
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+            assert backend.max_memory_allocated("cuda:0") <= budget
+            assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        reserves = [
+            t.nbytes
+            for t in m.trace().transitions
+            if t.kind == "reserve" and t.name and t.name.startswith("stream ring")
+        ]
+        assert reserves and max(reserves) <= budget - resident
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+    assert backend.memory_allocated("cuda:0") == 0
+
+
+async def test_a_budget_of_one_block_streams_through_one_slot() -> None:
+    model = Net(d=32, n=5)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(Net(d=32, n=5))
+    async with ResidencyManager(budgets={"cuda:0": resident + block + 100}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=4)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        reserves = [t.nbytes for t in m.trace().transitions if t.kind == "reserve"]
+        assert reserves == [block]
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+class Shuffled(nn.Module):
+    """Runs its blocks out of order: skips one, repeats one, goes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(16, seed) for seed in range(5))
+        self.plan = [0, 2, 1, 2, 4, 0, 3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.plan:
+            x = self.layers[i](x)
+        return x
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+async def test_blocks_asked_out_of_order_get_their_own_weights(prefetch: int) -> None:
+    model = Shuffled()
+    x = torch.randn(3, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=prefetch)
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_a_failed_copy_fails_the_call_and_the_next_call_works() -> None:
+    model = Net(n=6)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1)
+        m.backend.faults.fail_transfer_at = 3  # the resident group's copy, then ring copies
+        with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+            await streamed(x)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_a_call_right_behind_the_previous_takes_its_ring_over() -> None:
+    """The first call's last block leaves 0.3 s of (simulated) device work behind it, so the
+    ring cannot retire before the second call starts: the second takes it over (one
+    reservation for both calls) and its copies wait, on the device, for the first call's
+    readers of each slot."""
+    model = Net(n=5)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(Net(n=5))
+    # (a strict budget: the tensors outside the blocks stay between calls)
+    async with ResidencyManager(budgets={"cuda:0": resident + 3 * block}, backend="sim") as m:
+        compute = m.backend.device_streams(0).compute  # type: ignore[attr-defined]
+        streamed = stream_module(m, model, prefetch=2, name="net")
+        busy = model.layers[-1].register_forward_hook(lambda *_: compute.sleep(0.3))
+        with torch.no_grad():
+            first = await streamed(x)
+        busy.remove()
+        assert list(streamed.rings) == ["stream ring net #1"]  # not retired yet
+        with torch.no_grad():
+            second = await streamed(x)
+        assert torch.equal(first, expected) and torch.equal(second, expected)
+        names = [
+            t.name
+            for t in m.trace().transitions
+            if t.kind == "reserve" and t.name and t.name.startswith("stream ring")
+        ]
+        assert names == ["stream ring net #1"]
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_cancelling_a_call_that_waits_for_room_leaves_nothing() -> None:
+    model = Net(n=4)
+    x = torch.randn(2, 16)
+    block, resident = await sizes(Net(n=4))
+    async with ResidencyManager(budgets={"cuda:0": resident + block}, backend="sim") as m:
+        other = m.register(
+            torch.zeros(block // 4), name="other", replica_mode=ReplicaMode.REPLICABLE
+        )
+        await m.materialize(other, "cuda:0")  # takes the room of the ring's one slot
+        streamed = stream_module(m, model, prefetch=2)
+        with anyio.move_on_after(0.05) as scope, torch.no_grad():
+            await streamed(x)  # waits for room for one slot
+        assert scope.cancelled_caught
+        await streamed.drain()
+        assert ring_reservations(m) == {}
+        await m.release(other, "cuda:0")
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), reference(model, x))
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_ring_true_needs_pinned_host_weights() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match="ring=True needs the weights in pinned host"):
+            stream_module(m, Net(), host="pageable-host", ring=True)
+        with pytest.raises(TypeError, match="ring must be"):
+            stream_module(m, Net(), ring="yes")  # type: ignore[arg-type]
+        streamed = stream_module(m, Net(), host="pageable-host")
+        assert not streamed.ring  # staged copies go through the managed values
+        await streamed.aclose()
+
+
+async def test_a_sequential_on_the_loop_streams_through_the_ring() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(*(Sleepy(16, 0.0) for _ in range(6)))
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(backend=SimBackend(copy_gbps=0.05)) as m:
+        streamed = stream_module(m, model, prefetch=1)
+        assert streamed.ring
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
