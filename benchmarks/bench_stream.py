@@ -809,16 +809,17 @@ async def run_llama(
     del on_dev
     gc.collect()
 
-    # copies only and the hand-written double buffer
+    # copies only and the hand-written double buffer (kept for the alternating rounds below)
+    hand: HandDoubleBuffer | None = None
     try:
         hand = HandDoubleBuffer(dev, fresh())
         timed("prefill", "copies", hand.copies_only)
         entry["decode"]["copies"] = entry["prefill"]["copies"]  # the same copies
         for phase, fn in zip(("prefill", "decode"), decode_fns(hand.model, ids), strict=True):
             timed(phase, "double buffer", fn)
-        del hand
     except Exception as error:
         traceback.print_exc()
+        hand = None
         for phase in ("prefill", "decode"):
             entry[phase]["double buffer"] = Result(error=repr(error))
     gc.collect()
@@ -866,7 +867,19 @@ async def run_llama(
                 threads_ms = entry[phase][method].extra.get("thread_cpu_ms_per_call")
                 if threads_ms:
                     log(f"  CPU ms per call by thread: {threads_ms}")
+            if method == "aresidency" and hand is not None:
+                # The same two methods in alternating rounds: this machine's host speed
+                # drifts by tens of percent from one minute to the next (the medians above
+                # were taken minutes apart); a ratio of neighbours does not drift.
+                theirs = decode_fns(hand.model, ids)
+                ours = streamed_fns(streamed, ids)
+                for phase, our, their in zip(("prefill", "decode"), ours, theirs, strict=True):
+                    rounds = 2 if dev.sim else LLAMA_ROUNDS
+                    pair = await paired(dev, our, streamed.drain, their, rounds)
+                    entry[phase]["paired"] = pair
+                    log(f"{phase} alternating rounds: {pair}")
         await streamed.aclose()
+    del hand
     gc.collect()
 
     # accelerate's cpu_offload and diffusers' group offloading, where installed
@@ -913,6 +926,8 @@ async def run_llama(
         torch.cuda.empty_cache()
 
 
+LLAMA_ROUNDS = int(os.environ.get("BENCH_STREAM_ROUNDS", "9"))  # alternating rounds, ours and hand
+
 LLAMA_METHODS = [
     "compute",
     "copies",
@@ -930,6 +945,7 @@ def llama_markdown(report: dict[str, Any]) -> str:
         "phase",
         *LLAMA_METHODS,
         "ours / double buffer",
+        "same, alternating rounds",
         "ours / floor",
         "ours / diffusers",
         "half / max(compute, copies x streamed share)",
@@ -960,6 +976,7 @@ def llama_markdown(report: dict[str, Any]) -> str:
                 half_floor = half.ms / max(compute.ms, share * copies.ms)
             cells += [
                 fmt(ratio(ours, res.get("double buffer"))),
+                fmt(cast_any(res).get("paired", {}).get("ratio_median")),
                 fmt(None if floor is None or ours is None or ours.ms is None else ours.ms / floor),
                 fmt(ratio(ours, res.get("diffusers"))),
                 fmt(half_floor),

@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 _CU_STREAM_NON_BLOCKING: Final = 1
+_CUDA_ERROR_INVALID_CONTEXT: Final = 201
 # Semaphores and host functions may outlive a waiter (a notify stream destroyed with work
 # still queued runs it later): their memory is kept for the life of the process. 64 B each.
 _KEEPALIVE: list[Any] = []
@@ -69,6 +70,7 @@ class CudaDriver:
             "cuStreamDestroy_v2": [vp],
             "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
             "cuLaunchHostFunc": [vp, vp, vp],
+            "cuMemcpyHtoDAsync_v2": [ctypes.c_ulonglong, vp, ctypes.c_size_t, vp],
         }.items():
             fn = getattr(cuda, name)
             fn.argtypes = args
@@ -106,6 +108,32 @@ class CudaDriver:
             self._check(fn(), what)
         finally:
             self.cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def memcpy_htod_async(self, device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyHtoDAsync``: enqueue ``nbytes`` from host address ``src`` (page-locked)
+        to device address ``dst`` on ``stream``; the host does not wait. Uses the calling
+        thread's current context (torch's primary context once the thread made a CUDA call),
+        else makes the device's primary context current for the call."""
+        code = int(
+            self.cuda.cuMemcpyHtoDAsync_v2(
+                ctypes.c_ulonglong(dst), ctypes.c_void_p(src), nbytes, ctypes.c_void_p(stream)
+            )
+        )
+        if code == _CUDA_ERROR_INVALID_CONTEXT:
+            self.call_in(
+                device,
+                lambda: int(
+                    self.cuda.cuMemcpyHtoDAsync_v2(
+                        ctypes.c_ulonglong(dst),
+                        ctypes.c_void_p(src),
+                        nbytes,
+                        ctypes.c_void_p(stream),
+                    )
+                ),
+                "cuMemcpyHtoDAsync",
+            )
+            return
+        self._check(code, "cuMemcpyHtoDAsync")
 
     def create_stream(self, device: int) -> int:
         """A new non-blocking stream on ``device`` (never synchronizes with the legacy
