@@ -53,7 +53,9 @@ class StreamedModule:
     checkpoint), ``handles`` (one value per block with tensors, then the resident group's),
     ``releasing`` (group index -> the release of its device replica in flight),
     ``kept`` (group indexes whose device replica stays between calls), ``current_call`` (the
-    pipeline of the call in flight, or ``None``).
+    ring or pipeline of the call in flight, or ``None``), ``ring`` (whether calls stream
+    through a ring), ``rings`` (finished calls' rings not retired yet, by reservation name),
+    ``copies``/``copied_bytes`` (copies to the device started so far).
     Invariants: outside a call, every parameter and buffer of ``module`` is its own tensor
     again (``host`` mode: a view of the managed host copy); a group's device replica exists
     only while a call uses or prefetches it, while its release waits for its readers, or while
