@@ -44,8 +44,10 @@ async def test_direct_release_with_a_hold_is_refused_but_pending_events_are_awai
         await m.materialize(h, "cuda:0")
         stream = m.backend.new_stream("cuda:0")  # type: ignore[attr-defined]
         async with m.acquire(h, "cuda:0", stream=stream) as lease:
-            lease.register_stream(m.backend.current_stream("cuda:0"))
+            compute = m.backend.current_stream("cuda:0")
+            lease.register_stream(compute)
             stream.sleep(0.05)
+            compute.sleep(0.05)  # (an idle stream's event could be reaped before the check)
         assert m.snapshot().value(h).materialization("cuda:0").pending_event_count == 2
         hold = m.hold(h, "cuda:0")
         with pytest.raises(ResidencyInUseError) as info:

@@ -21,7 +21,7 @@ from torch import nn
 from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
 from ...core.timeouts import check_timeout
-from ...core.values import ReplicaMode, ValueHandle
+from ...core.values import MaterializationState, ReplicaMode, ValueHandle
 from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
@@ -140,6 +140,7 @@ class StreamedModule:
         # rings of finished calls waiting for the device to pass their last use (name -> set
         # once the buffer is freed and the reservation ended)
         self.rings: dict[str, IdleRing] = {}
+        self._deferred: set[int] = set()  # releases waiting for their replica to arrive
         self.kept: set[int] = set()
         self._release_errors: list[BaseException] = []
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
@@ -383,6 +384,23 @@ class StreamedModule:
             return
         if not self.manager.running:
             return  # the manager is closing: it frees every replica itself
+        if index in self.kept:
+            # Planned to stay by the call in flight or the last one (a release deferred until
+            # an earlier call's copy arrived fires after a later call chose to keep it).
+            return
+        value = self.manager.state.find_value(group.handle)
+        record = None if value is None else value.materializations.get(self.device)
+        if record is None:
+            return  # gone already
+        if record.use_count or record.hold_count:
+            # A later call leased it meanwhile (a release deferred until a copy arrived fires
+            # after the next call took the replica): that call releases or keeps it.
+            return
+        if record.state is not MaterializationState.RESIDENT:
+            # Still arriving (a copy a cancelled call began for a group it meant to keep):
+            # released once it settled.
+            self._release_when_settled(index)
+            return
         try:
             pending = self.manager.release_nowait(group.handle, self.device)
         except ResidencyError as error:
@@ -390,6 +408,26 @@ class StreamedModule:
             return
         self.releasing[index] = pending
         pending.add_done_callback(functools.partial(self._released, index))
+
+    def _release_when_settled(self, index: int) -> None:
+        """Release group ``index``'s replica once it is no longer arriving (loop)."""
+        if index in self._deferred:
+            return
+        self._deferred.add(index)
+        handle = self.group(index).handle
+        assert handle is not None
+
+        def changed() -> None:
+            value = self.manager.state.find_value(handle)
+            record = None if value is None else value.materializations.get(self.device)
+            if record is not None and record.state is not MaterializationState.RESIDENT:
+                return  # still arriving: wait for the next change
+            unlisten()
+            self._deferred.discard(index)
+            if record is not None and index not in self.kept:
+                self.release_replica(index)
+
+        unlisten = self.manager.add_change_listener(changed)
 
     def _released(self, index: int, pending: PendingOperation) -> None:
         if self.releasing.get(index) is pending:
@@ -439,6 +477,8 @@ class StreamedModule:
                 await next(iter(self.releasing.values())).wait_settled()
             elif self.rings:
                 await next(iter(self.rings.values())).done.wait()
+            elif self._deferred:
+                await self.manager.wait_for_change()  # an arrival, then its release
             elif self._kept_readers():
                 await self.manager.wait_for_change()  # an event reaped is a change
             else:
@@ -528,9 +568,9 @@ class StreamedModule:
         async with self._lock:
             self._check_budget()
             keep = self._plan_keep()
-            for index in list(self.kept - keep):
+            dropped, self.kept = self.kept - keep, keep
+            for index in dropped:
                 self.release_replica(index)  # the budget shrank: no longer ours to keep
-            self.kept = keep
             stream = self._compute_stream()
             on_loop = self._sequential and generate is None
             host_wait = self.host_compute and not on_loop

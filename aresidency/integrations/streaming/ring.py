@@ -183,49 +183,58 @@ class RingCall:
         for group in needed:
             required = group is streamed.resident_group
             pending = await self._materialize(group, deadline, required)
-            if pending is None and not required and not self._here(group):
-                self._stream_instead(group)
+            if pending is None:
+                if self._resident(group):
+                    # Leased at once: nothing may release it while the others arrive.
+                    self._lease(group)
+                else:
+                    self._stream_instead(group)  # no room to keep it: it streams
                 continue
-            if pending is not None:
-                pendings.append((group, pending))
-                self._started[group.index] = pending
-                streamed.copies += 1
-                streamed.copied_bytes += group.nbytes
-        for _group, pending in pendings:
+            pendings.append((group, pending))
+            self._started[group.index] = pending
+            streamed.copies += 1
+            streamed.copied_bytes += group.nbytes
+        for group, pending in pendings:
             await pending.wait_settled()
             error = pending.exception()
             if error is not None:
                 raise error
-        for group in needed:
-            if group.index in self.keep or group is streamed.resident_group:
-                self._lease(group)
+            self._lease(group)
         await self._reserve(deadline)
         self.issue_ahead(0)
 
-    def _here(self, group: TensorGroup) -> bool:
+    def _state_here(self, group: TensorGroup) -> MaterializationState | None:
         assert group.handle is not None
         value = self.manager.state.find_value(group.handle)
-        return value is not None and self.device in value.materializations
+        record = None if value is None else value.materializations.get(self.device)
+        return None if record is None else record.state
+
+    def _resident(self, group: TensorGroup) -> bool:
+        return self._state_here(group) is _RESIDENT
 
     async def _materialize(
         self, group: TensorGroup, deadline: float | None, required: bool
     ) -> PendingOperation | None:
-        """Start bringing ``group`` to the device unless it is there: its pending operation,
-        or ``None`` when there already (or, when not ``required``, when there is no room)."""
+        """Start bringing ``group`` to the device unless it is resident there: its pending
+        operation, or ``None`` when resident (or, when not ``required``, when there is no
+        room). A replica arriving or leaving (an earlier call's prefetch or release) is
+        waited for first."""
         while True:
             releasing = self.streamed.releasing.get(group.index)
             if releasing is not None:
                 await releasing.wait_settled()  # an earlier call's release goes first
                 continue
-            if self._here(group):
+            state = self._state_here(group)
+            if state is _RESIDENT:
                 return None
-            assert group.handle is not None
-            try:
-                return self.manager.materialize_nowait(group.handle, self.device)
-            except ResidencyBudgetError:
-                if not required:
-                    return None
-            await self._wait_for_room(deadline, group)
+            if state is None:
+                assert group.handle is not None
+                try:
+                    return self.manager.materialize_nowait(group.handle, self.device)
+                except ResidencyBudgetError:
+                    if not required:
+                        return None
+            await self._wait_for_room(deadline, group)  # (or for the replica to settle)
 
     async def _wait_for_room(self, deadline: float | None, group: TensorGroup | None) -> None:
         streamed = self.streamed
@@ -473,9 +482,22 @@ class RingCall:
         del leases
         for index, pending in self._started.items():
             # Begun by open() but never leased (the call ended while it waited): its
-            # replica goes once it arrived, unless the module keeps it.
+            # replica goes once it arrived, unless the module keeps it; drain waits for it.
+            if not pending.done():
+                streamed.settle_later(pending)
             if index not in self.keep and index not in leased:
                 streamed.release_replica(index, pending)
+            elif pending.done() and pending.exception() is not None:
+                self.keep.discard(index)  # it never arrived: nothing is kept
+        for index in list(self.keep):
+            # Planned to stay, but the call ended before it was brought (and no earlier
+            # call's copy of it is arriving): not kept after all.
+            if (
+                index not in leased
+                and index not in self._started
+                and self._state_here(streamed.group(index)) is None
+            ):
+                self.keep.discard(index)
         self._started.clear()
         self._views.clear()
         if self.reservation is None:
