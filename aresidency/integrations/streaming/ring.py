@@ -151,11 +151,9 @@ class RingCall:
         self.issued = 0
         self.used = 0
         self.readers: list[Any] = []
-        self.copied: list[Any] = []
-        self._copy_events: list[Any] = []  # reused event objects (CUDA), one per slot
+        self.copied: list[Any] = []  # slot -> its last copy's event (CUDA: reused objects)
         self._reader_events: list[Any] = []
         self._layouts: dict[int, tuple[Any, ...]] = {}  # group index -> its _layout
-        self._slot_of: dict[int, int] = {}  # position -> slot, for positions issued
         self._views: dict[tuple[int, tuple[Any, ...]], list[torch.Tensor]] = {}
         self.taken: set[int] = set()  # group indexes the consumer holds (its thread only)
         self._current = 0  # the slot of the block the consumer holds
@@ -303,7 +301,6 @@ class RingCall:
             raise
         self.readers = [None] * self.slots
         self.copied = [None] * self.slots
-        self._copy_events = [None] * self.slots
         self._reader_events = [None] * self.slots
 
     def _adopt(self, want: int) -> bool:
@@ -323,7 +320,6 @@ class RingCall:
             self.buffers, idle.buffers = idle.buffers, None
             self.readers = idle.readers
             self.copied = [None] * self.slots
-            self._copy_events = [None] * self.slots
             self._reader_events = [None] * self.slots
             return True
         return False
@@ -359,12 +355,10 @@ class RingCall:
                     buffers[slot][: group.nbytes],
                     self.device,
                     wait_events=waits,
-                    event=self._copy_events[slot],
+                    event=self.copied[slot],
                 )
-            self._copy_events[slot] = event
             self.copied[slot] = event
             self._last_copy = event
-            self._slot_of[p] = slot
             self.streamed.copies += 1
             self.streamed.copied_bytes += group.nbytes
             self.issued = p + 1
@@ -396,7 +390,7 @@ class RingCall:
             return held
         p = self._seek(index)
         self.issue_ahead(p)
-        slot = self._slot_of[p]
+        slot = p % self.slots  # where issue_ahead put position p
         event = self.copied[slot]
         self.used = p + 1
         group = self.streamed.group(index)
@@ -515,7 +509,6 @@ class RingCall:
         del buffers
         self.copied = []
         self.readers = []
-        self._copy_events = []
         self._retire_later(idle, waits)
 
     def _retire_later(self, idle: IdleRing, events: list[Any]) -> None:
