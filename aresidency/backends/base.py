@@ -353,15 +353,18 @@ class Backend(abc.ABC):
         wait_events: Sequence[DeviceEvent] = (),
         event: Any = None,
     ) -> DeviceEvent:
-        """Enqueue a copy of ``src`` (page-locked host memory) into ``dst`` (memory the caller
-        owns at ``dst_location``, a device: same shape and dtype) on the device's host-to-device
+        """Enqueue a copy of ``src`` (host memory) into ``dst`` (memory the caller owns at
+        ``dst_location``, a device: the same number of bytes) on the device's host-to-device
         copy stream, after ``wait_events`` on the device; return an event after it (recorded
-        into ``event`` when given: CUDA reuses event objects). Any thread; the host does not
-        wait, nothing is allocated and no state changes: the caller owns ``dst`` and keeps
-        ``src`` alive and unchanged until the event completed. An injected transfer failure
-        raises here, before anything is enqueued. The hot path of weight streaming's ring
-        (see :mod:`aresidency.integrations.streaming.ring`); a backend without it streams
-        through managed values instead."""
+        into ``event`` when given: CUDA reuses event objects). Any thread; nothing is allocated
+        and no state changes: the caller owns ``dst``. Page-locked ``src``: the host does not
+        wait, and the caller keeps ``src`` alive and unchanged until the event completed.
+        Pageable ``src`` (slower): the call returns once the bytes were taken (on CUDA the
+        driver stages them, after the stream's earlier work), and ``src`` is free again. An
+        injected transfer failure raises here, before anything is enqueued. The hot path of
+        weight streaming's ring (see :mod:`aresidency.integrations.streaming.ring`) and of the
+        loader's (:mod:`aresidency.loader.ring`); a backend without it goes through managed
+        values instead."""
         raise NotImplementedError(f"{type(self).__name__} has no copy_into")
 
     @property

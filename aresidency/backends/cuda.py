@@ -503,11 +503,13 @@ class CudaBackend(Backend):
         event: Any = None,
     ) -> DeviceEvent:
         """See :meth:`Backend.copy_into`: ``dst.copy_(src, non_blocking=True)`` on the
-        device's host-to-device copy stream, in the calling thread."""
-        if not dst_location.is_cuda or not src.is_pinned():
+        device's host-to-device copy stream, in the calling thread. A pageable ``src`` goes
+        through the driver's own staging: the call returns once the driver took its bytes,
+        after the stream's earlier work (the driver synchronizes the stream first)."""
+        if not dst_location.is_cuda or src.device.type != "cpu":
             raise ValueError(
-                f"copy_into copies page-locked host memory to a device, got a "
-                f"{'pinned' if src.is_pinned() else 'pageable'} source and {dst_location}"
+                f"copy_into copies host memory to a device, got a {src.device.type} source "
+                f"and {dst_location}"
             )
         if self.faults.next_transfer_fails():
             raise RuntimeError("injected transfer failure")

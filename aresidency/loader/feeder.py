@@ -90,13 +90,15 @@ def needs_copy(tensors: list[Any]) -> bool:
     return False
 
 
-def prepare(item: Any, index: int) -> HostBatch:
+def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
     """Take the tensors out of ``item`` (any thread; copies block it).
 
-    A tensor that is a view into a larger storage (a slice of a bigger tensor) or shares its
-    storage with an earlier tensor of the batch is copied into memory of its own first: a value
-    must own its memory (the manager charges the whole storage, and two values cannot share
-    one). The same tensor object twice is one part. Tensors requiring grad are detached."""
+    With ``own_memory`` (the managed values), a tensor that is a view into a larger storage (a
+    slice of a bigger tensor) or shares its storage with an earlier tensor of the batch is
+    copied into memory of its own first: a value must own its memory (the manager charges the
+    whole storage, and two values cannot share one); the ring copies every tensor to the device
+    at once and needs no such copy. The same tensor object twice is one part. Tensors requiring
+    grad are detached."""
     tensors, structure = flatten(item)
     parts: list[torch.Tensor] = []
     leaf_part: list[int] = []
@@ -112,7 +114,7 @@ def prepare(item: Any, index: int) -> HostBatch:
         part = tensor.detach()
         key = (str(part.device), part.untyped_storage().data_ptr())
         shared = part.untyped_storage().nbytes() > 0 and key in storages
-        if shared or not _owns_its_memory(part):
+        if own_memory and (shared or not _owns_its_memory(part)):
             part = part.clone(memory_format=torch.contiguous_format)
             key = (str(part.device), part.untyped_storage().data_ptr())
             copies += 1
@@ -154,6 +156,7 @@ class Arrivals:
             if self.stopped:
                 return False
             self._items.append(item)
+            self._cond.notify_all()  # a consumer thread in take_blocking
         self._wake()
         return True
 
@@ -181,6 +184,18 @@ class Arrivals:
         room, self._room = self._room, None
         if room is not None:
             room.set()
+        return item
+
+    def take_blocking(self) -> HostBatch | End | None:
+        """The oldest item, once there is one (blocking the calling consumer thread, never the
+        loop: a feeder thread's items only); ``None`` once stopped."""
+        with self._cond:
+            while not self._items and not self.stopped:
+                self._cond.wait()
+            if self.stopped:
+                return None
+            item = self._items.popleft()
+            self._cond.notify_all()
         return item
 
     def stop(self) -> None:
@@ -216,8 +231,11 @@ class ThreadFeeder:
         arrivals: Arrivals,
         clock: BusyClock,
         name: str,
+        *,
+        own_memory: bool = True,
     ) -> None:
         self.source = source
+        self.own_memory = own_memory
         self.arrivals = arrivals
         self.clock = clock
         self._stop = threading.Event()
@@ -251,7 +269,7 @@ class ThreadFeeder:
                 except StopIteration:
                     self.arrivals.put(End(index))
                     return
-                batch = prepare(item, index)
+                batch = prepare(item, index, own_memory=self.own_memory)
                 end = time.perf_counter()
                 batch.start, batch.end = start, end
                 self.clock.add(start, end)

@@ -17,6 +17,7 @@ from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from .batch import DeviceBatch
 from .pipeline import Epoch
+from .ring import RingEpoch
 from .staging import StagedSource, StagingSlots
 from .stats import LoaderCounters, LoaderStats
 
@@ -41,7 +42,10 @@ class DeviceLoader:
     ``timeout``: seconds a batch may wait for room at the device before ``TimeoutError``
     (``None``: as long as it takes). ``staging_slots``: pinned buffers for a staged source
     (default: its ``workers`` + 2). ``read_ahead``: batches the source may run ahead of the
-    loader's admission (default ``prefetch + 1``).
+    loader's admission (default ``prefetch + 1``). ``ring``: copy through a ring of device
+    buffers the pass owns, from a thread, with no per-batch work on the loop
+    (:mod:`~aresidency.loader.ring`; ``None``: whenever it can, that is for a synchronous or
+    staged source on a backend with ``copy_into``; ``False``: every batch a managed value).
 
     Use::
 
@@ -56,9 +60,9 @@ class DeviceLoader:
     pass over the source (an epoch); starting one ends the previous one.
 
     Call on the manager's event loop. State: ``manager``, ``source``, ``device``, ``prefetch``,
-    ``stream``, ``timeout``, ``name``, ``counters``, ``staging`` (the staged source's buffers,
-    while open), ``task_group`` (while entered), ``_epoch`` (the current iteration),
-    ``status`` (``open`` -> ``closed``).
+    ``ring``, ``stream``, ``timeout``, ``name``, ``counters``, ``staging`` (the staged
+    source's buffers, while open), ``task_group`` (while entered), ``_epoch`` (the current
+    iteration), ``status`` (``open`` -> ``closed``).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class DeviceLoader:
         name: str | None = None,
         staging_slots: int | None = None,
         read_ahead: int | None = None,
+        ring: bool | None = None,
     ) -> None:
         if not isinstance(manager, ResidencyManager):
             raise TypeError(f"DeviceLoader needs a ResidencyManager, got {type(manager).__name__}")
@@ -116,10 +121,21 @@ class DeviceLoader:
                 "loader's pinned buffers; this source hands out batches of its own"
             )
         self.staging_slots = staging_slots
+        can_ring = backend.has_copy_into and not self.is_async_source
+        if ring is not None and not isinstance(ring, bool):
+            raise TypeError(f"ring must be True, False or None, got {ring!r}")
+        if ring and not can_ring:
+            why = (
+                f"{type(backend).__name__} has no copy_into"
+                if not backend.has_copy_into
+                else "its source is asynchronous (its batches go through managed values)"
+            )
+            raise ValueError(f"ring=True needs a synchronous or staged source and copy_into: {why}")
+        self.ring = can_ring if ring is None else ring
         self.counters = LoaderCounters()
         self.staging: StagingSlots | None = None
         self.task_group: anyio.abc.TaskGroup | None = None
-        self._epoch: Epoch | None = None
+        self._epoch: Epoch | RingEpoch | None = None
         self._epochs = 0
         self._lock = anyio.Lock()
         self.status = "open"
@@ -140,7 +156,7 @@ class DeviceLoader:
         """Batches per pass, when the source knows (``TypeError`` otherwise)."""
         return len(self.source)
 
-    async def _begin(self) -> Epoch:
+    async def _begin(self) -> Epoch | RingEpoch:
         """End the previous pass (releasing what it held), then start a new one."""
         self.manager.check_thread()
         if self.status != "open":
@@ -157,7 +173,9 @@ class DeviceLoader:
                 plans = await anyio.to_thread.run_sync(self.source.plan_epoch)
             self._epochs += 1
             self.counters.epochs += 1
-            epoch = Epoch(self, self._epochs)
+            epoch: Epoch | RingEpoch = (
+                RingEpoch(self, self._epochs) if self.ring else Epoch(self, self._epochs)
+            )
             self._epoch = epoch
             epoch.start(list(plans) if plans is not None else None)
             return epoch
@@ -172,7 +190,7 @@ class DeviceLoader:
         self.staging = slots
         self.counters.pinned_bytes = slots.total_nbytes
 
-    def current(self, epoch: Epoch) -> bool:
+    def current(self, epoch: Epoch | RingEpoch) -> bool:
         return self._epoch is epoch and self.status == "open"
 
     # ------------------------------------------------------------------ evidence
@@ -268,7 +286,7 @@ class _Iteration:
     def __init__(self, loader: DeviceLoader, *, wrap: bool) -> None:
         self._loader = loader
         self._wrap = wrap
-        self._epoch: Epoch | None = None
+        self._epoch: Epoch | RingEpoch | None = None
 
     def __aiter__(self) -> _Iteration:
         return self

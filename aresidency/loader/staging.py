@@ -197,6 +197,14 @@ class StagingSlots:
                 buffer = torch.empty(self.nbytes, dtype=torch.uint8)
             self.buffers.append(buffer)
 
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The ``workers`` threads that fill the buffers (while open)."""
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError(f"{self!r} is not open")
+        return executor
+
     def fill(
         self,
         slot: int,

@@ -172,7 +172,10 @@ class AdmissionQueue:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""
         if claim in self._queue:
             self._queue.remove(claim)
-            self._wake_head()
+            # A change for everyone, not only the next waiter: a tenant that held back while a
+            # scope waited for room (``materialize_nowait`` refuses to overtake it, a loader's
+            # ring gives its free slots back) may go on now.
+            self._rt.signal.notify()
 
     def _timeout_message(
         self, waiter: _Waiter, timeout: float | None, explanation: PlanExplanation

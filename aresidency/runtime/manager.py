@@ -193,6 +193,15 @@ class ResidencyManager:
         """How many scopes (and direct operations behind them) wait for admission now."""
         return 0 if self._rt is None else len(self._rt.admission)
 
+    def waiting_for_room(self, location: LocationLike) -> bool:
+        """Whether a scope waits for room at ``location`` now: a tenant that holds memory it
+        could give back (a loader's free buffers) should, and one that can wait should not take
+        more first (``materialize_nowait`` refuses to overtake it). Loop thread."""
+        rt = self._rt
+        if rt is None or self._status != "running":
+            return False
+        return Location.parse(location) in rt.admission.short_of()
+
     async def __aenter__(self) -> ResidencyManager:
         if self._status != "new":
             raise RuntimeError("a ResidencyManager can be entered once")

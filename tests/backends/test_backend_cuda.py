@@ -621,7 +621,21 @@ async def test_copy_into_waits_on_the_device_for_the_previous_reader(backend: Cu
     backend.faults.fail_transfer_at = 1  # the next transfer
     with pytest.raises(RuntimeError, match="injected"):
         backend.copy_into(new, dst, device)
-    with pytest.raises(ValueError, match="page-locked"):
-        backend.copy_into(_pattern(16, torch.uint8), dst[:16], device)
+    with pytest.raises(ValueError, match="host memory to a device"):
+        backend.copy_into(dst[:16].clone(), dst[:16], device)
+    # A pageable source (the loader's ring): also after the reader, on the device; the call
+    # returns once the driver took the bytes, so the source may change at once.
+    with torch.cuda.stream(reader):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        seen = dst.clone()
+    read = backend.device_event(reader)
+    pageable = _pattern(1 << 20, torch.uint8) + 7
+    expected = pageable.clone()
+    assert not pageable.is_pinned()
+    third = backend.copy_into(pageable, dst, device, wait_events=[read])
+    pageable.zero_()
+    await backend.wait_event(third)
+    assert _same_bits(seen, new)
+    assert _same_bits(dst, expected)
     del seen, dst
     torch.cuda.synchronize()

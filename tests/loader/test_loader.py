@@ -71,10 +71,10 @@ def _clone(batch: Any) -> Any:
 # ---------------------------------------------------------------- order and identity
 
 
-async def test_batches_arrive_in_source_order_and_bit_identical() -> None:
+async def test_batches_arrive_in_source_order_and_bit_identical(ring: bool | None) -> None:
     data = batches(12)
     async with ResidencyManager(backend=sim(copy_gbps=2.0)) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3, ring=ring) as loader:
             seen = []
             async for batch in loader:
                 assert str(m.backend.location_of(batch)) == "cuda:0"
@@ -87,11 +87,11 @@ async def test_batches_arrive_in_source_order_and_bit_identical() -> None:
         assert_nothing_left(m)
 
 
-async def test_the_source_tensors_are_left_as_they_were() -> None:
+async def test_the_source_tensors_are_left_as_they_were(ring: bool | None) -> None:
     data = batches(5)
     before = [d.clone() for d in data]
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, data, "cuda:0") as loader:
+        async with DeviceLoader(m, data, "cuda:0", ring=ring) as loader:
             await collect(loader)
         assert all(torch.equal(a, b) for a, b in zip(data, before))
 
@@ -121,7 +121,7 @@ async def test_nested_structures_come_back_with_their_types_and_non_tensor_leave
         "plain": [1.5, "text"],
     }
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, [batch], "cuda:0") as loader:
+        async with DeviceLoader(m, [batch], "cuda:0", ring=False) as loader:
             async for got in loader:
                 assert isinstance(got["pair"], Pair)
                 assert torch.equal(got["pair"].left, x)
@@ -144,11 +144,11 @@ async def test_nested_structures_come_back_with_their_types_and_non_tensor_leave
         assert_nothing_left(m)
 
 
-async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor() -> None:
+async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor(ring: bool | None) -> None:
     data = batches(3)
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, iter(data), "cuda:0") as loader,
+        DeviceLoader(m, iter(data), "cuda:0", ring=ring) as loader,
     ):
         got = await collect(loader)
     assert all(torch.equal(a, b) for a, b in zip(got, data))
@@ -157,16 +157,21 @@ async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor() -> None:
 async def test_views_into_a_larger_tensor_are_copied_to_memory_of_their_own() -> None:
     big = torch.randn(10, 64)
     rows = [big[i : i + 2] for i in range(0, 10, 2)]
-    async with ResidencyManager(backend=sim()) as m, DeviceLoader(m, rows, "cuda:0") as loader:
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, rows, "cuda:0", ring=False) as loader,
+    ):
         got = await collect(loader)
         assert loader.stats().host_copies == 5
     assert torch.equal(torch.cat(got), big)
 
 
-async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time() -> None:
+async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time(
+    ring: bool | None,
+) -> None:
     static = torch.randn(256)
     async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
-        async with DeviceLoader(m, [static] * 6, "cuda:0", prefetch=3) as loader:
+        async with DeviceLoader(m, [static] * 6, "cuda:0", prefetch=3, ring=ring) as loader:
             got = await collect(loader)
         assert_nothing_left(m)
     assert len(got) == 6 and all(torch.equal(g, static) for g in got)
@@ -186,10 +191,12 @@ class Numbered(Dataset[dict[str, Any]]):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-async def test_a_dataloader_is_a_source_with_or_without_workers(workers: int) -> None:
+async def test_a_dataloader_is_a_source_with_or_without_workers(
+    workers: int, ring: bool | None
+) -> None:
     dataloader = DataLoader(Numbered(), batch_size=4, num_workers=workers)
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, dataloader, "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(m, dataloader, "cuda:0", prefetch=2, ring=ring) as loader:
             assert len(loader) == 6
             for _epoch in range(2):  # a DataLoader is iterated again for each pass
                 got = await collect(loader)
@@ -209,7 +216,7 @@ async def test_a_dataloader_is_a_source_with_or_without_workers(workers: int) ->
 async def test_prefetch_bounds_the_batches_copied_ahead_of_the_consumer() -> None:
     data = batches(16)
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3, ring=False) as loader:
             probe = AheadProbe(m, loader)
             async for _batch in loader:
                 # Hold each batch until the loader has filled its window (three ahead, or
@@ -227,7 +234,7 @@ async def test_prefetch_bounds_the_batches_copied_ahead_of_the_consumer() -> Non
 async def test_prefetch_zero_copies_each_batch_only_when_asked() -> None:
     async with ResidencyManager(backend=sim()) as m:
         got = []
-        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=0) as loader:
+        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=0, ring=False) as loader:
             probe = AheadProbe(m, loader)
             async for batch in loader:
                 got.append(batch.clone())
@@ -244,7 +251,7 @@ async def test_a_budget_smaller_than_the_prefetch_window_is_never_exceeded() -> 
     budget = 3 * CHARGE
     async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim(copy_gbps=1.0)) as m:
         got = []
-        async with DeviceLoader(m, data, "cuda:0", prefetch=8) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=8, ring=False) as loader:
             probe = AheadProbe(m, loader)
             async for batch in loader:
                 got.append(batch.clone())
@@ -282,7 +289,7 @@ async def test_the_loader_waits_for_another_tenant_and_never_exceeds_the_shared_
         got = []
         async with (
             anyio.create_task_group() as tasks,
-            DeviceLoader(m, data, "cuda:0", prefetch=3) as loader,
+            DeviceLoader(m, data, "cuda:0", prefetch=3, ring=False) as loader,
         ):
             async for batch in loader:
                 got.append(batch.clone())
@@ -313,7 +320,7 @@ async def test_a_reservation_held_for_a_while_only_narrows_the_window() -> None:
     async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
         workspace = m.reservation("workspace", "cuda:0", 2 * CHARGE)
         await workspace.__aenter__()
-        async with DeviceLoader(m, data, "cuda:0", prefetch=4) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=4, ring=False) as loader:
             probe = AheadProbe(m, loader)
             got = []
             iterator = aiter(loader)
@@ -334,11 +341,13 @@ async def test_a_reservation_held_for_a_while_only_narrows_the_window() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, data))
 
 
-async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic() -> None:
+async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic(
+    ring: bool | None,
+) -> None:
     data = [torch.randn(256), torch.randn(256), torch.randn(4096)]
     async with (
         ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend=sim()) as m,
-        DeviceLoader(m, data, "cuda:0") as loader,
+        DeviceLoader(m, data, "cuda:0", ring=ring) as loader,
     ):
         got = []
         with pytest.raises(ResidencyBudgetError) as info:
@@ -351,11 +360,13 @@ async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic() 
         assert_nothing_left(m)
 
 
-async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_error() -> None:
+async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_error(
+    ring: bool | None,
+) -> None:
     async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=sim()) as m:
         async with (
             m.reservation("hog", "cuda:0", 2 * CHARGE),
-            DeviceLoader(m, batches(3), "cuda:0", timeout=0.05) as loader,
+            DeviceLoader(m, batches(3), "cuda:0", timeout=0.05, ring=ring) as loader,
         ):
             with pytest.raises(TimeoutError, match=r"waited 0\.05 s for room at cuda:0"):
                 await collect(loader)
@@ -384,12 +395,12 @@ async def breaking_async_source(good: int) -> AsyncIterator[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback(
-    kind: str,
+    kind: str, ring: bool | None
 ) -> None:
     source = breaking_source(3) if kind == "sync" else breaking_async_source(3)
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, source, "cuda:0", prefetch=4) as loader,
+        DeviceLoader(m, source, "cuda:0", prefetch=4, ring=ring) as loader,
     ):
         got = []
         with pytest.raises(SourceBroke, match="after 3 batches") as info:
@@ -404,11 +415,11 @@ async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback
             pytest.fail("the generator was exhausted")
 
 
-async def test_a_failed_copy_raises_at_its_batch_after_the_ones_before() -> None:
+async def test_a_failed_copy_raises_at_its_batch_after_the_ones_before(ring: bool | None) -> None:
     data = batches(6)
     async with ResidencyManager(backend=sim()) as m:
         m.backend.faults.fail_transfer_at = 3
-        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
             got = []
             with pytest.raises(RuntimeError, match="injected transfer failure"):
                 async for batch in loader:
@@ -417,33 +428,35 @@ async def test_a_failed_copy_raises_at_its_batch_after_the_ones_before() -> None
         assert_nothing_left(m)
 
 
-async def test_an_async_source_needs_the_loader_entered() -> None:
+async def test_an_async_source_needs_the_loader_entered(ring: bool | None) -> None:
     async with ResidencyManager(backend=sim()) as m:
-        loader = DeviceLoader(m, breaking_async_source(2), "cuda:0")
+        loader = DeviceLoader(m, breaking_async_source(2), "cuda:0", ring=ring)
         with pytest.raises(RuntimeError, match="async with DeviceLoader"):
             await collect(loader)
         await loader.aclose()
         assert_nothing_left(m)
 
 
-async def test_bad_arguments_are_refused_with_what_to_do() -> None:
+async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> None:
     async with ResidencyManager(backend=sim()) as m:
         with pytest.raises(ValueError, match="cuda location"):
-            DeviceLoader(m, [], "pinned-host")
+            DeviceLoader(m, [], "pinned-host", ring=ring)
         with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
-            DeviceLoader(m, [], "cuda:0", prefetch=-1)
+            DeviceLoader(m, [], "cuda:0", prefetch=-1, ring=ring)
         with pytest.raises(TypeError, match="iterable or async iterable"):
-            DeviceLoader(m, 42, "cuda:0")
+            DeviceLoader(m, 42, "cuda:0", ring=ring)
         with pytest.raises(ValueError, match="does not exist"):
-            DeviceLoader(m, [], "cuda:7")
+            DeviceLoader(m, [], "cuda:7", ring=ring)
         with pytest.raises(ValueError, match="staging_slots is for staged sources"):
-            DeviceLoader(m, [], "cuda:0", staging_slots=2)
+            DeviceLoader(m, [], "cuda:0", staging_slots=2, ring=ring)
 
 
 # ---------------------------------------------------------------- ending a pass
 
 
-async def test_breaking_out_early_releases_everything_and_closes_the_source() -> None:
+async def test_breaking_out_early_releases_everything_and_closes_the_source(
+    ring: bool | None,
+) -> None:
     closed = threading.Event()
 
     def source() -> Iterator[torch.Tensor]:
@@ -453,7 +466,7 @@ async def test_breaking_out_early_releases_everything_and_closes_the_source() ->
             closed.set()
 
     async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
-        async with DeviceLoader(m, source(), "cuda:0", prefetch=4) as loader:
+        async with DeviceLoader(m, source(), "cuda:0", prefetch=4, ring=ring) as loader:
             async for batch in loader:
                 if torch.equal(batch, batches(50)[2]):
                     break
@@ -461,11 +474,11 @@ async def test_breaking_out_early_releases_everything_and_closes_the_source() ->
         assert_nothing_left(m)
 
 
-async def test_a_new_pass_ends_the_previous_one() -> None:
+async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
     dataloader = DataLoader(Numbered(), batch_size=4)
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, dataloader, "cuda:0", prefetch=2) as loader,
+        DeviceLoader(m, dataloader, "cuda:0", prefetch=2, ring=ring) as loader,
     ):
         first = aiter(loader)
         await anext(first)
@@ -477,9 +490,9 @@ async def test_a_new_pass_ends_the_previous_one() -> None:
         assert [v.handle.name for v in m.state.values()] == []
 
 
-async def test_aclose_without_async_with_releases_everything() -> None:
+async def test_aclose_without_async_with_releases_everything(ring: bool | None) -> None:
     async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
-        loader = DeviceLoader(m, batches(20), "cuda:0", prefetch=4)
+        loader = DeviceLoader(m, batches(20), "cuda:0", prefetch=4, ring=ring)
         iterator = aiter(loader)
         await anext(iterator)
         await anext(iterator)
@@ -489,11 +502,11 @@ async def test_aclose_without_async_with_releases_everything() -> None:
             await anext(iterator)
 
 
-async def test_cancelled_before_the_first_batch_releases_everything() -> None:
+async def test_cancelled_before_the_first_batch_releases_everything(ring: bool | None) -> None:
     gate = Gate()
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, gated(batches(5), gate, at=0), "cuda:0") as loader,
+        DeviceLoader(m, gated(batches(5), gate, at=0), "cuda:0", ring=ring) as loader,
     ):
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tasks:
@@ -515,7 +528,7 @@ async def test_cancelled_while_waiting_for_a_batch_mid_pass_releases_everything(
     got: list[torch.Tensor] = []
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, gated(batches(8), gate, at=5), "cuda:0", prefetch=2) as loader,
+        DeviceLoader(m, gated(batches(8), gate, at=5), "cuda:0", prefetch=2, ring=False) as loader,
     ):
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tasks:
@@ -535,10 +548,12 @@ async def test_cancelled_while_waiting_for_a_batch_mid_pass_releases_everything(
         gate.open.set()
 
 
-async def test_cancelled_inside_the_body_releases_everything_at_the_loaders_exit() -> None:
+async def test_cancelled_inside_the_body_releases_everything_at_the_loaders_exit(
+    ring: bool | None,
+) -> None:
     async with ResidencyManager(backend=sim(copy_gbps=1.0)) as m:
         with anyio.CancelScope() as scope:
-            async with DeviceLoader(m, batches(30), "cuda:0", prefetch=4) as loader:
+            async with DeviceLoader(m, batches(30), "cuda:0", prefetch=4, ring=ring) as loader:
                 async for _batch in loader:
                     if loader.stats().batches == 3:
                         scope.cancel()
@@ -547,12 +562,16 @@ async def test_cancelled_inside_the_body_releases_everything_at_the_loaders_exit
         assert_nothing_left(m)
 
 
-async def test_cancelling_the_consuming_task_from_outside_releases_everything() -> None:
+async def test_cancelling_the_consuming_task_from_outside_releases_everything(
+    ring: bool | None,
+) -> None:
     async with ResidencyManager(backend=sim()) as m:
         started = anyio.Event()
 
         async def consume() -> None:
-            async with DeviceLoader(m, breaking_async_source(1000), "cuda:0", prefetch=3) as ld:
+            async with DeviceLoader(
+                m, breaking_async_source(1000), "cuda:0", prefetch=3, ring=ring
+            ) as ld:
                 async for _batch in ld:
                     started.set()
                     await anyio.sleep_forever()
@@ -564,10 +583,10 @@ async def test_cancelling_the_consuming_task_from_outside_releases_everything() 
         assert_nothing_left(m)
 
 
-async def test_cancelled_aclose_still_releases_everything() -> None:
+async def test_cancelled_aclose_still_releases_everything(ring: bool | None) -> None:
     async with ResidencyManager(backend=sim()) as m:
         stream = m.backend.current_stream("cuda:0")
-        loader = DeviceLoader(m, batches(10), "cuda:0", prefetch=3)
+        loader = DeviceLoader(m, batches(10), "cuda:0", prefetch=3, ring=ring)
         iterator = aiter(loader)
         batch = await anext(iterator)
         done = threading.Event()
@@ -596,10 +615,10 @@ def slow_source(count: int, seconds: float) -> Iterator[torch.Tensor]:
         yield batch
 
 
-async def test_a_source_slower_than_the_consumer_is_named_the_bottleneck() -> None:
+async def test_a_source_slower_than_the_consumer_is_named_the_bottleneck(ring: bool | None) -> None:
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, slow_source(6, 0.02), "cuda:0", prefetch=2) as loader,
+        DeviceLoader(m, slow_source(6, 0.02), "cuda:0", prefetch=2, ring=ring) as loader,
     ):
         got = await collect(loader)
         stats = loader.stats()
@@ -615,7 +634,7 @@ async def test_copies_slower_than_the_source_are_named_the_bottleneck() -> None:
     data = batches(6, 64 * KiB)  # 256 KiB each: 13 ms at 0.02 GB/s
     async with (
         ResidencyManager(backend=sim(copy_gbps=0.02)) as m,
-        DeviceLoader(m, data, "cuda:0", prefetch=2) as loader,
+        DeviceLoader(m, data, "cuda:0", prefetch=2, ring=False) as loader,
     ):
         got = await collect(loader)
         stats = loader.stats()
@@ -624,13 +643,13 @@ async def test_copies_slower_than_the_source_are_named_the_bottleneck() -> None:
     assert stats.copy_busy_s >= 6 * 256 * KiB / 0.02e9 * 0.9
 
 
-async def test_copies_overlap_a_slower_consumer() -> None:
+async def test_copies_overlap_a_slower_consumer(ring: bool | None) -> None:
     data = batches(10, 16 * KiB)
     compute_s = 0.02
     waits = []
     async with ResidencyManager(backend=sim(copy_gbps=0.5)) as m:
         stream = m.backend.current_stream("cuda:0")
-        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, ring=ring) as loader:
             iterator = aiter(loader)
             while True:
                 start = time.perf_counter()
@@ -651,7 +670,10 @@ async def test_copies_overlap_a_slower_consumer() -> None:
 
 async def test_a_batch_not_kept_is_released_at_the_next_step_and_its_memory_freed() -> None:
     data = batches(4)
-    async with ResidencyManager(backend=sim()) as m, DeviceLoader(m, data, "cuda:0") as loader:
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, data, "cuda:0", ring=False) as loader,
+    ):
         iterator = loader.batches()
         first = await anext(iterator)
         assert isinstance(first, DeviceBatch) and not first.released
@@ -667,7 +689,7 @@ async def test_a_batch_kept_in_async_with_outlives_later_steps() -> None:
     data = batches(5)
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, data, "cuda:0", prefetch=1) as loader,
+        DeviceLoader(m, data, "cuda:0", prefetch=1, ring=False) as loader,
     ):
         iterator = loader.batches()
         first = await anext(iterator)
@@ -685,10 +707,10 @@ async def test_a_batch_kept_in_async_with_outlives_later_steps() -> None:
                 pass
 
 
-async def test_release_frees_a_batch_before_the_next_step() -> None:
+async def test_release_frees_a_batch_before_the_next_step(ring: bool | None) -> None:
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, batches(3), "cuda:0", prefetch=0) as loader,
+        DeviceLoader(m, batches(3), "cuda:0", prefetch=0, ring=ring) as loader,
     ):
         iterator = loader.batches()
         batch = await anext(iterator)
@@ -699,11 +721,13 @@ async def test_release_frees_a_batch_before_the_next_step() -> None:
         assert "released" in repr(batch)
 
 
-async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran() -> None:
+async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran(
+    ring: bool | None,
+) -> None:
     data = batches(3)
     async with ResidencyManager(backend=sim()) as m:
         side = m.backend.new_stream("cuda:0")
-        async with DeviceLoader(m, data, "cuda:0") as loader:
+        async with DeviceLoader(m, data, "cuda:0", ring=ring) as loader:
             iterator = loader.batches()
             batch = await anext(iterator)
             results: list[torch.Tensor] = []
@@ -722,10 +746,10 @@ async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_r
 # ---------------------------------------------------------------- stats
 
 
-async def test_stats_report_counts_rates_and_their_string_form() -> None:
+async def test_stats_report_counts_rates_and_their_string_form(ring: bool | None) -> None:
     async with (
         ResidencyManager(backend=sim()) as m,
-        DeviceLoader(m, batches(5), "cuda:0") as loader,
+        DeviceLoader(m, batches(5), "cuda:0", ring=ring) as loader,
     ):
         await collect(loader)
         stats = loader.stats()
@@ -742,7 +766,7 @@ async def test_the_next_batch_is_copied_while_the_step_runs_even_when_nothing_el
     # prefetch=1: when the consumer asks for a batch, that batch alone is copied; once it is
     # handed out no copy is in flight, so nothing but the hand-out itself can start the next.
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=1) as loader:
+        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=1, ring=False) as loader:
             probe = AheadProbe(m, loader)
             async for _batch in loader:
                 left = 6 - loader.stats().batches
@@ -758,7 +782,7 @@ async def test_each_step_lets_the_loop_run_even_when_the_next_batch_is_ready() -
     a turn per batch: with every batch already on the device, a ticker task keeps running."""
     data = batches(12)
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=12) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=12, ring=False) as loader:
             probe = AheadProbe(m, loader)
             ticks = 0
             stop = anyio.Event()

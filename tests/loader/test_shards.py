@@ -80,13 +80,17 @@ def test_read_into_lays_each_key_out_aligned_in_one_buffer(tmp_path: Path) -> No
     assert torch.equal(layout["y"].view(buffer), y[4:8])
 
 
-async def test_a_loader_over_shards_hands_out_the_files_bit_identical(tmp_path: Path) -> None:
+async def test_a_loader_over_shards_hands_out_the_files_bit_identical(
+    tmp_path: Path, ring: bool | None
+) -> None:
     paths, x, y = write_safetensors(tmp_path)
     budget = 4 * KiB
     with ShardSource(paths, batch_size=4, workers=2) as source:
         async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
             got_x, got_y = [], []
-            async with DeviceLoader(m, source, "cuda:0", prefetch=2, staging_slots=3) as loader:
+            async with DeviceLoader(
+                m, source, "cuda:0", prefetch=2, staging_slots=3, ring=ring
+            ) as loader:
                 async for batch in loader:
                     assert batch["x"].device == x.device  # the simulation's cuda is host memory
                     got_x.append(batch["x"].clone())
@@ -108,14 +112,14 @@ async def test_a_loader_over_shards_hands_out_the_files_bit_identical(tmp_path: 
 
 
 async def test_shuffled_shards_give_every_sample_once_in_a_new_order_each_epoch(
-    tmp_path: Path,
+    tmp_path: Path, ring: bool | None
 ) -> None:
     paths, _x, y = write_safetensors(tmp_path)
     orders = []
     with ShardSource(paths, batch_size=5, shuffle=True, seed=3, keys=["y"]) as source:
         async with (
             ResidencyManager(backend=sim()) as m,
-            DeviceLoader(m, source, "cuda:0", prefetch=2) as loader,
+            DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader,
         ):
             for _epoch in range(2):
                 seen = [batch["y"].clone() async for batch in loader]
@@ -146,10 +150,14 @@ class FailingSource:
         return spec
 
 
-async def test_a_failed_read_reaches_the_consumer_after_the_batches_before_it() -> None:
+async def test_a_failed_read_reaches_the_consumer_after_the_batches_before_it(
+    ring: bool | None,
+) -> None:
     got = []
     async with ResidencyManager(backend=sim()) as m:
-        async with DeviceLoader(m, FailingSource(6, bad=3), "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(
+            m, FailingSource(6, bad=3), "cuda:0", prefetch=2, ring=ring
+        ) as loader:
             with pytest.raises(OSError, match="batch 3 is unreadable"):
                 async for batch in loader:
                     got.append(batch.clone())
@@ -158,13 +166,13 @@ async def test_a_failed_read_reaches_the_consumer_after_the_batches_before_it() 
 
 
 async def test_breaking_out_of_a_shard_loader_gives_back_the_staging_buffers(
-    tmp_path: Path,
+    tmp_path: Path, ring: bool | None
 ) -> None:
     paths, x, _y = write_safetensors(tmp_path)
     with ShardSource(paths, batch_size=2, keys=["x"]) as source:
         async with ResidencyManager(backend=sim()) as m:
             with anyio.fail_after(10):
-                async with DeviceLoader(m, source, "cuda:0", prefetch=3) as loader:
+                async with DeviceLoader(m, source, "cuda:0", prefetch=3, ring=ring) as loader:
                     async for batch in loader:
                         assert torch.equal(batch["x"], x[:2])
                         break
@@ -172,12 +180,12 @@ async def test_breaking_out_of_a_shard_loader_gives_back_the_staging_buffers(
 
 
 async def test_staging_that_does_not_fit_pinned_host_is_refused_with_what_to_do(
-    tmp_path: Path,
+    tmp_path: Path, ring: bool | None
 ) -> None:
     paths, _x, _y = write_safetensors(tmp_path)
     with ShardSource(paths, batch_size=4) as source:
         async with ResidencyManager(budgets={"pinned-host": 1 * KiB}, backend=sim()) as m:
-            async with DeviceLoader(m, source, "cuda:0") as loader:
+            async with DeviceLoader(m, source, "cuda:0", ring=ring) as loader:
                 with pytest.raises(ResidencyBudgetError) as info:
                     await anext(aiter(loader))
             assert "lower staging_slots" in "".join(getattr(info.value, "__notes__", []))
@@ -185,13 +193,15 @@ async def test_staging_that_does_not_fit_pinned_host_is_refused_with_what_to_do(
 
 
 async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
-    tmp_path: Path,
+    tmp_path: Path, ring: bool | None
 ) -> None:
     paths, x, _y = write_safetensors(tmp_path)
     with ShardSource(paths, batch_size=2, keys=["x"], workers=2) as source:
         async with ResidencyManager(backend=sim()) as m:
             with anyio.fail_after(5):
-                async with DeviceLoader(m, source, "cuda:0", prefetch=1, staging_slots=2) as loader:
+                async with DeviceLoader(
+                    m, source, "cuda:0", prefetch=1, staging_slots=2, ring=ring
+                ) as loader:
                     for _attempt in range(3):  # each pass stops with buffers filled ahead
                         async for _batch in loader:
                             # Wait until both buffers hold batches (one handed out, one filled).

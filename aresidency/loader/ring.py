@@ -1,0 +1,876 @@
+"""One pass of a ``DeviceLoader`` through a ring of device buffers: the per-batch work off the
+event loop.
+
+The managed-value pass (:mod:`~aresidency.loader.pipeline`) makes every tensor of every batch a
+value of the manager: registered, charged, materialized, leased, released and discarded on the
+loop, one by one. That is a few hundred microseconds of Python per batch on the loop, which the
+step (sharing the interpreter) waits for: at batches of a megabyte, the loop's work, not the
+link, sets the pace. The ring keeps the byte budget and the ordering and drops that work:
+
+* **Slots.** The pass owns device buffers ("slots"), each charged to the device budget as a
+  named reservation (``"<loader> ring e<pass> #<n>"``, visible in the snapshot) for as long as
+  it exists. A slot is made (or grown) on the loop when the ring's thread needs one: at most
+  ``prefetch`` batches are copied ahead of the consumer (one when ``prefetch=0`` and the
+  consumer waits), so a consumer that releases each batch at the next step uses ``prefetch + 1``
+  slots; a batch larger than every free slot grows one (the old buffer is freed, and its
+  reservation ended, once the device passed its last reader and copy). When the budget has no
+  room for a slot the ring waits (and the consumer with it, cause ``budget``, ``timeout``
+  applies) until a slot of its own frees up or room appears; a batch larger than the whole
+  budget fails at its place with the arithmetic.
+* **Per batch, in the ring's thread, no loop involved**: the batch's tensors are copied into a
+  free slot, packed (512-byte aligned), on the backend's host-to-device copy stream after the
+  slot's last readers (a device-side wait; the host never waits): page-locked tensors by one
+  driver call each (the thread keeps them alive until their copy completed), pageable ones
+  through the driver's own staging (the call returns once the bytes were taken). One event
+  after the batch's copies; the batch joins the ready queue with its tensors as views of the
+  slot. Where compute runs on the host (the simulation), the thread waits for that event
+  first.
+* **Hand-out and release, on the loop**: the consumer takes the next ready batch (its stream
+  waits for the copy event on the device) and releases it at the next step, or at the end of
+  its ``async with`` block: an event is recorded on each of its reader streams (the next copy
+  into the slot waits for them on the device) and the slot is free again. No value, lease or
+  ledger entry per batch.
+* **The end**: :meth:`RingEpoch.shutdown` stops the source and the thread; :meth:`drain` waits
+  for the thread, then frees every slot and ends its reservation once the device passed the
+  last readers (events recorded then on every stream that read a slot) and the last copies.
+
+A staged source (:class:`~aresidency.loader.ShardSource`) is read the same way, without the
+source's own thread: the ring's thread has the loader's ``workers`` fill threads read the next
+batches into the pinned staging buffers (a fill first waits, in its thread, for the last copy
+out of its buffer), takes them in order and copies each out with one driver call.
+
+Used for a synchronous or staged source on a backend with
+:meth:`~aresidency.backends.base.Backend.copy_into`; async sources, and ``ring=False``, go
+through the managed values.
+
+Why this module is long: the ring's thread (reading, packing, copying) and the loop (slots,
+budget, hand-out, release, the end) are two halves of one state machine under one lock; each
+half reads the state the other writes, so they stay side by side.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from ..core.errors import ResidencyBudgetError
+from ..core.locations import Location
+from ..core.sizes import format_nbytes
+from ..core.values import value_charge
+from ..runtime.signal import ManagerClosedError
+from .batch import DeviceBatch
+from .feeder import Arrivals, End, HostBatch, ThreadFeeder
+from .staging import TensorSpec
+from .structure import flatten
+
+if TYPE_CHECKING:
+    from .loader import DeviceLoader
+
+__all__ = ["RingEpoch"]
+
+ALIGN = 512  # bytes between packed tensors: any dtype's alignment, and the allocator's
+FREE, FILLING, READY, OUT = "free", "filling", "ready", "out"
+
+
+class _Stopped(Exception):
+    """The pass ended while the ring's thread waited."""
+
+
+class Slot:
+    """One device buffer of the ring. ``state``: ``free`` -> ``filling`` (the thread copies a
+    batch in) -> ``ready`` (queued for the consumer) -> ``out`` (the consumer has it) ->
+    ``free``. ``readers``: events after its last readers (the next copy waits for them);
+    ``copied``: the event after the last copy into it; ``pins``: page-locked source tensors
+    its last copy may still read; ``streams``: the consumer's streams while out."""
+
+    __slots__ = (
+        "buffer",
+        "charge",
+        "copied",
+        "number",
+        "pins",
+        "readers",
+        "reservation",
+        "state",
+        "streams",
+    )
+
+    def __init__(self, number: int, buffer: torch.Tensor, charge: int, reservation: str) -> None:
+        self.number = number
+        self.buffer = buffer
+        self.charge = charge
+        self.reservation = reservation
+        self.state = FILLING
+        self.readers: list[Any] = []
+        self.copied: Any = None
+        self.pins: list[torch.Tensor] = []
+        self.streams: list[Any] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def __repr__(self) -> str:
+        return f"<ring slot #{self.number} {format_nbytes(self.nbytes)} {self.state}>"
+
+
+@dataclass(slots=True)
+class _Request:
+    """The thread asks the loop for a slot of ``nbytes``: a new one, or ``grow`` (a free slot
+    too small, replaced). ``blocked_since``: when it began waiting for room; the loop fills in
+    ``slot`` or ``error``."""
+
+    nbytes: int
+    index: int
+    grow: Slot | None = None
+    blocked_since: float | None = None
+    slot: Slot | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def answered(self) -> bool:
+        return self.slot is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A batch in a slot, its copies issued (``event`` after them), or the ``error`` that
+    stopped it at its place (``slot`` may then be ``None``)."""
+
+    index: int
+    slot: Slot | None
+    data: Any = None
+    nbytes: int = 0
+    event: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Out:
+    """A batch the consumer holds."""
+
+    slot: Slot
+    handed: DeviceBatch | None = None
+    streams: list[Any] = field(default_factory=list)
+
+
+def _fill(source: Any, plan: Any, buffer: torch.Tensor, after: Any) -> tuple[Any, float, float]:
+    """A staging thread: once the last copy out of ``buffer`` completed, read the batch
+    ``plan`` into it; its layout and when the read ran."""
+    if after is not None:
+        _wait_host(after)
+    start = time.perf_counter()
+    layout = source.read_into(plan, buffer)
+    return layout, start, time.perf_counter()
+
+
+def _wait_host(event: Any) -> None:
+    """Block the calling thread (never the loop) until ``event`` completed."""
+    wait = getattr(event, "wait_blocking", None)
+    if callable(wait):
+        wait()
+    elif isinstance(event, torch.cuda.Event):
+        event.synchronize()
+    else:
+        while not event.query():
+            time.sleep(0.0002)
+
+
+class RingEpoch:
+    """One pass over a synchronous source through a ring of device slots (see the module
+    docstring). The same interface as :class:`~aresidency.loader.pipeline.Epoch`.
+
+    State: ``status`` (``new`` -> ``running`` -> ``closing`` -> ``closed``); under ``_cond``
+    (shared with the ring's thread): ``slots``, ``_ready`` (batches copied, in order, then the
+    :class:`End`), ``_request`` (a slot asked of the loop), ``_consumer_waiting``,
+    ``_stopped``; loop only: ``_out`` (batches handed out and not released), ``_streams``
+    (every stream that read a slot), ``_progress`` (set when the consumer may go on),
+    ``_pending_retires`` (slot sets waiting for the device before they are freed).
+    Invariants: a slot is copied into only after the device passed its last readers
+    (device-side waits); at most ``max(prefetch, 1 if the consumer waits)`` slots are
+    filling or ready; a slot's reservation ends only after its buffer was dropped, once the
+    device passed its last readers and copy.
+    """
+
+    def __init__(self, loader: DeviceLoader, number: int) -> None:
+        self.loader = loader
+        self.number = number
+        self.manager = loader.manager
+        self.backend = loader.manager.backend
+        self.device: Location = loader.device
+        self.counters = loader.counters
+        self.host_wait = self.backend.host_compute
+        self.status = "new"
+        self.slots: list[Slot] = []
+        self._cond = threading.Condition()
+        self._ready: deque[_Ready | End] = deque()
+        self._request: _Request | None = None
+        self._consumer_waiting = False
+        self._stopped = False
+        self._out: dict[int, _Out] = {}
+        self._streams: list[Any] = []
+        self._progress: anyio.Event | None = None
+        self._serial = itertools.count()
+        self._retiring: list[tuple[Any, list[torch.Tensor]]] = []  # (copy event, pins)
+        self._unlisten: Callable[[], None] | None = None
+        self._servicing = False
+        self._pending_retires = 0
+        self._thread: threading.Thread | None = None
+        self._feeder: ThreadFeeder | None = None
+        self._arrivals: Arrivals | None = None
+
+    def __repr__(self) -> str:
+        with self._cond:
+            states = ",".join(s.state for s in self.slots)
+            ready = len(self._ready)
+        return (
+            f"<RingEpoch {self.number} of {self.loader.name} {self.status} slots=[{states}] "
+            f"{ready} ready, {len(self._out)} out>"
+        )
+
+    # ------------------------------------------------------------------ start (loop)
+
+    def start(self, plans: Sequence[Any] | None = None) -> None:
+        """Start the source's thread (a staged source: none, its ``plans`` are filled by the
+        staging threads) and the ring's thread. Loop."""
+        loader = self.loader
+        self.status = "running"
+        self._unlisten = self.manager.add_change_listener(self._service)
+        if plans is not None:
+            target: Callable[[], None] = functools.partial(self._run_staged, list(plans))
+        else:
+            self._arrivals = Arrivals(loader.read_ahead, self._notify_thread)
+            self._feeder = ThreadFeeder(
+                loader.source,
+                self._arrivals,
+                self.counters.source_clock,
+                loader.name,
+                own_memory=False,
+            )
+            self._feeder.start()
+            target = self._run
+        self._thread = threading.Thread(
+            target=target, name=f"aresidency-loader-ring-{loader.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _notify_thread(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the ring's thread
+
+    def _run(self) -> None:
+        arrivals = self._arrivals
+        assert arrivals is not None
+        index = 0
+        try:
+            while True:
+                item = arrivals.take_blocking()
+                if item is None:
+                    return  # stopped
+                if isinstance(item, End):
+                    self._push(item)
+                    return
+                index = item.index
+                self._push(self._copy(item))
+        except _Stopped:
+            return
+        except BaseException as error:  # a copy or slot failure: the batch raises it
+            self._push(_Ready(index, None, error=error))
+
+    def _run_staged(self, plans: list[Any]) -> None:
+        """A staged source: fill the staging buffers ahead (``workers`` at once), in plan
+        order take each filled batch, copy it into a slot with one call, give its buffer back
+        to the fills."""
+        staging = self.loader.staging
+        assert staging is not None
+        executor = staging.executor
+        source = self.loader.source
+        last_copy: list[Any] = [None] * staging.count
+        free = deque(range(staging.count))
+        fills: deque[tuple[int, int, concurrent.futures.Future[Any]]] = deque()
+        next_plan = 0
+        index = 0
+        try:
+            while True:
+                while free and next_plan < len(plans) and not self._stopped:
+                    buffer = free.popleft()
+                    fill = executor.submit(
+                        _fill, source, plans[next_plan], staging.buffers[buffer], last_copy[buffer]
+                    )
+                    fills.append((next_plan, buffer, fill))
+                    next_plan += 1
+                if self._stopped:
+                    return
+                if not fills:
+                    self._push(End(len(plans)))
+                    return
+                index, buffer, fill = fills.popleft()
+                try:
+                    layout, start, end = fill.result()
+                except BaseException as error:  # the source's own error, at its batch
+                    self._push(End(index, error))
+                    return
+                self.counters.source_clock.add(start, end)
+                ready = self._copy_staged(index, layout, staging.buffers[buffer])
+                last_copy[buffer] = ready.event
+                free.append(buffer)
+                self._push(ready)
+        except _Stopped:
+            return
+        except BaseException as error:
+            self._push(_Ready(index, None, error=error))
+
+    def _copy_staged(self, index: int, layout: Any, buffer: torch.Tensor) -> _Ready:
+        specs, structure = flatten(layout, TensorSpec)
+        if not specs:
+            raise ValueError(f"read_into returned no TensorSpec for batch {index}: {layout!r}")
+        nbytes = max(spec.offset + spec.nbytes for spec in specs)
+        if nbytes > buffer.numel():
+            raise ValueError(
+                f"read_into laid batch {index} out over {nbytes} B, more than the "
+                f"{buffer.numel()} B buffer it was given"
+            )
+        counters = self.counters
+        counters.source_batches += 1
+        counters.source_bytes += nbytes
+        slot = self._acquire(-(-nbytes // ALIGN) * ALIGN, index)
+        start = time.perf_counter()
+        try:
+            event = self.backend.copy_into(
+                buffer[:nbytes], slot.buffer[:nbytes], self.device, wait_events=slot.readers
+            )
+        except BaseException:
+            with self._cond:
+                slot.state = FREE
+                self._cond.notify_all()
+            raise
+        slot.readers = []
+        slot.copied = event
+        counters.copy_clock.add(start, time.perf_counter())
+        counters.copy_bytes += nbytes
+        data = structure.rebuild([spec.view(slot.buffer) for spec in specs])
+        if self.host_wait:
+            _wait_host(event)
+        return _Ready(index, slot, data, nbytes, event)
+
+    def _copy(self, host: HostBatch) -> _Ready:
+        counters = self.counters
+        counters.source_batches += 1
+        counters.source_bytes += host.nbytes
+        counters.host_copies += host.host_copies
+        offsets = []
+        total = 0
+        for part in host.parts:
+            offsets.append(total)
+            total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
+        slot = self._acquire(max(total, ALIGN), host.index)
+        start = time.perf_counter()
+        try:
+            event = self._issue(host, offsets, slot)
+        except BaseException:
+            with self._cond:
+                slot.state = FREE
+                self._cond.notify_all()
+            raise
+        counters.copy_clock.add(start, time.perf_counter())
+        counters.copy_bytes += host.nbytes
+        leaves = []
+        views = []
+        for part, offset in zip(host.parts, offsets, strict=True):
+            nbytes = part.numel() * part.element_size()
+            views.append(slot.buffer[offset : offset + nbytes].view(part.dtype).view(part.shape))
+        leaves = [views[i] for i in host.leaf_part]
+        data = host.structure.rebuild(leaves)
+        if self.host_wait:
+            _wait_host(event)
+        return _Ready(host.index, slot, data, host.nbytes, event)
+
+    def _issue(self, host: HostBatch, offsets: list[int], slot: Slot) -> Any:
+        """Enqueue the batch's copies into ``slot`` after its last readers; the event after
+        them."""
+        backend = self.backend
+        self._prune_pins()
+        if slot.pins:
+            self._retiring.append((slot.copied, slot.pins))
+            slot.pins = []
+        waits = slot.readers
+        event = None
+        pins: list[torch.Tensor] = []
+        for part, offset in zip(host.parts, offsets, strict=True):
+            nbytes = part.numel() * part.element_size()
+            if nbytes == 0:
+                continue
+            src = part if part.is_contiguous() else part.contiguous()
+            flat = src.reshape(-1).view(torch.uint8) if src.dim() else src.view(1).view(torch.uint8)
+            event = backend.copy_into(
+                flat, slot.buffer[offset : offset + nbytes], self.device, wait_events=waits
+            )
+            waits = []
+            if src.is_pinned():
+                pins.append(src)
+        if event is not None:  # else nothing was written: the readers still stand
+            slot.readers = []
+            slot.copied = event
+        slot.pins = pins
+        return event
+
+    def _prune_pins(self) -> None:
+        """Drop the page-locked sources whose copies completed (the thread's own list)."""
+        if self._retiring:
+            self._retiring = [(e, p) for e, p in self._retiring if not e.query()]
+
+    def _acquire(self, nbytes: int, index: int) -> Slot:
+        """A free slot of at least ``nbytes``, once the window allows one more batch ahead:
+        a free one that fits, else one made or grown by the loop. Blocks the thread."""
+        with self._cond:
+            while True:
+                if self._stopped:
+                    raise _Stopped
+                request = self._request
+                if request is not None and request.answered:
+                    self._request = None
+                    if request.error is not None:
+                        raise request.error
+                    assert request.slot is not None
+                    return request.slot
+                ahead = sum(1 for s in self.slots if s.state in (FILLING, READY))
+                ahead -= 1 if request is not None and request.grow is not None else 0
+                window = max(self.loader.prefetch, 1 if self._consumer_waiting else 0)
+                if ahead < window:
+                    free = [s for s in self.slots if s.state == FREE]
+                    fits = [s for s in free if s.nbytes >= nbytes]
+                    if fits:
+                        if request is not None:
+                            self._withdraw(request)
+                        slot = min(fits, key=lambda s: s.nbytes)
+                        slot.state = FILLING
+                        return slot
+                    if request is None or (request.grow is None and free):
+                        if request is not None:
+                            self._withdraw(request)
+                        grow = free[0] if free else None
+                        if grow is not None:
+                            grow.state = FILLING
+                        self._request = _Request(nbytes, index, grow)
+                        self.manager.bridge.call_soon_quietly(self._service)
+                self._cond.wait()
+
+    def _withdraw(self, request: _Request) -> None:
+        # Under _cond: the loop has not answered (it answers under _cond too).
+        request.cancelled = True
+        if request.grow is not None:
+            request.grow.state = FREE
+        self._request = None
+
+    def _push(self, item: _Ready | End) -> None:
+        with self._cond:
+            if isinstance(item, _Ready) and item.slot is not None:
+                item.slot.state = READY
+            if self._stopped:
+                if isinstance(item, _Ready) and item.slot is not None:
+                    item.slot.state = FREE
+                return
+            self._ready.append(item)
+            waiting = self._consumer_waiting
+        if waiting:
+            self.manager.bridge.call_soon_quietly(self._wake)
+
+    # ------------------------------------------------------------------ slots (loop)
+
+    def _service(self) -> None:
+        """Give free slots back while a scope waits for room here, and answer the thread's
+        request for a slot if the budget has room now (the manager's change listener and the
+        thread call this; never waits)."""
+        if self._servicing or self.status != "running":
+            return
+        self._give_back()
+        with self._cond:
+            request = self._request
+            if request is None or request.answered or request.cancelled:
+                return
+        self._servicing = True
+        try:
+            self._answer(request)
+        except BaseException as error:  # unexpected: the batch raises it
+            with self._cond:
+                if not (request.answered or request.cancelled):
+                    request.error = error
+                self._cond.notify_all()
+        finally:
+            self._servicing = False
+
+    def _answer(self, request: _Request) -> None:
+        manager = self.manager
+        charge = value_charge(request.nbytes, None, manager.state.granularity)
+        error: BaseException | None = self._never_fits(request, charge)
+        if error is None:
+            name = f"{self.loader.name} ring e{self.number} #{next(self._serial)}"
+            admitted = not manager.waiting_for_room(self.device)  # never overtake a scope
+            if admitted:
+                try:
+                    manager.reserve_nowait(name, self.device, charge)
+                except ResidencyBudgetError:
+                    admitted = False
+            if not admitted:
+                if request.blocked_since is None:
+                    request.blocked_since = time.perf_counter()
+                    self._wake()  # the consumer now waits for room (its timeout applies)
+                return
+            try:
+                buffer = self.backend.allocate((charge,), torch.uint8, self.device)
+            except BaseException as failure:
+                manager.unreserve_nowait(name, self.device)
+                error = failure
+        old: Slot | None = None
+        with self._cond:
+            if request.cancelled or self._stopped:
+                answered = False
+            else:
+                answered = True
+                if error is not None:
+                    request.error = error
+                elif request.grow is not None:
+                    slot = request.grow
+                    old = Slot(slot.number, slot.buffer, slot.charge, slot.reservation)
+                    old.readers, old.copied, old.pins = slot.readers, slot.copied, slot.pins
+                    slot.buffer, slot.charge, slot.reservation = buffer, charge, name
+                    slot.readers, slot.copied, slot.pins = [], None, []
+                    request.slot = slot
+                else:
+                    slot = Slot(len(self.slots), buffer, charge, name)
+                    self.slots.append(slot)
+                    request.slot = slot
+                self._cond.notify_all()
+        if not answered and error is None:
+            del buffer
+            manager.unreserve_nowait(name, self.device)
+        if old is not None:
+            self._retire([old])
+        self._wake()
+
+    def _give_back(self) -> None:
+        """While a scope waits for room at the device, the free slots leave the ring (freed,
+        their reservations ended, once the device passed them): the ring shrinks to the slots
+        in use and takes new ones only when no one waits (FIFO, as every tenant)."""
+        if not self.manager.waiting_for_room(self.device):
+            return
+        with self._cond:
+            free = [s for s in self.slots if s.state == FREE]
+            if not free:
+                return
+            self.slots = [s for s in self.slots if s.state != FREE]
+        self._retire(free)
+
+    def _never_fits(self, request: _Request, charge: int) -> ResidencyBudgetError | None:
+        ledger = self.manager.state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None or charge <= ledger.budget_bytes:
+            return None
+        return ResidencyBudgetError(
+            self.device,
+            ledger.budget_bytes,
+            ledger.used_bytes,
+            ledger.reserved_bytes,
+            charge,
+            what=(
+                f"batch {request.index} of {self.loader.name}: its tensors need "
+                f"{format_nbytes(charge)} at {self.device}, more than the whole budget of "
+                f"{format_nbytes(ledger.budget_bytes)}, so it could never be copied there; "
+                "lower the batch size or raise the budget"
+            ),
+        )
+
+    def _retire(self, slots: list[Slot]) -> None:
+        """Free ``slots``' buffers and end their reservations once the device passed their
+        last readers (an event recorded now on every stream that read a slot) and copies.
+        Loop."""
+        if not slots:
+            return
+        backend = self.backend
+        waits = [backend.record_event(stream) for stream in self._streams]
+        waits += [s.copied for s in slots if s.copied is not None]
+        self._pending_retires += 1
+        remaining = [len(waits)]
+        device = self.device
+
+        def passed(error: BaseException | None = None) -> None:
+            del error  # the backend closed: the manager frees everything itself
+            remaining[0] -= 1
+            if remaining[0] > 0:
+                return
+            names = [s.reservation for s in slots]
+            for slot in slots:
+                slot.buffer = torch.empty(0, dtype=torch.uint8)  # the last reference
+                slot.pins = []
+                slot.readers = []
+            if self.manager.running:
+                for name in names:
+                    try:
+                        self.manager.unreserve_nowait(name, device)
+                    except ValueError:
+                        pass  # the manager closed meanwhile
+            self._pending_retires -= 1
+
+        if not waits:
+            passed()
+            return
+        for event in waits:
+            backend.notify(event, passed)
+
+    # ------------------------------------------------------------------ the consumer (loop)
+
+    def _wake(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
+
+    async def next(self) -> DeviceBatch:
+        """The next batch (see :meth:`Epoch.next <aresidency.loader.pipeline.Epoch.next>`)."""
+        try:
+            return await self._next()
+        except StopAsyncIteration:
+            self.shutdown()
+            raise
+        except BaseException:
+            self.shutdown()
+            with anyio.CancelScope(shield=True):
+                await self.drain()
+            raise
+
+    async def _next(self) -> DeviceBatch:
+        self.manager.check_thread()
+        await anyio.lowlevel.checkpoint()
+        if self.status != "running":
+            raise StopAsyncIteration
+        counters = self.counters
+        self.release_unkept()
+        began = time.perf_counter()
+        if counters.first_request is None:
+            counters.first_request = began
+        try:
+            while True:
+                if self.status != "running":
+                    raise StopAsyncIteration
+                with self._cond:
+                    item = self._ready.popleft() if self._ready else None
+                    if item is None:
+                        self._consumer_waiting = True
+                        self._cond.notify_all()  # prefetch=0: the window opens now
+                        request = self._request
+                        blocked = (
+                            request.blocked_since
+                            if request is not None and not request.answered
+                            else None
+                        )
+                        progress = self._progress = anyio.Event()
+                    else:
+                        self._consumer_waiting = False
+                if item is not None:
+                    if isinstance(item, End):
+                        if item.error is not None:
+                            raise item.error
+                        raise StopAsyncIteration
+                    if item.error is not None:
+                        raise item.error
+                    return self._hand_out(item)
+                cause = "budget" if blocked is not None else "source"
+                if cause == "source" and self._arrivals is not None and len(self._arrivals):
+                    cause = "copy"
+                deadline = None
+                timeout = self.loader.timeout
+                if blocked is not None and timeout is not None:
+                    deadline = anyio.current_time() + (blocked + timeout - time.perf_counter())
+                start = time.perf_counter()
+                if deadline is None:
+                    await progress.wait()
+                    timed_out = False
+                else:
+                    with anyio.move_on_at(deadline) as scope:
+                        await progress.wait()
+                    timed_out = scope.cancelled_caught
+                counters.add_wait(cause, time.perf_counter() - start)
+                if timed_out:
+                    raise self._timeout_error(timeout)
+        finally:
+            with self._cond:
+                self._consumer_waiting = False
+            counters.wait_s += time.perf_counter() - began
+
+    def _timeout_error(self, timeout: float | None) -> TimeoutError:
+        with self._cond:
+            request = self._request
+        ledger = self.manager.state.ledger(self.device)
+        budget = "no" if ledger.budget_bytes is None else format_nbytes(ledger.budget_bytes)
+        need = 0 if request is None else request.nbytes
+        index = "?" if request is None else request.index
+        return TimeoutError(
+            f"batch {index} of {self.loader.name} waited {timeout} s for room at "
+            f"{self.device}: its slot needs {format_nbytes(need)}, and "
+            f"{format_nbytes(ledger.used_bytes)} used + "
+            f"{format_nbytes(ledger.reserved_bytes)} reserved of a {budget} budget left too "
+            "little; release batches you keep, or give the loader more room"
+        )
+
+    def _hand_out(self, item: _Ready) -> DeviceBatch:
+        slot = item.slot
+        assert slot is not None
+        backend = self.backend
+        stream = self.loader.stream
+        if stream is None:
+            stream = backend.current_stream(self.device)
+        event = item.event
+        if event is not None and not self.host_wait and not event.query():
+            backend.stream_wait(stream, event)
+        with self._cond:
+            slot.state = OUT
+        out = _Out(slot, streams=[stream])
+        self._out[id(slot)] = out
+        self._add_stream(stream)
+        handed = DeviceBatch(
+            item.index,
+            item.data,
+            item.nbytes,
+            self.device,
+            functools.partial(self._release, out),
+            functools.partial(self._register_stream, out),
+        )
+        out.handed = handed
+        counters = self.counters
+        counters.batches += 1
+        counters.bytes += item.nbytes
+        counters.last_hand_out = time.perf_counter()
+        return handed
+
+    def _add_stream(self, stream: Any) -> None:
+        if stream is not None and all(stream is not s for s in self._streams):
+            self._streams.append(stream)
+
+    def _register_stream(self, out: _Out, stream: Any) -> None:
+        self.backend.check_stream(stream, self.device)
+        if stream is None:
+            raise ValueError("register_stream needs a stream")
+        if all(stream is not s for s in out.streams):
+            out.streams.append(stream)
+            self._add_stream(stream)
+
+    def _release(self, out: _Out) -> None:
+        """Events after the kernels enqueued on the batch's streams so far; the slot is free
+        (its next copy waits for them on the device). The host does not wait."""
+        if self._out.pop(id(out.slot), None) is None:
+            return
+        backend = self.backend
+        readers = [backend.device_event(stream) for stream in out.streams]
+        with self._cond:
+            out.slot.readers = readers
+            out.slot.state = FREE
+            self._cond.notify_all()
+        self._give_back()
+
+    def release_unkept(self) -> None:
+        """Release every batch handed out that no ``async with`` block keeps."""
+        for out in list(self._out.values()):
+            if out.handed is not None and not out.handed.kept:
+                out.handed.release()
+
+    # ------------------------------------------------------------------ the end
+
+    def shutdown(self) -> None:
+        """Stop the source and the ring's thread and release every batch handed out (loop;
+        never waits). :meth:`drain` frees the slots."""
+        if self.status != "running":
+            return
+        self.status = "closing"
+        for out in list(self._out.values()):
+            if out.handed is not None:
+                out.handed.release()
+        if self._arrivals is not None:
+            self._arrivals.stop()
+        if self._feeder is not None:
+            self._feeder.stop()
+        with self._cond:
+            self._stopped = True
+            for item in self._ready:
+                if isinstance(item, _Ready) and item.slot is not None:
+                    item.slot.state = FREE
+            self._ready.clear()
+            request, self._request = self._request, None
+            if request is not None and not request.answered:
+                request.cancelled = True
+            self._cond.notify_all()
+        self._wake()
+
+    @property
+    def settled(self) -> bool:
+        return self.status == "closed"
+
+    async def drain(self, *, releases_only: bool = False) -> None:
+        """After :meth:`shutdown`: park until the ring's thread ended and every slot was freed
+        (its reservation ended). While running (``releases_only``): until the device passed
+        every batch released so far (the slots stay with the pass)."""
+        if releases_only:
+            await self._drain_releases()
+            return
+        if self.status != "closing":
+            return
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            await anyio.to_thread.run_sync(thread.join)
+        if self.manager.running:
+            with self._cond:
+                slots = list(self.slots)
+                self.slots = []
+            self._retire(slots)
+            if self._pending_retires:
+                try:
+                    while self._pending_retires and self.manager.running:
+                        await self.manager.wait_for_change()
+                except ManagerClosedError:
+                    pass
+        self._finish()
+
+    async def _drain_releases(self) -> None:
+        if not self._streams or not self.manager.running:
+            return
+        done = anyio.Event()
+        waits = [self.backend.record_event(stream) for stream in self._streams]
+        remaining = [len(waits)]
+
+        def passed(error: BaseException | None) -> None:
+            del error
+            remaining[0] -= 1
+            if not remaining[0]:
+                done.set()
+
+        for event in waits:
+            self.backend.notify(event, passed)
+        await done.wait()
+
+    def _finish(self) -> None:
+        self.status = "closed"
+        unlisten, self._unlisten = self._unlisten, None
+        if unlisten is not None:
+            unlisten()
+        self._retiring = []
+
+    async def join_feeder(self) -> None:
+        """Wait for the source's thread to stop (after its current ``next``)."""
+        if self._feeder is not None:
+            await self._feeder.join()
+
+    def take_deferred(self) -> list[BaseException]:
+        """Copy failures no step reported: none here (a ring copy fails as it is issued, at its
+        batch)."""
+        return []

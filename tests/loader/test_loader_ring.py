@@ -1,0 +1,330 @@
+"""The loader's ring (``aresidency.loader.ring``) on the simulated backend (a simulation of CUDA
+devices in host memory; its copies run on worker threads, throttled with ``copy_gbps``).
+
+What only the ring has: its slots are named reservations (no value per batch), made as the
+window needs them and grown for a larger batch, given back while a scope waits for room, and
+freed at the end of the pass. The behaviour it shares with the managed values (order, identity,
+errors, cancellation) is tested for both in ``test_loader.py``."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from aresidency import MemoryReservation, ResidencyManager, ResidencyPlan
+from aresidency.backends.sim import SimBackend
+from aresidency.loader import DeviceLoader
+from aresidency.loader.ring import RingEpoch
+
+from ._support import KiB, assert_nothing_left, batches, max_charge
+
+pytestmark = pytest.mark.anyio
+
+CHARGE = 1 * KiB  # a 256-float batch: 1024 B, one slot
+
+
+def ring_names(manager: ResidencyManager) -> set[str]:
+    """Every slot reservation the trace shows (made, ever)."""
+    return {
+        t.name
+        for t in manager.trace().transitions
+        if t.kind == "reserve" and t.name is not None and " ring " in t.name
+    }
+
+
+def peak_slots(manager: ResidencyManager) -> int:
+    """The most slot reservations active at once (replaying the trace)."""
+    live = peak = 0
+    for t in manager.trace().transitions:
+        if t.name is not None and " ring " in t.name:
+            if t.kind == "reserve":
+                live += 1
+                peak = max(peak, live)
+            elif t.kind == "unreserve":
+                live -= 1
+    return peak
+
+
+def live_slots(manager: ResidencyManager) -> list[str]:
+    """The slot reservations active at cuda:0 now."""
+    return [name for name, _n in _reservations(manager) if " ring " in name]
+
+
+def _reservations(manager: ResidencyManager) -> tuple[tuple[str, int], ...]:
+    return manager.snapshot().location("cuda:0").reservations
+
+
+def waiting_for_room(loader: DeviceLoader) -> bool:
+    """Whether the ring's thread waits for room for a slot (the consumer with it)."""
+    epoch = loader._epoch
+    if not isinstance(epoch, RingEpoch):
+        return False
+    request = epoch._request
+    return request is not None and request.blocked_since is not None
+
+
+async def until(condition: Any, seconds: float = 5.0) -> None:
+    """Wait (polling the loop, with a deadline) until ``condition()`` holds: the ring's thread
+    changes its state without telling the loop unless the consumer waits."""
+    with anyio.fail_after(seconds):
+        while not condition():  # noqa: ASYNC110 - the thread tells no one while nobody waits
+            await anyio.sleep(0.001)
+
+
+def copied_ahead(loader: DeviceLoader) -> int:
+    """Batches copied (issued) beyond the ones handed out."""
+    stats = loader.stats()
+    return stats.copy_bytes // CHARGE - stats.batches
+
+
+async def test_the_ring_is_the_default_for_a_synchronous_source_and_registers_no_value() -> None:
+    data = batches(12)
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+            assert loader.ring
+            got = []
+            async for batch in loader:
+                got.append(batch.clone())
+                assert [v.handle.name for v in m.state.values()] == []
+                assert 1 <= len(live_slots(m)) <= 4
+                assert str(m.backend.location_of(batch)) == "cuda:0"
+            assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        # prefetch 3 + the batch in use: four slots at most, each one batch's charge
+        assert 1 <= peak_slots(m) <= 4
+        assert max_charge(m.trace()) <= 4 * CHARGE
+        assert_nothing_left(m)
+
+
+async def test_prefetch_bounds_the_batches_copied_ahead_and_the_slots() -> None:
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, batches(16), "cuda:0", prefetch=3) as loader:
+            most = 0
+            async for _batch in loader:
+                left = 16 - loader.stats().batches
+                # the window fills while the step holds its batch, and goes no further
+                await until(lambda left=left: copied_ahead(loader) >= min(3, left))
+                most = max(most, copied_ahead(loader))
+                assert copied_ahead(loader) <= 3
+        assert most == 3
+        assert peak_slots(m) == 4
+        assert_nothing_left(m)
+
+
+async def test_prefetch_zero_uses_one_slot() -> None:
+    async with ResidencyManager(backend=SimBackend()) as m:
+        got = []
+        async with DeviceLoader(m, batches(6), "cuda:0", prefetch=0) as loader:
+            async for batch in loader:
+                got.append(batch.clone())
+                assert copied_ahead(loader) == 0  # nothing copies while the step runs
+        assert peak_slots(m) == 1
+        assert got == [b for b in got] and len(got) == 6
+        assert_nothing_left(m)
+
+
+async def test_a_budget_smaller_than_the_window_limits_the_slots() -> None:
+    data = batches(20)
+    budget = 3 * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend(copy_gbps=1.0)) as m:
+        got = []
+        async with DeviceLoader(m, data, "cuda:0", prefetch=8) as loader:
+            async for batch in loader:
+                got.append(batch.clone())
+                left = 20 - loader.stats().batches
+                # the window fills as far as the budget lets it (two beside this one)
+                await until(lambda left=left: copied_ahead(loader) >= min(2, left))
+                assert copied_ahead(loader) <= 2
+        assert peak_slots(m) == 3
+        assert max_charge(m.trace()) <= budget
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+
+
+async def test_a_larger_batch_grows_a_slot_and_the_old_buffer_is_given_back() -> None:
+    sizes = [256, 256, 1024, 256, 4096, 512, 4096, 100]
+    data = [torch.randn(n) for n in sizes]
+    budget = 40 * KiB
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        got = []
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            async for batch in loader:
+                got.append(batch.clone())
+                # what the ring holds is what its live slots are charged, nothing else
+                charged = sum(n for name, n in _reservations(m) if " ring " in name)
+                assert charged == m.snapshot().location("cuda:0").reserved_bytes
+        assert len(ring_names(m)) > 3  # slots were grown (new reservations)
+        assert max_charge(m.trace()) <= budget
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+
+
+async def test_a_waiting_scope_gets_the_ring_s_free_slots_and_the_ring_grows_back() -> None:
+    data = batches(30)
+    budget = 4 * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        entered = anyio.Event()
+        leave = anyio.Event()
+        plan = ResidencyPlan(reserve=[MemoryReservation("tenant", "cuda:0", 3 * CHARGE)])
+
+        async def tenant() -> None:
+            async with m.scope(plan):
+                entered.set()
+                await leave.wait()
+
+        got = []
+        slots_while_tenant = []
+        async with (
+            anyio.create_task_group() as tasks,
+            DeviceLoader(m, data, "cuda:0", prefetch=3) as loader,
+        ):
+            async for batch in loader:
+                got.append(batch.clone())
+                del batch
+                if len(got) == 3:
+                    await until(lambda: len(live_slots(m)) == 4)  # the whole budget
+                    tasks.start_soon(tenant)
+                if entered.is_set() and not leave.is_set():
+                    slots_while_tenant.append(len(live_slots(m)))
+                if len(got) == 15:
+                    assert entered.is_set()  # the ring gave its free slots back
+                    leave.set()
+                if len(got) == 25:
+                    await until(lambda: len(live_slots(m)) >= 3)  # and grew back
+            stats = loader.stats()
+        assert slots_while_tenant and max(slots_while_tenant) == 1
+        assert stats.batches == 30
+        assert max_charge(m.trace()) <= budget
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+
+
+async def test_kept_batches_hold_their_slots_and_the_pass_goes_on() -> None:
+    data = batches(8)
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            kept = []
+            async for batch in loader.batches():
+                if batch.index % 2 == 0:
+                    kept.append(batch)
+                    await batch.__aenter__()  # kept past the next steps
+                else:
+                    assert torch.equal(batch.data, data[batch.index])
+            # every kept batch still holds its own data: no slot was reused under it
+            for batch in kept:
+                assert torch.equal(batch.data, data[batch.index])
+                await batch.__aexit__(None, None, None)
+        assert peak_slots(m) >= 5  # four kept + the window
+        assert_nothing_left(m)
+
+
+async def test_cancelled_while_waiting_for_room_gives_everything_back() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=SimBackend()) as m:
+        hog = m.reservation("hog", "cuda:0", 2 * CHARGE)
+        await hog.__aenter__()
+        async with DeviceLoader(m, batches(4), "cuda:0") as loader:
+            with anyio.move_on_after(5) as scope:
+                async with anyio.create_task_group() as tasks:
+
+                    async def consume() -> None:
+                        async for _batch in loader:
+                            pass
+
+                    tasks.start_soon(consume)
+                    await until(lambda: waiting_for_room(loader))
+                    tasks.cancel_scope.cancel()
+            assert not scope.cancelled_caught
+            assert loader.stats().batches == 0
+        await hog.__aexit__(None, None, None)
+        assert_nothing_left(m)
+
+
+class _Slow:
+    """A source that counts how far it was read."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        self.items = items
+        self.read = 0
+        self.lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for item in self.items:
+            with self.lock:
+                self.read += 1
+            yield item
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_random_sizes_budgets_kept_batches_and_cancellation(seed: int) -> None:
+    """Random batch sizes and structures, budgets, prefetch, kept batches and a pass ended at a
+    random point (break, cancellation, or to the end): every batch handed out is the source's,
+    the budget is never exceeded, and nothing is left."""
+    rng = random.Random(seed)
+    count = rng.randint(5, 25)
+    data: list[Any] = []
+    for i in range(count):
+        n = rng.choice([1, 64, 256, 300, 1024, 3000])
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + i))
+        data.append(x if rng.random() < 0.5 else {"x": x, "y": (x[:1] + 1, i)})
+    prefetch = rng.randint(0, 5)
+    # Room for the two batches kept, the one in use and one more (a consumer that keeps more
+    # than the budget holds would wait for room for ever, as it should: timeout=5 says so).
+    budget = rng.choice([52 * KiB, 80 * KiB, None])
+    stop_at = rng.choice([count, rng.randint(0, count)])
+    how = rng.choice(["break", "cancel"])
+    budgets = {} if budget is None else {"cuda:0": budget}
+    async with ResidencyManager(
+        budgets=budgets, backend=SimBackend(copy_gbps=rng.choice([None, 2.0]))
+    ) as m:
+        async with DeviceLoader(m, _Slow(data), "cuda:0", prefetch=prefetch, timeout=5) as loader:
+            kept: list[Any] = []
+            with anyio.CancelScope() as scope:
+                async for batch in loader.batches():
+                    item = data[batch.index]
+                    got = batch.data
+                    if isinstance(item, dict):
+                        assert torch.equal(got["x"], item["x"])
+                        assert (
+                            torch.equal(got["y"][0], item["y"][0]) and got["y"][1] == item["y"][1]
+                        )
+                    else:
+                        assert torch.equal(got, item)
+                    if rng.random() < 0.2 and len(kept) < 2:
+                        await batch.__aenter__()
+                        kept.append(batch)
+                    elif kept and rng.random() < 0.5:
+                        await kept.pop(0).__aexit__(None, None, None)
+                    if batch.index + 1 >= stop_at:
+                        if how == "cancel":
+                            scope.cancel()
+                            await anyio.lowlevel.checkpoint()
+                        break
+        for batch in kept:
+            assert batch.released  # the end of the pass (the loader's exit) released it
+        if budget is not None:
+            assert max_charge(m.trace()) <= budget
+            assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+
+
+async def test_ring_true_is_refused_where_it_cannot_run() -> None:
+    async def agen() -> Any:
+        yield torch.zeros(4)
+
+    async with ResidencyManager(backend=SimBackend()) as m:
+        with pytest.raises(ValueError, match="its source is asynchronous"):
+            DeviceLoader(m, agen(), "cuda:0", ring=True)
+        with pytest.raises(TypeError, match="ring must be"):
+            DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring="yes")  # type: ignore[arg-type]
+        loader = DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring=False)
+        assert not loader.ring
