@@ -41,6 +41,7 @@ takes about three minutes (``--quick``: about one).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import math
@@ -79,6 +80,14 @@ METHODS = [
     "aresidency shards",
 ]
 PREFETCH = 4
+ONLY: set[str] = set()  # --methods: run only these (empty: all)
+DUMP_TASKS_AT: list[float] = []  # --dump-after: when to print every task's stack
+
+
+class _Skipped(Exception):
+    """A method left out with --methods."""
+
+
 PREFETCH_FACTOR = 2  # the DataLoader's default
 
 
@@ -335,8 +344,19 @@ async def ticker() -> AsyncIterator[list[float]]:
             collecting.clear()
 
     gc.callbacks.append(collections)
+
+    async def dump_tasks() -> None:
+        # --dump-after: the stack of every task too (faulthandler shows only threads)
+        await anyio.sleep(max(0.0, DUMP_TASKS_AT[0] - time.monotonic()))
+        import asyncio
+
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=12)
+
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(tick)
+        if DUMP_TASKS_AT:
+            tasks.start_soon(dump_tasks)
         try:
             yield lags
         finally:
@@ -426,6 +446,8 @@ async def run_size(
         ),
     }
     for name, run in runs.items():
+        if ONLY and name not in ONLY:
+            continue
         log(f"{mib} MiB: {name}")
         try:
             results[name] = run()
@@ -434,22 +456,32 @@ async def run_size(
             results[name] = Result(error=f"{type(error).__name__}: {error}")
     log(f"{mib} MiB: aresidency")
     try:
+        if ONLY and "aresidency" not in ONLY:
+            raise _Skipped
         results["aresidency"] = await run_aresidency(
             dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes
         )
+    except _Skipped:
+        pass
     except Exception as error:
         traceback.print_exc()
         results["aresidency"] = Result(error=f"{type(error).__name__}: {error}")
     log(f"{mib} MiB: aresidency values")
     try:
+        if ONLY and "aresidency values" not in ONLY:
+            raise _Skipped
         results["aresidency values"] = await run_aresidency(
             dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes, False
         )
+    except _Skipped:
+        pass
     except Exception as error:
         traceback.print_exc()
         results["aresidency values"] = Result(error=f"{type(error).__name__}: {error}")
     log(f"{mib} MiB: aresidency shards")
     try:
+        if ONLY and "aresidency shards" not in ONLY:
+            raise _Skipped
         shard_dir = tmp / f"{batch_bytes}B"
         shard_dir.mkdir()
         # At most 1 GiB of files (each new pass over them starts with an empty pipeline, so
@@ -460,6 +492,8 @@ async def run_size(
             results["aresidency shards"] = await run_aresidency(
                 dev, step, source, warmup, steps, batch_bytes
             )
+    except _Skipped:
+        pass
     except Exception as error:
         traceback.print_exc()
         results["aresidency shards"] = Result(error=f"{type(error).__name__}: {error}")
@@ -554,9 +588,21 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--sizes", default="1,16,64", help="batch sizes in MiB")
     parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
+    parser.add_argument(
+        "--dump-after",
+        type=float,
+        default=None,
+        help="print every thread's stack and exit after this many seconds (a hang's diagnosis)",
+    )
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
+    if arguments.dump_after:
+        faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
+        DUMP_TASKS_AT.append(time.monotonic() + max(1.0, arguments.dump_after - 5))
+    if arguments.methods:
+        ONLY.update(arguments.methods.split(","))
     text, data = anyio.run(main, arguments)
     if arguments.markdown:
         Path(arguments.markdown).write_text(text + "\n")

@@ -51,6 +51,7 @@ half reads the state the other writes, so they stay side by side.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import threading
@@ -174,6 +175,11 @@ def _fill(source: Any, plan: Any, buffer: torch.Tensor, after: Any) -> tuple[Any
     start = time.perf_counter()
     layout = source.read_into(plan, buffer)
     return layout, start, time.perf_counter()
+
+
+def _wait_all(events: list[Any]) -> None:
+    for event in events:
+        _wait_host(event)
 
 
 def _wait_host(event: Any) -> None:
@@ -595,40 +601,36 @@ class RingEpoch:
 
     def _retire(self, slots: list[Slot]) -> None:
         """Free ``slots``' buffers and end their reservations once the device passed their
-        last readers (an event recorded now on every stream that read a slot) and copies.
-        Loop."""
+        last readers (an event recorded now on every stream that read a slot) and copies,
+        waited for in a thread of its own (as :meth:`drain` does). Loop."""
         if not slots:
             return
         backend = self.backend
         waits = [backend.record_event(stream) for stream in self._streams]
         waits += [s.copied for s in slots if s.copied is not None]
         self._pending_retires += 1
-        remaining = [len(waits)]
-        device = self.device
+        self._free_later(slots, waits)
 
-        def passed(error: BaseException | None = None) -> None:
-            del error  # the backend closed: the manager frees everything itself
-            remaining[0] -= 1
-            if remaining[0] > 0:
-                return
-            names = [s.reservation for s in slots]
-            for slot in slots:
-                slot.buffer = torch.empty(0, dtype=torch.uint8)  # the last reference
-                slot.pins = []
-                slot.readers = []
-            if self.manager.running:
-                for name in names:
-                    try:
-                        self.manager.unreserve_nowait(name, device)
-                    except ValueError:
-                        pass  # the manager closed meanwhile
+    def _free_later(self, slots: list[Slot], waits: list[Any]) -> None:
+        def passed() -> None:
+            self._free(slots)
             self._pending_retires -= 1
 
-        if not waits:
-            passed()
-            return
-        for event in waits:
-            backend.notify(event, passed)
+        def wait() -> None:
+            _wait_all(waits)
+            self.manager.bridge.call_soon_quietly(passed)
+
+        threading.Thread(target=wait, name="aresidency-loader-ring-retire", daemon=True).start()
+
+    def _free(self, slots: list[Slot]) -> None:
+        """Drop the buffers (the last references) and end their reservations. Loop."""
+        for slot in slots:
+            slot.buffer = torch.empty(0, dtype=torch.uint8)
+            slot.pins = []
+            slot.readers = []
+            if self.manager.running:
+                with contextlib.suppress(ValueError):  # the manager closed meanwhile
+                    self.manager.unreserve_nowait(slot.reservation, self.device)
 
     # ------------------------------------------------------------------ the consumer (loop)
 
@@ -736,6 +738,7 @@ class RingEpoch:
             backend.stream_wait(stream, event)
         with self._cond:
             slot.state = OUT
+            self._cond.notify_all()  # one batch fewer ahead: the window opens
         out = _Out(slot, streams=[stream])
         self._out[id(slot)] = out
         self._add_stream(stream)
@@ -832,7 +835,14 @@ class RingEpoch:
             with self._cond:
                 slots = list(self.slots)
                 self.slots = []
-            self._retire(slots)
+            # The last readers (an event now on every stream that read a slot) and copies,
+            # waited for in a worker thread: the end of a pass does not depend on the
+            # backend's completion notifications.
+            backend = self.backend
+            events = [backend.record_event(stream) for stream in self._streams]
+            events += [s.copied for s in slots if s.copied is not None]
+            await anyio.to_thread.run_sync(_wait_all, events)
+            self._free(slots)
             if self._pending_retires:
                 try:
                     while self._pending_retires and self.manager.running:
@@ -844,19 +854,8 @@ class RingEpoch:
     async def _drain_releases(self) -> None:
         if not self._streams or not self.manager.running:
             return
-        done = anyio.Event()
-        waits = [self.backend.record_event(stream) for stream in self._streams]
-        remaining = [len(waits)]
-
-        def passed(error: BaseException | None) -> None:
-            del error
-            remaining[0] -= 1
-            if not remaining[0]:
-                done.set()
-
-        for event in waits:
-            self.backend.notify(event, passed)
-        await done.wait()
+        events = [self.backend.record_event(stream) for stream in self._streams]
+        await anyio.to_thread.run_sync(_wait_all, events)
 
     def _finish(self) -> None:
         self.status = "closed"
