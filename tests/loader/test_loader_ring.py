@@ -181,6 +181,21 @@ async def test_a_waiting_scope_gets_the_ring_s_free_slots_and_the_ring_grows_bac
                 entered.set()
                 await leave.wait()
 
+        # While the scope waits for room, the ring takes no new slot (it never overtakes it).
+        baseline: set[str] | None = None
+        overtaken: set[str] = set()
+
+        def watch() -> None:
+            nonlocal baseline
+            names = set(live_slots(m))
+            if m.waiting_for_room("cuda:0") and not entered.is_set():
+                if baseline is None:
+                    baseline = names
+                overtaken.update(names - baseline)
+            else:
+                baseline = None
+
+        unwatch = m.add_change_listener(watch)
         got = []
         slots_while_tenant = []
         async with (
@@ -201,6 +216,8 @@ async def test_a_waiting_scope_gets_the_ring_s_free_slots_and_the_ring_grows_bac
                 if len(got) == 25:
                     await until(lambda: len(live_slots(m)) >= 3)  # and grew back
             stats = loader.stats()
+        unwatch()
+        assert not overtaken
         assert slots_while_tenant and max(slots_while_tenant) == 1
         assert stats.batches == 30
         assert max_charge(m.trace()) <= budget
@@ -328,3 +345,52 @@ async def test_ring_true_is_refused_where_it_cannot_run() -> None:
             DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring="yes")  # type: ignore[arg-type]
         loader = DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring=False)
         assert not loader.ring
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_tenants_beside_the_ring_never_exceed_the_budget(seed: int) -> None:
+    """Scopes of another tenant come and go (some cancelled while they wait for room) while a
+    pass runs with random batch sizes: the ring gives its free slots back to a waiting scope,
+    grows again after, and the budget is never exceeded; every batch is the source's and
+    nothing is left at the end."""
+    rng = random.Random(1000 + seed)
+    count = 40
+    data = [
+        torch.randn(rng.choice([64, 256, 700]), generator=torch.Generator().manual_seed(i))
+        for i in range(count)
+    ]
+    budget = 12 * KiB
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        entered = 0
+
+        async def tenant(n: int, size: int, cancel: bool) -> None:
+            nonlocal entered
+            plan = ResidencyPlan(reserve=[MemoryReservation(f"tenant-{n}", "cuda:0", size)])
+            with anyio.CancelScope() as scope:
+                if cancel:
+                    scope.deadline = anyio.current_time() + rng.random() * 0.01
+                async with m.scope(plan):
+                    entered += 1
+                    for _ in range(rng.randint(0, 3)):
+                        await anyio.lowlevel.checkpoint()
+
+        got = 0
+        async with (
+            anyio.create_task_group() as tasks,
+            DeviceLoader(m, data, "cuda:0", prefetch=rng.randint(1, 4), timeout=10) as loader,
+        ):
+            n = 0
+            async for batch in loader:
+                assert torch.equal(batch, data[got])
+                got += 1
+                del batch
+                if rng.random() < 0.3:
+                    n += 1
+                    size = rng.choice([2, 4, 6]) * KiB
+                    tasks.start_soon(tenant, n, size, rng.random() < 0.3)
+        assert got == count
+        assert entered >= 1
+        assert max_charge(m.trace()) <= budget
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
