@@ -11,7 +11,16 @@ manager's byte budgets, with the copies overlapped with the consumer's compute a
                 loss = model(batch["x"], batch["y"])
                 loss.backward()
 
-How a batch travels
+Two ways through
+    By default (``ring=None``) a synchronous or staged source on a GPU goes through the
+    **ring** (:mod:`~aresidency.loader.ring`): device slots the pass owns, charged as named
+    reservations, filled by the loader's own thread with one ``copy_into`` per tensor, handed
+    out and released with events only, so the event loop does no work per batch. An async
+    source, or ``ring=False``, makes every tensor of every batch a **managed value**, as
+    described below step by step (the ring keeps the same order, budget, lifetimes, errors
+    and cancellation; only the per-batch bookkeeping differs).
+
+How a batch travels (managed values)
     1. *Source.* A synchronous iterable (a ``DataLoader``, a generator) is iterated in a thread
        of its own, never on the event loop; an async iterable by a task of the loader; a staged
        source (:class:`ShardSource`) by ``workers`` threads that read each batch from
@@ -60,9 +69,10 @@ Measurements: :meth:`DeviceLoader.stats` (:class:`LoaderStats`) gives batches, b
 the consumer waited and why (source, budget, copy), the source's own rate and the copies' rate,
 so a user sees which side is slow.
 
-Modules: ``loader`` (:class:`DeviceLoader`), ``pipeline`` (one pass: admission, readiness,
-release), ``records`` (the batches in flight), ``budget`` (admission arithmetic and its errors),
-``feeder`` (reading the source), ``fills`` (filling the staging buffers from a staged source),
+Modules: ``loader`` (:class:`DeviceLoader`), ``ring`` (one pass through the ring),
+``pipeline`` (one pass of managed values: admission, readiness, release), ``records`` (the
+batches in flight), ``budget`` (admission arithmetic and its errors), ``feeder`` (reading the
+source), ``fills`` (filling the staging buffers from a staged source),
 ``batch`` (:class:`DeviceBatch`), ``structure`` (nested batches), ``staging`` (the pinned
 staging buffers and the :class:`StagedSource` protocol), ``shards`` (:class:`ShardSource`),
 ``stats``. See ``docs/loader.md`` for a guide.
