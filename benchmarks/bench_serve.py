@@ -603,7 +603,8 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
             lines.append(
                 f"- {name}: {row['requests']} / {row['hits']} / {row['loads']} / "
                 f"{row['evictions']} / {format_nbytes(row['bytes_copied'])} / "
-                f"{row['wait_seconds']:.2f} s (last {row['last_mode']})"
+                f"{row['wait_seconds']:.2f} s (last {row['last_mode']}; "
+                f"{row.get('joined_past', 0)} joined past the head of the line)"
             )
     if ours is not None:
         lines.append(f"\naresidency modes: {ours.modes}")

@@ -31,7 +31,9 @@ What it decides, for each request:
   never touched (its groups are held).
 * **When.** Requests are admitted first come, first served: one at a time, the oldest
   decides and enters its decision (waiting, without blocking the loop, while only the
-  requests in flight stand in its way); the ones behind it wait their turn. The decision is
+  requests in flight stand in its way); the ones behind it wait their turn, except a request
+  that moves nothing (its model resident whole and in use, and not one whose requests the
+  waiting head needs to see end: ``express_joins``), which joins at once. The decision is
   entered with ``manager.scope`` (so it also waits its turn behind any other tenant's
   scope, and is refused as stale if the state moved); the reserve is that scope's named
   ``MemoryReservation`` for the whole request. Requests for a model already on the device

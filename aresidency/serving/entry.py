@@ -89,7 +89,8 @@ class ModelStats:
     ``evictions`` (decisions that took groups of it off the device) and ``evicted_bytes``,
     ``bytes_copied`` (host to device: admission loads and what streamed calls copied),
     ``wait_seconds`` (time from arrival to admission, summed), ``failures`` (requests that
-    raised before or during their body), ``last_mode`` (``resident`` or ``streamed``)."""
+    raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),
+    ``joined_past`` (hits admitted at once past a head of the line waiting for other models)."""
 
     requests: int = 0
     hits: int = 0
@@ -100,6 +101,7 @@ class ModelStats:
     wait_seconds: float = 0.0
     failures: int = 0
     last_mode: Mode | None = None
+    joined_past: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -76,6 +76,9 @@ class PoolDecision:
     request rates (per second) the decision weighed; ``headroom_bytes`` what the decision left
     free for streamed requests in flight; ``transitions`` what entering it committed in the
     manager's trace (the evictions and the workspace reservation; the loads follow there).
+    ``passed``: for a request that joined its model's residency past the head of the line
+    (see :meth:`ModelPool._try_express`), what that head waited for; ``decision`` is then
+    ``None`` (nothing was decided: nothing moved).
     """
 
     request_id: int
@@ -83,7 +86,7 @@ class PoolDecision:
     mode: Mode
     reserve_bytes: int
     prefetch: int
-    decision: ResidencyDecision
+    decision: ResidencyDecision | None
     loaded_bytes: int
     kept_groups: int
     evicted: dict[str, int]
@@ -91,6 +94,7 @@ class PoolDecision:
     headroom_bytes: int
     waited_seconds: float
     transitions: tuple[Transition, ...] = field(repr=False)
+    passed: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly summary (for logs and the example server's ``/decisions``)."""
@@ -106,11 +110,16 @@ class PoolDecision:
             "demand_per_s": {k: round(v, 6) for k, v in self.demand.items()},
             "headroom_bytes": self.headroom_bytes,
             "waited_seconds": self.waited_seconds,
-            "explored_states": self.decision.explored_states,
-            "evictions": [str(e) for e in self.decision.evictions],
-            "reasons": [e.reason for e in self.decision.evictions],
+            "explored_states": 0 if self.decision is None else self.decision.explored_states,
+            "evictions": [str(e) for e in self._evictions],
+            "reasons": [e.reason for e in self._evictions],
             "transitions": [t.kind for t in self.transitions],
+            "passed": self.passed,
         }
+
+    @property
+    def _evictions(self) -> tuple[Any, ...]:
+        return () if self.decision is None else self.decision.evictions
 
     def __str__(self) -> str:
         parts = [f"request {self.request_id} for {self.model!r}: {self.mode}"]
@@ -129,6 +138,8 @@ class PoolDecision:
         if self.headroom_bytes:
             parts.append(f"left {format_nbytes(self.headroom_bytes)} for streams in flight")
         parts.append(f"waited {self.waited_seconds * 1e3:.1f} ms")
+        if self.passed is not None:
+            parts.append(f"joined past {self.passed}")
         return ", ".join(parts)
 
 
@@ -238,7 +249,9 @@ class ModelPool:
     ``fallback_graph``, ``search_state_limit``: the controller's; ``decision_log``: how many
     :class:`PoolDecision` s :attr:`decisions` keeps; ``defer_hot_evictions``: wait for a
     colder model in use to finish rather than evict a hotter idle one (see
-    :meth:`_colder_in_use`); ``clock``: the demand clock.
+    :meth:`_colder_in_use`); ``clock``: the demand clock; ``express_joins``: a request for a
+    model already resident and in use joins it at once, past a head of the line that waits for
+    other models (see :meth:`_try_express`).
 
     State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
@@ -263,6 +276,7 @@ class ModelPool:
         decision_log: int = 256,
         defer_hot_evictions: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        express_joins: bool = True,
     ) -> None:
         manager.check_thread()
         self.manager = manager
@@ -289,6 +303,11 @@ class ModelPool:
             raise ValueError(f"decision_log must be >= 0, got {decision_log}")
         self.decisions: deque[PoolDecision] = deque(maxlen=decision_log)
         self.defer_hot_evictions = bool(defer_hot_evictions)
+        self.express_joins = bool(express_joins)
+        # What the head of the line waits for (while it waits): the models whose requests it
+        # waits to see end (None: unknown, nobody passes it), and why.
+        self._head_blockers: frozenset[str] | None = None
+        self._head_why = ""
         self._entries: dict[str, ModelEntry] = {}
         self._owner: dict[ValueHandle, ModelEntry] = {}
         self._gate = anyio.Lock()
@@ -430,8 +449,13 @@ class ModelPool:
         """Wait for the request's turn and admit it (see :meth:`use`)."""
         try:
             with anyio.fail_after(timeout):
+                if self.express_joins and self._gate.locked() and await self._try_express(request):
+                    return
                 async with self._gate:
-                    await self._admit_in_turn(request)
+                    try:
+                        await self._admit_in_turn(request)
+                    finally:
+                        self._head_blockers = None
         except TimeoutError:
             raise TimeoutError(
                 f"request for {request.entry.name!r} was not admitted within {timeout} s: it "
@@ -449,7 +473,7 @@ class ModelPool:
             if entry.active[other]:
                 # Holds of one mode would make the other's releases fail: switch when idle.
                 request.why = f"{entry.name!r} to finish its {other} requests"
-                await self._wait_for_progress(before)
+                await self._park(request, before, frozenset({entry.name}))
                 continue
             joining = entry.active[mode] > 0
             if not joining:
@@ -464,7 +488,9 @@ class ModelPool:
             spec = self._request_spec(request, mode, joining, own_window, headroom)
             if self._surely_short(entry, mode, joining, request.reserve + own_window + headroom):
                 request.why = self._short_reason(entry, mode, request.reserve, headroom)
-                await self._wait_for_progress(before)
+                await self._park(
+                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
+                )
                 continue
             self.view.weigh(self._weights())
             try:
@@ -480,16 +506,20 @@ class ModelPool:
                 if not any(e.busy for e in self._entries.values() if e is not entry):
                     raise
                 request.why = f"a search past its limit with nothing idle to evict: {error}"
-                await self._wait_for_progress(before)
+                await self._park(
+                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
+                )
                 continue
             except ResidencyPlanError as error:
                 request.why = f"room: {error.reason}"
-                await self._wait_for_progress(before)
+                await self._park(
+                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
+                )
                 continue
             colder = self._colder_in_use(entry, decision) if self.defer_hot_evictions else None
             if colder is not None:
-                request.why = colder
-                await self._wait_for_progress(before)
+                request.why, colder_name = colder
+                await self._park(request, before, frozenset({colder_name, entry.name}))
                 continue
             reserve = (
                 [MemoryReservation(self._reservation_name(request), self.device, request.reserve)]
@@ -508,7 +538,9 @@ class ModelPool:
                 continue  # the manager moved since the decision: decide again
             except ResidencyPlanError as error:
                 request.why = f"room: {error.reason}"
-                await self._wait_for_progress(before)
+                await self._park(
+                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
+                )
                 continue
             request.scope = scope
             request.mode, request.prefetch = mode, prefetch
@@ -519,13 +551,115 @@ class ModelPool:
                 # and wait for our turn again.
                 await self._exit_scope(request)
                 request.why = f"room: {error}"
-                await self._wait_for_progress(before)
+                await self._park(request, before, None)
                 continue
             except BaseException:
                 await self._exit_scope(request)
                 raise
             self._record(request, decision, loaded, headroom, scope)
             return
+
+    # -- joining past the head of the line
+
+    async def _park(
+        self,
+        request: _Request,
+        before: tuple[int, int, int, int, int],
+        blockers: frozenset[str] | None,
+    ) -> None:
+        """The head of the line parks until progress, naming the models whose requests it
+        waits to see end (``None``: unknown); requests for other models may join theirs
+        meanwhile (:meth:`_try_express`), never while the head decides or enters."""
+        self._head_blockers = blockers
+        self._head_why = (
+            f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
+        )
+        try:
+            await self._wait_for_progress(before)
+        finally:
+            self._head_blockers = None
+
+    def _drain_target(
+        self, entry: ModelEntry, mode: Mode, reserve: int, headroom: int
+    ) -> frozenset[str] | None:
+        """For a head that waits for room to load ``entry`` resident: the model it waits to
+        see idle (the least demanded busy one whose resident bytes make up the shortfall),
+        with ``entry``; ``None`` when no single model would (then nobody passes the head)."""
+        if mode != "resident":
+            return None
+        state = self.manager.state
+        ledger = state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return None
+        missing = entry.total_bytes - entry.resident_bytes_at(state, self.device)
+        free = ledger.budget_bytes - ledger.charged_bytes
+        shortfall = missing + reserve + headroom - free
+        rates = self.demand.rates(list(self._entries))
+        candidates = [
+            other
+            for other in self._entries.values()
+            if other is not entry
+            and other.busy
+            and other.resident_bytes_at(state, self.device) >= shortfall
+        ]
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda other: (rates[other.name], other.name))
+        return frozenset({victim.name, entry.name})
+
+    async def _try_express(self, request: _Request) -> bool:
+        """Admit ``request`` at once, past the head of the line, if that cannot delay the head:
+        its model is resident whole and in use resident (so the request moves nothing and only
+        joins the holds), the head waits for other models' requests to end (it named them),
+        no scope of another tenant waits for room, and the request's reserve fits the free
+        room beside the streams' headroom. False (nothing changed) otherwise: the request then
+        takes its turn. Without this, every request queued behind a head that waits for a
+        busy model (to evict it) waits too, even for a model that is already on the GPU."""
+        entry = request.entry
+        blockers = self._head_blockers
+        if blockers is None or entry.name in blockers:
+            return False
+        if entry.active["resident"] == 0 or entry.active["streamed"]:
+            return False
+        manager = self.manager
+        state = manager.state
+        if manager.waiting_for_room(self.device):
+            return False
+        if self._mode_for(entry, request.reserve)[0] != "resident":
+            return False
+        states = entry.states_at(state, self.device)
+        if any(states.get(group.index) is not _RESIDENT for group in entry.groups):
+            return False
+        ledger = state.ledger(self.device)
+        headroom = self._headroom()
+        if (
+            ledger.budget_bytes is not None
+            and ledger.charged_bytes + request.reserve + headroom > ledger.budget_bytes
+        ):
+            return False
+        passed = self._head_why
+        reserve = (
+            [MemoryReservation(self._reservation_name(request), self.device, request.reserve)]
+            if request.reserve
+            else []
+        )
+        scope = manager.scope(ResidencyPlan(reserve=reserve))
+        try:
+            await scope.__aenter__()
+        except ResidencyPlanError:
+            return False
+        request.scope = scope
+        request.mode, request.prefetch = "resident", 0
+        try:
+            loaded = await self._load_and_hold(request, joining=True)
+        except ResidencyBudgetError:
+            await self._exit_scope(request)
+            return False
+        except BaseException:
+            await self._exit_scope(request)
+            raise
+        self._record(request, None, loaded, headroom, scope, passed=passed)
+        return True
 
     async def _evict_coldest_idle(self, entry: ModelEntry) -> str | None:
         """Release every resident device replica of the idle model with the lowest demand
@@ -714,8 +848,11 @@ class ModelPool:
                 weights[handle] = share
         return weights
 
-    def _colder_in_use(self, entry: ModelEntry, decision: ResidencyDecision) -> str | None:
-        """Why the request should wait rather than enter ``decision``, or ``None``.
+    def _colder_in_use(
+        self, entry: ModelEntry, decision: ResidencyDecision
+    ) -> tuple[str, str] | None:
+        """Why the request should wait rather than enter ``decision`` and the model it waits
+        for, or ``None``.
 
         The controller evicts only what nothing holds, so it may take an idle hot model while
         a colder one is in use; and the requests that keep the hot model busy wait behind this
@@ -740,7 +877,8 @@ class ModelPool:
             if other.resident_bytes_at(state, self.device) >= needed:
                 return (
                     f"{other.name!r} (in use, {rates[other.name]:.3g} requests/s) to finish "
-                    f"rather than evict {hottest!r} ({rates[hottest]:.3g} requests/s)"
+                    f"rather than evict {hottest!r} ({rates[hottest]:.3g} requests/s)",
+                    other.name,
                 )
         return None
 
@@ -819,15 +957,16 @@ class ModelPool:
     def _record(
         self,
         request: _Request,
-        decision: ResidencyDecision,
+        decision: ResidencyDecision | None,
         loaded: int,
         headroom: int,
         scope: Scope,
+        passed: str | None = None,
     ) -> None:
         entry = request.entry
         waited = time.perf_counter() - request.arrived
         evicted: dict[str, int] = {}
-        for eviction in decision.evictions:
+        for eviction in () if decision is None else decision.evictions:
             owner = self._owner.get(eviction.handle)
             key = owner.name if owner is not None else (eviction.handle.name or "?")
             evicted[key] = evicted.get(key, 0) + eviction.charge_bytes
@@ -838,6 +977,8 @@ class ModelPool:
                 victim.stats.evicted_bytes += nbytes
         stats = entry.stats
         stats.wait_seconds += waited
+        if passed is not None:
+            stats.joined_past += 1
         stats.last_mode = request.mode
         stats.bytes_copied += loaded
         if loaded:
@@ -858,6 +999,7 @@ class ModelPool:
             headroom_bytes=headroom,
             waited_seconds=waited,
             transitions=scope.report.transitions,
+            passed=passed,
         )
         request.record = record
         self.decisions.append(record)
@@ -897,7 +1039,8 @@ class ModelPool:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per model: ``requests``, ``hits``, ``loads``, ``evictions``, ``evicted_bytes``,
-        ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, and now:
+        ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, ``joined_past``, and
+        now:
         ``demand_per_s``, ``resident_bytes`` (on the device), ``total_bytes``, ``active``
         (admitted requests). JSON-friendly. Loop thread."""
         self.manager.check_thread()

@@ -907,3 +907,67 @@ async def test_a_search_past_its_limit_evicts_the_coldest_idle_model_whole() -> 
         assert stats["a"]["resident_bytes"] == TOTAL and stats["c"]["resident_bytes"] == TOTAL
         assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL
         await pool.aclose()
+
+
+# ------------------------------------------------------------------------- joining past the head
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "strict"])
+async def test_a_request_for_a_busy_resident_model_joins_past_a_head_that_waits_for_another(
+    express: bool,
+) -> None:
+    # 'a' (hot) and 'b' (colder) are resident and in use, filling the budget. 'c' must evict
+    # one of them: it waits for the colder 'b' to finish. A request for 'a' moves nothing (it
+    # only joins a's holds): it goes in at once, past 'c', unless express_joins=False. A
+    # request for 'b' would keep 'b' busy: it waits behind 'c'.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m, clock=still, express_joins=express)
+        for seed, name in enumerate("abc"):
+            pool.add(name, TinyLM(seed=seed))
+        for _ in range(3):
+            await run(pool, "a")
+        await run(pool, "b")
+        order: list[str] = []
+        done: dict[str, anyio.Event] = {}
+
+        async def request(label: str, name: str) -> None:
+            done[label] = anyio.Event()
+            async with pool.use(name) as model:
+                order.append(label)
+                with torch.no_grad():
+                    y = await model(TOKENS)
+                assert torch.equal(y, reference(model.module, TOKENS))
+                await done[label].wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(request, "a1", "a")
+            tasks.start_soon(request, "b1", "b")
+            await eventually(lambda: sorted(order) == ["a1", "b1"])
+            tasks.start_soon(request, "c1", "c")
+            await eventually(lambda: pool.waiting == 1)
+            tasks.start_soon(request, "a2", "a")
+            tasks.start_soon(request, "b2", "b")
+            await eventually(lambda: pool.waiting == (2 if express else 3))
+            if express:
+                assert order[2:] == ["a2"]  # joined 'a' past 'c'
+                joined = pool.decisions[-1]
+                assert joined.model == "a" and joined.decision is None
+                assert joined.passed is not None and "'c'" in joined.passed
+                assert joined.loaded_bytes == 0 and joined.evicted == {}
+                assert "joined past" in str(joined) and joined.summary()["passed"]
+                assert pool.stats()["a"]["joined_past"] == 1
+            else:
+                assert len(order) == 2  # first come, first served: 'a2' waits too
+            done["b1"].set()  # 'b' is idle now: 'c' evicts it, then 'b2' waits for room
+            await eventually(lambda: "c1" in order)
+            before_c = order[: order.index("c1")]
+            assert "b2" not in before_c  # 'b2' never passed 'c'
+            assert ("a2" in before_c) is express
+            for label in ("a1", "c1"):
+                done[label].set()
+            await eventually(lambda: {"a2", "b2"} <= set(order))
+            for label in ("a2", "b2"):
+                done[label].set()
+        assert max_charge(m.trace()) <= 2 * TOTAL
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
