@@ -27,7 +27,8 @@ all-resident when the hot set fits.
 
 usage: python benchmarks/bench_serve.py [--backend auto|cuda|sim] [--quick] [--seconds 30]
            [--warmup 5] [--tail 10] [--clients 32] [--models 8] [--zipf 1.1]
-           [--methods aresidency,swap,...] [--json PATH] [--markdown PATH]
+           [--methods aresidency,swap,...] [--no-defer] [--strict-fifo] [--json PATH]
+           [--markdown PATH]
 
 ``--quick`` uses tiny models and a short run; ``--backend sim`` runs aresidency on the
 simulated backend (a simulation of CUDA devices in host memory) and the other methods on the
@@ -111,6 +112,7 @@ class Workload:
     backend: str  # the manager's backend for aresidency
     dtype: torch.dtype
     defer: bool = True
+    express: bool = True
 
     def weights(self) -> list[float]:
         return [1.0 / (rank + 1) ** self.zipf for rank in range(len(self.specs))]
@@ -630,7 +632,10 @@ def run_one(
                 dtype=workload.dtype,
                 timeout=None,
                 prebuilt=models,
-                pool_options={"defer_hot_evictions": workload.defer},
+                pool_options={
+                    "defer_hot_evictions": workload.defer,
+                    "express_joins": workload.express,
+                },
             )
             return example.create_app(config)
 
@@ -710,6 +715,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="aresidency: evict an idle hot model rather than wait for a colder one in use",
     )
+    parser.add_argument(
+        "--strict-fifo",
+        action="store_true",
+        help="aresidency: no request joins its model past the head of the line",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
@@ -751,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=backend,
         dtype=dtype,
         defer=not args.no_defer,
+        express=not args.strict_fifo,
     )
     log(f"{len(specs)} models of {format_nbytes(model_bytes)}; budget {format_nbytes(budget)}")
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -145,9 +145,10 @@ class PoolDecision:
 
 class _Request:
     """One request from arrival to its end. State: ``id``, ``entry``, ``reserve``,
-    ``arrived``, ``why`` (what it waits for, for a timeout's message), and once admitted:
-    ``mode``, ``prefetch``, ``scope`` (holds the workspace reservation), ``holds``,
-    ``record``, ``active``."""
+    ``arrived``, ``why`` (what it waits for, for a timeout's message), ``drain`` (at the head
+    of the line, waiting for room: the model it waits to see idle, kept while it still would
+    do), and once admitted: ``mode``, ``prefetch``, ``scope`` (holds the workspace
+    reservation), ``holds``, ``record``, ``active``."""
 
     def __init__(self, request_id: int, entry: ModelEntry, reserve: int) -> None:
         self.id = request_id
@@ -155,6 +156,7 @@ class _Request:
         self.reserve = reserve
         self.arrived = time.perf_counter()
         self.why = "its turn (first come, first served)"
+        self.drain: str | None = None
         self.mode: Mode = "resident"
         self.prefetch = 0
         self.scope: Scope | None = None
@@ -488,9 +490,7 @@ class ModelPool:
             spec = self._request_spec(request, mode, joining, own_window, headroom)
             if self._surely_short(entry, mode, joining, request.reserve + own_window + headroom):
                 request.why = self._short_reason(entry, mode, request.reserve, headroom)
-                await self._park(
-                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
-                )
+                await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
             self.view.weigh(self._weights())
             try:
@@ -506,15 +506,11 @@ class ModelPool:
                 if not any(e.busy for e in self._entries.values() if e is not entry):
                     raise
                 request.why = f"a search past its limit with nothing idle to evict: {error}"
-                await self._park(
-                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
-                )
+                await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
             except ResidencyPlanError as error:
                 request.why = f"room: {error.reason}"
-                await self._park(
-                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
-                )
+                await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
             colder = self._colder_in_use(entry, decision) if self.defer_hot_evictions else None
             if colder is not None:
@@ -538,9 +534,7 @@ class ModelPool:
                 continue  # the manager moved since the decision: decide again
             except ResidencyPlanError as error:
                 request.why = f"room: {error.reason}"
-                await self._park(
-                    request, before, self._drain_target(entry, mode, request.reserve, headroom)
-                )
+                await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
             request.scope = scope
             request.mode, request.prefetch = mode, prefetch
@@ -579,12 +573,13 @@ class ModelPool:
         finally:
             self._head_blockers = None
 
-    def _drain_target(
-        self, entry: ModelEntry, mode: Mode, reserve: int, headroom: int
-    ) -> frozenset[str] | None:
-        """For a head that waits for room to load ``entry`` resident: the model it waits to
-        see idle (the least demanded busy one whose resident bytes make up the shortfall),
-        with ``entry``; ``None`` when no single model would (then nobody passes the head)."""
+    def _drain_target(self, request: _Request, mode: Mode, headroom: int) -> frozenset[str] | None:
+        """For a head that waits for room to load its model resident: the model it waits to
+        see idle (the least demanded busy one whose resident bytes make up the shortfall; the
+        same one as last time while it still would, so that requests for the others keep
+        joining theirs and this one does go idle), with its own; ``None`` when no single model
+        would (then nobody passes the head)."""
+        entry = request.entry
         if mode != "resident":
             return None
         state = self.manager.state
@@ -593,19 +588,21 @@ class ModelPool:
             return None
         missing = entry.total_bytes - entry.resident_bytes_at(state, self.device)
         free = ledger.budget_bytes - ledger.charged_bytes
-        shortfall = missing + reserve + headroom - free
-        rates = self.demand.rates(list(self._entries))
-        candidates = [
-            other
+        shortfall = missing + request.reserve + headroom - free
+        candidates = {
+            other.name: other
             for other in self._entries.values()
             if other is not entry
             and other.busy
             and other.resident_bytes_at(state, self.device) >= shortfall
-        ]
+        }
         if not candidates:
+            request.drain = None
             return None
-        victim = min(candidates, key=lambda other: (rates[other.name], other.name))
-        return frozenset({victim.name, entry.name})
+        if request.drain not in candidates:
+            rates = self.demand.rates(list(self._entries))
+            request.drain = min(candidates, key=lambda name: (rates[name], name))
+        return frozenset({request.drain, entry.name})
 
     async def _try_express(self, request: _Request) -> bool:
         """Admit ``request`` at once, past the head of the line, if that cannot delay the head:
