@@ -12,11 +12,11 @@ manager's byte budgets, with the copies overlapped with the consumer's compute a
                 loss.backward()
 
 Two ways through
-    By default (``ring=None``) a synchronous or staged source on a GPU goes through the
-    **ring** (:mod:`~aresidency.loader.ring`): device slots the pass owns, charged as named
+    By default (``ring=None``) every source on a GPU goes through the **ring**
+    (:mod:`~aresidency.loader.ring`): device slots the pass owns, charged as named
     reservations, filled by the loader's own thread with one ``copy_into`` per tensor, handed
-    out and released with events only, so the event loop does no work per batch. An async
-    source, or ``ring=False``, makes every tensor of every batch a **managed value**, as
+    out and released with events only, so the event loop does no work per batch.
+    ``ring=False`` makes every tensor of every batch a **managed value**, as
     described below step by step (the ring keeps the same order, budget, lifetimes, errors
     and cancellation; only the per-batch bookkeeping differs).
 

@@ -168,9 +168,10 @@ class Arrivals:
                     return False
                 if len(self._items) < self.capacity or isinstance(item, End):
                     self._items.append(item)
+                    self._cond.notify_all()  # a consumer thread in take_blocking
                     break
-            self._room = anyio.Event()
-            await self._room.wait()
+                room = self._room = anyio.Event()
+            await room.wait()
         self._wake()
         return True
 
@@ -181,14 +182,17 @@ class Arrivals:
                 return None
             item = self._items.popleft()
             self._cond.notify()
-        room, self._room = self._room, None
+            room, self._room = self._room, None
         if room is not None:
             room.set()
         return item
 
-    def take_blocking(self) -> HostBatch | End | None:
+    def take_blocking(
+        self, on_loop: Callable[[Callable[[], None]], None]
+    ) -> HostBatch | End | None:
         """The oldest item, once there is one (blocking the calling consumer thread, never the
-        loop: a feeder thread's items only); ``None`` once stopped."""
+        loop); ``None`` once stopped. A feeder task parked for room is woken through
+        ``on_loop`` (which runs a callable on the loop)."""
         with self._cond:
             while not self._items and not self.stopped:
                 self._cond.wait()
@@ -196,6 +200,9 @@ class Arrivals:
                 return None
             item = self._items.popleft()
             self._cond.notify_all()
+            room, self._room = self._room, None
+        if room is not None:
+            on_loop(room.set)
         return item
 
     def stop(self) -> None:
@@ -289,10 +296,13 @@ class ThreadFeeder:
             del iterator
 
 
-async def feed_async(source: AsyncIterable[Any], arrivals: Arrivals, clock: BusyClock) -> None:
+async def feed_async(
+    source: AsyncIterable[Any], arrivals: Arrivals, clock: BusyClock, *, own_memory: bool = True
+) -> None:
     """Iterate an async iterable into ``arrivals`` (a task of the loader's task group; cancel
-    its scope to stop it). Preparation runs on the loop unless it has tensors to copy, which
-    go to a worker thread. Closes an async generator in this same task when done."""
+    its scope to stop it). Preparation runs on the loop unless it has tensors to copy (only
+    with ``own_memory``, see :func:`prepare`), which go to a worker thread. Closes an async
+    generator in this same task when done."""
     iterator = source.__aiter__()
     index = 0
     try:
@@ -301,10 +311,10 @@ async def feed_async(source: AsyncIterable[Any], arrivals: Arrivals, clock: Busy
             try:
                 item = await iterator.__anext__()
                 tensors, _ = flatten(item)
-                if needs_copy(tensors):
+                if own_memory and needs_copy(tensors):
                     batch = await anyio.to_thread.run_sync(prepare, item, index)
                 else:
-                    batch = prepare(item, index)
+                    batch = prepare(item, index, own_memory=own_memory)
             except StopAsyncIteration:
                 await arrivals.put_async(End(index))
                 return

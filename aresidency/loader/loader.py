@@ -44,8 +44,8 @@ class DeviceLoader:
     (default: its ``workers`` + 2). ``read_ahead``: batches the source may run ahead of the
     loader's admission (default ``prefetch + 1``). ``ring``: copy through a ring of device
     buffers the pass owns, from a thread, with no per-batch work on the loop
-    (:mod:`~aresidency.loader.ring`; ``None``: whenever it can, that is for a synchronous or
-    staged source on a backend with ``copy_into``; ``False``: every batch a managed value).
+    (:mod:`~aresidency.loader.ring`; ``None``: whenever the backend has ``copy_into``, for
+    every kind of source; ``False``: every batch a managed value).
 
     Use::
 
@@ -121,16 +121,14 @@ class DeviceLoader:
                 "loader's pinned buffers; this source hands out batches of its own"
             )
         self.staging_slots = staging_slots
-        can_ring = backend.has_copy_into and not self.is_async_source
+        can_ring = backend.has_copy_into
         if ring is not None and not isinstance(ring, bool):
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
         if ring and not can_ring:
-            why = (
-                f"{type(backend).__name__} has no copy_into"
-                if not backend.has_copy_into
-                else "its source is asynchronous (its batches go through managed values)"
+            raise ValueError(
+                f"ring=True needs a backend with copy_into; {type(backend).__name__} has none "
+                "(its batches go through managed values)"
             )
-            raise ValueError(f"ring=True needs a synchronous or staged source and copy_into: {why}")
         self.ring = can_ring if ring is None else ring
         self.counters = LoaderCounters()
         self.staging: StagingSlots | None = None

@@ -39,9 +39,9 @@ source's own thread: the ring's thread has the loader's ``workers`` fill threads
 batches into the pinned staging buffers (a fill first waits, in its thread, for the last copy
 out of its buffer), takes them in order and copies each out with one driver call.
 
-Used for a synchronous or staged source on a backend with
-:meth:`~aresidency.backends.base.Backend.copy_into`; async sources, and ``ring=False``, go
-through the managed values.
+An async source is read by a task of the loader into the same queue the ring's thread takes
+from. Used on a backend with :meth:`~aresidency.backends.base.Backend.copy_into`; ``ring=False``
+goes through the managed values.
 
 Why this module is long: the ring's thread (reading, packing, copying) and the loop (slots,
 budget, hand-out, release, the end) are two halves of one state machine under one lock; each
@@ -71,7 +71,7 @@ from ..core.sizes import format_nbytes
 from ..core.values import value_charge
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .feeder import Arrivals, End, HostBatch, ThreadFeeder
+from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
 from .staging import TensorSpec
 from .structure import flatten
 
@@ -195,7 +195,7 @@ def _wait_host(event: Any) -> None:
 
 
 class RingEpoch:
-    """One pass over a synchronous source through a ring of device slots (see the module
+    """One pass over a source through a ring of device slots (see the module
     docstring). The same interface as :class:`~aresidency.loader.pipeline.Epoch`.
 
     State: ``status`` (``new`` -> ``running`` -> ``closing`` -> ``closed``); under ``_cond``
@@ -235,6 +235,7 @@ class RingEpoch:
         self._pending_retires = 0
         self._thread: threading.Thread | None = None
         self._feeder: ThreadFeeder | None = None
+        self._feed_scope: anyio.CancelScope | None = None
         self._arrivals: Arrivals | None = None
 
     def __repr__(self) -> str:
@@ -252,10 +253,22 @@ class RingEpoch:
         """Start the source's thread (a staged source: none, its ``plans`` are filled by the
         staging threads) and the ring's thread. Loop."""
         loader = self.loader
+        if plans is None and loader.is_async_source and loader.task_group is None:
+            raise RuntimeError(
+                f"{loader.name}: an async source is read by a task of the loader; enter it "
+                "first: 'async with DeviceLoader(...) as loader: async for batch in loader'"
+            )
         self.status = "running"
         self._unlisten = self.manager.add_change_listener(self._service)
         if plans is not None:
             target: Callable[[], None] = functools.partial(self._run_staged, list(plans))
+        elif loader.is_async_source:
+            tasks = loader.task_group
+            assert tasks is not None
+            self._arrivals = Arrivals(loader.read_ahead, self._notify_thread)
+            self._feed_scope = anyio.CancelScope()
+            tasks.start_soon(self._feed_async, self._feed_scope, self._arrivals)
+            target = self._run
         else:
             self._arrivals = Arrivals(loader.read_ahead, self._notify_thread)
             self._feeder = ThreadFeeder(
@@ -272,6 +285,12 @@ class RingEpoch:
         )
         self._thread.start()
 
+    async def _feed_async(self, scope: anyio.CancelScope, arrivals: Arrivals) -> None:
+        with scope:
+            await feed_async(
+                self.loader.source, arrivals, self.counters.source_clock, own_memory=False
+            )
+
     def _notify_thread(self) -> None:
         with self._cond:
             self._cond.notify_all()
@@ -284,7 +303,7 @@ class RingEpoch:
         index = 0
         try:
             while True:
-                item = arrivals.take_blocking()
+                item = arrivals.take_blocking(self.manager.bridge.call_soon_quietly)
                 if item is None:
                     return  # stopped
                 if isinstance(item, End):
@@ -803,6 +822,8 @@ class RingEpoch:
             self._arrivals.stop()
         if self._feeder is not None:
             self._feeder.stop()
+        if self._feed_scope is not None:
+            self._feed_scope.cancel()
         with self._cond:
             self._stopped = True
             for item in self._ready:

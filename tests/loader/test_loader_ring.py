@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from aresidency import MemoryReservation, ResidencyManager, ResidencyPlan
+from aresidency.backends.base import Backend
 from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader
 from aresidency.loader.ring import RingEpoch
@@ -334,17 +335,43 @@ async def test_random_sizes_budgets_kept_batches_and_cancellation(seed: int) -> 
         assert_nothing_left(m)
 
 
-async def test_ring_true_is_refused_where_it_cannot_run() -> None:
-    async def agen() -> Any:
-        yield torch.zeros(4)
+class _NoCopyInto(SimBackend):
+    """The simulation without ``copy_into`` (a backend that lacks the ring's copy)."""
 
+    copy_into = Backend.copy_into  # type: ignore[assignment]
+
+
+async def test_ring_true_is_refused_where_it_cannot_run() -> None:
+    async with ResidencyManager(backend=_NoCopyInto()) as m:
+        with pytest.raises(ValueError, match="needs a backend with copy_into"):
+            DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring=True)
+        loader = DeviceLoader(m, [torch.zeros(4)], "cuda:0")
+        assert not loader.ring  # the managed values, then
+        async with loader:
+            got = [b.clone() async for b in loader]
+        assert len(got) == 1
     async with ResidencyManager(backend=SimBackend()) as m:
-        with pytest.raises(ValueError, match="its source is asynchronous"):
-            DeviceLoader(m, agen(), "cuda:0", ring=True)
         with pytest.raises(TypeError, match="ring must be"):
             DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring="yes")  # type: ignore[arg-type]
-        loader = DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring=False)
-        assert not loader.ring
+        assert not DeviceLoader(m, [torch.zeros(4)], "cuda:0", ring=False).ring
+
+
+async def test_an_async_source_goes_through_the_ring_too() -> None:
+    data = batches(10)
+
+    async def source() -> Any:
+        for item in data:
+            await anyio.lowlevel.checkpoint()
+            yield item
+
+    async with ResidencyManager(budgets={"cuda:0": 3 * CHARGE}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, source(), "cuda:0", prefetch=4, read_ahead=1) as loader:
+            assert loader.ring
+            got = [b.clone() async for b in loader]
+            assert [v.handle.name for v in m.state.values()] == []
+        assert peak_slots(m) <= 3
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
 
 
 @pytest.mark.parametrize("seed", range(6))
