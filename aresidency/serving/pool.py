@@ -611,7 +611,9 @@ class ModelPool:
         no scope of another tenant waits for room, and the request's reserve fits the free
         room beside the streams' headroom. False (nothing changed) otherwise: the request then
         takes its turn. Without this, every request queued behind a head that waits for a
-        busy model (to evict it) waits too, even for a model that is already on the GPU."""
+        busy model (to evict it) waits too, even for a model that is already on the GPU.
+        Looked at once, on arrival: a request already queued behind the head does not look
+        again when the head parks (it keeps its place in the line)."""
         entry = request.entry
         blockers = self._head_blockers
         if blockers is None or entry.name in blockers:

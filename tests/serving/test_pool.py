@@ -971,3 +971,55 @@ async def test_a_request_for_a_busy_resident_model_joins_past_a_head_that_waits_
         assert max_charge(m.trace()) <= 2 * TOTAL
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_traffic_with_joins_past_the_head_stays_in_budget_and_starves_no_one(
+    seed: int,
+) -> None:
+    # Hot models stay busy (each request holds its model for a few turns of the loop) while
+    # cold ones must evict: requests join past parked heads, some requests are cancelled
+    # while they wait or run. Every other request ends (a head is never starved), the budget
+    # is never exceeded and nothing is left.
+    rng = torch.Generator().manual_seed(seed)
+    budget = 2 * TOTAL + 4 * KiB
+    async with ResidencyManager(
+        budgets={"cuda:0": budget}, backend="sim", trace_capacity=1 << 16
+    ) as m:
+        pool = ModelPool(m, clock=still)
+        for i, name in enumerate("abcde"):
+            pool.add(name, TinyLM(seed=i))
+        names = ["a"] * 6 + ["b"] * 4 + ["c", "d", "e"]
+        ended: list[str] = []
+        cancelled = 0
+
+        async def request(i: int) -> None:
+            nonlocal cancelled
+            name = names[int(torch.randint(len(names), (1,), generator=rng))]
+            cancel_after = int(torch.randint(0, 80, (1,), generator=rng))
+            for _ in range(int(torch.randint(0, 300, (1,), generator=rng))):
+                await anyio.lowlevel.checkpoint()  # arrivals spread over the run
+            with anyio.CancelScope() as scope:
+                if cancel_after < 8:
+                    scope.deadline = anyio.current_time() + 0.001 * cancel_after
+                async with pool.use(name, reserve=(i % 2) * KiB) as model:
+                    with torch.no_grad():
+                        y = await model(TOKENS)
+                    assert torch.equal(y, reference(model.module, TOKENS))
+                    for _ in range(cancel_after):
+                        await anyio.lowlevel.checkpoint()
+                ended.append(name)
+            if scope.cancelled_caught:
+                cancelled += 1
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                for i in range(60):
+                    tasks.start_soon(request, i)
+        assert len(ended) + cancelled == 60
+        assert max_charge(m.trace()) <= budget
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert_nothing_leaked(m, pool)
+        joined = sum(row["joined_past"] for row in pool.stats().values())
+        assert joined == sum(1 for d in pool.decisions if d.passed is not None)
+        await pool.aclose()
