@@ -143,6 +143,57 @@ class PoolDecision:
         return ", ".join(parts)
 
 
+class _Place:
+    """A request's place in :class:`_Line`: woken to look again (loop thread)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()  # (no await since the set: no wake-up is lost)
+
+
+class _Line:
+    """The pool's admission line: first come, first served, the first place decides and
+    enters (the head); the places behind it are woken when they become first, and when the
+    head parks (to look for a way past it, :meth:`ModelPool._try_express`). Loop thread."""
+
+    def __init__(self) -> None:
+        self._places: deque[_Place] = deque()
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+    def join(self) -> _Place:
+        place = _Place()
+        self._places.append(place)
+        return place
+
+    def first(self, place: _Place) -> bool:
+        return self._places[0] is place
+
+    def leave(self, place: _Place) -> None:
+        """Leave the line (admitted, joined past, failed or cancelled); the next place is woken
+        when this one was first."""
+        was_first = bool(self._places) and self._places[0] is place
+        try:
+            self._places.remove(place)
+        except ValueError:
+            return
+        if was_first and self._places:
+            self._places[0].wake()
+
+    def wake_all(self) -> None:
+        for place in self._places:
+            place.wake()
+
+
 class _Request:
     """One request from arrival to its end. State: ``id``, ``entry``, ``reserve``,
     ``arrived``, ``why`` (what it waits for, for a timeout's message), ``drain`` (at the head
@@ -258,11 +309,11 @@ class ModelPool:
     State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
     ``_entries`` (name -> :class:`~aresidency.serving.entry.ModelEntry`), ``_owner`` (value
-    handle -> entry), ``_gate`` (admission, first come first served), ``_requests`` (requests
+    handle -> entry), ``_line`` (admission, first come first served), ``_requests`` (requests
     between arrival and end), ``_admitted``, ``_ended`` (requests ended so far), ``_wake``
     (what the head of the line parks on: set on every batch of transitions and at the end of
     every request). Invariants: one request at a time decides and enters (the holder of
-    ``_gate``); every hold the pool takes belongs to an admitted request and is released when
+    ``_line``); every hold the pool takes belongs to an admitted request and is released when
     it ends; the device budget is the manager's, never exceeded.
     """
 
@@ -312,7 +363,7 @@ class ModelPool:
         self._head_why = ""
         self._entries: dict[str, ModelEntry] = {}
         self._owner: dict[ValueHandle, ModelEntry] = {}
-        self._gate = anyio.Lock()
+        self._line = _Line()
         self._ids = itertools.count(1)
         self._requests = 0
         self._admitted = 0
@@ -451,13 +502,17 @@ class ModelPool:
         """Wait for the request's turn and admit it (see :meth:`use`)."""
         try:
             with anyio.fail_after(timeout):
-                if self.express_joins and self._gate.locked() and await self._try_express(request):
-                    return
-                async with self._gate:
-                    try:
-                        await self._admit_in_turn(request)
-                    finally:
-                        self._head_blockers = None
+                place = self._line.join()
+                try:
+                    while not self._line.first(place):
+                        # Woken when the head parks (and when it leaves): a request that
+                        # moves nothing may join its model past it, keeping its place if not.
+                        if self.express_joins and await self._try_express(request):
+                            return
+                        await place.wait()
+                    await self._admit_in_turn(request)
+                finally:
+                    self._line.leave(place)
         except TimeoutError:
             raise TimeoutError(
                 f"request for {request.entry.name!r} was not admitted within {timeout} s: it "
@@ -568,6 +623,8 @@ class ModelPool:
         self._head_why = (
             f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
         )
+        if blockers is not None and self.express_joins:
+            self._line.wake_all()  # the requests in line may look for a way past now
         try:
             await self._wait_for_progress(before)
         finally:
@@ -612,8 +669,8 @@ class ModelPool:
         room beside the streams' headroom. False (nothing changed) otherwise: the request then
         takes its turn. Without this, every request queued behind a head that waits for a
         busy model (to evict it) waits too, even for a model that is already on the GPU.
-        Looked at once, on arrival: a request already queued behind the head does not look
-        again when the head parks (it keeps its place in the line)."""
+        Looked at on arrival and whenever the head parks; a request that may not pass keeps
+        its place in the line."""
         entry = request.entry
         blockers = self._head_blockers
         if blockers is None or entry.name in blockers:
