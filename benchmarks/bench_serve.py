@@ -9,6 +9,8 @@ of its own, on a free port). Side by side in one run, each server in turn:
 * ``aresidency``: ``examples/server_app.py`` (a ``ModelPool``: resident by demand, streamed
   when a model cannot fit, evictions decided by the controller, requests admitted first come
   first served);
+* ``aresidency-strict`` (only when asked for): the same with ``express_joins=False``, strict
+  first come, first served (no request joins its model past the head of the line);
 * ``swap (ollama)``: whole-model swapping under a lock, the Ollama way: ``.to("cuda")`` the
   requested model, move the least recently used out (``.to("cpu")``) while over budget;
   requests run one at a time in a worker thread;
@@ -620,8 +622,10 @@ def run_one(
     method: str, workload: Workload, models: dict[str, nn.Module], budget: int, gpu: bool
 ) -> Result:
     """One method's server, driven by the clients."""
-    if method == "aresidency":
+    if method in ("aresidency", "aresidency-strict"):
         server: dict[str, Any] = {}
+        express = workload.express and method == "aresidency"
+        label = "aresidency" if method == "aresidency" else "aresidency (strict FIFO)"
 
         def make_app() -> Any:
             config = example.ServerConfig(
@@ -634,7 +638,7 @@ def run_one(
                 prebuilt=models,
                 pool_options={
                     "defer_hot_evictions": workload.defer,
-                    "express_joins": workload.express,
+                    "express_joins": express,
                 },
             )
             return example.create_app(config)
@@ -646,7 +650,7 @@ def run_one(
             server["peak"] = device["peak_bytes"]
             server["decisions"] = fetch_json(url + "/decisions?limit=10")
 
-        result = run_method("aresidency", workload, make_app, after)
+        result = run_method(label, workload, make_app, after)
         result.ledger_peak, result.budget = server.pop("peak", None), budget
         result.server = server
         return result
@@ -665,7 +669,9 @@ def run_one(
             return Result("cpu_offload", skipped="needs a GPU")
         engine = OffloadEngine(models, workload.device)
     else:
-        raise ValueError(f"unknown method {method!r}: aresidency, swap, resident, cpu_offload")
+        raise ValueError(
+            f"unknown method {method!r}: aresidency, aresidency-strict, swap, resident, cpu_offload"
+        )
     info: dict[str, Any] = {}
     result = run_method(
         engine.name,
@@ -708,7 +714,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         default="aresidency,swap,resident,cpu_offload",
-        help="comma-separated: aresidency, swap, resident, cpu_offload",
+        help="comma-separated: aresidency, aresidency-strict (no joins past the head of the line), "
+        "swap, resident, cpu_offload",
     )
     parser.add_argument(
         "--no-defer",
@@ -808,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     over = any(
         r.ledger_peak is not None and r.budget is not None and r.ledger_peak > r.budget
         for r in results
-        if r.method == "aresidency"
+        if r.method.startswith("aresidency")
     )
     return 1 if failed or over else 0
 
