@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.values import value_charge
 from .feeder import End
 from .records import BatchRecord, Part
-from .staging import SlotSource, TensorSpec
-from .structure import flatten
+from .staging import SlotSource, staged_layout
 
 if TYPE_CHECKING:
     import torch
@@ -141,15 +140,7 @@ class StagedFills:
         self.pump()
 
     def _record(self, index: int, slot: int, layout: Any, buffer: torch.Tensor) -> BatchRecord:
-        specs, structure = flatten(layout, TensorSpec)
-        if not specs:
-            raise ValueError(f"read_into returned no TensorSpec for batch {index}: {layout!r}")
-        nbytes = max(spec.offset + spec.nbytes for spec in specs)
-        if nbytes > buffer.numel():
-            raise ValueError(
-                f"read_into laid batch {index} out over {nbytes} B, more than the "
-                f"{buffer.numel()} B buffer it was given"
-            )
+        specs, structure, nbytes = staged_layout(index, layout, buffer)
         label = f"{self.loader.name}/e{self.epoch_number}/b{index}"
         source = SlotSource(buffer[:nbytes], label)
         charge = value_charge(nbytes, None, self.loader.manager.state.granularity)

@@ -72,8 +72,7 @@ from ..core.values import value_charge
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
-from .staging import TensorSpec
-from .structure import flatten
+from .staging import staged_layout
 
 if TYPE_CHECKING:
     from .loader import DeviceLoader
@@ -360,15 +359,7 @@ class RingEpoch:
             self._push(_Ready(index, None, error=error))
 
     def _copy_staged(self, index: int, layout: Any, buffer: torch.Tensor) -> _Ready:
-        specs, structure = flatten(layout, TensorSpec)
-        if not specs:
-            raise ValueError(f"read_into returned no TensorSpec for batch {index}: {layout!r}")
-        nbytes = max(spec.offset + spec.nbytes for spec in specs)
-        if nbytes > buffer.numel():
-            raise ValueError(
-                f"read_into laid batch {index} out over {nbytes} B, more than the "
-                f"{buffer.numel()} B buffer it was given"
-            )
+        specs, structure, nbytes = staged_layout(index, layout, buffer)
         counters = self.counters
         counters.source_batches += 1
         counters.source_bytes += nbytes
@@ -413,7 +404,6 @@ class RingEpoch:
             raise
         counters.copy_clock.add(start, time.perf_counter())
         counters.copy_bytes += host.nbytes
-        leaves = []
         views = []
         for part, offset in zip(host.parts, offsets, strict=True):
             nbytes = part.numel() * part.element_size()

@@ -43,8 +43,9 @@ from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..runtime.manager import ResidencyManager
+from .structure import Structure, flatten
 
-__all__ = ["SlotSource", "StagedSource", "StagingSlots", "TensorSpec"]
+__all__ = ["SlotSource", "StagedSource", "StagingSlots", "TensorSpec", "staged_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,24 @@ class TensorSpec:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of ``flat`` (a ``uint8`` buffer holding the batch)."""
         return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def staged_layout(
+    index: int, layout: Any, buffer: torch.Tensor
+) -> tuple[list[TensorSpec], Structure, int]:
+    """What :meth:`StagedSource.read_into` returned for batch ``index``, checked against the
+    ``buffer`` it filled: its specs, its structure and the bytes it laid out. ``ValueError``
+    naming the batch for a layout without specs or one larger than the buffer."""
+    specs, structure = flatten(layout, TensorSpec)
+    if not specs:
+        raise ValueError(f"read_into returned no TensorSpec for batch {index}: {layout!r}")
+    nbytes = max(spec.offset + spec.nbytes for spec in specs)
+    if nbytes > buffer.numel():
+        raise ValueError(
+            f"read_into laid batch {index} out over {nbytes} B, more than the "
+            f"{buffer.numel()} B buffer it was given"
+        )
+    return specs, structure, nbytes
 
 
 @runtime_checkable
