@@ -15,9 +15,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PARTS=${PARTS:-"tests examples copy scope stream loader serve"}
+# Installed once per machine: a process started earlier (setsid) may still be importing from there.
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/pip.log"; }
+  if [ ! -f /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 && touch /tmp/site/.installed \
+      || { echo "wheel install failed"; tail "$OUT/pip.log"; }
+  fi
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

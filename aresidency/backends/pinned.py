@@ -14,6 +14,7 @@ says so in ``exact``.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
 import mmap
@@ -116,8 +117,13 @@ class _Unpinner:
     finds them idle or nearly so. A range stays mapped (``keep`` referenced) until unlocked:
     a registered range must never be unmapped.
 
+    At interpreter exit (:func:`atexit`) the thread finishes what was submitted and stops
+    (:meth:`shutdown`): a daemon thread still inside a CUDA call when the interpreter
+    finalizes is ended by Python as it takes the GIL back, and ending it through torch's C++
+    frames aborts the process ("terminate called without an active exception").
+
     State: ``_queue`` (ranges not unlocked yet: pointer, what keeps it mapped, a callback),
-    ``_pending`` (queued or being unlocked), ``_thread``.
+    ``_pending`` (queued or being unlocked), ``_thread``, ``_stopping``.
     """
 
     def __init__(self) -> None:
@@ -125,6 +131,7 @@ class _Unpinner:
         self._queue: list[tuple[int, object, Callable[[], None] | None]] = []
         self._pending = 0
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def submit(self, ptr: int, keep: object, then: Callable[[], None] | None) -> None:
         if os.getpid() != _OWNER_PID:
@@ -133,6 +140,10 @@ class _Unpinner:
                 then()
             return
         with self._cond:
+            if self._stopping:
+                # Interpreter exit: unlocked here, no thread left to hand it to.
+                self._unlock(ptr, then)
+                return
             self._queue.append((ptr, keep, then))
             self._pending += 1
             if self._thread is None or not self._thread.is_alive():
@@ -147,23 +158,42 @@ class _Unpinner:
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Unlock what was submitted, then stop the thread (at interpreter exit). Later
+        submissions unlock on the caller's thread. ``False`` if the thread was still busy after
+        ``timeout`` seconds (a device that never goes idle)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    @staticmethod
+    def _unlock(ptr: int, then: Callable[[], None] | None) -> None:
+        try:
+            _unregister(ptr)
+        except Exception:
+            pass  # a torn-down CUDA context: nothing left to unlock
+        if then is not None:
+            try:
+                then()
+            except Exception:
+                pass
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._queue:
+                    if self._stopping:
+                        return
                     self._cond.wait()
                 batch, self._queue = self._queue, []
             _wait_for_devices()
             for ptr, _keep, then in batch:
-                try:
-                    _unregister(ptr)
-                except Exception:
-                    pass  # a torn-down CUDA context: nothing left to unlock
-                if then is not None:
-                    try:
-                        then()
-                    except Exception:
-                        pass
+                self._unlock(ptr, then)
             done = len(batch)
             del batch, _keep, then  # the ranges may be unmapped now
             with self._cond:
@@ -182,6 +212,7 @@ def _wait_for_devices() -> None:
 
 
 _UNPINNER = _Unpinner()
+atexit.register(_UNPINNER.shutdown)
 
 
 def unpin_later(ptr: int, keep: object, then: Callable[[], None] | None = None) -> None:

@@ -191,3 +191,56 @@ def test_an_arena_slab_released_later_is_unmapped_only_after_it_is_unlocked(
     arena.close()
     assert order == ["queued", "unlocked", "unmapped"]
     assert registry.ranges == {} and arena.total_bytes == 0
+
+
+_EXIT_SCRIPT = """
+import threading, time, torch
+from aresidency.backends import pinned
+
+a = torch.randn(1500, 1500)
+started = threading.Event()
+
+def unregister(ptr):
+    started.set()
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        torch.mm(a, a)  # a C++ call that releases the GIL, as cudaHostUnregister's binding does
+
+pinned._unregister = unregister
+pinned.unpin_later(4096, None, lambda: print("unlocked", flush=True))
+started.wait(10)
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_the_unpinner_is_inside_a_torch_call() -> None:
+    """A daemon thread still inside torch's C++ when the interpreter finalizes is ended as it
+    takes the GIL back, which aborts the process ("terminate called without an active
+    exception"); seen at the end of every CUDA example. The unpinner finishes at exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert "terminate called" not in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["unlocked"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("example", ["02_register_and_move.py", "03_acquire_with_streams.py"])
+def test_a_cuda_program_that_unpins_at_its_end_exits_cleanly(example: str) -> None:
+    """The examples free pinned values as their manager closes, just before the interpreter
+    exits: they aborted on the H200 until the unpinner finished at exit."""
+    import pathlib
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).parents[2] / "examples" / example
+    for _ in range(3):  # a race: the unpinner must be inside its CUDA call at the exit
+        done = subprocess.run(
+            [sys.executable, str(path)], capture_output=True, text=True, timeout=120
+        )
+        assert "terminate called" not in done.stderr, done.stderr[-2000:]
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "backend: cuda" in done.stdout
