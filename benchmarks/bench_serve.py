@@ -11,6 +11,8 @@ of its own, on a free port). Side by side in one run, each server in turn:
   first served);
 * ``aresidency-strict`` (only when asked for): the same with ``express_joins=False``, strict
   first come, first served (no request joins its model past the head of the line);
+* ``aresidency-serial`` (only when asked for): the same with ``shared_calls=False``: the calls
+  on one model run one after the other through the streaming pipeline;
 * ``swap (ollama)``: whole-model swapping under a lock, the Ollama way: ``.to("cuda")`` the
   requested model, move the least recently used out (``.to("cpu")``) while over budget;
   requests run one at a time in a worker thread;
@@ -597,21 +599,25 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
     hot = f"hot set: {workload.hot_set()} models carry {HOT_SHARE:.0%} of the requests"
     label = f"throughput vs all resident ({hot}, {'fits' if fits else 'does not fit: no goal'})"
     goal(label, ratio("all resident", lambda r: r.throughput), 1 / 1.5, True)
-    if ours is not None and ours.server.get("stats"):
+    for label, result in by.items():
+        if not label.startswith("aresidency") or not result.server.get("stats"):
+            continue
         lines += [
             "",
-            "aresidency, per model: requests / hits / loads / evictions / copied / waiting",
+            f"{label}, per model: requests / hits / loads / evictions / copied / waiting for "
+            "admission; calls (shared) / seconds in calls / of which waiting for earlier calls",
             "",
         ]
-        for name, row in ours.server["stats"].items():
+        for name, row in result.server["stats"].items():
             lines.append(
                 f"- {name}: {row['requests']} / {row['hits']} / {row['loads']} / "
                 f"{row['evictions']} / {format_nbytes(row['bytes_copied'])} / "
-                f"{row['wait_seconds']:.2f} s (last {row['last_mode']}; "
+                f"{row['wait_seconds']:.2f} s; {row.get('calls', 0)} "
+                f"({row.get('shared_calls', 0)}) / {row.get('call_seconds', 0.0):.2f} s / "
+                f"{row.get('call_wait_seconds', 0.0):.2f} s (last {row['last_mode']}; "
                 f"{row.get('joined_past', 0)} joined past the head of the line)"
             )
-    if ours is not None:
-        lines.append(f"\naresidency modes: {ours.modes}")
+        lines.append(f"\n{label} modes: {result.modes}")
     return "\n".join(lines)
 
 
@@ -622,10 +628,14 @@ def run_one(
     method: str, workload: Workload, models: dict[str, nn.Module], budget: int, gpu: bool
 ) -> Result:
     """One method's server, driven by the clients."""
-    if method in ("aresidency", "aresidency-strict"):
+    if method in ("aresidency", "aresidency-strict", "aresidency-serial"):
         server: dict[str, Any] = {}
-        express = workload.express and method == "aresidency"
-        label = "aresidency" if method == "aresidency" else "aresidency (strict FIFO)"
+        express = workload.express and method != "aresidency-strict"
+        label = {
+            "aresidency": "aresidency",
+            "aresidency-strict": "aresidency (strict FIFO)",
+            "aresidency-serial": "aresidency (calls in series)",
+        }[method]
 
         def make_app() -> Any:
             config = example.ServerConfig(
@@ -639,6 +649,7 @@ def run_one(
                 pool_options={
                     "defer_hot_evictions": workload.defer,
                     "express_joins": express,
+                    "shared_calls": method != "aresidency-serial",
                 },
             )
             return example.create_app(config)
@@ -670,7 +681,8 @@ def run_one(
         engine = OffloadEngine(models, workload.device)
     else:
         raise ValueError(
-            f"unknown method {method!r}: aresidency, aresidency-strict, swap, resident, cpu_offload"
+            f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-serial, swap, "
+            "resident, cpu_offload"
         )
     info: dict[str, Any] = {}
     result = run_method(
@@ -715,7 +727,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--methods",
         default="aresidency,swap,resident,cpu_offload",
         help="comma-separated: aresidency, aresidency-strict (no joins past the head of the line), "
-        "swap, resident, cpu_offload",
+        "aresidency-serial (calls on a model one after the other), swap, resident, cpu_offload",
     )
     parser.add_argument(
         "--no-defer",

@@ -10,11 +10,14 @@ of one model; :class:`ModelStats` its counters.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
@@ -22,6 +25,8 @@ from ..core.state import ResidencyState
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import StreamedModule
 from ..integrations.streaming.packing import TensorGroup
+from ..integrations.streaming.runners import TorchState
+from ..runtime.leases import Lease, LeaseWouldWait
 
 __all__ = ["Mode", "ModelEntry", "ModelStats", "PooledStreamedModule", "fixed_reserved_bytes"]
 
@@ -39,14 +44,28 @@ def fixed_reserved_bytes(state: ResidencyState, location: Location) -> int:
 class PooledStreamedModule(StreamedModule):
     """A streamed module whose residency between calls is the pool's (module docstring).
 
+    Shared calls (:meth:`begin_shared`, :meth:`call_shared`): while every group is resident
+    and held, calls need no pipeline, so they run at the same time, each in a worker thread of
+    its own, with the module's tensors swapped to their device replicas once for all of them.
+    A pipeline call (:meth:`_run`) runs alone: it waits for the shared calls in progress, and
+    no shared call starts while it runs or waits.
+
     State beyond the module's: ``pool_keep`` (group indexes the next call keeps on the device:
-    those the pool's active requests hold), ``constructed``. Invariant: a call never releases
-    a group in ``pool_keep`` (the pool holds them, so a release would fail).
+    those the pool's active requests hold), ``constructed``, ``shared_calls`` (shared calls in
+    progress), ``shared_peak`` (most at once), ``_exclusive`` (pipeline calls running or
+    waiting), ``_shared_idle``. Invariants: a call never releases a group in ``pool_keep``
+    (the pool holds them, so a release would fail); the module's tensors are the device
+    replicas exactly while ``shared_calls > 0``, and shared and pipeline calls never overlap.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.pool_keep: set[int] = set()
         self.constructed = False
+        self.shared_calls = 0
+        self.shared_peak = 0
+        self._exclusive = 0
+        self._shared_idle = anyio.Event()
+        self._shared_idle.set()
         # The pool's arithmetic counts a streamed call's blocks as managed values at the
         # device (its window_need): no ring here.
         kwargs["ring"] = False
@@ -58,6 +77,97 @@ class PooledStreamedModule(StreamedModule):
         # controller's choice (by demand), not the module's (by what fits beside the window).
         self.kept = set()
         return set(self.pool_keep)
+
+    async def _run(self, generate: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A pipeline call: after the shared calls in progress, none meanwhile."""
+        self._exclusive += 1
+        try:
+            while self.shared_calls:
+                await self._shared_idle.wait()
+            return await super()._run(generate, args, kwargs)
+        finally:
+            self._exclusive -= 1
+
+    def begin_shared(self) -> list[Lease] | None:
+        """A shared call's leases on every group's device replica, entered now; ``None``
+        (nothing entered) when a shared call cannot start: a pipeline call runs or waits, or
+        a group's data is not all there yet (a copy not issued or still arriving: the pipeline
+        way waits for it and reports its failure). Pass them to :meth:`call_shared`."""
+        if self._exclusive or self._lock.locked() or self._closed:
+            return None
+        stream = self._compute_stream()
+        leases: list[Lease] = []
+        try:
+            for group in self.all_groups:
+                assert group.handle is not None
+                lease = self.manager.acquire(
+                    group.handle, self.device, stream=stream, order_stream=False
+                )
+                lease.enter_nowait()
+                leases.append(lease)
+        except BaseException as error:
+            for lease in leases:
+                lease.exit_nowait(reader_events=[])
+            if isinstance(error, LeaseWouldWait):
+                return None
+            raise
+        if any(lease.ready_event is not None for lease in leases):
+            for lease in leases:
+                lease.exit_nowait(reader_events=[])
+            return None
+        return leases
+
+    async def call_shared(
+        self, leases: list[Lease], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run the module on its resident groups beside the other shared calls (class
+        docstring), in a worker thread, with the ``leases`` of :meth:`begin_shared` (ended
+        here, whatever happens). The pool calls this only while its requests hold every
+        group. Cancelling the await lets the thread finish its forward, then raises (the
+        output is dropped): no lease outlives the thread."""
+        backend = self.manager.backend
+        stream = self._compute_stream()
+        reader: Any = None
+        try:
+            self.manager.check_thread()
+            self._check_inference(args, kwargs)
+            if self.shared_calls == 0:
+                for group, lease in zip(self.all_groups, leases):
+                    group.swap_in(group.views(lease.tensor))
+                self._shared_idle = anyio.Event()
+            self.shared_calls += 1
+            self.shared_peak = max(self.shared_peak, self.shared_calls)
+            self.calls += 1
+            try:
+                work = functools.partial(
+                    self._shared_work, stream, TorchState.capture(), args, kwargs
+                )
+                result, reader = await anyio.to_thread.run_sync(work)
+            finally:
+                self.shared_calls -= 1
+                if self.shared_calls == 0:
+                    for group in self.all_groups:
+                        group.restore()
+                    self._shared_idle.set()
+        finally:
+            if reader is None:
+                # The thread raised (or never ran): an event after whatever it enqueued.
+                reader = backend.record_event(None if self.host_compute else stream)
+            for lease in leases:
+                lease.exit_nowait(reader_events=[reader])
+        # Cancelled while the thread ran: the call ends cancelled, its output dropped.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    def _shared_work(
+        self, stream: Any, torch_state: TorchState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """A shared call's worker thread: run the module (every group's data is on the
+        device: :meth:`_enter_shared`), record an event after its kernels."""
+        backend = self.manager.backend
+        with torch_state.enter(), backend.stream_context(stream):
+            output = self.module(*args, **kwargs)
+            return output, backend.record_event(None if self.host_compute else stream)
 
     def _check_budget(self) -> None:
         """At construction: refuse a model that could never run at all, even streamed with no
@@ -90,7 +200,10 @@ class ModelStats:
     ``bytes_copied`` (host to device: admission loads and what streamed calls copied),
     ``wait_seconds`` (time from arrival to admission, summed), ``failures`` (requests that
     raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),
-    ``joined_past`` (hits admitted at once past a head of the line waiting for other models)."""
+    ``joined_past`` (hits admitted at once past a head of the line waiting for other models),
+    ``calls`` (calls on the model), ``shared_calls`` (of those, run beside its other calls on
+    its resident groups), ``call_seconds`` (time in calls, summed, waits included) and
+    ``call_wait_seconds`` (of that, waiting for the model's earlier calls)."""
 
     requests: int = 0
     hits: int = 0
@@ -102,6 +215,10 @@ class ModelStats:
     failures: int = 0
     last_mode: Mode | None = None
     joined_past: int = 0
+    calls: int = 0
+    shared_calls: int = 0
+    call_seconds: float = 0.0
+    call_wait_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,7 +231,7 @@ class ModelEntry:
     deepest window it streams with), ``stats``, ``active``
     (admitted requests per mode), ``windows`` (request id -> prefetch window bytes of each
     admitted streamed request), ``held`` (group index -> holds the active requests have on
-    its device replica), ``call_lock`` (calls on the module, first come first served).
+    its device replica), ``call_lock`` (pipeline calls on the module, first come first served).
     Invariants: ``active`` has requests of one mode at a time (a model switches mode only
     when idle); ``held`` counts exactly the holds of active requests.
     """

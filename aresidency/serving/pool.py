@@ -274,17 +274,31 @@ class PooledModel:
                 "calls inside the block that admitted the request"
             )
         entry = request.entry
-        async with entry.call_lock:
-            streamed = entry.streamed
-            # The groups the active requests hold stay; only a streamed call has a window.
-            streamed.pool_keep = {index for index, n in entry.held.items() if n}
-            if request.mode == "streamed":
-                streamed.prefetch = request.prefetch
-            states = entry.states_at(self._pool.manager.state, self._pool.device)
-            entry.stats.bytes_copied += sum(
-                g.charge_bytes for g in entry.groups if g.index not in states
-            )
-            return await streamed(*args, **kwargs)
+        stats = entry.stats
+        started = time.perf_counter()
+        try:
+            if request.mode == "resident" and self._pool.shared_calls:
+                # Every group is resident and held: no pipeline, beside the model's other
+                # calls (unless a pipeline call runs or waits, or a copy is still arriving).
+                leases = entry.streamed.begin_shared()
+                if leases is not None:
+                    stats.shared_calls += 1
+                    return await entry.streamed.call_shared(leases, args, kwargs)
+            async with entry.call_lock:
+                stats.call_wait_seconds += time.perf_counter() - started
+                streamed = entry.streamed
+                # The groups the active requests hold stay; only a streamed call has a window.
+                streamed.pool_keep = {index for index, n in entry.held.items() if n}
+                if request.mode == "streamed":
+                    streamed.prefetch = request.prefetch
+                states = entry.states_at(self._pool.manager.state, self._pool.device)
+                stats.bytes_copied += sum(
+                    g.charge_bytes for g in entry.groups if g.index not in states
+                )
+                return await streamed(*args, **kwargs)
+        finally:
+            stats.calls += 1
+            stats.call_seconds += time.perf_counter() - started
 
     def __repr__(self) -> str:
         state = "active" if self._request.active else "ended"
@@ -304,7 +318,10 @@ class ModelPool:
     colder model in use to finish rather than evict a hotter idle one (see
     :meth:`_colder_in_use`); ``clock``: the demand clock; ``express_joins``: a request for a
     model already resident and in use joins it at once, past a head of the line that waits for
-    other models (see :meth:`_try_express`).
+    other models (see :meth:`_try_express`); ``shared_calls``: calls on a resident model run at
+    the same time, each in a worker thread, rather than one after the other through the
+    streaming pipeline (see :meth:`PooledStreamedModule.call_shared
+    <aresidency.serving.entry.PooledStreamedModule.call_shared>`).
 
     State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
@@ -330,6 +347,7 @@ class ModelPool:
         defer_hot_evictions: bool = True,
         clock: Callable[[], float] = time.monotonic,
         express_joins: bool = True,
+        shared_calls: bool = True,
     ) -> None:
         manager.check_thread()
         self.manager = manager
@@ -357,6 +375,7 @@ class ModelPool:
         self.decisions: deque[PoolDecision] = deque(maxlen=decision_log)
         self.defer_hot_evictions = bool(defer_hot_evictions)
         self.express_joins = bool(express_joins)
+        self.shared_calls = bool(shared_calls)
         # What the head of the line waits for (while it waits): the models whose requests it
         # waits to see end (None: unknown, nobody passes it), and why.
         self._head_blockers: frozenset[str] | None = None
@@ -594,7 +613,16 @@ class ModelPool:
             request.scope = scope
             request.mode, request.prefetch = mode, prefetch
             try:
-                loaded = await self._load_and_hold(request, joining)
+                if self.express_joins:
+                    # Its copies only remain: the requests in line may join models that are
+                    # there meanwhile (room is theirs only if it is free beside the copies).
+                    self._head_blockers = frozenset({entry.name})
+                    self._head_why = f"request {request.id} for {entry.name!r}, which loads it"
+                    self._line.wake_all()
+                try:
+                    loaded = await self._load_and_hold(request, joining)
+                finally:
+                    self._head_blockers = None
             except ResidencyBudgetError as error:
                 # Refused synchronously (another tenant's scope waits for room first): undo
                 # and wait for our turn again.
@@ -669,8 +697,9 @@ class ModelPool:
         room beside the streams' headroom. False (nothing changed) otherwise: the request then
         takes its turn. Without this, every request queued behind a head that waits for a
         busy model (to evict it) waits too, even for a model that is already on the GPU.
-        Looked at on arrival and whenever the head parks; a request that may not pass keeps
-        its place in the line."""
+        Looked at on arrival, whenever the head parks and when it starts copying its model in
+        (its decision is carried out by then); a request that may not pass keeps its place in
+        the line."""
         entry = request.entry
         blockers = self._head_blockers
         if blockers is None or entry.name in blockers:

@@ -1024,3 +1024,61 @@ async def test_random_traffic_with_joins_past_the_head_stays_in_budget_and_starv
         assert joined == sum(1 for d in pool.decisions if d.passed is not None)
         assert joined > 0  # requests did join past parked heads (19-34 of 60 when written)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "strict"])
+async def test_a_request_joins_past_a_head_while_the_head_copies_its_model_in(
+    express: bool,
+) -> None:
+    # 'a' is resident and in use; 'c' fits beside it and is being copied in for the head of
+    # the line (the simulated copy stream is held up). A request for 'a' moves nothing: it
+    # goes in while the copies run, unless express_joins=False.
+    import threading
+
+    from aresidency.backends.sim import SimBackend
+
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m, clock=still, express_joins=express)
+        for seed, name in enumerate("ac"):
+            pool.add(name, TinyLM(seed=seed))
+        await run(pool, "a")
+        order: list[str] = []
+        done: dict[str, anyio.Event] = {label: anyio.Event() for label in ("a1", "c1", "a2")}
+
+        async def request(label: str, name: str) -> None:
+            async with pool.use(name) as model:
+                order.append(label)
+                with torch.no_grad():
+                    y = await model(TOKENS)
+                assert torch.equal(y, reference(model.module, TOKENS))
+                await done[label].wait()
+
+        backend = m.backend
+        assert isinstance(backend, SimBackend)
+        gate = threading.Event()
+        backend._devices[0].h2d.submit(lambda: gate.wait(10))  # copies queue behind this
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request, "a1", "a")
+                await eventually(lambda: order == ["a1"])
+                tasks.start_soon(request, "c1", "c")
+                await until_changed(m, lambda: m.snapshot().location("cuda:0").used_bytes > TOTAL)
+                tasks.start_soon(request, "a2", "a")
+                if express:
+                    await eventually(lambda: "a2" in order)
+                    assert order == ["a1", "a2"]  # joined 'a' while 'c' was copied in
+                    joined = pool.decisions[-1]
+                    assert joined.passed is not None and "which loads it" in joined.passed
+                else:
+                    await eventually(lambda: pool.waiting == 2)
+                    assert order == ["a1"]
+                gate.set()
+                await eventually(lambda: len(order) == 3)
+                for event in done.values():
+                    event.set()
+        finally:
+            gate.set()
+        assert order[-1] == ("c1" if express else "a2")
+        assert max_charge(m.trace()) <= 2 * TOTAL
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

@@ -1,0 +1,103 @@
+"""``ModelPool`` on a real GPU (marked ``cuda``; skipped without one): requests on resident
+models run as shared calls (each in a worker thread, on the device replicas) and decode the
+same tokens, bit for bit, as the model run on the GPU on its own; two models in a budget that
+holds one are loaded and evicted in turn without a wrong token and within the budget."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+from aresidency import ResidencyManager
+from aresidency.serving import ModelPool
+
+from ._models import assert_nothing_leaked, greedy, tiny_llama
+
+pytest.importorskip("transformers.models.llama.modeling_llama")
+
+pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
+
+STEPS = 6
+
+
+def build(seed: int) -> nn.Module:
+    return tiny_llama(seed=seed, layers=4).to(torch.bfloat16)
+
+
+def prompt(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (1, 12), generator=g).to("cuda:0")
+
+
+def on_gpu(module: nn.Module, ids: torch.Tensor) -> list[int]:
+    """The greedy tokens of a copy of ``module`` run on the GPU on its own (worker thread)."""
+    gpu = copy.deepcopy(module).to("cuda:0")
+
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return gpu(*args, **kwargs)
+
+    return anyio.run(greedy, call, gpu, ids, STEPS)
+
+
+async def test_resident_requests_run_as_shared_calls_and_decode_the_same_tokens() -> None:
+    module = await anyio.to_thread.run_sync(build, 1)
+    prompts = [prompt(seed) for seed in range(4)]
+    expected = [await anyio.to_thread.run_sync(on_gpu, module, p) for p in prompts]
+    async with ResidencyManager(backend="cuda") as m:
+        pool = ModelPool(m)
+        pool.add("llama", module)
+        got: dict[int, list[int]] = {}
+
+        async def request(i: int) -> None:
+            async with pool.use("llama", reserve="8MiB") as model:
+                assert model.mode == "resident"
+                got[i] = await greedy(model, model.module, prompts[i], STEPS)
+
+        for _ in range(2):  # the first round loads the model, the second finds it there
+            got.clear()
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(request, i)
+            assert [got[i] for i in range(4)] == expected
+        stats = pool.stats()["llama"]
+        assert stats["calls"] == 8 * (STEPS + 1)
+        assert stats["shared_calls"] == stats["calls"]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_two_models_in_turn_in_a_budget_that_holds_one() -> None:
+    modules = [await anyio.to_thread.run_sync(build, seed) for seed in (2, 3)]
+    ids = prompt(7)
+    expected = [await anyio.to_thread.run_sync(on_gpu, module, ids) for module in modules]
+    async with ResidencyManager(backend="cuda") as probe_manager:
+        probe = ModelPool(probe_manager)
+        probe.add("probe", modules[0])
+        one = probe.module("probe")
+        model_bytes = sum(g.charge_bytes for g in one.all_groups)
+        await probe.aclose()
+    budget = model_bytes + model_bytes // 2
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
+        pool = ModelPool(m)
+        for name, module in zip("ab", modules):
+            pool.add(name, module)
+        got: list[tuple[str, list[int]]] = []
+
+        async def request(name: str) -> None:
+            async with pool.use(name, reserve="1MiB") as model:
+                got.append((name, await greedy(model, model.module, ids, STEPS)))
+
+        async with anyio.create_task_group() as tg:
+            for name in "abab" * 2:
+                tg.start_soon(request, name)
+        assert sorted(got) == sorted((name, expected["ab".index(name)]) for name in "abab" * 2)
+        stats = pool.stats()
+        assert stats["a"]["loads"] >= 1 and stats["b"]["loads"] >= 1
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

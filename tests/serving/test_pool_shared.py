@@ -1,0 +1,237 @@
+"""Shared calls: requests on a resident model run their calls at the same time, each in a
+worker thread, on the model's device replicas (``ModelPool(shared_calls=True)``, the default).
+
+On the simulated backend (CUDA simulated in host memory; released memory is poisoned, so a
+call that read weights after their release would give a wrong output)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+from aresidency import ResidencyManager
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, greedy, reference, tiny_llama
+
+pytestmark = pytest.mark.anyio
+
+TOKENS = torch.arange(10).reshape(2, 5) % 24
+
+
+class Gated(TinyLM):
+    """A TinyLM whose forward waits at ``gate`` (a threading barrier or event) first, and
+    notes which thread ran it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: Any = None
+        self.threads: list[int] = []
+        self.fail_next = False
+        self.entered = threading.Event()  # set once a forward began
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        if self.fail_next:
+            self.fail_next = False
+            raise ValueError("a forward that fails")
+        if isinstance(self.gate, threading.Barrier):
+            self.gate.wait(10)
+        elif isinstance(self.gate, threading.Event):
+            assert self.gate.wait(10), "the gate was never opened"
+        return super().forward(tokens)
+
+
+def host_pointers(module: nn.Module) -> list[int]:
+    return [t.data_ptr() for t in module.state_dict().values()]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_calls_on_a_resident_model_run_at_the_same_time(shared: bool) -> None:
+    """Four requests on one model: with shared calls their forwards meet at a barrier of four
+    (so they ran at the same time); one after the other, the barrier breaks."""
+    module = Gated()
+    expected = reference(module, TOKENS)
+    module.threads.clear()
+    module.entered.clear()
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m, shared_calls=shared)
+        pool.add("m", module)
+        before = host_pointers(module)  # its tensors, now views of the pool's host copy
+        module.gate = threading.Barrier(4, timeout=0.5 if not shared else 10)
+        outputs: list[torch.Tensor] = []
+        errors: list[BaseException] = []
+
+        async def request() -> None:
+            try:
+                async with pool.use("m") as model:
+                    with torch.no_grad():
+                        outputs.append(await model(TOKENS))
+            except Exception as error:  # the barrier broken: calls ran one after the other
+                errors.append(error)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(request)
+        if shared:
+            assert not errors, errors
+            assert len(set(module.threads)) == 4
+            assert all(torch.equal(y, expected) for y in outputs)
+            stats = pool.stats()["m"]
+            assert stats["calls"] == 4 and stats["shared_calls"] == 4
+            assert pool.module("m").shared_peak == 4
+        else:
+            assert errors and all(isinstance(e, threading.BrokenBarrierError) for e in errors)
+            assert pool.stats()["m"]["shared_calls"] == 0
+        assert_nothing_leaked(m, pool)
+        assert pool.module("m").shared_calls == 0
+        assert host_pointers(module) == before, "the module's own tensors are back"
+        await pool.aclose()
+
+
+async def test_a_hugging_face_model_decodes_the_same_with_shared_calls() -> None:
+    """Prefill and decode with the KV cache on a Llama, two requests at once, shared: the
+    tokens are those of the plain module."""
+    module = await anyio.to_thread.run_sync(functools.partial(tiny_llama, seed=3))
+    prompt = torch.arange(6).reshape(1, 6)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return module(*args, **kwargs)
+
+    async def plain(*args: Any, **kwargs: Any) -> Any:
+        return await anyio.to_thread.run_sync(functools.partial(forward, *args, **kwargs))
+
+    expected = await greedy(plain, module, prompt, 4)
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("llama", module)
+        got: list[list[int]] = []
+
+        async def request() -> None:
+            async with pool.use("llama") as model:
+                got.append(await greedy(model, model.module, prompt, 4))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(request)
+        assert got == [expected, expected]
+        assert pool.stats()["llama"]["shared_calls"] == 10
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_pipeline_call_waits_for_the_shared_calls_and_none_starts_meanwhile() -> None:
+    """While a shared call runs, a pipeline call on the same module waits (it would swap the
+    module's tensors under the shared call); a shared call asked for meanwhile goes the
+    pipeline way, after it."""
+    module = Gated()
+    expected = reference(module, TOKENS)
+    module.threads.clear()
+    module.entered.clear()
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("m", module)
+        streamed = pool.module("m")
+        gate = module.gate = threading.Event()
+        order: list[str] = []
+
+        async def shared_request() -> None:
+            async with pool.use("m") as model:
+                with torch.no_grad():
+                    y = await model(TOKENS)
+                order.append("shared")
+                assert torch.equal(y, expected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(shared_request)
+            # The shared call is in its forward, at the gate.
+            assert await anyio.to_thread.run_sync(module.entered.wait, 10)
+            assert streamed.shared_calls == 1
+
+            async def pipeline_call() -> None:
+                with torch.no_grad():
+                    y = await streamed(TOKENS)
+                order.append("pipeline")
+                assert torch.equal(y, expected)
+
+            tg.start_soon(pipeline_call)
+            await anyio.wait_all_tasks_blocked()
+            # The pipeline call waits; a new shared call cannot start beside it.
+            assert streamed._exclusive == 1 and order == []
+            assert streamed.current_call is None, "the pipeline call started beside it"
+            assert streamed.begin_shared() is None
+            gate.set()
+        assert order == ["shared", "pipeline"]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_cancelling_a_shared_call_waits_for_its_forward_and_leaves_nothing() -> None:
+    module = Gated()
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("m", module)
+        before = host_pointers(module)  # its tensors, now views of the pool's host copy
+        gate = module.gate = threading.Event()
+        finished = anyio.Event()
+        cancelled = False
+        scope = anyio.CancelScope()
+
+        async def request() -> None:
+            nonlocal cancelled
+            with scope:
+                try:
+                    async with pool.use("m") as model:
+                        with torch.no_grad():
+                            await model(TOKENS)
+                except anyio.get_cancelled_exc_class():
+                    cancelled = True
+                    raise
+                finally:
+                    finished.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request)
+            assert await anyio.to_thread.run_sync(module.entered.wait, 10)
+            scope.cancel()
+            await anyio.wait_all_tasks_blocked()
+            # The forward still runs in its thread: its leases stay until it returns.
+            assert not finished.is_set() and pool.module("m").shared_calls == 1
+            gate.set()
+        assert cancelled
+        assert pool.module("m").shared_calls == 0
+        assert host_pointers(module) == before
+        assert_nothing_leaked(m, pool)
+        assert pool.stats()["m"]["failures"] == 1
+        await pool.aclose()
+
+
+async def test_a_shared_call_that_raises_gives_its_error_and_leaves_nothing() -> None:
+    module = Gated()
+    expected = reference(module, TOKENS)
+    module.threads.clear()
+    module.entered.clear()
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("m", module)
+        before = host_pointers(module)  # its tensors, now views of the pool's host copy
+        module.fail_next = True
+        with pytest.raises(ValueError, match="a forward that fails"):
+            async with pool.use("m") as model:
+                with torch.no_grad():
+                    await model(TOKENS)
+        assert host_pointers(module) == before
+        assert_nothing_leaked(m, pool)
+        async with pool.use("m") as model:  # the next request runs as usual
+            with torch.no_grad():
+                assert torch.equal(await model(TOKENS), expected)
+        assert pool.stats()["m"]["shared_calls"] == 2
+        await pool.aclose()
