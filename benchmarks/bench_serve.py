@@ -11,8 +11,8 @@ of its own, on a free port). Side by side in one run, each server in turn:
   first served);
 * ``aresidency-strict`` (only when asked for): the same with ``express_joins=False``, strict
   first come, first served (no request joins its model past the head of the line);
-* ``aresidency-serial`` (only when asked for): the same with ``shared_calls=False``: the calls
-  on one model run one after the other through the streaming pipeline;
+* ``aresidency-shared`` (only when asked for): the same with ``shared_calls=True``: the calls
+  on a resident model run at the same time, each in a worker thread;
 * ``swap (ollama)``: whole-model swapping under a lock, the Ollama way: ``.to("cuda")`` the
   requested model, move the least recently used out (``.to("cpu")``) while over budget;
   requests run one at a time in a worker thread;
@@ -628,13 +628,13 @@ def run_one(
     method: str, workload: Workload, models: dict[str, nn.Module], budget: int, gpu: bool
 ) -> Result:
     """One method's server, driven by the clients."""
-    if method in ("aresidency", "aresidency-strict", "aresidency-serial"):
+    if method in ("aresidency", "aresidency-strict", "aresidency-shared"):
         server: dict[str, Any] = {}
         express = workload.express and method != "aresidency-strict"
         label = {
             "aresidency": "aresidency",
             "aresidency-strict": "aresidency (strict FIFO)",
-            "aresidency-serial": "aresidency (calls in series)",
+            "aresidency-shared": "aresidency (shared calls)",
         }[method]
 
         def make_app() -> Any:
@@ -649,7 +649,7 @@ def run_one(
                 pool_options={
                     "defer_hot_evictions": workload.defer,
                     "express_joins": express,
-                    "shared_calls": method != "aresidency-serial",
+                    "shared_calls": method == "aresidency-shared",
                 },
             )
             return example.create_app(config)
@@ -681,7 +681,7 @@ def run_one(
         engine = OffloadEngine(models, workload.device)
     else:
         raise ValueError(
-            f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-serial, swap, "
+            f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-shared, swap, "
             "resident, cpu_offload"
         )
     info: dict[str, Any] = {}
@@ -727,7 +727,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--methods",
         default="aresidency,swap,resident,cpu_offload",
         help="comma-separated: aresidency, aresidency-strict (no joins past the head of the line), "
-        "aresidency-serial (calls on a model one after the other), swap, resident, cpu_offload",
+        "aresidency-shared (calls on a resident model at the same time), swap, resident, "
+        "cpu_offload",
     )
     parser.add_argument(
         "--no-defer",

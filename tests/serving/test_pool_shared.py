@@ -1,5 +1,5 @@
 """Shared calls: requests on a resident model run their calls at the same time, each in a
-worker thread, on the model's device replicas (``ModelPool(shared_calls=True)``, the default).
+worker thread, on the model's device replicas (``ModelPool(shared_calls=True)``; off by default).
 
 On the simulated backend (CUDA simulated in host memory; released memory is poisoned, so a
 call that read weights after their release would give a wrong output)."""
@@ -111,7 +111,7 @@ async def test_a_hugging_face_model_decodes_the_same_with_shared_calls() -> None
 
     expected = await greedy(plain, module, prompt, 4)
     async with ResidencyManager(backend="sim") as m:
-        pool = ModelPool(m)
+        pool = ModelPool(m, shared_calls=True)
         pool.add("llama", module)
         got: list[list[int]] = []
 
@@ -137,7 +137,7 @@ async def test_a_pipeline_call_waits_for_the_shared_calls_and_none_starts_meanwh
     module.threads.clear()
     module.entered.clear()
     async with ResidencyManager(backend="sim") as m:
-        pool = ModelPool(m)
+        pool = ModelPool(m, shared_calls=True)
         pool.add("m", module)
         streamed = pool.module("m")
         gate = module.gate = threading.Event()
@@ -177,7 +177,7 @@ async def test_a_pipeline_call_waits_for_the_shared_calls_and_none_starts_meanwh
 async def test_cancelling_a_shared_call_waits_for_its_forward_and_leaves_nothing() -> None:
     module = Gated()
     async with ResidencyManager(backend="sim") as m:
-        pool = ModelPool(m)
+        pool = ModelPool(m, shared_calls=True)
         pool.add("m", module)
         before = host_pointers(module)  # its tensors, now views of the pool's host copy
         gate = module.gate = threading.Event()
@@ -220,7 +220,7 @@ async def test_a_shared_call_that_raises_gives_its_error_and_leaves_nothing() ->
     module.threads.clear()
     module.entered.clear()
     async with ResidencyManager(backend="sim") as m:
-        pool = ModelPool(m)
+        pool = ModelPool(m, shared_calls=True)
         pool.add("m", module)
         before = host_pointers(module)  # its tensors, now views of the pool's host copy
         module.fail_next = True
