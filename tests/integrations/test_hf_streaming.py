@@ -154,6 +154,41 @@ async def test_llama_forward_is_bit_identical_to_the_unstreamed_model() -> None:
         await streamed.aclose()
 
 
+async def test_a_forward_on_blocks_all_kept_wakes_the_loop_per_call_not_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every block kept on the device (a budget that holds them all), the worker thread
+    hands the blocks back without waking the loop: nothing is left to start or release, and
+    the call's end takes them. The output is unchanged and nothing stays in use."""
+    from aresidency.integrations.streaming.pipeline import CallPipeline
+
+    model = await built(LAYERS)
+    ids, mask = inputs()
+    expected = await off_loop(lambda: logits_of(model, input_ids=ids, attention_mask=mask))
+    wakes: list[int] = []
+    woken = CallPipeline._woken
+
+    def counted(self: CallPipeline) -> None:
+        wakes.append(1)
+        woken(self)
+
+    monkeypatch.setattr(CallPipeline, "_woken", counted)
+    async with ResidencyManager(budgets={"cuda:0": "64MiB"}, backend="sim") as m:
+        streamed = stream_module(m, model, "cuda:0", prefetch=2, name="llama", ring=False)
+        with torch.no_grad():
+            await streamed(input_ids=ids, attention_mask=mask)  # copies in, keeps them all
+            await streamed.drain()
+            assert len(streamed.residency()["kept"]) == LAYERS + 1
+            wakes.clear()
+            for _ in range(3):
+                out = await streamed(input_ids=ids, attention_mask=mask)
+                assert torch.equal(out.logits, expected)
+        assert wakes == []
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
 async def test_hf_keyword_arguments_and_a_kv_cache_pass_through() -> None:
     model = await built(LAYERS)
     ids, mask = inputs()

@@ -119,7 +119,8 @@ class CallPipeline:
     Invariants: a slot is ready only while its lease is entered; a slot returns to idle only
     after its lease exited; groups start in order from ``pos``; while the consumer thread left
     blocks in ``_returns`` without waking the loop, an operation of ours is in flight (its
-    completion takes them) or the thread will wake the loop when it next waits.
+    completion takes them), the thread will wake the loop when it next waits, or every slot
+    was ready and the blocks are kept (the call's end takes them).
     """
 
     def __init__(
@@ -153,6 +154,10 @@ class CallPipeline:
         self._pumping = False
         self._pump_again = False
         self._window_asked = False  # the consumer thread asked the loop to open the window
+        # Every slot was made ready in this (non-cyclic) call: set once by the loop, read by
+        # the consumer thread, which then hands kept blocks back without waking the loop.
+        self.all_ready = False
+        self._made_ready = 0
         self._wait_ticket = 0  # consumer thread: numbers its waits for a slot not ready
         self._waiting = 0  # the ticket of the wait in progress (0: none; the loop reads it)
         self._unlisten: Callable[[], None] | None = None
@@ -313,6 +318,9 @@ class CallPipeline:
         slot.tensors = group.views(lease.tensor)
         slot.ready_event = lease.ready_event
         slot.state = "ready"
+        self._made_ready += 1
+        if not self.cyclic and self._made_ready == len(self.slots):
+            self.all_ready = True
         slot.signal()
         return True
 
@@ -413,9 +421,11 @@ class CallPipeline:
             finally:
                 self._waiting = 0
         elif not self._window_asked:
-            # The first block is on its way to the compute stream: prefetch from now on.
+            # The first block is on its way to the compute stream: prefetch from now on
+            # (nothing left to prefetch once every slot is ready).
             self._window_asked = True
-            self.bridge.call_soon(self.open_window)
+            if not self.all_ready:
+                self.bridge.call_soon(self.open_window)
         if not self.active:
             raise CallAborted(f"{self.streamed.name}: the call ended")
         if slot.state == "failed":
@@ -444,6 +454,10 @@ class CallPipeline:
         self.slots[index].flag.clear()  # never take this lease again
         self._returns.append((index, event))
         if self.copies_in_flight or self.streamed.releasing:
+            return True
+        if self.all_ready and index in self.keep:
+            # Nothing for the loop to do (no slot left to start, no release): the call's end
+            # takes it (finish). A kept model's forward then wakes the loop once, not per block.
             return True
         with self._wake_lock:
             if self._wake_scheduled:

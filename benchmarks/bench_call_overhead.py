@@ -1,0 +1,113 @@
+"""Host time per call on a model whose weights are all on the device: the module called
+directly, through a ``ModelPool`` request (calls in series, through the streaming pipeline),
+and as shared calls (``shared_calls=True``).
+
+What a server bound by the host (an eager decoder launching its kernels) pays per forward on
+top of the model itself. Prints a markdown table; one request, calls back to back, median of
+``--rounds`` rounds of ``--calls`` calls.
+
+    python benchmarks/bench_call_overhead.py                    # CUDA if present, else sim
+    python benchmarks/bench_call_overhead.py --backend sim      # the simulation (host memory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from aresidency import ResidencyManager
+from aresidency.serving import ModelPool
+
+
+def build(layers: int, hidden: int, device: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def per_call(seconds: list[float], calls: int) -> float:
+    return statistics.median(seconds) / calls * 1e3
+
+
+async def main(args: argparse.Namespace) -> None:
+    gpu = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    backend = "cuda" if gpu else "sim"
+    device = "cuda:0" if gpu else "cpu"
+    model = build(args.layers, args.hidden, device)
+    ids = torch.arange(16).reshape(1, 16).to(device)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    rows: list[tuple[str, float]] = []
+    direct = model.to(device) if gpu else model
+    with torch.no_grad():
+        times = []
+        for _ in range(args.rounds):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                direct(ids)
+            sync()
+            times.append(time.perf_counter() - start)
+    rows.append(("module called directly", per_call(times, args.calls)))
+    if gpu:
+        model = model.to("cpu")
+    async with ResidencyManager(backend=backend) as manager:
+        for shared in (False, True):
+            pool = ModelPool(manager, shared_calls=shared)
+            pool.add("m", model)
+            async with pool.use("m") as pooled:
+                with torch.no_grad():
+                    await pooled(ids)  # loads the model
+                    times = []
+                    for _ in range(args.rounds):
+                        sync()
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            await pooled(ids)
+                        sync()
+                        times.append(time.perf_counter() - start)
+            label = "pool, shared calls" if shared else "pool, calls in series (default)"
+            rows.append((label, per_call(times, args.calls)))
+            await pool.aclose()
+    note = "" if gpu else " (the simulation: CUDA simulated in host memory, compute on the CPU)"
+    print(
+        f"Llama of {args.layers} layers, hidden {args.hidden}, 16 tokens, backend {backend}"
+        f"{note}; median of {args.rounds} rounds of {args.calls} calls\n"
+    )
+    print("| path | ms per call | over the direct call |")
+    print("|---|---:|---:|")
+    base = rows[0][1]
+    for label, ms in rows:
+        print(f"| {label} | {ms:.2f} | {ms - base:+.2f} |")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--backend", choices=("auto", "cuda", "sim"), default="auto")
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    anyio.run(main, parse())
