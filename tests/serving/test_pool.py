@@ -565,14 +565,17 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
     # A streamed call cancelled while it copies leaves copies and releases to settle in the
     # background. A resident request for the same model (the budget raised meanwhile) must
     # not hold those blocks before they settled: their releases would fail on the holds.
-    # Copies slow enough (a block takes ~0.9 s) that the background outlives a busy machine's
-    # hiccups between the cancellation and the look at it (at ~0.2 s it once did not, in CI).
-    backend = SimBackend(copy_gbps=0.00002)
+    # The simulated copy stream is held up until the cancellation was looked at (slow copies
+    # were not enough on a busy machine: the background once settled before the look).
+    import threading
+
+    backend = SimBackend()
     async with ResidencyManager(budgets={"cuda:0": OUTSIDE + 2 * BLOCK}, backend=backend) as m:
         pool = ModelPool(m)
         streamed = pool.add("a", TinyLM(seed=1), prefetch=1)
         scope = anyio.CancelScope()
         calling = anyio.Event()
+        gate = threading.Event()
 
         async def request() -> None:
             with scope:
@@ -581,15 +584,28 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
                     with torch.no_grad():
                         await model(TOKENS)
 
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(request)
-            await calling.wait()
-            await until_changed(m, lambda: m.state.ledger("cuda:0").incoming_bytes > BLOCK)
-            scope.cancel()
-        assert streamed.releasing or streamed.settling  # still in the background
-        m.set_budget("cuda:0", 3 * TOTAL)
-        backend.copy_gbps = None
-        assert await run(pool, "a") == "resident"
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request)
+                await calling.wait()
+                backend._devices[0].h2d.submit(lambda: gate.wait(10))  # copies queue behind
+                await until_changed(m, lambda: m.state.ledger("cuda:0").incoming_bytes > BLOCK)
+                scope.cancel()
+            assert streamed.releasing or streamed.settling  # still in the background
+            m.set_budget("cuda:0", 3 * TOTAL)
+            modes: list[str] = []
+
+            async def resident_request() -> None:
+                modes.append(await run(pool, "a"))
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(resident_request)
+                await anyio.wait_all_tasks_blocked()  # it waits for the background to settle
+                assert streamed.releasing or streamed.settling
+                gate.set()
+            assert modes == ["resident"]
+        finally:
+            gate.set()
         await streamed.drain()  # no release failed on a hold
         assert pool.stats()["a"]["resident_bytes"] == TOTAL
         assert_nothing_leaked(m, pool)
