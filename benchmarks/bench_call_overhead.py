@@ -24,7 +24,7 @@ from aresidency import ResidencyManager
 from aresidency.serving import ModelPool
 
 
-def build(layers: int, hidden: int, device: str) -> Any:
+def build(layers: int, hidden: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -47,7 +47,7 @@ async def main(args: argparse.Namespace) -> None:
     gpu = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
     backend = "cuda" if gpu else "sim"
     device = "cuda:0" if gpu else "cpu"
-    model = build(args.layers, args.hidden, device)
+    model = build(args.layers, args.hidden)
     ids = torch.arange(16).reshape(1, 16).to(device)
 
     def sync() -> None:

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/device_all.sh            # from the repository root, on the GPU machine
 #
-# PARTS picks what runs (default: all of "tests examples copy scope stream loader serve");
+# PARTS picks what runs (default: all of "tests examples copy scope stream loader serve";
+# "overhead", the host time per pool call, runs only when named);
 # TEST_PATHS narrows the test directories; TEST_K the tests, with pytest -k (for example
 # "not uvloop and not trio": asyncio only). STREAM_ARGS, LOADER_ARGS, SERVE_ARGS pass options
 # (such as --quick) to those benchmarks; SCOPE_QUICK=1 runs bench_scope on asyncio only;
@@ -81,6 +82,11 @@ fi
 if has loader && [ -f benchmarks/bench_loader.py ]; then
   timeout "${LOADER_TIMEOUT:-240}" python3 benchmarks/bench_loader.py ${LOADER_ARGS:-} > "$OUT/bench_loader.log" 2>&1
   echo "== bench_loader rc=$?"; tail -n 40 "$OUT/bench_loader.log"
+fi
+
+if has overhead; then
+  timeout 120 python3 benchmarks/bench_call_overhead.py --backend cuda > "$OUT/bench_call_overhead.log" 2>&1
+  echo "== bench_call_overhead rc=$?"; tail -n 8 "$OUT/bench_call_overhead.log"
 fi
 
 if has serve && [ -f benchmarks/bench_serve.py ]; then
