@@ -1,6 +1,7 @@
 """Host time per call on a model whose weights are all on the device: the module called
 directly, through a ``ModelPool`` request (calls in series, through the streaming pipeline),
-and as shared calls (``shared_calls=True``).
+a whole request per call (admission of a hit, the call, the request's end), and as shared
+calls (``shared_calls=True``).
 
 What a server bound by the host (an eager decoder launching its kernels) pays per forward on
 top of the model itself. Prints a markdown table; one request, calls back to back, median of
@@ -85,6 +86,19 @@ async def main(args: argparse.Namespace) -> None:
                         times.append(time.perf_counter() - start)
             label = "pool, shared calls" if shared else "pool, calls in series (default)"
             rows.append((label, per_call(times, args.calls)))
+            if not shared:
+                # A request per call: admission (a hit: nothing to load), the call, the end.
+                with torch.no_grad():
+                    times = []
+                    for _ in range(args.rounds):
+                        sync()
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            async with pool.use("m", reserve="1MiB") as pooled:
+                                await pooled(ids)
+                        sync()
+                        times.append(time.perf_counter() - start)
+                rows.append(("pool, a request per call", per_call(times, args.calls)))
             await pool.aclose()
     note = "" if gpu else " (the simulation: CUDA simulated in host memory, compute on the CPU)"
     print(
