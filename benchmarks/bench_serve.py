@@ -13,6 +13,8 @@ of its own, on a free port). Side by side in one run, each server in turn:
   first come, first served (no request joins its model past the head of the line);
 * ``aresidency-shared`` (only when asked for): the same with ``shared_calls=True``: the calls
   on a resident model run at the same time, each in a worker thread;
+* ``aresidency-onethread`` (only when asked for): the same with ``one_thread=True``: the calls
+  on every resident model run in one thread, one after the other;
 * ``swap (ollama)``: whole-model swapping under a lock, the Ollama way: ``.to("cuda")`` the
   requested model, move the least recently used out (``.to("cpu")``) while over budget;
   requests run one at a time in a worker thread;
@@ -628,13 +630,14 @@ def run_one(
     method: str, workload: Workload, models: dict[str, nn.Module], budget: int, gpu: bool
 ) -> Result:
     """One method's server, driven by the clients."""
-    if method in ("aresidency", "aresidency-strict", "aresidency-shared"):
+    if method in ("aresidency", "aresidency-strict", "aresidency-shared", "aresidency-onethread"):
         server: dict[str, Any] = {}
         express = workload.express and method != "aresidency-strict"
         label = {
             "aresidency": "aresidency",
             "aresidency-strict": "aresidency (strict FIFO)",
             "aresidency-shared": "aresidency (shared calls)",
+            "aresidency-onethread": "aresidency (one thread)",
         }[method]
 
         def make_app() -> Any:
@@ -650,6 +653,7 @@ def run_one(
                     "defer_hot_evictions": workload.defer,
                     "express_joins": express,
                     "shared_calls": method == "aresidency-shared",
+                    "one_thread": method == "aresidency-onethread",
                 },
             )
             return example.create_app(config)
@@ -681,8 +685,8 @@ def run_one(
         engine = OffloadEngine(models, workload.device)
     else:
         raise ValueError(
-            f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-shared, swap, "
-            "resident, cpu_offload"
+            f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-shared, "
+            "aresidency-onethread, swap, resident, cpu_offload"
         )
     info: dict[str, Any] = {}
     result = run_method(
@@ -727,8 +731,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--methods",
         default="aresidency,swap,resident,cpu_offload",
         help="comma-separated: aresidency, aresidency-strict (no joins past the head of the line), "
-        "aresidency-shared (calls on a resident model at the same time), swap, resident, "
-        "cpu_offload",
+        "aresidency-shared (calls on a resident model at the same time), aresidency-onethread "
+        "(calls on every resident model in one thread), swap, resident, cpu_offload",
     )
     parser.add_argument(
         "--no-defer",

@@ -10,6 +10,7 @@ of one model; :class:`ModelStats` its counters.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -51,16 +52,19 @@ class PooledStreamedModule(StreamedModule):
     no shared call starts while it runs or waits.
 
     State beyond the module's: ``pool_keep`` (group indexes the next call keeps on the device:
-    those the pool's active requests hold), ``constructed``, ``shared_calls`` (shared calls in
-    progress), ``shared_peak`` (most at once), ``_exclusive`` (pipeline calls running or
-    waiting), ``_shared_idle``. Invariants: a call never releases a group in ``pool_keep``
-    (the pool holds them, so a release would fail); the module's tensors are the device
-    replicas exactly while ``shared_calls > 0``, and shared and pipeline calls never overlap.
+    those the pool's active requests hold), ``constructed``, ``pool_executor`` (the pool's one
+    thread, if it runs the calls on resident models there: :meth:`call_executor`),
+    ``shared_calls`` (shared calls in progress), ``shared_peak`` (most at once),
+    ``_exclusive`` (pipeline calls running or waiting), ``_shared_idle``. Invariants: a call
+    never releases a group in ``pool_keep`` (the pool holds them, so a release would fail);
+    the module's tensors are the device replicas exactly while ``shared_calls > 0``, and
+    shared and pipeline calls never overlap.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.pool_keep: set[int] = set()
         self.constructed = False
+        self.pool_executor: concurrent.futures.Executor | None = None
         self.shared_calls = 0
         self.shared_peak = 0
         self._exclusive = 0
@@ -77,6 +81,17 @@ class PooledStreamedModule(StreamedModule):
         # controller's choice (by demand), not the module's (by what fits beside the window).
         self.kept = set()
         return set(self.pool_keep)
+
+    def call_executor(self) -> concurrent.futures.Executor | None:
+        """The pool's one thread (``ModelPool(one_thread=True)``) for a call whose every group
+        the pool's requests hold (all on the device: the call never waits there); the
+        module's own thread otherwise (a streamed call may wait for room that another
+        model's call must give back)."""
+        if self.pool_executor is None:
+            return None
+        if any(group.index not in self.pool_keep for group in self.all_groups):
+            return None
+        return self.pool_executor
 
     async def _run(self, generate: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A pipeline call: after the shared calls in progress, none meanwhile."""

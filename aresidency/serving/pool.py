@@ -12,6 +12,7 @@ steps' undo paths would no longer be read side by side.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -324,7 +325,10 @@ class ModelPool:
     <aresidency.serving.entry.PooledStreamedModule.call_shared>`). Off by default: where the
     host launches the kernels (eager Hugging Face decoders), threads that launch at the same
     time contend for the interpreter lock and every call slows down (on an H200 the benchmark
-    served 5.2 requests/s with it, 6.5 without).
+    served 5.2 requests/s with it, 6.5 without). ``one_thread``: the calls on resident models
+    run in one thread for the whole pool, one after the other across models, as a server that
+    runs one request at a time does (streamed calls keep their model's own thread: they may
+    wait for room another model's call gives back).
 
     State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
@@ -351,6 +355,7 @@ class ModelPool:
         clock: Callable[[], float] = time.monotonic,
         express_joins: bool = True,
         shared_calls: bool = False,
+        one_thread: bool = False,
     ) -> None:
         manager.check_thread()
         self.manager = manager
@@ -379,6 +384,8 @@ class ModelPool:
         self.defer_hot_evictions = bool(defer_hot_evictions)
         self.express_joins = bool(express_joins)
         self.shared_calls = bool(shared_calls)
+        self.one_thread = bool(one_thread)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # What the head of the line waits for (while it waits): the models whose requests it
         # waits to see end (None: unknown, nobody passes it), and why.
         self._head_blockers: frozenset[str] | None = None
@@ -433,6 +440,12 @@ class ModelPool:
             name=name,
             keep_resident=True,
         )
+        if self.one_thread:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="aresidency-pool"
+                )
+            streamed.pool_executor = self._executor
         entry = ModelEntry(name, streamed, prefetch)
         self._entries[name] = entry
         for handle in entry.handles:
@@ -1173,6 +1186,9 @@ class ModelPool:
         self._owner.clear()
         self.controller.close()
         self._unlisten()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)  # idle: every call has returned
+            self._executor = None
 
     async def __aenter__(self) -> ModelPool:
         return self

@@ -101,3 +101,26 @@ async def test_two_models_in_turn_in_a_budget_that_holds_one() -> None:
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_two_resident_models_decode_the_same_tokens_in_the_pools_one_thread() -> None:
+    modules = [await anyio.to_thread.run_sync(build, seed) for seed in (4, 5)]
+    ids = prompt(9)
+    expected = [await anyio.to_thread.run_sync(on_gpu, module, ids) for module in modules]
+    async with ResidencyManager(backend="cuda") as m:
+        pool = ModelPool(m, one_thread=True)
+        for name, module in zip("ab", modules):
+            pool.add(name, module)
+        got: list[tuple[str, list[int]]] = []
+
+        async def request(name: str) -> None:
+            async with pool.use(name, reserve="1MiB") as model:
+                assert model.mode == "resident"
+                got.append((name, await greedy(model, model.module, ids, STEPS)))
+
+        async with anyio.create_task_group() as tg:
+            for name in "abab":
+                tg.start_soon(request, name)
+        assert sorted(got) == sorted((name, expected["ab".index(name)]) for name in "abab")
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

@@ -235,3 +235,70 @@ async def test_a_shared_call_that_raises_gives_its_error_and_leaves_nothing() ->
                 assert torch.equal(await model(TOKENS), expected)
         assert pool.stats()["m"]["shared_calls"] == 2
         await pool.aclose()
+
+
+# ------------------------------------------------------------------------- one thread
+
+
+class Named(TinyLM):
+    """A TinyLM that notes the name of the thread that ran each forward."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed=seed)
+        self.ran_in: list[str] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.ran_in.append(threading.current_thread().name)
+        return super().forward(tokens)
+
+
+@pytest.mark.parametrize("one_thread", [True, False])
+async def test_calls_on_resident_models_run_in_the_pools_one_thread(one_thread: bool) -> None:
+    """``one_thread=True``: the calls on every resident model run in one thread of the pool;
+    otherwise each model's calls run in that model's own thread."""
+    modules = {name: Named(seed) for seed, name in enumerate("ab")}
+    expected = {name: reference(module, TOKENS) for name, module in modules.items()}
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m, one_thread=one_thread)
+        for name, module in modules.items():
+            pool.add(name, module)
+            module.ran_in.clear()
+
+        async def request(name: str) -> None:
+            async with pool.use(name) as model:
+                with torch.no_grad():
+                    assert torch.equal(await model(TOKENS), expected[name])
+
+        async with anyio.create_task_group() as tg:
+            for name in "abab":
+                tg.start_soon(request, name)
+        names = {name: set(module.ran_in) for name, module in modules.items()}
+        if one_thread:
+            assert names["a"] == names["b"] and len(names["a"]) == 1
+            assert next(iter(names["a"])).startswith("aresidency-pool")
+        else:
+            assert names["a"].isdisjoint(names["b"])
+            assert all(n.startswith("aresidency-stream-a") for n in names["a"])
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+        assert pool._executor is None
+
+
+async def test_a_streamed_call_keeps_its_own_thread_with_one_thread() -> None:
+    """A streamed call may wait in its thread for room that another model's call gives back:
+    it never runs in the pool's one thread, where it would keep that call from running."""
+    from .test_pool import BLOCK, OUTSIDE
+
+    module = Named(1)
+    expected = reference(module, TOKENS)
+    async with ResidencyManager(budgets={"cuda:0": OUTSIDE + 2 * BLOCK}, backend="sim") as m:
+        pool = ModelPool(m, one_thread=True)
+        pool.add("big", module)
+        module.ran_in.clear()
+        async with pool.use("big") as model:
+            assert model.mode == "streamed"
+            with torch.no_grad():
+                assert torch.equal(await model(TOKENS), expected)
+        assert module.ran_in and all(n.startswith("aresidency-stream-big") for n in module.ran_in)
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

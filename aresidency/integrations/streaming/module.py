@@ -7,6 +7,7 @@ arithmetic live in their own modules."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
@@ -504,6 +505,13 @@ class StreamedModule:
             f"{ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
             f"{ledger.budget_bytes} B)"
         )
+
+    def call_executor(self) -> concurrent.futures.Executor | None:
+        """The executor that runs the next call's forward when it is not the module's own
+        worker thread (``None``: its own). A subclass may name one shared with other modules;
+        it must run one call at a time, and only calls that never wait there for another
+        module's call to progress (a call whose every block is already on the device)."""
+        return None
 
     def _compute_stream(self) -> Any:
         if self._stream is not None:

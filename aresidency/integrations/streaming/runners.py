@@ -126,6 +126,9 @@ class ThreadedRunner:
     """Runs a module's own forward in one worker thread; forward hooks on its blocks take each
     block's weights from the call's pipeline and hand them back (see the pipeline module).
 
+    The call runs in the module's own worker thread, or in the one its
+    :meth:`~aresidency.integrations.streaming.module.StreamedModule.call_executor` names.
+
     State: ``_executor`` (the one worker thread, made on first use), ``_worker_ident`` (set
     while the worker runs a call: hooks fire only then, and only in that thread), ``_hooks``.
     """
@@ -179,14 +182,17 @@ class ThreadedRunner:
             assert resident_slot.tensors is not None
             resident.swap_in(resident_slot.tensors)
         try:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
-                )
+            executor = streamed.call_executor()
+            if executor is None:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
+                    )
+                executor = self._executor
             work = functools.partial(
                 self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
             )
-            future = self._executor.submit(work)
+            future = executor.submit(work)
             done = anyio.Event()
             bridge = streamed.manager.bridge
             future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
