@@ -180,10 +180,21 @@ async def test_a_forward_on_blocks_all_kept_wakes_the_loop_per_call_not_per_bloc
             await streamed.drain()
             assert len(streamed.residency()["kept"]) == LAYERS + 1
             wakes.clear()
+            recorded: list[Any] = []
+            record = m.backend.record_event
+
+            def counting(stream: Any = None) -> Any:
+                recorded.append(stream)
+                return record(stream)
+
+            monkeypatch.setattr(m.backend, "record_event", counting)
             for _ in range(3):
                 out = await streamed(input_ids=ids, attention_mask=mask)
                 assert torch.equal(out.logits, expected)
         assert wakes == []
+        # One event after the forward for the blocks' leases and one for the outside group,
+        # not one per block.
+        assert len(recorded) <= 3 * 2, len(recorded)
         await streamed.drain()
         assert_nothing_left(m, streamed)
         await streamed.aclose()

@@ -119,8 +119,9 @@ class CallPipeline:
     Invariants: a slot is ready only while its lease is entered; a slot returns to idle only
     after its lease exited; groups start in order from ``pos``; while the consumer thread left
     blocks in ``_returns`` without waking the loop, an operation of ours is in flight (its
-    completion takes them), the thread will wake the loop when it next waits, or every slot
-    was ready and the blocks are kept (the call's end takes them).
+    completion takes them) or the thread will wake the loop when it next waits. Once every
+    slot of a non-cyclic call is ready, the thread hands kept blocks back without an event or
+    a wake-up at all: their leases exit at the call's end.
     """
 
     def __init__(
@@ -434,9 +435,13 @@ class CallPipeline:
         self.taken.add(index)
         return slot
 
-    def reader_event(self, stream: Any) -> Any:
+    def reader_event(self, stream: Any, index: int | None = None) -> Any:
         """An event after the consumer thread's work so far, reaped with the lease it exits
-        (compute on the host: done now)."""
+        (compute on the host: done now); ``None`` for block ``index`` once every slot is
+        ready and the block is kept: nothing waits for it before the call's end, which exits
+        its lease with one event after the call's last kernel (see :meth:`finish`)."""
+        if index is not None and self.all_ready and index in self.keep:
+            return None
         return self.manager.backend.record_event(None if self.streamed.host_compute else stream)
 
     def _request_from_thread(self, index: int, ticket: int) -> None:
@@ -451,13 +456,15 @@ class CallPipeline:
         if index not in self.taken:
             return False
         self.taken.discard(index)
+        if event is None:
+            # Every slot ready and the block kept (reader_event): nothing for the loop to do
+            # now; the call's end exits the lease (finish). A forward on a kept model then
+            # records one event and wakes the loop once, not once per block. The slot stays
+            # ready: a block run again in this call takes the same lease.
+            return True
         self.slots[index].flag.clear()  # never take this lease again
         self._returns.append((index, event))
         if self.copies_in_flight or self.streamed.releasing:
-            return True
-        if self.all_ready and index in self.keep:
-            # Nothing for the loop to do (no slot left to start, no release): the call's end
-            # takes it (finish). A kept model's forward then wakes the loop once, not per block.
             return True
         with self._wake_lock:
             if self._wake_scheduled:
@@ -527,12 +534,15 @@ class CallPipeline:
             self._unlisten = None
         backend = self.manager.backend
         streamed = self.streamed
+        end: Any = None  # one event after everything the consumer enqueued, for every lease
         for index, slot in self.slots.items():
             kept = index in self.keep
             if slot.lease is not None:
                 lease, slot.lease = slot.lease, None
                 slot.tensors = None
-                error = lease.exit_nowait(reader_events=[backend.record_event(self.stream)])
+                if end is None:  # compute on the host: the consumer is done by now
+                    end = backend.record_event(None if streamed.host_compute else self.stream)
+                error = lease.exit_nowait(reader_events=[end])
                 del lease
                 if error is not None:
                     self.failures.append(error)

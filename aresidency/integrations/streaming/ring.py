@@ -428,11 +428,11 @@ class RingCall:
     def give_back(self, index: int, event: Any) -> None:
         self.give_back_threadsafe(index, event)
 
-    def reader_event(self, stream: Any) -> Any:
+    def reader_event(self, stream: Any, index: int | None = None) -> Any:
         """An event after the consumer thread's work so far, for the slot it holds (recorded
         into that slot's own event object: no new event per block); ``None`` for a group held
         for the whole call (its lease exits after the call's last kernel); done at once where
-        compute runs on the host."""
+        compute runs on the host. ``index`` (the block's group) changes nothing here."""
         if self.host_wait:
             return _DONE
         slot = self._current

@@ -264,4 +264,4 @@ class ThreadedRunner:
         call = self.streamed.current_call
         assert call is not None
         if group.index in call.taken:
-            call.give_back_threadsafe(group.index, call.reader_event(call.stream))
+            call.give_back_threadsafe(group.index, call.reader_event(call.stream, group.index))
