@@ -283,6 +283,35 @@ async def test_module_list_model_runs_its_own_forward_bit_identically() -> None:
         assert_all_released(m, streamed)
 
 
+class Twice(Net):
+    """A Net whose forward runs its first block twice."""
+
+    def forward(self, x: torch.Tensor, *, shift: float = 0.0) -> torch.Tensor:
+        h = self.embed(x) + self.pos + shift
+        h = self.layers[0](h)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+async def test_a_block_run_twice_in_a_call_on_kept_blocks() -> None:
+    """Every block kept on the device (a budget that holds them): the blocks are handed back
+    to the call's end without an event of their own, and a block the forward runs again
+    takes the same lease."""
+    model = Twice()
+    x = torch.randn(4, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(budgets={"cuda:0": "16MiB"}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2, ring=False)
+        with torch.no_grad():
+            for _ in range(3):  # the first call copies the blocks in, the others find them
+                with anyio.fail_after(10):
+                    y = await streamed(x)
+                assert torch.equal(y, expected)
+        assert len(streamed.residency()["kept"]) == 6
+        await streamed.drain()
+
+
 async def test_module_list_model_within_budget_with_resident_tensors() -> None:
     model = Net(n=6)
     x = torch.randn(4, 16)
