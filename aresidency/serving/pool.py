@@ -629,9 +629,10 @@ class ModelPool:
             request.scope = scope
             request.mode, request.prefetch = mode, prefetch
             try:
-                if self.express_joins:
+                if self.express_joins and mode == "resident":
                     # Its copies only remain: the requests in line may join models that are
-                    # there meanwhile (room is theirs only if it is free beside the copies).
+                    # there meanwhile (room is theirs only if it is free beside the copies; a
+                    # streamed head's window is not charged yet, so it lets nobody by).
                     self._head_blockers = frozenset({entry.name})
                     self._head_why = f"request {request.id} for {entry.name!r}, which loads it"
                     self._line.wake_all()
