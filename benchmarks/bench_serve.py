@@ -26,8 +26,9 @@ of its own, on a free port). Side by side in one run, each server in turn:
 Reported per method: requests, throughput (requests/s), p50/p99 latency, failed requests (must
 be 0), the ledger peak against the budget (aresidency: the manager's ``cuda:0`` peak; swap:
 the bytes of the models it had on the GPU), GPU ``max_memory_allocated`` at the start and end
-of the run, host RSS at the start, end and its maximum (memory over time is in the JSON), and
-for aresidency the pool's per-model statistics. The goals of the issue are printed beside the
+of the run, host RSS at the start, end and its maximum (memory over time is in the JSON), the
+process's CPU time per second over the measured window (all threads, the clients' too: near 1
+core, the interpreter lock sets the pace), and for aresidency the pool's per-model statistics. The goals of the issue are printed beside the
 measurements: throughput >= 2x swap and >= 5x cpu_offload, p99 <= 0.5x swap, within 1.5x of
 all-resident when the hot set fits.
 
@@ -205,6 +206,9 @@ class Result:
     rss_end: int = 0
     rss_max: int = 0
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, rss, gpu
+    # the process's CPU time over the measured seconds, all threads (server and clients):
+    # about 1 core means the interpreter lock sets the pace
+    cpu_cores: float | None = None
     modes: dict[str, int] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
     skipped: str | None = None
@@ -243,6 +247,7 @@ class Result:
             "rss_end": self.rss_end,
             "rss_max": self.rss_max,
             "memory_over_time": self.samples,
+            "cpu_cores": self.cpu_cores,
             "modes": self.modes,
             "server": self.server,
         }
@@ -483,6 +488,12 @@ async def drive(workload: Workload, url: str, result: Result) -> None:
                 result.failed += 1
                 result.errors.append(detail)
 
+    async def cpu_window() -> None:
+        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+        wall, cpu = time.perf_counter(), time.process_time()
+        await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+        result.cpu_cores = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall)
+
     async def sample() -> None:
         while True:
             rss = host_rss()
@@ -492,11 +503,12 @@ async def drive(workload: Workload, url: str, result: Result) -> None:
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         sampler = asyncio.ensure_future(sample())
+        cpu = asyncio.ensure_future(cpu_window())
         clients = [asyncio.ensure_future(client(i, http)) for i in range(workload.clients)]
         _, late = await asyncio.wait(clients, timeout=stop + workload.tail - time.perf_counter())
-        for task in (*late, sampler):
+        for task in (*late, sampler, cpu):
             task.cancel()
-        await asyncio.gather(*late, sampler, return_exceptions=True)
+        await asyncio.gather(*late, sampler, cpu, return_exceptions=True)
         for task in clients:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
@@ -528,6 +540,7 @@ def run_method(
         f"{method}: {result.requests} requests, {result.throughput:.2f} req/s, "
         f"p50 {result.percentile(0.5) * 1e3:.0f} ms, p99 {result.percentile(0.99) * 1e3:.0f} ms, "
         f"{result.failed} failed"
+        + ("" if result.cpu_cores is None else f", host CPU {result.cpu_cores:.2f} cores")
     )
     for error in sorted(set(result.errors))[:5]:  # what failed, each kind once
         log(f"{method}: failed: {error}")
@@ -556,13 +569,15 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
         + ("" if workload.backend != "sim" else " (a simulation: a smoke test, not a measurement)"),
         "",
         "| method | requests | req/s | p50 ms | p99 ms | failed | unfinished "
-        "| ledger peak / budget | GPU max alloc start -> end | host RSS start -> end (max) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| ledger peak / budget | GPU max alloc start -> end | host RSS start -> end (max) "
+        "| host CPU, cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.method} | skipped: {r.skipped} | | | | | | | | |")
+            lines.append(f"| {r.method} | skipped: {r.skipped} | | | | | | | | | |")
             continue
+        cores = "-" if r.cpu_cores is None else f"{r.cpu_cores:.2f}"
         peak = "-" if r.ledger_peak is None else format_nbytes(r.ledger_peak)
         budget = "none" if r.budget is None else format_nbytes(r.budget)
         over = (
@@ -575,7 +590,7 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
             f"{ms(r.percentile(0.99))} | {r.failed} | {r.unfinished} | {peak} / {budget}{over} | "
             f"{format_nbytes(r.gpu_max_start)} -> {format_nbytes(r.gpu_max_end)} | "
             f"{format_nbytes(r.rss_start)} -> {format_nbytes(r.rss_end)} "
-            f"({format_nbytes(r.rss_max)}) |"
+            f"({format_nbytes(r.rss_max)}) | {cores} |"
         )
     by = {r.method: r for r in results if not r.skipped and r.requests}
     ours = by.get("aresidency")
