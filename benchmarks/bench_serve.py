@@ -28,9 +28,9 @@ be 0), the ledger peak against the budget (aresidency: the manager's ``cuda:0`` 
 the bytes of the models it had on the GPU), GPU ``max_memory_allocated`` at the start and end
 of the run, host RSS at the start, end and its maximum (memory over time is in the JSON), the
 process's CPU time per second over the measured window (all threads, the clients' too: near 1
-core, the interpreter lock sets the pace), and for aresidency the pool's per-model statistics. The goals of the issue are printed beside the
-measurements: throughput >= 2x swap and >= 5x cpu_offload, p99 <= 0.5x swap, within 1.5x of
-all-resident when the hot set fits.
+core, the interpreter lock sets the pace), and for aresidency the pool's per-model
+statistics. The goals of the issue are printed beside the measurements: throughput >= 2x swap
+and >= 5x cpu_offload, p99 <= 0.5x swap, within 1.5x of all-resident when the hot set fits.
 
 usage: python benchmarks/bench_serve.py [--backend auto|cuda|sim] [--quick] [--seconds 30]
            [--warmup 5] [--tail 10] [--clients 32] [--models 8] [--zipf 1.1]
