@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -40,10 +41,6 @@ def build(layers: int, hidden: int) -> Any:
     return LlamaForCausalLM(config).eval()
 
 
-def per_call(seconds: list[float], calls: int) -> float:
-    return statistics.median(seconds) / calls * 1e3
-
-
 async def main(args: argparse.Namespace) -> None:
     gpu = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
     backend = "cuda" if gpu else "sim"
@@ -55,18 +52,26 @@ async def main(args: argparse.Namespace) -> None:
         if gpu:
             torch.cuda.synchronize()
 
+    async def timed(call: Callable[[], Awaitable[object]]) -> float:
+        """Median ms per ``await call()`` over the rounds (the device's work included)."""
+        times = []
+        with torch.no_grad():
+            for _ in range(args.rounds):
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    await call()
+                sync()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) / args.calls * 1e3
+
     rows: list[tuple[str, float]] = []
     direct = model.to(device) if gpu else model
-    with torch.no_grad():
-        times = []
-        for _ in range(args.rounds):
-            sync()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                direct(ids)
-            sync()
-            times.append(time.perf_counter() - start)
-    rows.append(("module called directly", per_call(times, args.calls)))
+
+    async def direct_call() -> object:
+        return direct(ids)
+
+    rows.append(("module called directly", await timed(direct_call)))
     if gpu:
         model = model.to("cpu")
     async with ResidencyManager(backend=backend) as manager:
@@ -76,29 +81,19 @@ async def main(args: argparse.Namespace) -> None:
             async with pool.use("m") as pooled:
                 with torch.no_grad():
                     await pooled(ids)  # loads the model
-                    times = []
-                    for _ in range(args.rounds):
-                        sync()
-                        start = time.perf_counter()
-                        for _ in range(args.calls):
-                            await pooled(ids)
-                        sync()
-                        times.append(time.perf_counter() - start)
-            label = "pool, shared calls" if shared else "pool, calls in series (default)"
-            rows.append((label, per_call(times, args.calls)))
+
+                async def pooled_call() -> object:
+                    return await pooled(ids)
+
+                label = "pool, shared calls" if shared else "pool, calls in series (default)"
+                rows.append((label, await timed(pooled_call)))
             if not shared:
                 # A request per call: admission (a hit: nothing to load), the call, the end.
-                with torch.no_grad():
-                    times = []
-                    for _ in range(args.rounds):
-                        sync()
-                        start = time.perf_counter()
-                        for _ in range(args.calls):
-                            async with pool.use("m", reserve="1MiB") as pooled:
-                                await pooled(ids)
-                        sync()
-                        times.append(time.perf_counter() - start)
-                rows.append(("pool, a request per call", per_call(times, args.calls)))
+                async def request(pool: ModelPool = pool) -> object:
+                    async with pool.use("m", reserve="1MiB") as pooled:
+                        return await pooled(ids)
+
+                rows.append(("pool, a request per call", await timed(request)))
             await pool.aclose()
     note = "" if gpu else " (the simulation: CUDA simulated in host memory, compute on the CPU)"
     print(

@@ -7,6 +7,7 @@ the same kernels), so a request that ran with the wrong or freed weights fails."
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,12 @@ async def until_changed(manager: ResidencyManager, condition: Callable[[], bool]
     with anyio.fail_after(10):
         while not condition():
             await manager.wait_for_change()
+
+
+def hold_copies(backend: SimBackend, gate: threading.Event) -> None:
+    """Hold up the simulated device's host-to-device copies until ``gate`` is set (the copies
+    enqueued after this queue behind it; 10 s at most)."""
+    backend._devices[0].h2d.submit(lambda: gate.wait(10))
 
 
 def model_bytes(d: int = 32, n: int = 4) -> tuple[int, int, int]:
@@ -567,8 +574,6 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
     # not hold those blocks before they settled: their releases would fail on the holds.
     # The simulated copy stream is held up until the cancellation was looked at (slow copies
     # were not enough on a busy machine: the background once settled before the look).
-    import threading
-
     backend = SimBackend()
     async with ResidencyManager(budgets={"cuda:0": OUTSIDE + 2 * BLOCK}, backend=backend) as m:
         pool = ModelPool(m)
@@ -588,7 +593,7 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(request)
                 await calling.wait()
-                backend._devices[0].h2d.submit(lambda: gate.wait(10))  # copies queue behind
+                hold_copies(backend, gate)
                 await until_changed(m, lambda: m.state.ledger("cuda:0").incoming_bytes > BLOCK)
                 scope.cancel()
             assert streamed.releasing or streamed.settling  # still in the background
@@ -1049,10 +1054,6 @@ async def test_a_request_joins_past_a_head_while_the_head_copies_its_model_in(
     # 'a' is resident and in use; 'c' fits beside it and is being copied in for the head of
     # the line (the simulated copy stream is held up). A request for 'a' moves nothing: it
     # goes in while the copies run, unless express_joins=False.
-    import threading
-
-    from aresidency.backends.sim import SimBackend
-
     async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
         pool = ModelPool(m, clock=still, express_joins=express)
         for seed, name in enumerate("ac"):
@@ -1072,7 +1073,7 @@ async def test_a_request_joins_past_a_head_while_the_head_copies_its_model_in(
         backend = m.backend
         assert isinstance(backend, SimBackend)
         gate = threading.Event()
-        backend._devices[0].h2d.submit(lambda: gate.wait(10))  # copies queue behind this
+        hold_copies(backend, gate)
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(request, "a1", "a")
