@@ -1,7 +1,8 @@
 """Host time per call on a model whose weights are all on the device: the module called
-directly, through a ``ModelPool`` request (calls in series, through the streaming pipeline),
-a whole request per call (admission of a hit, the call, the request's end), and as shared
-calls (``shared_calls=True``).
+directly, through a ``ModelPool`` request (direct calls on the held replicas, the default;
+through the streaming pipeline, ``direct_calls=False``; as shared calls,
+``shared_calls=True``), and a whole request per call (admission of a hit, the call, the
+request's end).
 
 What a server bound by the host (an eager decoder launching its kernels) pays per forward on
 top of the model itself. Prints a markdown table; one request, calls back to back, median of
@@ -75,8 +76,13 @@ async def main(args: argparse.Namespace) -> None:
     if gpu:
         model = model.to("cpu")
     async with ResidencyManager(backend=backend) as manager:
-        for shared in (False, True):
-            pool = ModelPool(manager, shared_calls=shared)
+        paths: list[tuple[str, dict[str, bool]]] = [
+            ("pool, direct calls (default)", {}),
+            ("pool, through the pipeline", {"direct_calls": False}),
+            ("pool, shared calls", {"shared_calls": True}),
+        ]
+        for label, options in paths:
+            pool = ModelPool(manager, **options)
             pool.add("m", model)
             async with pool.use("m") as pooled:
                 with torch.no_grad():
@@ -85,9 +91,8 @@ async def main(args: argparse.Namespace) -> None:
                 async def pooled_call() -> object:
                     return await pooled(ids)
 
-                label = "pool, shared calls" if shared else "pool, calls in series (default)"
                 rows.append((label, await timed(pooled_call)))
-            if not shared:
+            if not options:
                 # A request per call: admission (a hit: nothing to load), the call, the end.
                 async def request(pool: ModelPool = pool) -> object:
                     async with pool.use("m", reserve="1MiB") as pooled:

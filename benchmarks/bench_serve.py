@@ -15,6 +15,8 @@ of its own, on a free port). Side by side in one run, each server in turn:
   on a resident model run at the same time, each in a worker thread;
 * ``aresidency-onethread`` (only when asked for): the same with ``one_thread=True``: the calls
   on every resident model run in one thread, one after the other;
+* ``aresidency-pipeline`` (only when asked for): the same with ``direct_calls=False``: every
+  call goes through the streaming pipeline (a lease per block), as before direct calls;
 * ``swap (ollama)``: whole-model swapping under a lock, the Ollama way: ``.to("cuda")`` the
   requested model, move the least recently used out (``.to("cpu")``) while over budget;
   requests run one at a time in a worker thread;
@@ -622,7 +624,8 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
         lines += [
             "",
             f"{label}, per model: requests / hits / loads / evictions / copied / waiting for "
-            "admission; calls (shared) / seconds in calls / of which waiting for earlier calls",
+            "admission; calls (shared, direct) / seconds in calls / of which waiting for earlier "
+            "calls",
             "",
         ]
         for name, row in result.server["stats"].items():
@@ -630,7 +633,8 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
                 f"- {name}: {row['requests']} / {row['hits']} / {row['loads']} / "
                 f"{row['evictions']} / {format_nbytes(row['bytes_copied'])} / "
                 f"{row['wait_seconds']:.2f} s; {row.get('calls', 0)} "
-                f"({row.get('shared_calls', 0)}) / {row.get('call_seconds', 0.0):.2f} s / "
+                f"({row.get('shared_calls', 0)}, {row.get('direct_calls', 0)}) / "
+                f"{row.get('call_seconds', 0.0):.2f} s / "
                 f"{row.get('call_wait_seconds', 0.0):.2f} s (last {row['last_mode']}; "
                 f"{row.get('joined_past', 0)} joined past the head of the line)"
             )
@@ -641,19 +645,23 @@ def markdown(workload: Workload, results: Sequence[Result], model_bytes: int) ->
 # ---------------------------------------------------------------------------- main
 
 
+POOL_METHODS = {
+    "aresidency": "aresidency",
+    "aresidency-strict": "aresidency (strict FIFO)",
+    "aresidency-shared": "aresidency (shared calls)",
+    "aresidency-onethread": "aresidency (one thread)",
+    "aresidency-pipeline": "aresidency (pipeline calls)",
+}
+
+
 def run_one(
     method: str, workload: Workload, models: dict[str, nn.Module], budget: int, gpu: bool
 ) -> Result:
     """One method's server, driven by the clients."""
-    if method in ("aresidency", "aresidency-strict", "aresidency-shared", "aresidency-onethread"):
+    if method in POOL_METHODS:
         server: dict[str, Any] = {}
         express = workload.express and method != "aresidency-strict"
-        label = {
-            "aresidency": "aresidency",
-            "aresidency-strict": "aresidency (strict FIFO)",
-            "aresidency-shared": "aresidency (shared calls)",
-            "aresidency-onethread": "aresidency (one thread)",
-        }[method]
+        label = POOL_METHODS[method]
 
         def make_app() -> Any:
             config = example.ServerConfig(
@@ -669,6 +677,7 @@ def run_one(
                     "express_joins": express,
                     "shared_calls": method == "aresidency-shared",
                     "one_thread": method == "aresidency-onethread",
+                    "direct_calls": method != "aresidency-pipeline",
                 },
             )
             return example.create_app(config)
@@ -701,7 +710,7 @@ def run_one(
     else:
         raise ValueError(
             f"unknown method {method!r}: aresidency, aresidency-strict, aresidency-shared, "
-            "aresidency-onethread, swap, resident, cpu_offload"
+            "aresidency-onethread, aresidency-pipeline, swap, resident, cpu_offload"
         )
     info: dict[str, Any] = {}
     result = run_method(
@@ -747,7 +756,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="aresidency,swap,resident,cpu_offload",
         help="comma-separated: aresidency, aresidency-strict (no joins past the head of the line), "
         "aresidency-shared (calls on a resident model at the same time), aresidency-onethread "
-        "(calls on every resident model in one thread), swap, resident, cpu_offload",
+        "(calls on every resident model in one thread), aresidency-pipeline (every call through "
+        "the streaming pipeline), swap, resident, cpu_offload",
     )
     parser.add_argument(
         "--no-defer",

@@ -591,6 +591,43 @@ class ResidencyManager:
         rt = self._running()
         return Hold(rt, handle, Location.parse(location))
 
+    def held_tensor(self, handle: ValueHandle, location: LocationLike) -> torch.Tensor | None:
+        """The tensor behind a held materialization, when it can be read at once: its data is
+        there (no copy in flight, none failed or being cancelled). ``None`` otherwise (read
+        through a lease then: it waits for the copy and reports its failure).
+
+        For a caller that protects the materialization with a :meth:`hold` of its own for as
+        long as it reads it, and reads it many times (a model's weights, call after call): no
+        lease per read. Its reads on a device are reported with :meth:`track_readers` before
+        the hold ends. ``ValueError`` if the materialization has no hold."""
+        rt = self._running()
+        loc = Location.parse(location)
+        mat = self._state.materialization(handle, loc)
+        if not mat.hold_count:
+            raise ValueError(
+                f"{handle} at {loc} has no hold: held_tensor is for reads a hold protects "
+                "(use acquire for a lease)"
+            )
+        payload = rt.payloads.get(handle, loc)
+        if payload is None or payload.transfer is not None:
+            return None
+        if payload.failure is not None or payload.aborting:
+            return None
+        return payload.tensor
+
+    def track_readers(self, handle: ValueHandle, location: LocationLike, events: list[Any]) -> None:
+        """Count device ``events`` (recorded after kernels that read the materialization's
+        tensor) as its pending consumers: it is not released or moved before they complete.
+        For reads a hold protected (:meth:`held_tensor`), reported before the hold ends; a
+        lease records its own. Events already complete are not counted."""
+        rt = self._running()
+        loc = Location.parse(location)
+        self._state.materialization(handle, loc)
+        pending = [event for event in events if not event.query()]
+        if pending:
+            rt.reaper.track_readers(handle, loc, pending)
+            rt.settle()
+
     def tensor(self, handle: ValueHandle, location: LocationLike) -> torch.Tensor:
         """The tensor behind a materialization, for inspection only: it is not protected, so
         use ``acquire`` for real work (and never register it again: it is the manager's)."""

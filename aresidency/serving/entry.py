@@ -19,6 +19,7 @@ from typing import Any, Literal
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import torch
 
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
@@ -70,6 +71,7 @@ class PooledStreamedModule(StreamedModule):
         self._exclusive = 0
         self._shared_idle = anyio.Event()
         self._shared_idle.set()
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         # The pool's arithmetic counts a streamed call's blocks as managed values at the
         # device (its window_need): no ring here.
         kwargs["ring"] = False
@@ -155,7 +157,12 @@ class PooledStreamedModule(StreamedModule):
             self.calls += 1
             try:
                 work = functools.partial(
-                    self._shared_work, stream, TorchState.capture(), args, kwargs
+                    self._threaded.run_direct,
+                    stream,
+                    TorchState.capture(),
+                    self.module,
+                    args,
+                    kwargs,
                 )
                 result, reader = await anyio.to_thread.run_sync(work)
             finally:
@@ -174,15 +181,78 @@ class PooledStreamedModule(StreamedModule):
         await anyio.lowlevel.checkpoint_if_cancelled()
         return result
 
-    def _shared_work(
-        self, stream: Any, torch_state: TorchState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, Any]:
-        """A shared call's worker thread: run the module (every group's data is on the
-        device: :meth:`_enter_shared`), record an event after its kernels."""
-        backend = self.manager.backend
-        with torch_state.enter(), backend.stream_context(stream):
-            output = self.module(*args, **kwargs)
-            return output, backend.record_event(None if self.host_compute else stream)
+    def held_views(self) -> list[list[torch.Tensor]] | None:
+        """Each group's tensors as views of its device replica, for a direct call
+        (:meth:`call_held`): when every group's data is there (its copy committed, none
+        failed); ``None`` otherwise (a pipeline call waits for the copies and reports their
+        failures). The pool asks only while its requests hold every group. The views are
+        made once per replica and kept until :meth:`forget_views` (the pool calls it when a
+        group is no longer held, before the replica can go)."""
+        out: list[list[torch.Tensor]] = []
+        for group in self.all_groups:
+            assert group.handle is not None
+            flat = self.manager.held_tensor(group.handle, self.device)
+            if flat is None:
+                return None
+            cached = self._views.get(group.index)
+            if cached is None or cached[0] is not flat:
+                cached = (flat, group.views(flat))
+                self._views[group.index] = cached
+            out.append(cached[1])
+        return out
+
+    def forget_views(self) -> None:
+        self._views.clear()
+
+    async def call_held(
+        self,
+        views: list[list[torch.Tensor]],
+        readers: dict[int, tuple[Any, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A direct call: the module run on the device replicas ``views`` (from
+        :meth:`held_views`), which the caller's holds keep there, with no pipeline and no
+        lease: one thread hop, one event. That event (after the call's kernels) goes to
+        ``readers`` (stream id -> (stream, latest event on it)), which the caller reports
+        with :meth:`~aresidency.ResidencyManager.track_readers` before its holds end.
+        Runs alone, like a pipeline call. Cancelling the await lets the thread finish its
+        forward, then raises (the output is dropped)."""
+        self._exclusive += 1
+        try:
+            while self.shared_calls:
+                await self._shared_idle.wait()
+            async with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{self!r} is closed")
+                self.manager.check_thread()
+                self._check_inference(args, kwargs)
+                stream = self._compute_stream()
+                backend = self.manager.backend
+                self.calls += 1
+                for group, tensors in zip(self.all_groups, views):
+                    group.swap_in(tensors)
+                reader: Any = None
+                try:
+                    work = functools.partial(
+                        self._threaded.run_direct,
+                        stream,
+                        TorchState.capture(),
+                        self.module,
+                        args,
+                        kwargs,
+                    )
+                    result, reader = await self._threaded.submit(work)
+                finally:
+                    for group in self.all_groups:
+                        group.restore()
+                    if reader is None:
+                        # The thread raised (or was never reached): after what it enqueued.
+                        reader = backend.record_event(None if self.host_compute else stream)
+                    readers[id(stream)] = (stream, reader)
+                return result
+        finally:
+            self._exclusive -= 1
 
     def _check_budget(self) -> None:
         """At construction: refuse a model that could never run at all, even streamed with no
@@ -217,8 +287,9 @@ class ModelStats:
     raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),
     ``joined_past`` (hits admitted at once past a head of the line waiting for other models),
     ``calls`` (calls on the model), ``shared_calls`` (of those, run beside its other calls on
-    its resident groups), ``call_seconds`` (time in calls, summed, waits included) and
-    ``call_wait_seconds`` (of that, waiting for the model's earlier calls)."""
+    its resident groups), ``direct_calls`` (of those, run one at a time on its held device
+    replicas without the streaming pipeline), ``call_seconds`` (time in calls, summed, waits
+    included) and ``call_wait_seconds`` (of that, waiting for the model's earlier calls)."""
 
     requests: int = 0
     hits: int = 0
@@ -232,6 +303,7 @@ class ModelStats:
     joined_past: int = 0
     calls: int = 0
     shared_calls: int = 0
+    direct_calls: int = 0
     call_seconds: float = 0.0
     call_wait_seconds: float = 0.0
 

@@ -216,6 +216,8 @@ class _Request:
         self.kept: list[int] = []
         self.record: PoolDecision | None = None
         self.active = False
+        # Direct calls' reader events, the latest per compute stream: id -> (stream, event).
+        self.readers: dict[int, tuple[Any, Any]] = {}
 
     @property
     def label(self) -> str:
@@ -290,6 +292,13 @@ class PooledModel:
                 streamed = entry.streamed
                 # The groups the active requests hold stay; only a streamed call has a window.
                 streamed.pool_keep = {index for index, n in entry.held.items() if n}
+                if request.mode == "resident" and self._pool.direct_calls:
+                    # Every group is held on the device and its copy landed: no pipeline, no
+                    # lease per block; the call's event is reported when the request ends.
+                    views = streamed.held_views()
+                    if views is not None:
+                        stats.direct_calls += 1
+                        return await streamed.call_held(views, request.readers, args, kwargs)
                 if request.mode == "streamed":
                     streamed.prefetch = request.prefetch
                 states = entry.states_at(self._pool.manager.state, self._pool.device)
@@ -328,7 +337,12 @@ class ModelPool:
     served 5.2 requests/s with it, 6.5 without). ``one_thread``: the calls on resident models
     run in one thread for the whole pool, one after the other across models, as a server that
     runs one request at a time does (streamed calls keep their model's own thread: they may
-    wait for room another model's call gives back).
+    wait for room another model's call gives back). ``direct_calls`` (on by default): a call of
+    a resident request whose model's copies have all landed runs the module on the held device
+    replicas directly, without the streaming pipeline's lease per block: one thread hop and
+    one event per call, its event reported as the replicas' reader when the request ends
+    (see :meth:`~aresidency.serving.entry.PooledStreamedModule.call_held`); ``False`` sends
+    every call through the pipeline (for comparison).
 
     State: ``manager``, ``device``, ``demand``, ``view`` (the controller's
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
@@ -356,6 +370,7 @@ class ModelPool:
         express_joins: bool = True,
         shared_calls: bool = False,
         one_thread: bool = False,
+        direct_calls: bool = True,
     ) -> None:
         manager.check_thread()
         self.manager = manager
@@ -385,6 +400,7 @@ class ModelPool:
         self.express_joins = bool(express_joins)
         self.shared_calls = bool(shared_calls)
         self.one_thread = bool(one_thread)
+        self.direct_calls = bool(direct_calls)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # What the head of the line waits for (while it waits): the models whose requests it
         # waits to see end (None: unknown, nobody passes it), and why.
@@ -1118,13 +1134,21 @@ class ModelPool:
         if request.active:
             request.active = False
             self._admitted -= 1
-            for hold in request.holds:
-                hold.release()
-            for index in request.kept:
-                entry.held[index] -= 1
-                if not entry.held[index]:
-                    del entry.held[index]
-            request.holds.clear()
+            events = [event for _, event in request.readers.values()]
+            request.readers.clear()
+            try:
+                if events:  # the direct calls' kernels read the held replicas
+                    for hold in request.holds:
+                        self.manager.track_readers(hold.handle, hold.location, events)
+            finally:
+                for hold in request.holds:
+                    hold.release()
+                for index in request.kept:
+                    entry.held[index] -= 1
+                    if not entry.held[index]:
+                        del entry.held[index]
+                        entry.streamed.forget_views()  # the replica may go now
+                request.holds.clear()
             entry.active[request.mode] -= 1
             entry.windows.pop(request.id, None)
             self._ended += 1

@@ -33,6 +33,10 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, vocab)
+        # Built without autograd, as a server builds its models: the tests need no grad-mode
+        # context around their awaits (one entered in concurrent tasks of one thread would
+        # leak: grad mode is the thread's, and the tasks exit out of order).
+        self.requires_grad_(False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -55,7 +59,7 @@ def tiny_llama(seed: int = 0, layers: int = 3) -> nn.Module:
         max_position_embeddings=256,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
 def reference(model: nn.Module, *args: object) -> torch.Tensor:
@@ -112,11 +116,10 @@ async def greedy(model: Any, module: nn.Module, prompt: torch.Tensor, steps: int
     ``model`` (a pooled model, or an async wrapper of the plain module)."""
     key = cache_argument(module)
     tokens: list[int] = []
-    with torch.no_grad():
-        out = await model(prompt, use_cache=True)
-        for _ in range(steps):
-            token = out.logits[:, -1:].argmax(-1)
-            tokens.append(int(token))
-            out = await model(token, use_cache=True, **{key: returned_cache(out)})
+    out = await model(prompt, use_cache=True)  # no grad-mode context: see TinyLM
+    for _ in range(steps):
+        token = out.logits[:, -1:].argmax(-1)
+        tokens.append(int(token))
+        out = await model(token, use_cache=True, **{key: returned_cache(out)})
     tokens.append(int(out.logits[:, -1:].argmax(-1)))
     return tokens

@@ -20,3 +20,14 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_left_as_found() -> Iterator[None]:
+    """A grad-mode context around an await in concurrent tasks of one thread leaks (the mode
+    is the thread's; the tasks exit out of order): the tests' models are built without
+    autograd instead, and this fails a test that leaves grad mode off."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left grad mode disabled in the loop's thread")

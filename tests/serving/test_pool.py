@@ -73,8 +73,7 @@ TOTAL, BLOCK, OUTSIDE = model_bytes()
 async def run(pool: ModelPool, name: str, reserve: int | str = 0, **kwargs: Any) -> str:
     """One request: call the model once and check its output; returns the request's mode."""
     async with pool.use(name, reserve=reserve, **kwargs) as model:
-        with torch.no_grad():
-            y = await model(TOKENS)
+        y = await model(TOKENS)
         assert torch.equal(y, reference(model.module, TOKENS))
         return model.mode
 
@@ -196,9 +195,8 @@ async def test_a_model_that_cannot_fit_is_streamed_within_the_budget() -> None:
         pool.add("a", TinyLM(seed=3), prefetch=2)
         async with pool.use("a", reserve=reserve) as model:
             assert (model.mode, model.prefetch) == ("streamed", 1)
-            with torch.no_grad():
-                for _ in range(2):
-                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+            for _ in range(2):
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
         await pool.module("a").drain()
         assert max_charge(m.trace()) <= budget
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
@@ -285,8 +283,7 @@ async def test_concurrent_requests_for_one_model_share_one_copy() -> None:
 
         async def request() -> None:
             async with pool.use("a", reserve=2 * KiB) as model:
-                with torch.no_grad():
-                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
                 await inside.wait()
 
         async with anyio.create_task_group() as tasks:
@@ -507,11 +504,10 @@ async def test_a_streamed_request_keeps_its_window_free_of_later_admissions() ->
         async def stream() -> None:
             async with pool.use("big") as model:
                 assert (model.mode, model.prefetch) == ("streamed", 1)
-                with torch.no_grad():
-                    await model(TOKENS)
-                    between.set()
-                    await go.wait()
-                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                await model(TOKENS)
+                between.set()
+                await go.wait()
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
                 order.append("big")
 
         async def small_request() -> None:
@@ -546,8 +542,7 @@ async def test_a_model_switches_between_resident_and_streamed_only_when_idle() -
             async with pool.use("a") as model:
                 modes.append(model.mode)
                 calling.set()
-                with torch.no_grad():
-                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
                 await finish.wait()
 
         async def resident() -> None:
@@ -586,8 +581,7 @@ async def test_a_model_is_held_only_once_its_earlier_releases_settled() -> None:
             with scope:
                 async with pool.use("a") as model:
                     calling.set()
-                    with torch.no_grad():
-                        await model(TOKENS)
+                    await model(TOKENS)
 
         try:
             async with anyio.create_task_group() as tasks:
@@ -635,8 +629,7 @@ async def test_a_model_rebuilt_from_a_checkpoint_is_costlier_to_evict(tmp_path: 
         pool.add("b", TinyLM(seed=2))
         pool.add("c", TinyLM(seed=3))
         async with pool.use("a") as model:
-            with torch.no_grad():
-                assert torch.equal(await model(TOKENS), reference(original, TOKENS))
+            assert torch.equal(await model(TOKENS), reference(original, TOKENS))
         await run(pool, "b")
         await run(pool, "c")
         assert pool.decisions[-1].evicted == {"b": TOTAL}
@@ -722,8 +715,7 @@ async def test_cancelling_a_request_inside_its_body_leaks_nothing(budget_models:
             with scope:
                 async with pool.use("a", reserve=2 * KiB) as model:
                     calling.set()
-                    with torch.no_grad():
-                        await model(TOKENS)  # streamed: waits for slow copies
+                    await model(TOKENS)  # streamed: waits for slow copies
                     await anyio.sleep_forever()
 
         async with anyio.create_task_group() as tasks:
@@ -755,8 +747,7 @@ async def test_a_model_that_fails_to_load_fails_only_the_requests_that_need_it(f
             async with pool.use("b") as model:
                 setattr(m.backend.faults, fault, 2)  # the next load's second group
                 await a_failed.wait()
-                with torch.no_grad():
-                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
 
         async def serve_a() -> None:
             try:
@@ -955,8 +946,7 @@ async def test_a_request_for_a_busy_resident_model_joins_past_a_head_that_waits_
             done[label] = anyio.Event()
             async with pool.use(name) as model:
                 order.append(label)
-                with torch.no_grad():
-                    y = await model(TOKENS)
+                y = await model(TOKENS)
                 assert torch.equal(y, reference(model.module, TOKENS))
                 await done[label].wait()
 
@@ -1024,8 +1014,7 @@ async def test_random_traffic_with_joins_past_the_head_stays_in_budget_and_starv
                 if cancel_after < 8:
                     scope.deadline = anyio.current_time() + 0.001 * cancel_after
                 async with pool.use(name, reserve=(i % 2) * KiB) as model:
-                    with torch.no_grad():
-                        y = await model(TOKENS)
+                    y = await model(TOKENS)
                     assert torch.equal(y, reference(model.module, TOKENS))
                     for _ in range(cancel_after):
                         await anyio.lowlevel.checkpoint()
@@ -1065,8 +1054,7 @@ async def test_a_request_joins_past_a_head_while_the_head_copies_its_model_in(
         async def request(label: str, name: str) -> None:
             async with pool.use(name) as model:
                 order.append(label)
-                with torch.no_grad():
-                    y = await model(TOKENS)
+                y = await model(TOKENS)
                 assert torch.equal(y, reference(model.module, TOKENS))
                 await done[label].wait()
 

@@ -1,7 +1,9 @@
 """``ModelPool`` on a real GPU (marked ``cuda``; skipped without one): requests on resident
-models run as shared calls (each in a worker thread, on the device replicas) and decode the
-same tokens, bit for bit, as the model run on the GPU on its own; two models in a budget that
-holds one are loaded and evicted in turn without a wrong token and within the budget."""
+models run as shared calls (each in a worker thread, on the device replicas) or as direct
+calls, and decode the same tokens, bit for bit, as the model run on the GPU on its own; two
+models in a budget that holds one are loaded and evicted in turn without a wrong token and
+within the budget, and an evicted model's memory is not reused before the kernels of its
+last direct call have read it."""
 
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ async def test_two_models_in_turn_in_a_budget_that_holds_one() -> None:
         await probe.aclose()
     budget = model_bytes + model_bytes // 2 + (64 << 10)
     async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
-        pool = ModelPool(m, shared_calls=True)
+        pool = ModelPool(m)
         for name, module in zip("ab", modules):
             pool.add(name, module)
         got: list[tuple[str, list[int]]] = []
@@ -98,6 +100,7 @@ async def test_two_models_in_turn_in_a_budget_that_holds_one() -> None:
         assert sorted(got) == sorted((name, expected["ab".index(name)]) for name in "abab" * 2)
         stats = pool.stats()
         assert stats["a"]["loads"] >= 1 and stats["b"]["loads"] >= 1
+        assert all(s["direct_calls"] == s["calls"] for s in stats.values())
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
         assert_nothing_leaked(m, pool)
         await pool.aclose()
@@ -122,5 +125,45 @@ async def test_two_resident_models_decode_the_same_tokens_in_the_pools_one_threa
             for name in "abab":
                 tg.start_soon(request, name)
         assert sorted(got) == sorted((name, expected["ab".index(name)]) for name in "abab")
+        stats = pool.stats()
+        assert all(s["direct_calls"] == s["calls"] == 2 * (STEPS + 1) for s in stats.values())
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_an_evicted_model_outlives_the_kernels_of_its_last_direct_call() -> None:
+    """A direct call's kernels are held up behind a long kernel on the compute stream; the
+    request ends at once (nothing waits for them) and the next request, for another model,
+    needs the first one's room. The eviction waits for the call's event (reported when the
+    request ended), so the second model's copy never overwrites weights not read yet: the
+    first call's logits are those of the model run on its own."""
+    modules = [await anyio.to_thread.run_sync(build, seed) for seed in (6, 7)]
+    ids = prompt(11)
+
+    def logits_on_gpu(module: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return copy.deepcopy(module).to("cuda:0")(ids).logits.cpu()
+
+    expected = await anyio.to_thread.run_sync(logits_on_gpu, modules[0])
+    async with ResidencyManager(backend="cuda") as probe_manager:
+        probe = ModelPool(probe_manager)
+        probe.add("probe", modules[0])
+        model_bytes = sum(g.charge_bytes for g in probe.module("probe").all_groups)
+        await probe.aclose()
+    budget = model_bytes + model_bytes // 2 + (64 << 10)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
+        pool = ModelPool(m)
+        for name, module in zip("ab", modules):
+            pool.add(name, module)
+        async with pool.use("a", reserve="64KiB") as model:
+            await model(ids)  # loads it; the copies have landed
+            torch.cuda._sleep(400_000_000)  # a long kernel ahead of the next call's
+            logits = (await model(ids)).logits  # enqueued behind it, not run yet
+        async with pool.use("b", reserve="64KiB") as model:  # evicts 'a' (both do not fit)
+            await model(ids)
+        assert pool.stats()["a"]["evictions"] >= 1
+        assert pool.stats()["a"]["direct_calls"] == 2
+        torch.cuda.synchronize()
+        assert torch.equal(logits.cpu(), expected)
         assert_nothing_leaked(m, pool)
         await pool.aclose()

@@ -72,8 +72,7 @@ async def test_calls_on_a_resident_model_run_at_the_same_time(shared: bool) -> N
         async def request() -> None:
             try:
                 async with pool.use("m") as model:
-                    with torch.no_grad():
-                        outputs.append(await model(TOKENS))
+                    outputs.append(await model(TOKENS))
             except Exception as error:  # the barrier broken: calls ran one after the other
                 errors.append(error)
 
@@ -103,8 +102,7 @@ async def test_a_hugging_face_model_decodes_the_same_with_shared_calls() -> None
     prompt = torch.arange(6).reshape(1, 6)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            return module(*args, **kwargs)
+        return module(*args, **kwargs)
 
     async def plain(*args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(functools.partial(forward, *args, **kwargs))
@@ -145,8 +143,7 @@ async def test_a_pipeline_call_waits_for_the_shared_calls_and_none_starts_meanwh
 
         async def shared_request() -> None:
             async with pool.use("m") as model:
-                with torch.no_grad():
-                    y = await model(TOKENS)
+                y = await model(TOKENS)
                 order.append("shared")
                 assert torch.equal(y, expected)
 
@@ -157,8 +154,7 @@ async def test_a_pipeline_call_waits_for_the_shared_calls_and_none_starts_meanwh
             assert streamed.shared_calls == 1
 
             async def pipeline_call() -> None:
-                with torch.no_grad():
-                    y = await streamed(TOKENS)
+                y = await streamed(TOKENS)
                 order.append("pipeline")
                 assert torch.equal(y, expected)
 
@@ -190,8 +186,7 @@ async def test_cancelling_a_shared_call_waits_for_its_forward_and_leaves_nothing
             with scope:
                 try:
                     async with pool.use("m") as model:
-                        with torch.no_grad():
-                            await model(TOKENS)
+                        await model(TOKENS)
                 except anyio.get_cancelled_exc_class():
                     cancelled = True
                     raise
@@ -226,13 +221,11 @@ async def test_a_shared_call_that_raises_gives_its_error_and_leaves_nothing() ->
         module.fail_next = True
         with pytest.raises(ValueError, match="a forward that fails"):
             async with pool.use("m") as model:
-                with torch.no_grad():
-                    await model(TOKENS)
+                await model(TOKENS)
         assert host_pointers(module) == before
         assert_nothing_leaked(m, pool)
         async with pool.use("m") as model:  # the next request runs as usual
-            with torch.no_grad():
-                assert torch.equal(await model(TOKENS), expected)
+            assert torch.equal(await model(TOKENS), expected)
         assert pool.stats()["m"]["shared_calls"] == 2
         await pool.aclose()
 
@@ -266,8 +259,7 @@ async def test_calls_on_resident_models_run_in_the_pools_one_thread(one_thread: 
 
         async def request(name: str) -> None:
             async with pool.use(name) as model:
-                with torch.no_grad():
-                    assert torch.equal(await model(TOKENS), expected[name])
+                assert torch.equal(await model(TOKENS), expected[name])
 
         async with anyio.create_task_group() as tg:
             for name in "abab":
@@ -297,8 +289,7 @@ async def test_a_streamed_call_keeps_its_own_thread_with_one_thread() -> None:
         module.ran_in.clear()
         async with pool.use("big") as model:
             assert model.mode == "streamed"
-            with torch.no_grad():
-                assert torch.equal(await model(TOKENS), expected)
+            assert torch.equal(await model(TOKENS), expected)
         assert module.ran_in and all(n.startswith("aresidency-stream-big") for n in module.ran_in)
         assert_nothing_leaked(m, pool)
         await pool.aclose()

@@ -10,7 +10,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from .module import StreamedModule
 
 __all__ = ["ThreadedRunner", "TorchState", "run_sequential"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,52 @@ class ThreadedRunner:
             self._executor.shutdown(wait=False)
             self._executor = None
 
+    def executor(self) -> concurrent.futures.Executor:
+        """Where the next call runs: the executor the module's
+        :meth:`~aresidency.integrations.streaming.module.StreamedModule.call_executor` names,
+        else the module's own worker thread (made on first use)."""
+        streamed = self.streamed
+        executor = streamed.call_executor()
+        if executor is not None:
+            return executor
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
+            )
+        return self._executor
+
+    async def submit(self, work: Callable[[], T], on_cancel: Callable[[], None] | None = None) -> T:
+        """Run ``work()`` in :meth:`executor` and await it without blocking the loop. When the
+        await is cancelled, call ``on_cancel()`` (if given), wait (shielded) until the thread
+        is done with ``work``, then raise: nothing of the call outlives the await."""
+        future = self.executor().submit(work)
+        done = anyio.Event()
+        bridge = self.streamed.manager.bridge
+        future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            if on_cancel is not None:
+                on_cancel()
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+            raise
+        return future.result()
+
+    def run_direct(
+        self,
+        stream: Any,
+        torch_state: TorchState,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """The worker thread, for a call whose tensors are all swapped in already (no hooks
+        fire: the call is not the pipeline's): run ``fn`` with the caller's torch state and
+        the compute stream current; return its output and an event after its last kernel."""
+        with torch_state.enter(), self.streamed.manager.backend.stream_context(stream):
+            return fn(*args, **kwargs), self._reader_event(stream)
+
     async def run(
         self,
         call: CallPipeline | RingCall,
@@ -182,28 +230,11 @@ class ThreadedRunner:
             assert resident_slot.tensors is not None
             resident.swap_in(resident_slot.tensors)
         try:
-            executor = streamed.call_executor()
-            if executor is None:
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
-                    )
-                executor = self._executor
             work = functools.partial(
                 self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
             )
-            future = executor.submit(work)
-            done = anyio.Event()
-            bridge = streamed.manager.bridge
-            future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
-            try:
-                await done.wait()
-            except anyio.get_cancelled_exc_class():
-                call.abort()  # the worker's next block fails; wait for it to unwind
-                with anyio.CancelScope(shield=True):
-                    await done.wait()
-                raise
-            result, event = future.result()
+            # Cancelled: the worker's next block fails; wait for it to unwind.
+            result, event = await self.submit(work, on_cancel=call.abort)
             if resident is not None:
                 call.give_back(resident.index, event)
             return result

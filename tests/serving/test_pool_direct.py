@@ -1,0 +1,154 @@
+"""Direct calls: a resident request's calls run the module on the held device replicas, with
+no streaming pipeline and no lease per block (``ModelPool(direct_calls=True)``, the default).
+
+On the simulated backend (CUDA simulated in host memory; released memory is poisoned, so a
+call that read weights after their release would give a wrong output)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import anyio
+import anyio.abc
+import pytest
+import torch
+
+from aresidency import ResidencyManager
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, reference
+from .test_pool import TOTAL
+from .test_pool_shared import TOKENS, Gated, host_pointers
+
+pytestmark = pytest.mark.anyio
+
+
+def leases(m: ResidencyManager) -> int:
+    return sum(1 for t in m.trace().transitions if t.kind == "lease")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_resident_calls_take_no_lease_per_block(direct: bool) -> None:
+    """Three calls in one resident request: direct, none takes a lease; through the pipeline,
+    each takes one per group. The outputs are the module's either way."""
+    module = TinyLM(seed=1)
+    expected = reference(module, TOKENS)
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m, direct_calls=direct)
+        pool.add("m", module)
+        groups = len(pool.module("m").all_groups)
+        before = host_pointers(module)
+        async with pool.use("m") as model:
+            assert model.mode == "resident"
+            leased = leases(m)
+            for _ in range(3):
+                assert torch.equal(await model(TOKENS), expected)
+            leased = leases(m) - leased
+        stats = pool.stats()["m"]
+        assert stats["calls"] == 3
+        if direct:
+            assert stats["direct_calls"] == 3 and leased == 0
+        else:
+            assert stats["direct_calls"] == 0 and leased == 3 * groups
+        assert host_pointers(module) == before, "the module's own tensors are back"
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_cancelled_direct_call_waits_for_its_forward() -> None:
+    """Cancelled while its forward runs, a direct call returns only once the thread is done
+    with the module's tensors (they point at the device replicas until then), then raises;
+    nothing is left behind and the next request runs as usual."""
+    module = Gated()
+    expected = reference(module, TOKENS)
+    module.entered.clear()
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("m", module)
+        before = host_pointers(module)
+        module.gate = threading.Event()
+        ended = anyio.Event()
+        outcome: list[str] = []
+
+        async def request(scope_box: list[anyio.CancelScope]) -> None:
+            with anyio.CancelScope() as scope:
+                scope_box.append(scope)
+                try:
+                    async with pool.use("m") as model:
+                        await model(TOKENS)
+                        outcome.append("returned")
+                finally:
+                    ended.set()
+            outcome.append("cancelled" if scope.cancelled_caught else "not cancelled")
+
+        box: list[anyio.CancelScope] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request, box)
+            await anyio.to_thread.run_sync(module.entered.wait, 10)
+            box[0].cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert not ended.is_set(), "the call returned while its forward still ran"
+            assert host_pointers(module) != before  # still on the device replicas
+            module.gate.set()
+        assert outcome == ["cancelled"]
+        assert host_pointers(module) == before
+        assert_nothing_leaked(m, pool)
+        module.gate = None
+        async with pool.use("m") as model:
+            assert torch.equal(await model(TOKENS), expected)
+        assert pool.stats()["m"]["direct_calls"] == 2
+        await pool.aclose()
+
+
+async def test_a_failing_direct_call_raises_and_leaves_the_module_as_it_was() -> None:
+    module = Gated()
+    expected = reference(module, TOKENS)
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("m", module)
+        before = host_pointers(module)
+        module.fail_next = True
+        with pytest.raises(ValueError, match="a forward that fails"):
+            async with pool.use("m") as model:
+                await model(TOKENS)
+        assert host_pointers(module) == before
+        assert_nothing_leaked(m, pool)
+        async with pool.use("m") as model:
+            assert torch.equal(await model(TOKENS), expected)
+        await pool.aclose()
+
+
+async def test_the_views_of_a_replica_go_with_its_last_hold() -> None:
+    """The views a direct call swaps in are kept between calls while the request holds the
+    replicas, and dropped when the last hold ends: an evicted replica's memory is freed, not
+    kept alive by them."""
+    modules = {name: TinyLM(seed=seed) for seed, name in enumerate("ab")}
+    expected = {name: reference(module, TOKENS) for name, module in modules.items()}
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = ModelPool(m)
+        for name, module in modules.items():
+            pool.add(name, module)
+        streamed = pool.module("a")
+        async with pool.use("a") as model:
+            assert torch.equal(await model(TOKENS), expected["a"])
+            views = streamed.held_views()
+            assert views is not None
+            first = views[0][0]
+            assert torch.equal(await model(TOKENS), expected["a"])
+            again = streamed.held_views()
+            assert again is not None and again[0][0] is first  # made once per replica
+            replicas = {h: weakref.ref(m.tensor(h, "cuda:0")) for h in streamed.handles}
+            del views, again, first
+        async with pool.use("b") as model:  # evicts (some of) 'a': both do not fit
+            assert torch.equal(await model(TOKENS), expected["b"])
+        snap = m.snapshot()
+        evicted = [
+            h
+            for h in streamed.handles
+            if all(str(r.location) != "cuda:0" for r in snap.values[h].materializations)
+        ]
+        assert evicted and pool.stats()["a"]["evictions"] >= 1
+        assert all(replicas[h]() is None for h in evicted), "an evicted replica is still alive"
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
