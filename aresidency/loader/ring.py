@@ -54,6 +54,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import mmap
 import threading
 import time
 from collections import deque
@@ -65,6 +66,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from ..backends import PinnedAllocator
 from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
@@ -73,6 +75,9 @@ from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
 from .staging import staged_layout
+
+PINNED = Location("pinned-host")
+PAGE = mmap.PAGESIZE
 
 if TYPE_CHECKING:
     from .loader import DeviceLoader
@@ -98,6 +103,9 @@ class Slot:
         "buffer",
         "charge",
         "copied",
+        "host",
+        "host_nbytes",
+        "host_reservation",
         "number",
         "pins",
         "readers",
@@ -116,6 +124,11 @@ class Slot:
         self.copied: Any = None
         self.pins: list[torch.Tensor] = []
         self.streams: list[Any] = []
+        # The slot's pinned twin, for pageable batches: reserved at pinned-host by the loop
+        # (host_nbytes, under host_reservation), allocated by the ring's thread on first use.
+        self.host: torch.Tensor | None = None
+        self.host_nbytes = 0
+        self.host_reservation: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +147,7 @@ class _Request:
     nbytes: int
     index: int
     grow: Slot | None = None
+    pageable: bool = False  # the batch has pageable tensors: its slot gets a pinned twin
     blocked_since: float | None = None
     slot: Slot | None = None
     error: BaseException | None = None
@@ -236,6 +250,12 @@ class RingEpoch:
         self._feeder: ThreadFeeder | None = None
         self._feed_scope: anyio.CancelScope | None = None
         self._arrivals: Arrivals | None = None
+        # Pinned twins of the slots (pageable batches are packed there, then copied with one
+        # DMA): page-locked by this allocator on a machine with CUDA, plain host memory in the
+        # simulation without one. ``_twins`` is cleared once pinned-host had no room.
+        self._pinned = PinnedAllocator(unpin_later=True) if torch.cuda.is_available() else None
+        self._twins = True
+        self.twin_refusal: str | None = None
 
     def __repr__(self) -> str:
         with self._cond:
@@ -393,10 +413,14 @@ class RingEpoch:
         for part in host.parts:
             offsets.append(total)
             total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
-        slot = self._acquire(max(total, ALIGN), host.index)
+        pageable = any(not part.is_pinned() for part in host.parts if part.numel())
+        slot = self._acquire(max(total, ALIGN), host.index, pageable)
         start = time.perf_counter()
         try:
-            event = self._issue(host, offsets, slot)
+            if pageable and slot.host_nbytes >= total:
+                event = self._pack(host, offsets, total, slot)
+            else:
+                event = self._issue(host, offsets, slot)
         except BaseException:
             with self._cond:
                 slot.state = FREE
@@ -443,14 +467,46 @@ class RingEpoch:
         slot.pins = pins
         return event
 
+    def _pack(self, host: HostBatch, offsets: list[int], total: int, slot: Slot) -> Any:
+        """Copy the batch's tensors into the slot's pinned twin (host memcpy in this thread,
+        after the twin's last copy out completed), then the twin into the slot with one
+        DMA after the slot's last readers; the event after it. The twin is page-locked on
+        first use, here (it blocks this thread only)."""
+        backend = self.backend
+        if slot.host is None:
+            if self._pinned is not None:
+                slot.host = self._pinned.empty((slot.host_nbytes,), torch.uint8)
+            else:
+                slot.host = torch.empty(slot.host_nbytes, dtype=torch.uint8)
+        elif slot.copied is not None:
+            _wait_host(slot.copied)  # the previous batch's DMA out of the twin
+        self._prune_pins()
+        if slot.pins:
+            self._retiring.append((slot.copied, slot.pins))
+            slot.pins = []
+        twin = slot.host
+        for part, offset in zip(host.parts, offsets, strict=True):
+            nbytes = part.numel() * part.element_size()
+            if nbytes:
+                twin[offset : offset + nbytes].view(part.dtype).view(part.shape).copy_(part)
+        event = backend.copy_into(
+            twin[:total], slot.buffer[:total], self.device, wait_events=slot.readers
+        )
+        slot.readers = []
+        slot.copied = event
+        self.counters.packed_bytes += host.nbytes
+        return event
+
     def _prune_pins(self) -> None:
         """Drop the page-locked sources whose copies completed (the thread's own list)."""
         if self._retiring:
             self._retiring = [(e, p) for e, p in self._retiring if not e.query()]
 
-    def _acquire(self, nbytes: int, index: int) -> Slot:
-        """A free slot of at least ``nbytes``, once the window allows one more batch ahead:
-        a free one that fits, else one made or grown by the loop. Blocks the thread."""
+    def _acquire(self, nbytes: int, index: int, pageable: bool = False) -> Slot:
+        """A free slot of at least ``nbytes`` (with a pinned twin as large for a ``pageable``
+        batch, while pinned-host has room for twins), once the window allows one more batch
+        ahead: a free one that fits, else one made or grown by the loop. Blocks the
+        thread."""
         with self._cond:
             while True:
                 if self._stopped:
@@ -467,7 +523,12 @@ class RingEpoch:
                 window = max(self.loader.prefetch, 1 if self._consumer_waiting else 0)
                 if ahead < window:
                     free = [s for s in self.slots if s.state == FREE]
-                    fits = [s for s in free if s.nbytes >= nbytes]
+                    twin = pageable and self._twins
+                    fits = [
+                        s
+                        for s in free
+                        if s.nbytes >= nbytes and (not twin or s.host_nbytes >= nbytes)
+                    ]
                     if fits:
                         if request is not None:
                             self._withdraw(request)
@@ -480,7 +541,7 @@ class RingEpoch:
                         grow = free[0] if free else None
                         if grow is not None:
                             grow.state = FILLING
-                        self._request = _Request(nbytes, index, grow)
+                        self._request = _Request(nbytes, index, grow, pageable)
                         self.manager.bridge.call_soon_quietly(self._service)
                 self._cond.wait()
 
@@ -550,6 +611,9 @@ class RingEpoch:
             except BaseException as failure:
                 manager.unreserve_nowait(name, self.device)
                 error = failure
+        twin_name, twin_nbytes = None, 0
+        if error is None and request.pageable and self._twins:
+            twin_name, twin_nbytes = self._reserve_twin(name, charge)
         old: Slot | None = None
         with self._cond:
             if request.cancelled or self._stopped:
@@ -562,20 +626,50 @@ class RingEpoch:
                     slot = request.grow
                     old = Slot(slot.number, slot.buffer, slot.charge, slot.reservation)
                     old.readers, old.copied, old.pins = slot.readers, slot.copied, slot.pins
+                    old.host, old.host_nbytes = slot.host, slot.host_nbytes
+                    old.host_reservation = slot.host_reservation
                     slot.buffer, slot.charge, slot.reservation = buffer, charge, name
                     slot.readers, slot.copied, slot.pins = [], None, []
+                    slot.host = None
+                    slot.host_nbytes, slot.host_reservation = twin_nbytes, twin_name
                     request.slot = slot
                 else:
                     slot = Slot(len(self.slots), buffer, charge, name)
+                    slot.host_nbytes, slot.host_reservation = twin_nbytes, twin_name
                     self.slots.append(slot)
                     request.slot = slot
                 self._cond.notify_all()
         if not answered and error is None:
             del buffer
             manager.unreserve_nowait(name, self.device)
+            if twin_name is not None:
+                self._end_twin(twin_name, twin_nbytes)
         if old is not None:
             self._retire([old])
         self._wake()
+
+    def _reserve_twin(self, name: str, charge: int) -> tuple[str | None, int]:
+        """Reserve a pinned twin for a slot of ``charge`` bytes at ``pinned-host`` (whole pages:
+        what page-locking locks); ``(None, 0)`` when it does not fit there, and from then on
+        this pass copies its pageable batches through the driver's staging instead. Loop."""
+        twin_name = f"{name} pinned"
+        nbytes = max(PAGE, -(-charge // PAGE) * PAGE)
+        try:
+            self.manager.reserve_nowait(twin_name, PINNED, nbytes)
+        except ResidencyBudgetError as refused:
+            self._twins = False
+            self.twin_refusal = str(refused)
+            return None, 0
+        counters = self.counters
+        counters.twin_bytes += nbytes
+        counters.twin_peak = max(counters.twin_peak, counters.twin_bytes)
+        return twin_name, nbytes
+
+    def _end_twin(self, name: str, nbytes: int) -> None:
+        self.counters.twin_bytes -= nbytes
+        if self.manager.running:
+            with contextlib.suppress(ValueError):  # the manager closed meanwhile
+                self.manager.unreserve_nowait(name, PINNED)
 
     def _give_back(self) -> None:
         """While a scope waits for room at the device, the free slots leave the ring (freed,
@@ -637,6 +731,13 @@ class RingEpoch:
             slot.buffer = torch.empty(0, dtype=torch.uint8)
             slot.pins = []
             slot.readers = []
+            host, slot.host = slot.host, None
+            if host is not None and self._pinned is not None:
+                self._pinned.release(host)  # unlocked on the unpinner's thread
+            del host
+            if slot.host_reservation is not None:
+                self._end_twin(slot.host_reservation, slot.host_nbytes)
+                slot.host_reservation, slot.host_nbytes = None, 0
             if self.manager.running:
                 with contextlib.suppress(ValueError):  # the manager closed meanwhile
                     self.manager.unreserve_nowait(slot.reservation, self.device)

@@ -82,6 +82,10 @@ class LoaderStats:
       memory).
     * ``pinned_bytes``: the loader's own pinned staging buffers (a file-backed source), charged
       to ``pinned-host`` as a named reservation while the loader runs; 0 otherwise.
+    * ``packed_bytes``: bytes of pageable batches the ring's thread packed into its slots'
+      pinned twins (then copied with one DMA each); ``twin_peak_bytes``: the most pinned
+      memory those twins held at once (each charged to ``pinned-host`` as a named
+      reservation while its slot exists).
     """
 
     batches: int = 0
@@ -99,6 +103,8 @@ class LoaderStats:
     copy_busy_s: float = 0.0
     host_copies: int = 0
     pinned_bytes: int = 0
+    packed_bytes: int = 0
+    twin_peak_bytes: int = 0
 
     @property
     def batches_per_s(self) -> float | None:
@@ -163,6 +169,11 @@ class LoaderStats:
             lines.append(f"host copies made by the loader: {self.host_copies}")
         if self.pinned_bytes:
             lines.append(f"pinned staging: {format_nbytes(self.pinned_bytes)}")
+        if self.packed_bytes:
+            lines.append(
+                f"packed into pinned twins: {format_nbytes(self.packed_bytes)} (twins at most "
+                f"{format_nbytes(self.twin_peak_bytes)} pinned)"
+            )
         return "\n".join(lines)
 
 
@@ -188,6 +199,9 @@ class LoaderCounters:
         self.copy_clock = BusyClock()
         self.host_copies = 0
         self.pinned_bytes = 0
+        self.packed_bytes = 0
+        self.twin_bytes = 0  # the ring's pinned twins now (reserved at pinned-host)
+        self.twin_peak = 0
         self.first_request: float | None = None
         self.last_hand_out: float | None = None
 
@@ -214,4 +228,6 @@ class LoaderCounters:
             copy_busy_s=self.copy_clock.seconds,
             host_copies=self.host_copies,
             pinned_bytes=self.pinned_bytes,
+            packed_bytes=self.packed_bytes,
+            twin_peak_bytes=self.twin_peak,
         )

@@ -105,3 +105,39 @@ async def test_a_kept_batch_is_not_overwritten_while_the_pass_goes_on() -> None:
             assert float(kept.data.min().item()) == float(kept.data.max().item()) == 1.0
             await kept.__aexit__(None, None, None)
         assert_nothing_left(m)
+
+
+async def test_a_twin_is_packed_again_only_after_its_last_copy_out_ran() -> None:
+    """prefetch=0: one slot and its pinned twin, reused by every batch. Before it lets each
+    batch go, the step holds up the copy stream with a spinning kernel, so the next batch's
+    copy out of the twin runs ~10 ms late; the step reads that batch at once (a sum on its
+    stream, after the copy) and lets it go. Packing the batch after it into the twin before
+    the late copy ran would put the wrong bytes into the batch being summed."""
+    from aresidency.backends.cuda import copy_streams
+
+    numel = 1 << 18
+    data = [torch.full((numel,), float(i)) for i in range(8)]
+    reads = []
+    async with ResidencyManager(budgets={"cuda:0": 8 * MiB}) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=0) as loader:
+            assert loader.ring
+            async for batch in loader:
+                reads.append(batch.sum())
+                with torch.cuda.stream(copy_streams(0).h2d):
+                    torch.cuda._sleep(SLEEP_CYCLES)  # ahead of the next batch's copy
+            stats = loader.stats()
+        assert_nothing_left(m)
+    assert stats.packed_bytes == sum(t.numel() * t.element_size() for t in data)
+    values = [float(r.item()) for r in reads]
+    assert values == [float(i) * numel for i in range(8)]
+
+
+async def test_page_locked_batches_are_copied_without_a_twin() -> None:
+    data = [torch.full((1 << 16,), float(i)).pin_memory() for i in range(6)]
+    async with ResidencyManager(budgets={"cuda:0": 8 * MiB}) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            sums = [batch.sum() async for batch in loader]
+            stats = loader.stats()
+        assert_nothing_left(m)
+    assert stats.packed_bytes == 0 and stats.twin_peak_bytes == 0
+    assert [float(s.item()) for s in sums] == [float(i) * (1 << 16) for i in range(6)]

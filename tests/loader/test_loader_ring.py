@@ -31,20 +31,21 @@ pytestmark = pytest.mark.anyio
 CHARGE = 1 * KiB  # a 256-float batch: 1024 B, one slot
 
 
+def is_slot(t: Any, location: str = "cuda:0") -> bool:
+    """A transition of a slot's reservation at ``location`` (``pinned-host``: its twin)."""
+    return t.name is not None and " ring " in t.name and str(t.location) == location
+
+
 def ring_names(manager: ResidencyManager) -> set[str]:
     """Every slot reservation the trace shows (made, ever)."""
-    return {
-        t.name
-        for t in manager.trace().transitions
-        if t.kind == "reserve" and t.name is not None and " ring " in t.name
-    }
+    return {t.name for t in manager.trace().transitions if t.kind == "reserve" and is_slot(t)}
 
 
-def peak_slots(manager: ResidencyManager) -> int:
-    """The most slot reservations active at once (replaying the trace)."""
+def peak_slots(manager: ResidencyManager, location: str = "cuda:0") -> int:
+    """The most slot reservations active at once at ``location`` (replaying the trace)."""
     live = peak = 0
     for t in manager.trace().transitions:
-        if t.name is not None and " ring " in t.name:
+        if is_slot(t, location):
             if t.kind == "reserve":
                 live += 1
                 peak = max(peak, live)
@@ -420,4 +421,69 @@ async def test_random_tenants_beside_the_ring_never_exceed_the_budget(seed: int)
         assert max_charge(m.trace()) <= budget
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
         assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+
+
+# ------------------------------------------------------------------ pinned twins
+
+
+def twin_names(manager: ResidencyManager) -> set[str]:
+    return {
+        t.name
+        for t in manager.trace().transitions
+        if t.kind == "reserve" and is_slot(t, "pinned-host")
+    }
+
+
+async def test_pageable_batches_are_packed_into_each_slots_pinned_twin() -> None:
+    """A pageable batch is packed into its slot's twin in the ring's thread, then copied with
+    one call: every slot has a twin of its size charged at pinned-host while it exists, and
+    nothing is left there at the end. (Simulated: the twins are not page-locked here.)"""
+    data = batches(12)
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+            got = [batch.clone() async for batch in loader]
+            stats = loader.stats()
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        assert stats.packed_bytes == sum(b.numel() * b.element_size() for b in data)
+        assert stats.twin_peak_bytes > 0
+        assert {f"{name} pinned" for name in ring_names(m)} == twin_names(m)
+        assert peak_slots(m, "pinned-host") == peak_slots(m)
+        assert "packed into pinned twins" in str(stats)
+        assert_nothing_left(m)
+
+
+async def test_a_grown_slot_gets_a_twin_as_large_and_the_old_one_goes() -> None:
+    small = [torch.full((256,), float(i)) for i in range(4)]
+    large = [torch.full((4096,), float(i)) for i in range(4, 8)]
+    data = small + large
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            got = [batch.clone() async for batch in loader]
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        charges = sorted(
+            t.nbytes
+            for t in m.trace().transitions
+            if t.kind == "reserve" and is_slot(t, "pinned-host")
+        )
+        assert charges[0] < 16 * KiB <= charges[-1]
+        assert_nothing_left(m)
+
+
+async def test_without_room_at_pinned_host_the_batches_go_through_the_driver() -> None:
+    """No room for a twin at pinned-host: the pass copies its pageable batches as before (the
+    driver's staging), says why, and charges nothing there."""
+    data = batches(8)
+    budgets = {"cuda:0": 64 * KiB, "pinned-host": 1 * KiB}
+    async with ResidencyManager(budgets=budgets, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            got = []
+            async for batch in loader:
+                got.append(batch.clone())
+                epoch = loader._epoch
+                assert isinstance(epoch, RingEpoch) and epoch.twin_refusal is not None
+            stats = loader.stats()
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        assert stats.packed_bytes == 0 and stats.twin_peak_bytes == 0
+        assert twin_names(m) == set()
         assert_nothing_left(m)
