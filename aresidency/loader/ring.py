@@ -413,7 +413,12 @@ class RingEpoch:
         for part in host.parts:
             offsets.append(total)
             total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
-        pageable = any(not part.is_pinned() for part in host.parts if part.numel())
+        pack = self.loader.pack_min_bytes
+        pageable = (
+            pack is not None
+            and host.nbytes >= pack
+            and any(not part.is_pinned() for part in host.parts if part.numel())
+        )
         slot = self._acquire(max(total, ALIGN), host.index, pageable)
         start = time.perf_counter()
         try:

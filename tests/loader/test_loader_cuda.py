@@ -119,7 +119,7 @@ async def test_a_twin_is_packed_again_only_after_its_last_copy_out_ran() -> None
     data = [torch.full((numel,), float(i)) for i in range(8)]
     reads = []
     async with ResidencyManager(budgets={"cuda:0": 8 * MiB}) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=0) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=0, pack_min_bytes=0) as loader:
             assert loader.ring
             async for batch in loader:
                 reads.append(batch.sum())

@@ -441,7 +441,7 @@ async def test_pageable_batches_are_packed_into_each_slots_pinned_twin() -> None
     nothing is left there at the end. (Simulated: the twins are not page-locked here.)"""
     data = batches(12)
     async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=3) as loader:
+        async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=0, prefetch=3) as loader:
             got = [batch.clone() async for batch in loader]
             stats = loader.stats()
         assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
@@ -458,7 +458,7 @@ async def test_a_grown_slot_gets_a_twin_as_large_and_the_old_one_goes() -> None:
     large = [torch.full((4096,), float(i)) for i in range(4, 8)]
     data = small + large
     async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+        async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=0, prefetch=1) as loader:
             got = [batch.clone() async for batch in loader]
         assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
         charges = sorted(
@@ -476,7 +476,7 @@ async def test_without_room_at_pinned_host_the_batches_go_through_the_driver() -
     data = batches(8)
     budgets = {"cuda:0": 64 * KiB, "pinned-host": 1 * KiB}
     async with ResidencyManager(budgets=budgets, backend=SimBackend()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=0, prefetch=2) as loader:
             got = []
             async for batch in loader:
                 got.append(batch.clone())
@@ -486,4 +486,25 @@ async def test_without_room_at_pinned_host_the_batches_go_through_the_driver() -
         assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
         assert stats.packed_bytes == 0 and stats.twin_peak_bytes == 0
         assert twin_names(m) == set()
+        assert_nothing_left(m)
+
+
+async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
+    small = [torch.full((256,), float(i)) for i in range(3)]  # 1 KiB
+    large = [torch.full((4096,), float(i)) for i in range(3, 6)]  # 16 KiB
+    data = small + large
+    async with ResidencyManager(budgets={"cuda:0": 256 * KiB}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=16 * KiB) as loader:
+            got = [batch.clone() async for batch in loader]
+            assert loader.stats().packed_bytes == 3 * 16 * KiB
+        async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=None) as loader:
+            got += [batch.clone() async for batch in loader]
+            assert loader.stats().packed_bytes == 0
+        async with DeviceLoader(m, data, "cuda:0") as loader:  # default: 4 MiB and up
+            got += [batch.clone() async for batch in loader]
+            assert loader.stats().packed_bytes == 0
+        assert all(torch.equal(a, b) for a, b in zip(got, data * 3, strict=True))
+        for bad in (-1, 1.5, True, "4MiB"):
+            with pytest.raises(ValueError, match="pack_min_bytes"):
+                DeviceLoader(m, data, "cuda:0", pack_min_bytes=bad)  # type: ignore[arg-type]
         assert_nothing_left(m)
