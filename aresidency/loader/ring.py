@@ -20,8 +20,13 @@ link, sets the pace. The ring keeps the byte budget and the ordering and drops t
 * **Per batch, in the ring's thread, no loop involved**: the batch's tensors are copied into a
   free slot, packed (512-byte aligned), on the backend's host-to-device copy stream after the
   slot's last readers (a device-side wait; the host never waits): page-locked tensors by one
-  driver call each (the thread keeps them alive until their copy completed), pageable ones
-  through the driver's own staging (the call returns once the bytes were taken). One event
+  driver call each (the thread keeps them alive until their copy completed). A batch with
+  pageable tensors of ``pack_min_bytes`` or more is packed into the slot's *pinned twin* (a
+  page-locked host buffer as large as the slot, reserved at ``pinned-host`` with the slot,
+  locked by this thread on first use) once the twin's last copy out completed (this thread
+  waits for it), then copied with one DMA; smaller pageable batches, and every one when
+  ``pinned-host`` has no room for twins, go through the driver's own staging (the call
+  returns once the bytes were taken, after the copy stream's earlier work). One event
   after the batch's copies; the batch joins the ready queue with its tensors as views of the
   slot. Where compute runs on the host (the simulation), the thread waits for that event
   first.
