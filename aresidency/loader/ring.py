@@ -427,9 +427,10 @@ class RingEpoch:
         slot = self._acquire(max(total, ALIGN), host.index, pageable)
         start = time.perf_counter()
         try:
+            event = None
             if pageable and slot.host_nbytes >= total:
                 event = self._pack(host, offsets, total, slot)
-            else:
+            if event is None:
                 event = self._issue(host, offsets, slot)
         except BaseException:
             with self._cond:
@@ -481,13 +482,16 @@ class RingEpoch:
         """Copy the batch's tensors into the slot's pinned twin (host memcpy in this thread,
         after the twin's last copy out completed), then the twin into the slot with one
         DMA after the slot's last readers; the event after it. The twin is page-locked on
-        first use, here (it blocks this thread only)."""
+        first use, here (it blocks this thread only); ``None`` (nothing done) when that
+        fails: no twin for the rest of the pass, and ``twin_refusal`` says why."""
         backend = self.backend
         if slot.host is None:
-            if self._pinned is not None:
-                slot.host = self._pinned.empty((slot.host_nbytes,), torch.uint8)
-            else:
-                slot.host = torch.empty(slot.host_nbytes, dtype=torch.uint8)
+            try:
+                slot.host = self._allocate_twin(slot.host_nbytes)
+            except Exception as error:  # page-locking refused (a memlock limit, no memory)
+                self._twins = False
+                self.twin_refusal = f"page-locking a pinned twin failed: {error!r}"
+                return None  # this batch and the rest of the pass go through the driver
         elif slot.copied is not None:
             _wait_host(slot.copied)  # the previous batch's DMA out of the twin
         self._prune_pins()
@@ -506,6 +510,13 @@ class RingEpoch:
         slot.copied = event
         self.counters.packed_bytes += host.nbytes
         return event
+
+    def _allocate_twin(self, nbytes: int) -> torch.Tensor:
+        """A twin of ``nbytes``: page-locked on a machine with CUDA (blocks this thread),
+        plain host memory in the simulation without one."""
+        if self._pinned is not None:
+            return self._pinned.empty((nbytes,), torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _prune_pins(self) -> None:
         """Drop the page-locked sources whose copies completed (the thread's own list)."""

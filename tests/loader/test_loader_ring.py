@@ -508,3 +508,27 @@ async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
             with pytest.raises(ValueError, match="pack_min_bytes"):
                 DeviceLoader(m, data, "cuda:0", pack_min_bytes=bad)  # type: ignore[arg-type]
         assert_nothing_left(m)
+
+
+async def test_a_twin_that_cannot_be_page_locked_leaves_the_batches_to_the_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Page-locking a twin fails (a memlock limit, say): no batch fails for it; the pass
+    copies through the driver's staging, says why, and ends with nothing left."""
+
+    def refuse(self: RingEpoch, nbytes: int) -> torch.Tensor:
+        raise RuntimeError("cudaHostRegister: out of memory (simulated refusal)")
+
+    monkeypatch.setattr(RingEpoch, "_allocate_twin", refuse)
+    data = batches(8)
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, pack_min_bytes=0) as loader:
+            got = []
+            async for batch in loader:
+                got.append(batch.clone())
+            epoch = loader._epoch
+            assert isinstance(epoch, RingEpoch)
+            assert epoch.twin_refusal is not None and "simulated refusal" in epoch.twin_refusal
+            assert loader.stats().packed_bytes == 0
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        assert_nothing_left(m)
