@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -210,14 +211,16 @@ class PooledStreamedModule(StreamedModule):
         readers: dict[int, tuple[Any, Any]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        fn: Callable[..., Any] | None = None,
     ) -> Any:
         """A direct call: the module run on the device replicas ``views`` (from
         :meth:`held_views`), which the caller's holds keep there, with no pipeline and no
         lease: one thread hop, one event. That event (after the call's kernels) goes to
         ``readers`` (stream id -> (stream, latest event on it)), which the caller reports
         with :meth:`~aresidency.ResidencyManager.track_readers` before its holds end.
-        Runs alone, like a pipeline call. Cancelling the await lets the thread finish its
-        forward, then raises (the output is dropped)."""
+        Runs alone, like a pipeline call. ``fn``: what to run instead of the module itself
+        (its ``generate``). Cancelling the await lets the thread finish its forward (or its
+        generation), then raises (the output is dropped)."""
         self._exclusive += 1
         try:
             while self.shared_calls:
@@ -238,7 +241,7 @@ class PooledStreamedModule(StreamedModule):
                         self._threaded.run_direct,
                         stream,
                         TorchState.capture(),
-                        self.module,
+                        self.module if fn is None else fn,
                         args,
                         kwargs,
                     )

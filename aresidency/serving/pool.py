@@ -270,6 +270,25 @@ class PooledModel:
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on this request's residency. Awaits the model's earlier calls, then
         the call itself (a streamed call awaits only blocks not admitted yet)."""
+        return await self._call(False, args, kwargs)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Run Hugging Face generation (``module.generate(*args, **kwargs)``) on this
+        request's residency and return what it returns. The whole generate loop runs in one
+        worker thread: on a resident request, directly on the held device replicas (one
+        thread hop for every token); streamed, through the pipeline, its prefetch window
+        wrapping around from one forward to the next (see
+        :meth:`~aresidency.integrations.StreamedModule.generate`). One call of the model, in
+        turn with its others. ``TypeError`` for a module without ``generate``."""
+        if not callable(getattr(self.module, "generate", None)):
+            raise TypeError(
+                f"{type(self.module).__name__} has no generate() method: pool a Hugging Face "
+                "model with GenerationMixin (such as LlamaForCausalLM) to generate, or await "
+                "the model itself for a forward pass"
+            )
+        return await self._call(True, args, kwargs)
+
+    async def _call(self, generate: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self._request
         if not request.active:
             raise RuntimeError(
@@ -280,7 +299,7 @@ class PooledModel:
         stats = entry.stats
         started = time.perf_counter()
         try:
-            if request.mode == "resident" and self._pool.shared_calls:
+            if request.mode == "resident" and self._pool.shared_calls and not generate:
                 # Every group is resident and held: no pipeline, beside the model's other
                 # calls (unless a pipeline call runs or waits, or a copy is still arriving).
                 leases = entry.streamed.begin_shared()
@@ -298,13 +317,18 @@ class PooledModel:
                     views = streamed.held_views()
                     if views is not None:
                         stats.direct_calls += 1
-                        return await streamed.call_held(views, request.readers, args, kwargs)
+                        fn: Callable[..., Any] | None = None
+                        if generate:
+                            fn = streamed.module.generate  # type: ignore[assignment]
+                        return await streamed.call_held(views, request.readers, args, kwargs, fn)
                 if request.mode == "streamed":
                     streamed.prefetch = request.prefetch
                 states = entry.states_at(self._pool.manager.state, self._pool.device)
                 stats.bytes_copied += sum(
                     g.charge_bytes for g in entry.groups if g.index not in states
                 )
+                if generate:
+                    return await streamed.generate(*args, **kwargs)
                 return await streamed(*args, **kwargs)
         finally:
             stats.calls += 1

@@ -167,3 +167,29 @@ async def test_an_evicted_model_outlives_the_kernels_of_its_last_direct_call() -
         assert torch.equal(logits.cpu(), expected)
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_generation_in_the_pool_gives_the_tokens_of_the_model_on_its_own() -> None:
+    """``await model.generate(...)`` on a resident request (direct: the whole loop on the
+    held replicas, one thread hop) and on a streamed one (the pipeline's window wrapping
+    around), against ``generate`` of the model run on the GPU on its own."""
+    module = await anyio.to_thread.run_sync(build, 8)
+    ids = prompt(13)
+    options: dict[str, Any] = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+
+    def on_its_own() -> torch.Tensor:
+        with torch.no_grad():
+            out: torch.Tensor = copy.deepcopy(module).to("cuda:0").generate(ids, **options)
+            return out.cpu()
+
+    expected = await anyio.to_thread.run_sync(on_its_own)
+    async with ResidencyManager(backend="cuda") as m:
+        pool = ModelPool(m)
+        pool.add("llama", module)
+        async with pool.use("llama") as model:
+            assert model.mode == "resident"
+            got = await model.generate(ids, **options)
+        assert torch.equal(got.cpu(), expected)
+        assert pool.stats()["llama"]["direct_calls"] == 1
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

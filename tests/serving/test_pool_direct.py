@@ -6,8 +6,10 @@ call that read weights after their release would give a wrong output)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -17,7 +19,7 @@ import torch
 from aresidency import ResidencyManager
 from aresidency.serving import ModelPool
 
-from ._models import TinyLM, assert_nothing_leaked, reference
+from ._models import TinyLM, assert_nothing_leaked, reference, tiny_llama
 from .test_pool import TOTAL
 from .test_pool_shared import TOKENS, Gated, host_pointers
 
@@ -151,4 +153,42 @@ async def test_the_views_of_a_replica_go_with_its_last_hold() -> None:
         assert evicted and pool.stats()["a"]["evictions"] >= 1
         assert all(replicas[h]() is None for h in evicted), "an evicted replica is still alive"
         assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+@pytest.fixture(scope="module")
+def generation_warmed_up() -> None:
+    """The first ``generate`` in a process imports and sets up much of transformers while
+    holding the interpreter lock (over a second): done here, outside any event loop."""
+    pytest.importorskip("transformers.models.llama.modeling_llama")
+    tiny_llama(seed=0).generate(torch.arange(3).reshape(1, 3), max_new_tokens=1, pad_token_id=0)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.usefixtures("generation_warmed_up")
+async def test_hugging_face_generation_in_the_pool(direct: bool) -> None:
+    """``await model.generate(...)``: the whole generate loop in one call of the model, on
+    the held replicas (direct) or through the pipeline; the tokens of the plain module."""
+    module = await anyio.to_thread.run_sync(functools.partial(tiny_llama, seed=4))
+    prompt = torch.arange(7).reshape(1, 7)
+    options: dict[str, Any] = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+
+    def plain() -> torch.Tensor:
+        out: torch.Tensor = module.generate(prompt, **options)
+        return out
+
+    expected = await anyio.to_thread.run_sync(plain)
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m, direct_calls=direct)
+        pool.add("llama", module)
+        async with pool.use("llama") as model:
+            got = await model.generate(prompt, **options)
+        assert torch.equal(got, expected)
+        stats = pool.stats()["llama"]
+        assert stats["calls"] == 1 and stats["direct_calls"] == (1 if direct else 0)
+        assert_nothing_leaked(m, pool)
+        pool.add("tiny", TinyLM())
+        async with pool.use("tiny") as model:
+            with pytest.raises(TypeError, match="no generate"):
+                await model.generate(TOKENS)
         await pool.aclose()
