@@ -305,7 +305,10 @@ async def test_random_sizes_budgets_kept_batches_and_cancellation(seed: int) -> 
     async with ResidencyManager(
         budgets=budgets, backend=SimBackend(copy_gbps=rng.choice([None, 2.0]))
     ) as m:
-        async with DeviceLoader(m, _Slow(data), "cuda:0", prefetch=prefetch, timeout=5) as loader:
+        pack = rng.choice([0, None])  # pageable batches through the pinned twins, or not
+        async with DeviceLoader(
+            m, _Slow(data), "cuda:0", prefetch=prefetch, timeout=5, pack_min_bytes=pack
+        ) as loader:
             kept: list[Any] = []
             with anyio.CancelScope() as scope:
                 async for batch in loader.batches():
@@ -405,7 +408,14 @@ async def test_random_tenants_beside_the_ring_never_exceed_the_budget(seed: int)
         got = 0
         async with (
             anyio.create_task_group() as tasks,
-            DeviceLoader(m, data, "cuda:0", prefetch=rng.randint(1, 4), timeout=10) as loader,
+            DeviceLoader(
+                m,
+                data,
+                "cuda:0",
+                prefetch=rng.randint(1, 4),
+                timeout=10,
+                pack_min_bytes=rng.choice([0, None]),
+            ) as loader,
         ):
             n = 0
             async for batch in loader:
