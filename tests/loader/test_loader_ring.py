@@ -542,3 +542,35 @@ async def test_a_twin_that_cannot_be_page_locked_leaves_the_batches_to_the_drive
             assert loader.stats().packed_bytes == 0
         assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
         assert_nothing_left(m)
+
+
+async def test_large_batches_are_packed_by_several_threads_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches of 4 MiB and more are split across the packing threads (three here, whatever
+    the machine's cores); what arrives is the source's, byte for byte, strided parts (copied
+    by torch) included."""
+    from aresidency.loader import ring
+
+    monkeypatch.setattr(ring, "PACK_THREADS", 3)
+    split = []
+    real = ring.ctypes.memmove
+    monkeypatch.setattr(
+        ring.ctypes, "memmove", lambda d, s, n: split.append(threading.get_ident()) or real(d, s, n)
+    )
+    g = torch.Generator().manual_seed(7)
+    data: list[Any] = []
+    for i in range(4):
+        x = torch.randn(6 << 18, generator=g)  # 6 MiB
+        data.append({"x": x, "t": torch.randn(64, 96, generator=g).t(), "i": i})
+    async with ResidencyManager(budgets={"cuda:0": 64 << 20}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            got = [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                async for b in loader
+            ]
+            assert loader.stats().packed_bytes == loader.stats().bytes
+        for a, b in zip(got, data, strict=True):
+            assert torch.equal(a["x"], b["x"]) and torch.equal(a["t"], b["t"]) and a["i"] == b["i"]
+        assert_nothing_left(m)
+    assert len(split) >= 3 * len(data) and threading.get_ident() not in split
