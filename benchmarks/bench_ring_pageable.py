@@ -1,9 +1,8 @@
 """The loader's ring fed from pageable host memory without a ``DataLoader``: pinned twins
 (``pack_min_bytes=0``: each batch packed into its slot's pinned twin in the ring's thread,
 then one DMA) against the driver's own staging (``pack_min_bytes=None``: the pageable copy
-waits for the copy stream first). The loader's default packs batches from 4 MiB up. The
-source is a list of pageable tensors in memory, so the ring, not a ``DataLoader``'s workers,
-sets the pace.
+waits for the copy stream first; the loader's default). The source is a list of pageable
+tensors in memory, so the ring, not a ``DataLoader``'s workers, sets the pace.
 
     python3 benchmarks/bench_ring_pageable.py [--sizes 1,4,16,64] [--batches 64]
 

@@ -24,7 +24,6 @@ from .stats import LoaderCounters, LoaderStats
 __all__ = ["DeviceLoader"]
 
 _NAMES = itertools.count()
-PACK_MIN_BYTES = 4 << 20
 
 
 class DeviceLoader:
@@ -49,8 +48,11 @@ class DeviceLoader:
     every kind of source; ``False``: every batch a managed value). ``pack_min_bytes``: in the
     ring, a batch with pageable tensors of at least this many bytes is packed into its slot's
     pinned twin by the ring's thread and copied with one DMA; a smaller one is copied through
-    the driver's own staging (on an H200 that was faster at 1 MiB, and the twins 2.6x faster at
-    16 MiB; default 4 MiB). ``0``: every pageable batch; ``None``: none.
+    the driver's own staging. ``None`` (the default): none, every pageable batch goes through
+    the driver; ``0``: every one. On an H200, from a source in memory, twins were 2.2-3.5x
+    faster from 16 MiB up (1 MiB: no gain), but behind a ``DataLoader`` with worker processes
+    they gained nothing and raised the event loop's lag: ``4 << 20`` is for sources faster
+    than the driver's pageable copy (see ``docs/loader.md``).
 
     Use::
 
@@ -83,7 +85,7 @@ class DeviceLoader:
         staging_slots: int | None = None,
         read_ahead: int | None = None,
         ring: bool | None = None,
-        pack_min_bytes: int | None = PACK_MIN_BYTES,
+        pack_min_bytes: int | None = None,
     ) -> None:
         if not isinstance(manager, ResidencyManager):
             raise TypeError(f"DeviceLoader needs a ResidencyManager, got {type(manager).__name__}")

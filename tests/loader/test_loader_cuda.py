@@ -135,7 +135,7 @@ async def test_a_twin_is_packed_again_only_after_its_last_copy_out_ran() -> None
 async def test_page_locked_batches_are_copied_without_a_twin() -> None:
     data = [torch.full((1 << 16,), float(i)).pin_memory() for i in range(6)]
     async with ResidencyManager(budgets={"cuda:0": 8 * MiB}) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, pack_min_bytes=0) as loader:
             sums = [batch.sum() async for batch in loader]
             stats = loader.stats()
         assert_nothing_left(m)

@@ -510,7 +510,7 @@ async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
         async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=None) as loader:
             got += [batch.clone() async for batch in loader]
             assert loader.stats().packed_bytes == 0
-        async with DeviceLoader(m, data, "cuda:0") as loader:  # default: 4 MiB and up
+        async with DeviceLoader(m, data, "cuda:0") as loader:  # default: no twins
             got += [batch.clone() async for batch in loader]
             assert loader.stats().packed_bytes == 0
         assert all(torch.equal(a, b) for a, b in zip(got, data * 3, strict=True))
@@ -564,7 +564,7 @@ async def test_large_batches_are_packed_by_several_threads_bit_identical(
         x = torch.randn(6 << 18, generator=g)  # 6 MiB
         data.append({"x": x, "t": torch.randn(64, 96, generator=g).t(), "i": i})
     async with ResidencyManager(budgets={"cuda:0": 64 << 20}, backend=SimBackend()) as m:
-        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, pack_min_bytes=0) as loader:
             got = [
                 {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                 async for b in loader
