@@ -5,7 +5,8 @@
 #   bash benchmarks/device_all.sh            # from the repository root, on the GPU machine
 #
 # PARTS picks what runs (default: all of "tests examples copy scope stream loader serve";
-# "overhead", the host time per pool call, runs only when named);
+# "overhead", the host time per pool call, and "profile", where the manager's small copies
+# spend host time, run only when named; "none": nothing but the wheels);
 # TEST_PATHS narrows the test directories; TEST_K the tests, with pytest -k (for example
 # "not uvloop and not trio": asyncio only). STREAM_ARGS, LOADER_ARGS, SERVE_ARGS pass options
 # (such as --quick) to those benchmarks; SCOPE_QUICK=1 runs bench_scope on asyncio only;
@@ -87,6 +88,11 @@ fi
 if has overhead; then
   timeout 120 python3 benchmarks/bench_call_overhead.py --backend cuda > "$OUT/bench_call_overhead.log" 2>&1
   echo "== bench_call_overhead rc=$?"; tail -n 8 "$OUT/bench_call_overhead.log"
+fi
+
+if has profile; then
+  timeout 120 python3 benchmarks/profile_manager_copies.py --backend cuda > "$OUT/profile_manager_copies.log" 2>&1
+  echo "== profile_manager_copies rc=$?"; head -n 45 "$OUT/profile_manager_copies.log"
 fi
 
 if has serve && [ -f benchmarks/bench_serve.py ]; then
