@@ -208,7 +208,7 @@ class PooledStreamedModule(StreamedModule):
     async def call_held(
         self,
         views: list[list[torch.Tensor]],
-        readers: dict[int, tuple[Any, Any]],
+        readers: dict[Any, Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         fn: Callable[..., Any] | None = None,
@@ -216,7 +216,9 @@ class PooledStreamedModule(StreamedModule):
         """A direct call: the module run on the device replicas ``views`` (from
         :meth:`held_views`), which the caller's holds keep there, with no pipeline and no
         lease: one thread hop, one event. That event (after the call's kernels) goes to
-        ``readers`` (stream id -> (stream, latest event on it)), which the caller reports
+        ``readers`` (stream -> the latest event on it; streams compare equal when they are the
+        same device stream, as the ``torch.cuda.current_stream()`` objects made at each call
+        are), which the caller reports
         with :meth:`~aresidency.ResidencyManager.track_readers` before its holds end.
         Runs alone, like a pipeline call. ``fn``: what to run instead of the module itself
         (its ``generate``). Cancelling the await lets the thread finish its forward (or its
@@ -252,7 +254,7 @@ class PooledStreamedModule(StreamedModule):
                     if reader is None:
                         # The thread raised (or was never reached): after what it enqueued.
                         reader = backend.record_event(None if self.host_compute else stream)
-                    readers[id(stream)] = (stream, reader)
+                    readers[stream] = reader
                 return result
         finally:
             self._exclusive -= 1

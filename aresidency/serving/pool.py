@@ -216,8 +216,8 @@ class _Request:
         self.kept: list[int] = []
         self.record: PoolDecision | None = None
         self.active = False
-        # Direct calls' reader events, the latest per compute stream: id -> (stream, event).
-        self.readers: dict[int, tuple[Any, Any]] = {}
+        # Direct calls' reader events, the latest per compute stream (stream -> event).
+        self.readers: dict[Any, Any] = {}
 
     @property
     def label(self) -> str:
@@ -1158,7 +1158,7 @@ class ModelPool:
         if request.active:
             request.active = False
             self._admitted -= 1
-            events = [event for _, event in request.readers.values()]
+            events = list(request.readers.values())
             request.readers.clear()
             try:
                 if events:  # the direct calls' kernels read the held replicas

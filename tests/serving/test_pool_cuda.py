@@ -159,6 +159,9 @@ async def test_an_evicted_model_outlives_the_kernels_of_its_last_direct_call() -
             await model(ids)  # loads it; the copies have landed
             torch.cuda._sleep(400_000_000)  # a long kernel ahead of the next call's
             logits = (await model(ids)).logits  # enqueued behind it, not run yet
+            # one event kept for both calls: the current stream's objects, made at each
+            # call, are the same device stream
+            assert len(model._request.readers) == 1
         async with pool.use("b", reserve="64KiB") as model:  # evicts 'a' (both do not fit)
             await model(ids)
         assert pool.stats()["a"]["evictions"] >= 1
