@@ -36,6 +36,17 @@ def prompt(seed: int) -> torch.Tensor:
     return torch.randint(0, 128, (1, 12), generator=g).to("cuda:0")
 
 
+async def budget_for_one(module: nn.Module) -> int:
+    """A budget that holds one pooled copy of ``module`` (its groups as the pool charges
+    them) and half of another: two such models cannot both be resident."""
+    async with ResidencyManager(backend="cuda") as probe_manager:
+        probe = ModelPool(probe_manager)
+        probe.add("probe", module)
+        model_bytes = sum(g.charge_bytes for g in probe.module("probe").all_groups)
+        await probe.aclose()
+    return model_bytes + model_bytes // 2 + (64 << 10)
+
+
 def on_gpu(module: nn.Module, ids: torch.Tensor) -> list[int]:
     """The greedy tokens of a copy of ``module`` run on the GPU on its own (worker thread)."""
     gpu = copy.deepcopy(module).to("cuda:0")
@@ -77,13 +88,7 @@ async def test_two_models_in_turn_in_a_budget_that_holds_one() -> None:
     modules = [await anyio.to_thread.run_sync(build, seed) for seed in (2, 3)]
     ids = prompt(7)
     expected = [await anyio.to_thread.run_sync(on_gpu, module, ids) for module in modules]
-    async with ResidencyManager(backend="cuda") as probe_manager:
-        probe = ModelPool(probe_manager)
-        probe.add("probe", modules[0])
-        one = probe.module("probe")
-        model_bytes = sum(g.charge_bytes for g in one.all_groups)
-        await probe.aclose()
-    budget = model_bytes + model_bytes // 2 + (64 << 10)
+    budget = await budget_for_one(modules[0])
     async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
         pool = ModelPool(m)
         for name, module in zip("ab", modules):
@@ -145,12 +150,7 @@ async def test_an_evicted_model_outlives_the_kernels_of_its_last_direct_call() -
             return copy.deepcopy(module).to("cuda:0")(ids).logits.cpu()
 
     expected = await anyio.to_thread.run_sync(logits_on_gpu, modules[0])
-    async with ResidencyManager(backend="cuda") as probe_manager:
-        probe = ModelPool(probe_manager)
-        probe.add("probe", modules[0])
-        model_bytes = sum(g.charge_bytes for g in probe.module("probe").all_groups)
-        await probe.aclose()
-    budget = model_bytes + model_bytes // 2 + (64 << 10)
+    budget = await budget_for_one(modules[0])
     async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
         pool = ModelPool(m)
         for name, module in zip("ab", modules):
