@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,16 +76,13 @@ METHODS = [
     "pin+non_blocking",
     "pin+side stream",
     "aresidency",
+    "aresidency twins",
     "aresidency values",
     "aresidency shards",
 ]
 PREFETCH = 4
 ONLY: set[str] = set()  # --methods: run only these (empty: all)
 DUMP_TASKS_AT: list[float] = []  # --dump-after: when to print every task's stack
-
-
-class _Skipped(Exception):
-    """A method left out with --methods."""
 
 
 PREFETCH_FACTOR = 2  # the DataLoader's default
@@ -381,10 +378,13 @@ async def run_aresidency(
     steps: int,
     batch_bytes: int,
     ring: bool | None = None,
+    pack_min_bytes: int | None = None,
 ) -> Result:
     clock = StepClock(dev)
     async with manager_for(dev, batch_bytes) as m, ticker() as lags:
-        async with DeviceLoader(m, source, "cuda:0", prefetch=PREFETCH, ring=ring) as loader:
+        async with DeviceLoader(
+            m, source, "cuda:0", prefetch=PREFETCH, ring=ring, pack_min_bytes=pack_min_bytes
+        ) as loader:
             done = 0
             while done < steps:  # a shard source holds fewer batches: several passes
                 async for batch in loader:
@@ -454,34 +454,8 @@ async def run_size(
         except Exception as error:
             traceback.print_exc()
             results[name] = Result(error=f"{type(error).__name__}: {error}")
-    log(f"{mib} MiB: aresidency")
-    try:
-        if ONLY and "aresidency" not in ONLY:
-            raise _Skipped
-        results["aresidency"] = await run_aresidency(
-            dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes
-        )
-    except _Skipped:
-        pass
-    except Exception as error:
-        traceback.print_exc()
-        results["aresidency"] = Result(error=f"{type(error).__name__}: {error}")
-    log(f"{mib} MiB: aresidency values")
-    try:
-        if ONLY and "aresidency values" not in ONLY:
-            raise _Skipped
-        results["aresidency values"] = await run_aresidency(
-            dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes, False
-        )
-    except _Skipped:
-        pass
-    except Exception as error:
-        traceback.print_exc()
-        results["aresidency values"] = Result(error=f"{type(error).__name__}: {error}")
-    log(f"{mib} MiB: aresidency shards")
-    try:
-        if ONLY and "aresidency shards" not in ONLY:
-            raise _Skipped
+
+    async def shards() -> Result:
         shard_dir = tmp / f"{batch_bytes}B"
         shard_dir.mkdir()
         # At most 1 GiB of files (each new pass over them starts with an empty pipeline, so
@@ -489,14 +463,35 @@ async def run_size(
         in_files = min(steps, max(16, (1 << 30) // batch_bytes))
         paths = write_shards(shard_dir, in_files, batch_bytes)
         with ShardSource(paths, batch_size=batch_bytes // (ROW * 4), drop_last=True) as source:
-            results["aresidency shards"] = await run_aresidency(
-                dev, step, source, warmup, steps, batch_bytes
-            )
-    except _Skipped:
-        pass
-    except Exception as error:
-        traceback.print_exc()
-        results["aresidency shards"] = Result(error=f"{type(error).__name__}: {error}")
+            return await run_aresidency(dev, step, source, warmup, steps, batch_bytes)
+
+    ours: dict[str, Callable[[], Awaitable[Result]]] = {
+        "aresidency": lambda: run_aresidency(
+            dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes
+        ),
+        "aresidency twins": lambda: run_aresidency(
+            dev,
+            step,
+            dataloader(dataset, workers, False),
+            warmup,
+            steps,
+            batch_bytes,
+            pack_min_bytes=4 * MiB,
+        ),
+        "aresidency values": lambda: run_aresidency(
+            dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes, False
+        ),
+        "aresidency shards": shards,
+    }
+    for name, arun in ours.items():
+        if ONLY and name not in ONLY:
+            continue
+        log(f"{mib} MiB: {name}")
+        try:
+            results[name] = await arun()
+        except Exception as error:
+            traceback.print_exc()
+            results[name] = Result(error=f"{type(error).__name__}: {error}")
     return results
 
 
