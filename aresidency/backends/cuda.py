@@ -100,6 +100,9 @@ def _done(event: Any) -> bool:
 
 def copy_streams(device: int) -> CopyStreams:
     """The dedicated copy streams of ``cuda:device`` (created on first use)."""
+    streams = _STREAMS.get(device)  # never removed: the lock is for the first use only
+    if streams is not None:
+        return streams
     with _STREAMS_LOCK:
         streams = _STREAMS.get(device)
         if streams is None:
@@ -118,6 +121,34 @@ def _new_stream(device: int) -> torch.cuda.Stream:
         pool: Any = torch.cuda.Stream
         stream = pool(device=device)
     return stream
+
+
+class on_stream:  # a context manager, named like torch's
+    """``with torch.cuda.device(stream.device), torch.cuda.stream(stream)``, at a fraction of
+    the host cost: the calling thread's current device is ``stream``'s and its current stream
+    there is ``stream`` until the block ends, then both are restored.
+
+    torch's context managers look the current device up through ``torch.cuda.is_available()``
+    at every construction and entry (two to four calls a block); on a host whose other threads
+    hold the GIL that made them the largest single host cost of a small copy. This one asks
+    for the current device once (``torch.cuda.current_device``) and passes device indices
+    everywhere else."""
+
+    __slots__ = ("_prev_device", "_prev_stream", "_stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        stream = self._stream
+        self._prev_device = torch.cuda.current_device()
+        self._prev_stream = torch.cuda.current_stream(stream.device_index)
+        torch.cuda.set_stream(stream)  # makes its device the current one too
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self._prev_stream)
+        if self._prev_device != self._stream.device_index:
+            torch.cuda.set_device(self._prev_device)
 
 
 _DRIVER: list[Any] = []  # [CudaDriver or None] once looked up
@@ -435,7 +466,7 @@ class CudaBackend(Backend):
         """``torch.cuda.stream(stream)``: kernels the calling thread enqueues go to it."""
         if stream is None:
             return contextlib.nullcontext()
-        return torch.cuda.stream(stream)
+        return on_stream(stream)
 
     def _notify_device(self, event: DeviceEvent, callback: CompletionCallback) -> None:
         """CUDA events go to the waiter thread (see :mod:`~aresidency.backends.waiter`)."""
@@ -531,7 +562,7 @@ class CudaBackend(Backend):
                 j, dst.data_ptr(), src.data_ptr(), nbytes, int(stream.cuda_stream)
             )
         else:
-            with torch.cuda.stream(stream):
+            with on_stream(stream):
                 dst.copy_(src, non_blocking=True)
         if event is None:
             event = cuda_event()
@@ -601,7 +632,7 @@ class CudaBackend(Backend):
     ) -> Transfer:
         i, j = src_loc.device_index, dst_loc.device_index
         s_i, s_j = copy_streams(i).peer, copy_streams(j).peer
-        with torch.cuda.device(j), torch.cuda.stream(s_j):
+        with on_stream(s_j):
             dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
         fail = self.faults.next_transfer_fails()
         route = "peer" if i != j else "device"
@@ -611,15 +642,15 @@ class CudaBackend(Backend):
             for event in device_waits:
                 s_i.wait_event(event)
             if i == j:
-                with torch.cuda.stream(s_i):
+                with on_stream(s_i):
                     dst.copy_(src, non_blocking=True)
             else:
                 # torch's cross-device copy_ runs on the source device's current stream and
                 # makes the destination's current stream wait for it: set both to ours.
-                with torch.cuda.stream(s_i), torch.cuda.stream(s_j):
+                with on_stream(s_i), on_stream(s_j):
                     dst.copy_(src, non_blocking=True)
             if fail:
-                with torch.cuda.stream(s_j):
+                with on_stream(s_j):
                     poison_(dst)
             rate = _PEER_BYTES_PER_S if i != j else _DEVICE_BYTES_PER_S
             return self._record(s_j, self._expect(s_j, nbytes, rate))
@@ -638,17 +669,18 @@ class CudaBackend(Backend):
     ) -> Transfer:
         j = dst_loc.device_index
         stream = copy_streams(j).h2d
-        with torch.cuda.device(j), torch.cuda.stream(stream):
+        with on_stream(stream):
             dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
         fail = self.faults.next_transfer_fails()
-        direct = src.is_pinned() or nbytes <= self.inline_pageable_bytes
-        route = "direct" if src.is_pinned() else "inline-pageable" if direct else "staged"
+        pinned = src.is_pinned()
+        direct = pinned or nbytes <= self.inline_pageable_bytes
+        route = "direct" if pinned else "inline-pageable" if direct else "staged"
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
 
         if direct:
 
             def issue() -> DeviceEvent:
-                with torch.cuda.device(j), torch.cuda.stream(stream):
+                with on_stream(stream):
                     for event in device_waits:
                         stream.wait_event(event)
                     dst.copy_(src, non_blocking=True)
@@ -664,7 +696,7 @@ class CudaBackend(Backend):
             try:
                 for event in host_waits:
                     _host_wait(event)
-                with torch.cuda.device(j), torch.cuda.stream(stream):
+                with on_stream(stream):
                     for event in device_waits:
                         stream.wait_event(event)
                     flat = src if src.is_contiguous() else src.contiguous()
@@ -706,7 +738,7 @@ class CudaBackend(Backend):
             def issue() -> DeviceEvent:
                 if needs_pin:
                     self.pinned.pin(dst)  # worker thread: faults in and locks the pages
-                with torch.cuda.device(i), torch.cuda.stream(stream):
+                with on_stream(stream):
                     for event in device_waits:
                         stream.wait_event(event)
                     dst.copy_(src, non_blocking=True)
@@ -734,7 +766,7 @@ class CudaBackend(Backend):
             try:
                 for event in host_waits:
                     _host_wait(event)
-                with torch.cuda.device(i), torch.cuda.stream(stream):
+                with on_stream(stream):
                     flat = src if src.is_contiguous() else src.contiguous()
                     copy_d2h_staged(lane, as_bytes(flat), as_bytes(dst), stream, transfer.cancelled)
                 if fail:

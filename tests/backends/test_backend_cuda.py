@@ -20,6 +20,7 @@ from aresidency.backends import (
     is_poisoned,
 )
 from aresidency.backends.bridge import LoopBridge
+from aresidency.backends.cuda import copy_streams, on_stream
 from aresidency.backends.memory import as_bytes
 from aresidency.backends.polling import EventNotes
 from aresidency.core.locations import Location
@@ -576,6 +577,36 @@ def test_check_location_and_host_streams() -> None:
     assert b.current_stream(_loc("pageable-host")) is None
     assert b.record_event(None).query()
     assert b.name == "cuda" and not b.simulated
+
+
+def test_on_stream_sets_and_restores_the_threads_stream_and_device() -> None:
+    """The backend's cheap replacement for ``torch.cuda.device`` + ``torch.cuda.stream``:
+    kernels inside go to the stream, and the thread's stream and device come back after the
+    block, after an error too."""
+    stream = copy_streams(0).h2d
+    before = torch.cuda.current_stream(0)
+    with on_stream(stream):
+        assert torch.cuda.current_stream(0) == stream
+        assert torch.cuda.current_device() == 0
+        torch.cuda._sleep(SLEEP_CYCLES)  # goes to our stream, not the default one
+    assert not stream.query() and before.query()
+    stream.synchronize()
+    assert torch.cuda.current_stream(0) == before
+    with pytest.raises(KeyError), on_stream(stream):
+        raise KeyError("inside")
+    assert torch.cuda.current_stream(0) == before
+
+
+@pytest.mark.cuda2
+def test_on_stream_of_another_device_restores_the_current_device() -> None:
+    torch.cuda.set_device(0)
+    before = [torch.cuda.current_stream(i) for i in (0, 1)]
+    s0, s1 = copy_streams(0).peer, copy_streams(1).peer
+    with on_stream(s0), on_stream(s1):
+        assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_stream(0) == s0 and torch.cuda.current_stream(1) == s1
+    assert torch.cuda.current_device() == 0
+    assert [torch.cuda.current_stream(i) for i in (0, 1)] == before
 
 
 @pytest.mark.cuda2

@@ -1,0 +1,160 @@
+"""Where a small copy through the manager spends its time, without a profiler: ``--count``
+registered values of ``--size`` bytes (pinned sources) copied to ``cuda:0`` at once, timed in
+parts. Each row is the median of ``--rounds`` rounds, in microseconds per copy:
+
+* ``backend issue`` / ``backend total``: ``CudaBackend.copy`` for every value (the host's issue
+  time), then every transfer awaited and freed (the whole round);
+* ``nowait issue`` / ``nowait total``: ``materialize_nowait`` for every value, then every
+  pending operation awaited (the runtime's admission, plan, commit and settle on top);
+* ``release nowait``: ``release_nowait`` for every value and their awaits;
+* ``tasks``: one task per value calling ``await manager.materialize`` (``bench_copy.py``'s
+  manager row);
+* ``4 KiB tasks``: the same with 4 KiB values, where the device's copy time is negligible:
+  the runtime's own cost per operation.
+
+The GB/s column is the size over the row's time per copy.
+
+    python3 benchmarks/diag_manager_copies.py                 # CUDA if present, else sim
+    python3 benchmarks/diag_manager_copies.py --size 4MiB --count 64 --rounds 15
+
+On the simulated backend (CUDA simulated in host memory) the figures are the simulation's: a
+smoke test of the script, not a measurement of the CUDA path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aresidency import ReplicaMode, ResidencyManager
+from aresidency.core.locations import Location
+from aresidency.core.sizes import format_nbytes, parse_nbytes
+
+
+def _sync(gpu: bool) -> None:
+    if gpu:
+        torch.cuda.synchronize()
+
+
+async def _median_us(
+    fn: Callable[[], Awaitable[dict[str, float]]], rounds: int, count: int
+) -> dict[str, float]:
+    await fn()  # warm-up
+    samples: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for key, seconds in (await fn()).items():
+            samples.setdefault(key, []).append(seconds / count * 1e6)
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+async def main(args: argparse.Namespace) -> None:
+    gpu = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    nbytes = parse_nbytes(args.size)
+    count = args.count
+    rows: dict[str, float] = {}
+    async with ResidencyManager(backend="cuda" if gpu else "sim") as m:
+        backend: Any = m.backend
+        host, dev = (
+            Location.parse("pinned-host" if gpu else "pageable-host"),
+            Location.parse("cuda:0"),
+        )
+
+        def sources(size: int) -> list[torch.Tensor]:
+            out = []
+            for _ in range(count):
+                t = torch.empty(size // 4, dtype=torch.float32)
+                out.append(t.pin_memory() if gpu else t)
+            return out
+
+        big = sources(nbytes)
+        handles = [
+            m.register(s, name=f"v{i}", replica_mode=ReplicaMode.REPLICABLE, location=host)
+            for i, s in enumerate(big)
+        ]
+        small = [
+            m.register(s, name=f"s{i}", replica_mode=ReplicaMode.REPLICABLE, location=host)
+            for i, s in enumerate(sources(4096))
+        ]
+
+        async def backend_round() -> dict[str, float]:
+            _sync(gpu)
+            t0 = time.perf_counter()
+            transfers = [backend.copy(s, host, dev) for s in big]
+            t1 = time.perf_counter()
+            for t in transfers:
+                await t.wait()
+            t2 = time.perf_counter()
+            for t in transfers:
+                backend.free(t.tensor, dev)
+            return {"backend issue": t1 - t0, "backend total": t2 - t0}
+
+        async def nowait_round() -> dict[str, float]:
+            _sync(gpu)
+            t0 = time.perf_counter()
+            pending = [m.materialize_nowait(h, dev) for h in handles]
+            t1 = time.perf_counter()
+            for p in pending:
+                await p
+            t2 = time.perf_counter()
+            released = [m.release_nowait(h, dev) for h in handles]
+            for p in released:
+                await p
+            t3 = time.perf_counter()
+            return {"nowait issue": t1 - t0, "nowait total": t2 - t0, "release nowait": t3 - t2}
+
+        def tasks_round(which: list[Any], label: str) -> Callable[[], Awaitable[dict[str, float]]]:
+            async def run() -> dict[str, float]:
+                _sync(gpu)
+                t0 = time.perf_counter()
+                async with anyio.create_task_group() as tasks:
+                    for h in which:
+                        tasks.start_soon(m.materialize, h, dev)
+                t1 = time.perf_counter()
+                async with anyio.create_task_group() as tasks:
+                    for h in which:
+                        tasks.start_soon(m.release, h, dev)
+                return {label: t1 - t0}
+
+            return run
+
+        for fn in (
+            backend_round,
+            nowait_round,
+            tasks_round(handles, "tasks"),
+            tasks_round(small, "4 KiB tasks"),
+        ):
+            rows.update(await _median_us(fn, args.rounds, count))
+    where = "cuda" if gpu else "sim (simulation, not a measurement)"
+    print(
+        f"{count} copies of {format_nbytes(nbytes)} at once, {where}, torch {torch.__version__}, "
+        f"median of {args.rounds} rounds"
+    )
+    print("| part | us per copy | GB/s |")
+    print("|---|---|---|")
+    for key, us in rows.items():
+        size = 4096 if key.startswith("4 KiB") else nbytes
+        rate = "" if "issue" in key or "release" in key else f"{size / us / 1e3:.1f}"
+        print(f"| {key} | {us:.1f} | {rate} |")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--backend", choices=("auto", "cuda", "sim"), default="auto")
+    parser.add_argument("--size", default="4MiB")
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=15)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    anyio.run(main, parse())
