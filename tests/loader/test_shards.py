@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from aresidency import ResidencyBudgetError, ResidencyManager
 from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader, ShardSource, TensorSpec
+from aresidency.loader import shards as shards_module
 
 from ._support import KiB, assert_nothing_left, max_charge
 
@@ -66,6 +67,65 @@ def test_npy_shards_by_key_and_a_directory_of_them_read_the_same(tmp_path: Path)
         assert torch.equal(torch.cat(list(by_directory)), expected)
     with ShardSource({"x": files}, batch_size=3) as by_key:
         assert torch.equal(torch.cat([b["x"] for b in by_key]), expected)
+
+
+@pytest.mark.parametrize("kind", ["npy", "safetensors"])
+def test_runs_of_samples_are_read_from_the_file_not_copied_from_the_mapping(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contiguous runs go through pread (no page fault per page of the mapping, no torch
+    thread pool); the data is the same as the mapping's, and the mapping path stays right."""
+    if kind == "npy":
+        arrays = [
+            np.arange(rows * 6, dtype=np.float32).reshape(rows, 6) + 100 * i
+            for i, rows in enumerate(ROWS)
+        ]
+        for number, array in enumerate(arrays):
+            np.save(tmp_path / f"x-{number}.npy", array)
+        expected = {"x": torch.from_numpy(np.concatenate(arrays))}
+        paths: Any = tmp_path
+    else:
+        paths, x, y = write_safetensors(tmp_path)
+        expected = {"x": x, "y": y}
+
+    def read_all(source: ShardSource) -> dict[str, torch.Tensor]:
+        batches = list(source)
+        if source.tensor_batches:
+            return {"x": torch.cat(batches)}
+        return {k: torch.cat([b[k] for b in batches]) for k in expected}
+
+    reads: list[int] = []
+    real = shards_module._pread_into
+    monkeypatch.setattr(
+        shards_module, "_pread_into", lambda fd, off, dst: (reads.append(off), real(fd, off, dst))
+    )
+    with ShardSource(paths, batch_size=4) as source:
+        got = read_all(source)
+    assert reads, "no run was read with pread"
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    monkeypatch.setattr(shards_module, "_PREAD", False)
+    reads.clear()
+    with ShardSource(paths, batch_size=4) as source:
+        got = read_all(source)
+    assert not reads
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
+    tmp_path: Path,
+) -> None:
+    """A file truncated under the source: pread says so (a read from the mapping would kill
+    the process with SIGBUS)."""
+    path = tmp_path / "x-0.npy"
+    np.save(path, np.ones((64, 256), dtype=np.float32))
+    with ShardSource([path], batch_size=16) as source:
+        plans = source.plan_epoch()
+        with open(path, "r+b") as file:
+            file.truncate(path.stat().st_size - 20 * 1024)
+        buffer = torch.zeros(source.max_batch_nbytes, dtype=torch.uint8)
+        source.read_into(plans[0], buffer)  # still in the file
+        with pytest.raises(OSError, match=r"ended early: \d+ B missing"):
+            source.read_into(plans[3], buffer)
 
 
 def test_read_into_lays_each_key_out_aligned_in_one_buffer(tmp_path: Path) -> None:
