@@ -56,7 +56,7 @@ from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Trans
 from .bridge import LoopBridge
 from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
-from .memory import as_bytes, poison_
+from .memory import as_bytes, host_fill, poison_
 from .pinned import (
     PinnedAllocator,
     cuda_event,
@@ -849,8 +849,9 @@ _COPY_LATENCY_S = 10e-6
 
 
 def _prefault(raw: torch.Tensor) -> None:
-    """Fault in a new slab before registering it (torch's fill runs on several threads)."""
-    raw.fill_(0)
+    """Fault in a new slab before registering it (a few threads of our own: see
+    :func:`~aresidency.backends.memory.host_fill`)."""
+    host_fill(raw.data_ptr(), raw.numel() * raw.element_size())
 
 
 def _device(loc: Location) -> torch.device:

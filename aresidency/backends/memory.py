@@ -6,15 +6,35 @@
   (NaN for floating and complex dtypes, the byte 0xA5 otherwise). The simulation poisons every
   allocation and every release; both backends poison the destination of a transfer that fault
   injection fails, so a read that should not have happened shows up in tests.
+* :func:`host_copy` / :func:`host_fill`: large copies and fills of host memory (packing
+  pinned twins, faulting in new pinned slabs) in at most :data:`HOST_THREADS` threads of the
+  process's own, through libc's ``memmove``/``memset`` without the interpreter lock. torch's
+  ``copy_``/``fill_`` would run on its intra-op pool, one thread per core, which competes with
+  the event loop and a ``DataLoader``'s workers for every core (measured on an H200 host: the
+  loop's lag p99 went from 0.4 ms to 3-10 ms while twins were packed that way).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
 
-__all__ = ["POISON_BYTE", "as_bytes", "is_poisoned", "poison_"]
+__all__ = [
+    "HOST_THREADS",
+    "POISON_BYTE",
+    "as_bytes",
+    "host_copy",
+    "host_fill",
+    "is_poisoned",
+    "poison_",
+]
 
 POISON_BYTE: Final = 0xA5
 
@@ -53,3 +73,69 @@ def is_poisoned(tensor: torch.Tensor) -> torch.Tensor:
     raw = as_bytes(tensor.contiguous())
     per_elem = (raw == POISON_BYTE).view(-1, tensor.element_size()).all(dim=1)
     return per_elem.view(tensor.shape)
+
+
+#: Threads of :func:`host_copy` and :func:`host_fill` (a quarter of the CPUs, 1 to 4).
+HOST_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
+#: Work this large or more is split across the threads; less runs in the calling thread.
+HOST_SPLIT_BYTES = 4 << 20
+_host_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
+
+
+def _split(total: int) -> int:
+    """The bytes each thread takes (page-aligned), or 0 to stay in the calling thread."""
+    if HOST_THREADS == 1 or total < HOST_SPLIT_BYTES:
+        return 0
+    step = -(-total // HOST_THREADS)
+    return -(-step // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _host_pool
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = concurrent.futures.ThreadPoolExecutor(
+                HOST_THREADS, thread_name_prefix="aresidency-host-copy"
+            )
+        return _host_pool
+
+
+def _run_all(calls: list[tuple[Callable[..., object], int, int, int]]) -> None:
+    pool = _pool()
+    futures = [pool.submit(fn, a, b, n) for fn, a, b, n in calls]
+    for future in futures:
+        future.result()
+
+
+def host_copy(spans: Sequence[tuple[int, int, int]]) -> None:
+    """Copy each ``(destination address, source address, nbytes)`` span of host memory and
+    return when all are done (blocks the calling thread, never holds the interpreter lock
+    while copying). Large work is split, page-aligned, across :data:`HOST_THREADS` threads."""
+    step = _split(sum(n for _, _, n in spans))
+    if not step:
+        for dst, src, n in spans:
+            ctypes.memmove(dst, src, n)
+        return
+    _run_all(
+        [
+            (ctypes.memmove, dst + off, src + off, min(step, n - off))
+            for dst, src, n in spans
+            for off in range(0, n, step)
+        ]
+    )
+
+
+def host_fill(address: int, nbytes: int, byte: int = 0) -> None:
+    """Set ``nbytes`` of host memory at ``address`` to ``byte`` (faulting new pages in), as
+    :func:`host_copy` does its copies."""
+    step = _split(nbytes)
+    if not step:
+        ctypes.memset(address, byte, nbytes)
+        return
+    _run_all(
+        [
+            (ctypes.memset, address + off, byte, min(step, nbytes - off))
+            for off in range(0, nbytes, step)
+        ]
+    )

@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import itertools
 import mmap
-import os
 import threading
 import time
 from collections import deque
@@ -74,6 +72,7 @@ import anyio.lowlevel
 import torch
 
 from ..backends import PinnedAllocator
+from ..backends.memory import host_copy
 from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
@@ -212,40 +211,6 @@ def _wait_host(event: Any) -> None:
     else:
         while not event.query():
             time.sleep(0.0002)
-
-
-# The host copies into the twins: ``memmove`` through ctypes (without the interpreter lock) in
-# a few threads of the process's own, not torch's intra-op pool, whose threads (one per core)
-# would compete with the event loop and a DataLoader's workers for every core.
-PACK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
-PACK_SPLIT_BYTES = 4 << 20  # a copy this large or more is split across PACK_THREADS
-_packers: concurrent.futures.ThreadPoolExecutor | None = None
-_packers_lock = threading.Lock()
-
-
-def pack_spans(spans: Sequence[tuple[int, int, int]]) -> None:
-    """Copy each ``(destination, source, nbytes)`` span of host memory; return when done.
-    Large spans are split, page-aligned, across ``PACK_THREADS`` threads."""
-    global _packers
-    total = sum(n for _, _, n in spans)
-    if PACK_THREADS == 1 or total < PACK_SPLIT_BYTES:
-        for dst, src, n in spans:
-            ctypes.memmove(dst, src, n)
-        return
-    with _packers_lock:
-        if _packers is None:
-            _packers = concurrent.futures.ThreadPoolExecutor(
-                PACK_THREADS, thread_name_prefix="aresidency-loader-pack"
-            )
-        packers = _packers
-    step = -(-total // PACK_THREADS)
-    step = -(-step // PAGE) * PAGE
-    futures = []
-    for dst, src, n in spans:
-        for off in range(0, n, step):
-            futures.append(packers.submit(ctypes.memmove, dst + off, src + off, min(step, n - off)))
-    for future in futures:
-        future.result()
 
 
 class RingEpoch:
@@ -546,7 +511,7 @@ class RingEpoch:
                 spans.append((twin.data_ptr() + offset, part.data_ptr(), nbytes))
             else:
                 twin[offset : offset + nbytes].view(part.dtype).view(part.shape).copy_(part)
-        pack_spans(spans)
+        host_copy(spans)
         event = backend.copy_into(
             twin[:total], slot.buffer[:total], self.device, wait_events=slot.readers
         )

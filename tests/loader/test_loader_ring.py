@@ -555,13 +555,15 @@ async def test_large_batches_are_packed_by_several_threads_bit_identical(
     """Batches of 4 MiB and more are split across the packing threads (three here, whatever
     the machine's cores); what arrives is the source's, byte for byte, strided parts (copied
     by torch) included."""
-    from aresidency.loader import ring
+    from aresidency.backends import memory
 
-    monkeypatch.setattr(ring, "PACK_THREADS", 3)
+    monkeypatch.setattr(memory, "HOST_THREADS", 3)
     split = []
-    real = ring.ctypes.memmove
+    real = memory.ctypes.memmove
     monkeypatch.setattr(
-        ring.ctypes, "memmove", lambda d, s, n: split.append(threading.get_ident()) or real(d, s, n)
+        memory.ctypes,
+        "memmove",
+        lambda d, s, n: split.append(threading.get_ident()) or real(d, s, n),
     )
     g = torch.Generator().manual_seed(7)
     data: list[Any] = []
