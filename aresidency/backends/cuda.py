@@ -678,26 +678,14 @@ class CudaBackend(Backend):
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
 
         if direct:
-            driver = _driver_or_none() if pinned and not fail and nbytes else None
 
             def issue() -> DeviceEvent:
-                for event in device_waits:
-                    stream.wait_event(event)
-                if (
-                    driver is not None
-                    and src.is_contiguous()
-                    and torch.cuda.current_device() == j  # the context the stream belongs to
-                ):
-                    # One driver call instead of a stream switch and copy_'s dispatch: the
-                    # largest part of a small copy's host cost.
-                    driver.memcpy_htod_async(
-                        j, dst.data_ptr(), src.data_ptr(), nbytes, int(stream.cuda_stream)
-                    )
-                else:
-                    with on_stream(stream):
-                        dst.copy_(src, non_blocking=True)
-                        if fail:
-                            poison_(dst)
+                with on_stream(stream):
+                    for event in device_waits:
+                        stream.wait_event(event)
+                    dst.copy_(src, non_blocking=True)
+                    if fail:
+                        poison_(dst)
                 return self._record(stream, self._expect(stream, nbytes, _LINK_BYTES_PER_S))
 
             self._issue_inline_or_deferred(transfer, host_waits, issue)
