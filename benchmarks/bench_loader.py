@@ -561,6 +561,9 @@ def environment(dev: Device) -> str:
 
 async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     dev = Device(sim=args.backend == "sim")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+        log(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms")
     if not dev.sim and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --backend sim for the smoke test")
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -594,6 +597,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--sizes", default="1,16,64", help="batch sizes in MiB")
     parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
     parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
     parser.add_argument(
         "--dump-after",

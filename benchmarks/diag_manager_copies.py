@@ -62,7 +62,14 @@ async def main(args: argparse.Namespace) -> None:
     nbytes = parse_nbytes(args.size)
     count = args.count
     rows: dict[str, float] = {}
-    async with ResidencyManager(backend="cuda" if gpu else "sim") as m:
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    chosen: Any = "sim"
+    if gpu:
+        from aresidency.backends import CudaBackend
+
+        chosen = CudaBackend(waiter=args.waiter)
+    async with ResidencyManager(backend=chosen) as m:
         backend: Any = m.backend
         host, dev = (
             Location.parse("pinned-host" if gpu else "pageable-host"),
@@ -137,7 +144,8 @@ async def main(args: argparse.Namespace) -> None:
     where = "cuda" if gpu else "sim (simulation, not a measurement)"
     print(
         f"{count} copies of {format_nbytes(nbytes)} at once, {where}, torch {torch.__version__}, "
-        f"median of {args.rounds} rounds"
+        f"median of {args.rounds} rounds, waiter {args.waiter}, switch interval "
+        f"{sys.getswitchinterval() * 1e3:.2f} ms"
     )
     print("| part | us per copy | GB/s |")
     print("|---|---|---|")
@@ -153,6 +161,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="4MiB")
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--waiter", default="auto", help="the CUDA backend's event waiter")
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
     return parser.parse_args(argv)
 
 
