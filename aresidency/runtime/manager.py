@@ -452,12 +452,14 @@ class ResidencyManager:
         charged = self._charged_by(action)
         if charged:
             await rt.admission.wait_turn(charged)
-        run = PhaseRun(rt, "execute", [action])
+        run = PhaseRun(rt, "execute", [action]).start()
+        finished_at_once = run.finished
         try:
             await run.wait()
         except ActionFailed as failed:
             raise self._failed(rt, failed.cause) from None
-        await anyio.lowlevel.cancel_shielded_checkpoint()
+        if finished_at_once:  # a run that waited has let the loop run already
+            await anyio.lowlevel.cancel_shielded_checkpoint()
 
     @staticmethod
     def _failed(rt: Runtime, error: BaseException) -> BaseException:
