@@ -82,6 +82,7 @@ METHODS = [
 ]
 PREFETCH = 4
 ONLY: set[str] = set()  # --methods: run only these (empty: all)
+SHARD_WORKERS: list[int | None] = [None]  # --shard-workers (None: ShardSource's default)
 DUMP_TASKS_AT: list[float] = []  # --dump-after: when to print every task's stack
 
 
@@ -471,7 +472,9 @@ async def run_size(
         # more batches per pass mean fewer refills; 64 MiB batches: 16 per pass).
         in_files = min(steps, max(16, (1 << 30) // batch_bytes))
         paths = write_shards(shard_dir, in_files, batch_bytes)
-        with ShardSource(paths, batch_size=batch_bytes // (ROW * 4), drop_last=True) as source:
+        with ShardSource(
+            paths, batch_size=batch_bytes // (ROW * 4), drop_last=True, workers=SHARD_WORKERS[0]
+        ) as source:
             # three times the steps: at the compute's pace a pass takes tens of milliseconds,
             # where the loader's start would weigh too much
             return await run_aresidency(dev, step, source, warmup, 3 * steps, batch_bytes)
@@ -561,6 +564,14 @@ def environment(dev: Device) -> str:
 
 async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     dev = Device(sim=args.backend == "sim")
+    if args.slow_callbacks:
+        import asyncio
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)
+        loop.slow_callback_duration = 0.001
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
         log(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms")
@@ -601,6 +612,12 @@ if __name__ == "__main__":
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
     )
     parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
+    parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
+    parser.add_argument(
+        "--slow-callbacks",
+        action="store_true",
+        help="asyncio debug mode: log every step of the loop that ran over 1 ms (a lag's cause)",
+    )
     parser.add_argument(
         "--dump-after",
         type=float,
@@ -610,6 +627,7 @@ if __name__ == "__main__":
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
+    SHARD_WORKERS[0] = arguments.shard_workers
     if arguments.dump_after:
         faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
         DUMP_TASKS_AT.append(time.monotonic() + max(1.0, arguments.dump_after - 5))
