@@ -41,6 +41,8 @@ takes about three minutes (``--quick``: about one).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import faulthandler
 import gc
 import json
@@ -48,6 +50,7 @@ import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -364,6 +367,43 @@ async def ticker() -> AsyncIterator[list[float]]:
             gc.callbacks.remove(collections)
 
 
+class ThreadSampler:
+    """--sample-threads: every 0.5 ms (when it gets the interpreter lock), note where each other
+    thread is: which Python line of which thread runs (or sits in a call that released the
+    lock) while the loop is late. Printed per run, most frequent first."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        names = {}
+        while not self._stop.wait(0.0005):
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                where = (
+                    f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+                )
+                self.counts[f"{names.get(ident, ident)}: {where}"] += 1
+
+    def __enter__(self) -> ThreadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        total = sum(self.counts.values()) or 1
+        for key, count in self.counts.most_common(25):
+            log(f"    {100 * count / total:5.1f}%  {key}")
+
+
+SAMPLE_THREADS: list[bool] = [False]
 GC_LAGS: list[float] = []  # the ticker's lags that a garbage collection overlapped
 LAG_TIMES: list[float] = []  # when each of the ticker's lags ended (perf_counter)
 
@@ -390,6 +430,8 @@ async def run_aresidency(
             m, source, "cuda:0", prefetch=PREFETCH, ring=ring, pack_min_bytes=pack_min_bytes
         ) as loader:
             done = 0
+            sampler = ThreadSampler() if SAMPLE_THREADS[0] else contextlib.nullcontext()
+            sampler.__enter__()
             iterating = time.perf_counter()
             while done < steps:  # a shard source holds fewer batches: several passes
                 async for batch in loader:
@@ -401,6 +443,7 @@ async def run_aresidency(
                         break
             stats = loader.stats()
             iterated = time.perf_counter()
+            sampler.__exit__(None, None, None)
         await anyio.to_thread.run_sync(dev.synchronize)
         pinned = m.snapshot().location("pinned-host").peak_bytes
     rate, idle = clock.summary(warmup)
@@ -614,6 +657,9 @@ if __name__ == "__main__":
     parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
     parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
     parser.add_argument(
+        "--sample-threads", action="store_true", help="where the threads are while iterating"
+    )
+    parser.add_argument(
         "--slow-callbacks",
         action="store_true",
         help="asyncio debug mode: log every step of the loop that ran over 1 ms (a lag's cause)",
@@ -628,6 +674,7 @@ if __name__ == "__main__":
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
     SHARD_WORKERS[0] = arguments.shard_workers
+    SAMPLE_THREADS[0] = arguments.sample_threads
     if arguments.dump_after:
         faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
         DUMP_TASKS_AT.append(time.monotonic() + max(1.0, arguments.dump_after - 5))
