@@ -14,9 +14,14 @@ destinations out of registered slabs:
   smaller ones share ``slab_bytes`` slabs, best fit, with neighbouring free blocks merged.
 * **Grown ahead of need.** After a carve leaves less than ``ahead_bytes`` (the largest recent
   request) free, :meth:`PinnedArena.grow_ahead` adds a slab in a worker thread, so the next
-  fresh destination is carved, not registered. Growth never takes the arena past
-  ``limit_bytes``, which the runtime keeps at the pinned-host budget's headroom (the budget
-  less every other charge); slabs left entirely free beyond that limit are unregistered.
+  fresh destination is carved, not registered. Requests that found no hole (*misses*: they
+  were registered on their own) are remembered, and the next growth adds room for all of
+  them at once, so that a burst of concurrent copies (64 of 64 MB) is carved the next time
+  instead of one more slab per burst. Growth never takes the arena past ``limit_bytes``, which
+  the runtime keeps at the pinned-host budget's headroom (the budget less every other charge);
+  to make room under it, growth releases slabs that are entirely free and smaller than the slab
+  it adds (a size the recent requests do not use), and slabs left entirely free beyond the
+  limit are unregistered.
 * **Lifetimes.** A block returns to its slab when the last tensor over it dies (a finalizer on
   the tensor's buffer exporter), never earlier: a reference the user kept reads the old data,
   not somebody else's. Slabs are unregistered when trimmed or when the arena closes; a slab
@@ -50,6 +55,7 @@ __all__ = ["ALIGN", "PinnedArena", "private_mapping"]
 
 ALIGN: Final = 256
 _SLAB_ROUND: Final = 2 << 20
+_MISSES_KEPT: Final = 1024  # misses remembered between two growths (the rest wait for the next)
 
 
 def private_mapping(nbytes: int) -> mmap.mmap:
@@ -182,6 +188,7 @@ class PinnedArena:
         self.slab_bytes = slab_bytes
         self.limit_bytes = limit_bytes
         self.ahead_bytes = 0
+        self._missed: list[int] = []  # block bytes of the misses since the last growth
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []
         self._growing = False
@@ -227,6 +234,8 @@ class PinnedArena:
             found = self._take_locked(self.block_bytes(nbytes))
             if found is None:
                 self.misses += 1
+                if len(self._missed) < _MISSES_KEPT:
+                    self._missed.append(self.block_bytes(nbytes))
                 return None
             slab, offset = found
             self._carved_locked(nbytes)
@@ -259,38 +268,92 @@ class PinnedArena:
             return not self._growing and self._should_grow_locked()
 
     def grow_ahead(self) -> bool:
-        """Add one slab large enough for ``ahead_bytes`` if the arena needs it (blocking; a
-        worker thread). Returns whether a slab was added; a failed registration is not an
-        error here (the next copy then registers its own destination)."""
+        """Add the slabs the arena needs, if any (blocking; a worker thread): one for every
+        request that missed since the last growth (small ones share slabs), or else one
+        large enough for ``ahead_bytes``. Returns whether a slab was added; a failed
+        registration is not an error here (the next copy then registers its own
+        destination)."""
         with self._lock:
             if self._growing or not self._should_grow_locked():
                 return False
             self._growing = True
-            size = self._slab_size_for(self.ahead_bytes)
+            sizes = self._growth_sizes_locked()
+        added = False
         try:
-            slab = self._new_slab(size, size)
-        except (torch.OutOfMemoryError, OSError):
-            return False
+            for size in sizes:
+                if not self._make_room(size):
+                    break
+                try:
+                    slab = self._new_slab(size, size)
+                except (torch.OutOfMemoryError, OSError):
+                    break
+                with self._lock:
+                    # The limit may have dropped while the slab was registered: then it goes.
+                    fits = (
+                        self.limit_bytes is None
+                        or self.total_bytes + slab.nbytes <= self.limit_bytes
+                    )
+                    if fits and not self._closed:
+                        self._add_locked(slab)
+                if not fits or self._closed:
+                    self._release(slab)
+                    break
+                added = True
         finally:
             with self._lock:
                 self._growing = False
-        with self._lock:
-            # The limit may have dropped while the slab was registered: then it goes again.
-            fits = self.limit_bytes is None or self.total_bytes + slab.nbytes <= self.limit_bytes
-            if fits and not self._closed:
-                self._add_locked(slab)
-        if not fits or self._closed:
-            self._release(slab)
-            return False
-        return True
+        return added
 
     def _should_grow_locked(self) -> bool:
         if self._closed or not self.ahead_bytes:
             return False
-        if any(slab.largest() >= self.ahead_bytes for slab in self._slabs):
+        if not self._missed and any(slab.largest() >= self.ahead_bytes for slab in self._slabs):
             return False
-        size = self._slab_size_for(self.ahead_bytes)
-        return self.limit_bytes is None or self.total_bytes + size <= self.limit_bytes
+        size = self._slab_size_for(max(self._missed, default=self.ahead_bytes))
+        return self._room_locked(size) >= 0
+
+    def _growth_sizes_locked(self) -> list[int]:
+        """The slabs to add for the misses since the last growth (and forget them), largest
+        first; or one for ``ahead_bytes``."""
+        sizes: list[int] = []
+        small = 0
+        for need in self._missed:
+            if need * 2 >= self.slab_bytes:
+                sizes.append(self._slab_size_for(need))
+            else:
+                small += need
+        self._missed.clear()
+        sizes.sort(reverse=True)
+        sizes.extend([self.slab_bytes] * -(-small // self.slab_bytes))
+        return sizes or [self._slab_size_for(self.ahead_bytes)]
+
+    def _room_locked(self, size: int) -> int:
+        """Bytes to spare under the limit once a slab of ``size`` is added and the entirely
+        free slabs smaller than it are released (negative: it does not fit)."""
+        if self.limit_bytes is None:
+            return 1
+        spare = sum(s.nbytes for s in self._slabs if s.empty() and s.nbytes < size)
+        return self.limit_bytes - (self.total_bytes - spare + size)
+
+    def _make_room(self, size: int) -> bool:
+        """Release entirely free slabs smaller than ``size``, smallest first, until a slab of
+        ``size`` fits the limit; whether it fits (nothing is released if it cannot)."""
+        with self._lock:
+            if self._closed or self._room_locked(size) < 0:
+                return False
+            released = []
+            candidates = sorted(
+                (s for s in self._slabs if s.empty() and s.nbytes < size), key=lambda s: s.nbytes
+            )
+            for slab in candidates:
+                if self.limit_bytes is None or self.total_bytes + size <= self.limit_bytes:
+                    break
+                self._slabs.remove(slab)
+                self.total_bytes -= slab.nbytes
+                released.append(slab)
+        for slab in released:
+            self._release(slab)
+        return True
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in one of the arena's slabs."""

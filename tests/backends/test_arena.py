@@ -97,6 +97,60 @@ def test_grow_ahead_keeps_a_hole_for_the_largest_recent_request() -> None:
     assert registry.ranges == {}
 
 
+def test_one_growth_covers_a_whole_burst_of_misses() -> None:
+    """Twelve concurrent requests of a slab each found no hole (they were registered on their
+    own); one growth adds room for all of them, so the next burst is carved entirely, small
+    misses sharing slabs."""
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=64 * SLAB)
+    burst = [arena.try_carve((SLAB,), torch.uint8) for _ in range(12)]
+    small = [arena.try_carve((SLAB // 4,), torch.uint8) for _ in range(6)]
+    assert burst == [None] * 12 and small == [None] * 6 and arena.misses == 18
+    assert arena.needs_growth()
+    assert arena.grow_ahead()
+    # twelve 2 MiB slabs of their own, then 6 x 256 KiB in two shared 1 MiB slabs
+    assert arena.slabs_made == 14 and arena.total_bytes == 12 * (2 << 20) + 2 * SLAB
+    assert not arena.needs_growth()
+    made = arena.slabs_made
+    again = [arena.try_carve((SLAB,), torch.uint8) for _ in range(12)]
+    again_small = [arena.try_carve((SLAB // 4,), torch.uint8) for _ in range(6)]
+    assert all(t is not None for t in again + again_small) and arena.slabs_made == made
+    _check_tiling(arena)
+    del again, again_small
+    gc.collect()
+    arena.close()
+    assert registry.ranges == {}
+
+
+def test_growth_releases_free_smaller_slabs_to_stay_within_the_limit() -> None:
+    """At the limit, growth for a larger size gives back slabs that are entirely free and
+    smaller; never a slab in use, and nothing when even that would not make room."""
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=6 * SLAB)
+    smalls = [arena.carve((SLAB // 2 - 1000,), torch.uint8) for _ in range(4)]  # 2 slabs
+    held = arena.carve((SLAB // 2 - 1000,), torch.uint8)  # a third slab, kept in use
+    del smalls
+    gc.collect()
+    assert arena.total_bytes == 3 * SLAB and arena.value_bytes == held.numel()
+    assert arena.try_carve((4 * SLAB,), torch.uint8) is None  # 4 MiB: 3 + 4 > 6
+    assert arena.needs_growth(), "free 1 MiB slabs can go"
+    assert arena.grow_ahead()
+    # one free slab went (as many as needed), the held one stays registered
+    assert arena.total_bytes == 2 * SLAB + 4 * SLAB and len(registry.ranges) == 3
+    assert any(start <= held.data_ptr() < start + n for start, n in registry.ranges.items())
+    assert arena.try_carve((4 * SLAB,), torch.uint8) is not None
+    # 8 MiB more cannot fit even with every free slab gone: nothing is released for it
+    assert arena.try_carve((8 * SLAB,), torch.uint8) is None
+    before = dict(registry.ranges)
+    assert not arena.needs_growth() and not arena.grow_ahead()
+    assert registry.ranges == before
+    _check_tiling(arena)
+    del held
+    gc.collect()
+    arena.close()
+    assert registry.ranges == {}
+
+
 def test_close_releases_busy_slabs_when_their_last_block_dies() -> None:
     registry = FakeRegistry()
     arena = _arena(registry)
