@@ -78,8 +78,9 @@ class PoolDecision:
     free for streamed requests in flight; ``transitions`` what entering it committed in the
     manager's trace (the evictions and the workspace reservation; the loads follow there).
     ``passed``: for a request that joined its model's residency past the head of the line
-    (see :meth:`ModelPool._try_express`), what that head waited for; ``decision`` is then
-    ``None`` (nothing was decided: nothing moved).
+    (see :meth:`ModelPool._try_express`), what that head waited for. ``decision`` is ``None``
+    for such a request and for every *hit* (its model was resident whole, so nothing was
+    decided and nothing moved: the controller is not asked).
     """
 
     request_id: int
@@ -617,6 +618,18 @@ class ModelPool:
                 own_window = max(0, window - current) if joining else window
             else:
                 own_window = 0
+            if (
+                mode == "resident"
+                and not manager.waiting_for_room(self.device)
+                and self._is_hit(entry, request.reserve, headroom)
+            ):
+                # A hit: nothing to evict, so no decision (the controller's search costs
+                # milliseconds of the loop per request); refused only if a scope came first.
+                if await self._enter_hit(request, headroom, joining=joining):
+                    return
+                request.why = f"room for the reserve of {request.reserve} B"
+                await self._park(request, before, None)
+                continue
             spec = self._request_spec(request, mode, joining, own_window, headroom)
             if self._surely_short(entry, mode, joining, request.reserve + own_window + headroom):
                 request.why = self._short_reason(entry, mode, request.reserve, headroom)
@@ -763,23 +776,35 @@ class ModelPool:
             return False
         if entry.active["resident"] == 0 or entry.active["streamed"]:
             return False
-        manager = self.manager
-        state = manager.state
-        if manager.waiting_for_room(self.device):
+        if self.manager.waiting_for_room(self.device):
             return False
         if self._mode_for(entry, request.reserve)[0] != "resident":
             return False
+        headroom = self._headroom()
+        if not self._is_hit(entry, request.reserve, headroom):
+            return False
+        return await self._enter_hit(request, headroom, joining=True, passed=self._head_why)
+
+    def _is_hit(self, entry: ModelEntry, reserve: int, headroom: int) -> bool:
+        """Whether the model is resident whole on the device and the request's reserve fits
+        the free room beside the streams' headroom: admitting it moves nothing."""
+        state = self.manager.state
         states = entry.states_at(state, self.device)
         if any(states.get(group.index) is not _RESIDENT for group in entry.groups):
             return False
         ledger = state.ledger(self.device)
-        headroom = self._headroom()
-        if (
-            ledger.budget_bytes is not None
-            and ledger.charged_bytes + request.reserve + headroom > ledger.budget_bytes
-        ):
-            return False
-        passed = self._head_why
+        return (
+            ledger.budget_bytes is None
+            or ledger.charged_bytes + reserve + headroom <= ledger.budget_bytes
+        )
+
+    async def _enter_hit(
+        self, request: _Request, headroom: int, *, joining: bool, passed: str | None = None
+    ) -> bool:
+        """Admit a request whose model is resident whole without a decision (there is
+        nothing to evict): a scope for its reserve, then its holds. False, with nothing
+        changed, if the reserve is refused (another tenant's scope came first)."""
+        manager = self.manager
         reserve = (
             [MemoryReservation(self._reservation_name(request), self.device, request.reserve)]
             if request.reserve
@@ -793,7 +818,7 @@ class ModelPool:
         request.scope = scope
         request.mode, request.prefetch = "resident", 0
         try:
-            loaded = await self._load_and_hold(request, joining=True)
+            loaded = await self._load_and_hold(request, joining=joining)
         except ResidencyBudgetError:
             await self._exit_scope(request)
             return False

@@ -110,6 +110,57 @@ async def test_a_model_that_fits_is_resident_and_its_next_request_copies_nothing
         await pool.aclose()
 
 
+async def test_a_hit_is_admitted_without_asking_the_controller() -> None:
+    """A request for a model resident whole moves nothing: it is admitted without a decision
+    (the controller's search costs milliseconds of the loop per request), counted as a hit
+    with nothing loaded; a miss still asks the controller."""
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m, clock=still)
+        pool.add("a", TinyLM(seed=0))
+        pool.add("b", TinyLM(seed=1))
+        asked: list[object] = []
+        decide = pool.controller.decide
+
+        async def counted(spec: Any) -> Any:
+            asked.append(spec)
+            return await decide(spec)
+
+        pool.controller.decide = counted  # type: ignore[method-assign]
+        assert await run(pool, "a") == "resident"
+        assert len(asked) == 1 and pool.decisions[-1].decision is not None  # a miss
+        for _ in range(3):
+            assert await run(pool, "a") == "resident"  # idle and resident: hits
+        assert len(asked) == 1
+        hit = pool.decisions[-1]
+        assert hit.decision is None and hit.loaded_bytes == 0 and hit.evicted == {}
+        assert hit.kept_groups == len(pool.module("a").groups) + 1  # and outside the blocks
+        assert pool.stats()["a"]["hits"] == 3
+        async with pool.use("a") as first, pool.use("a") as second:  # joins too
+            assert torch.equal(await first(TOKENS), await second(TOKENS))
+        assert len(asked) == 1
+        assert await run(pool, "b") == "resident"  # a miss again
+        assert len(asked) == 2
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_hit_whose_reserve_does_not_fit_is_decided() -> None:
+    """A resident model whose request needs more room than is free is no hit: the
+    controller decides (here: evicting the other model for the reserve)."""
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL + 4 * KiB}, backend="sim") as m:
+        pool = ModelPool(m, clock=still)
+        pool.add("a", TinyLM(seed=0))
+        pool.add("b", TinyLM(seed=1))
+        await run(pool, "a")
+        await run(pool, "b")
+        await run(pool, "a", reserve=TOTAL // 2)
+        record = pool.decisions[-1]
+        assert record.decision is not None and set(record.evicted) == {"b"}
+        assert record.evicted["b"] >= TOTAL // 2 - 4 * KiB and record.loaded_bytes == 0
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
 @pytest.mark.parametrize(
     ("a_requests", "b_requests", "victim"),
     [(3, 1, "b"), (1, 3, "a")],
