@@ -781,6 +781,49 @@ async def test_cancelling_a_request_inside_its_body_leaks_nothing(budget_models:
         await pool.aclose()
 
 
+@pytest.mark.parametrize("joining", [False, True], ids=["idle", "joining"])
+async def test_cancelling_a_hit_at_each_of_its_steps_leaks_nothing(joining: bool) -> None:
+    """A hit (its reserve's scope, then its holds: admitted at its first scheduling step)
+    cancelled after each number of steps, so before its admission, inside its call and after
+    it: nothing stays admitted, held or reserved, and the model still serves."""
+    expected = reference(TinyLM(seed=3), TOKENS)
+    admitted = 0
+
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m, clock=still)
+        pool.add("a", TinyLM(seed=3))
+        await run(pool, "a")  # resident whole from now on
+
+        async def request(scope: anyio.CancelScope) -> None:
+            nonlocal admitted
+            with scope:
+                async with pool.use("a", reserve=4 * KiB) as model:
+                    admitted += 1
+                    assert torch.equal(await model(TOKENS), expected)
+
+        async def other(holding: anyio.Event, release: anyio.Event) -> None:
+            async with pool.use("a"):  # an earlier request that the hit joins
+                holding.set()
+                await release.wait()
+
+        for steps in range(16):
+            scope, holding, release = anyio.CancelScope(), anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as tasks:
+                if joining:
+                    tasks.start_soon(other, holding, release)
+                    await holding.wait()
+                tasks.start_soon(request, scope)
+                for _ in range(steps):
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+                release.set()
+            assert_nothing_leaked(m, pool)
+        assert 0 < admitted < 16, "cancelled before, during and after the admission"
+        assert await run(pool, "a") == "resident"
+        assert pool.decisions[-1].decision is None
+        await pool.aclose()
+
+
 # ------------------------------------------------------------------ failures
 
 
