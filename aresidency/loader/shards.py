@@ -108,9 +108,9 @@ class _Shard:
     def __init__(self, rows: int, columns: dict[str | None, torch.Tensor], keep: list[Any]):
         self.rows = rows
         self.columns = columns
-        # key -> (file descriptor, file offset of its first sample): where contiguous runs are
-        # read with pread (see _pread_into); a key missing here is copied from the mapping.
-        self.files: dict[str | None, tuple[int, int]] = {}
+        # key -> (the file, file offset of its first sample): where contiguous runs are read
+        # with pread (see _pread_into); a key missing here is copied from the mapping.
+        self.files: dict[str | None, tuple[_ShardFile, int]] = {}
         self._keep = keep
 
     def close(self) -> None:
@@ -123,30 +123,39 @@ class _Shard:
                     thing.close()
                 except BufferError:
                     pass  # a tensor over it is still alive: unmapped when that one dies
-            elif isinstance(thing, _Descriptor):
-                thing.close()
 
 
-class _Descriptor:
-    """An open file of a shard, read with ``pread`` (closed with the shard)."""
+class _ShardFile:
+    """A shard file read with ``pread``: opened for each read, not held open (a dataset of
+    thousands of shards would otherwise hold thousands of descriptors), and checked to be the
+    file the source opened (the same device and inode), so that a file replaced since reads
+    as an error, not as other data."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("identity", "path")
 
     def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.path = path
+        info = os.stat(path)
+        self.identity = (info.st_dev, info.st_ino)
 
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
+    def open(self) -> int:
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != self.identity:
             os.close(fd)
+            raise OSError(
+                f"{self.path} was replaced since the ShardSource opened it: open a new "
+                "source to read the new file"
+            )
+        return fd
 
 
 #: The most one read(2) call returns on Linux (0x7ffff000 bytes).
 _READ_MAX = 0x7FFFF000
 
 
-def _pread_into(fd: int, offset: int, destination: torch.Tensor) -> None:
-    """Fill the contiguous ``destination`` with its size in bytes of the file at ``offset``.
+def _pread_into(file: _ShardFile, offset: int, destination: torch.Tensor) -> None:
+    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``.
 
     The kernel copies from the page cache straight into the buffer (``preadv``, the GIL
     released): unlike a copy out of the file's mapping it takes no page fault per 4 KiB of
@@ -155,15 +164,19 @@ def _pread_into(fd: int, offset: int, destination: torch.Tensor) -> None:
     nbytes = destination.numel() * destination.element_size()
     address = destination.data_ptr()
     done = 0
-    while done < nbytes:
-        count = min(nbytes - done, _READ_MAX)
-        window = (ctypes.c_char * count).from_address(address + done)
-        got = os.preadv(fd, [window], offset + done)
-        if got <= 0:
-            raise OSError(
-                f"a shard file ended early: {nbytes - done} B missing at offset {offset + done}"
-            )
-        done += got
+    fd = file.open()
+    try:
+        while done < nbytes:
+            count = min(nbytes - done, _READ_MAX)
+            window = (ctypes.c_char * count).from_address(address + done)
+            got = os.preadv(fd, [window], offset + done)
+            if got <= 0:
+                raise OSError(
+                    f"{file.path} ended early: {nbytes - done} B missing at offset {offset + done}"
+                )
+            done += got
+    finally:
+        os.close(fd)
 
 
 def _open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap, int]:
@@ -408,9 +421,7 @@ class ShardSource:
             keep.append(mapped)
             columns[key] = tensor
             if _PREAD:
-                descriptor = _Descriptor(path)
-                keep.append(descriptor)
-                shard.files[key] = (descriptor.fd, offset)
+                shard.files[key] = (_ShardFile(path), offset)
         self._check_rows(shard, files)
 
     def _add_safetensors_shard(self, path: Path, keys: Sequence[str] | None) -> None:
@@ -421,11 +432,10 @@ class ShardSource:
         self.shards.append(shard)
         offsets = _safetensors_offsets(path) if _PREAD else {}
         if offsets:
-            descriptor = _Descriptor(path)
-            shard._keep.append(descriptor)
+            file = _ShardFile(path)
             for name in tensors:
                 if name in offsets and tensors[name].is_contiguous():
-                    shard.files[name] = (descriptor.fd, offsets[name])
+                    shard.files[name] = (file, offsets[name])
         if not self.shards[:-1]:
             self.keys = list(tensors)
         for name, tensor in tensors.items():
@@ -532,8 +542,8 @@ class ShardSource:
             destination = out[position : position + rows]
             extent = self.shards[run.shard].files.get(column.key)
             if run.index is None and extent is not None and destination.is_contiguous():
-                fd, offset = extent
-                _pread_into(fd, offset + run.start * column.row_nbytes, destination)
+                file, offset = extent
+                _pread_into(file, offset + run.start * column.row_nbytes, destination)
             elif run.index is None:
                 # Both contiguous: one memcpy from the page cache.
                 as_bytes(destination).copy_(as_bytes(source[run.start : run.stop]))

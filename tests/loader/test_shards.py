@@ -128,6 +128,39 @@ def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
             source.read_into(plans[3], buffer)
 
 
+def test_a_shard_replaced_after_opening_is_an_error_naming_it(tmp_path: Path) -> None:
+    """The file is opened for each read, so a file replaced under the source (a new inode at
+    its path) is refused with its name rather than read as other data."""
+    path = tmp_path / "x-0.npy"
+    np.save(path, np.zeros((64, 256), dtype=np.float32))
+    with ShardSource([path], batch_size=16) as source:
+        plan = source.plan_epoch()[0]
+        buffer = torch.zeros(source.max_batch_nbytes, dtype=torch.uint8)
+        source.read_into(plan, buffer)
+        replacement = tmp_path / "new.npy"
+        np.save(replacement, np.ones((64, 256), dtype=np.float32))
+        replacement.replace(path)
+        with pytest.raises(OSError, match=r"x-0\.npy was replaced since the ShardSource"):
+            source.read_into(plan, buffer)
+
+
+def test_reading_keeps_no_descriptor_open_per_shard(tmp_path: Path) -> None:
+    """Reads open and close their file: a source of many shards holds no more descriptors
+    after reading every batch than before (the mappings hold theirs from construction)."""
+    fds = Path("/proc/self/fd")
+    if not fds.exists():
+        pytest.skip("needs /proc/self/fd")
+    paths = []
+    for number in range(40):
+        paths.append(tmp_path / f"x-{number:03d}.npy")
+        np.save(paths[-1], np.full((8, 16), number, dtype=np.float32))
+    with ShardSource(paths, batch_size=4) as source:
+        opened = len(list(fds.iterdir()))
+        batches = list(source)
+        assert len(list(fds.iterdir())) == opened
+    assert [int(b[0, 0]) for b in batches[::2]] == list(range(40))
+
+
 def test_read_into_lays_each_key_out_aligned_in_one_buffer(tmp_path: Path) -> None:
     paths, x, y = write_safetensors(tmp_path)
     with ShardSource(paths, batch_size=4, align=256) as source:
