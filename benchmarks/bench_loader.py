@@ -192,8 +192,12 @@ class Step:
         return x
 
 
+COMPUTE_FACTOR: list[float] = [1.0]  # --compute-factor: the step's compute / the copy time
+
+
 def calibrate(dev: Device, batch_bytes: int) -> Step:
-    """A step whose compute takes about as long as copying one batch from pinned memory."""
+    """A step whose compute takes about as long as copying one batch from pinned memory
+    (``--compute-factor`` times as long)."""
     rows = min(batch_bytes // (ROW * 4), 4096)
     if dev.sim:
         return Step(dev, 1, min(rows, 16))
@@ -213,7 +217,7 @@ def calibrate(dev: Device, batch_bytes: int) -> Step:
     end.record()
     torch.cuda.synchronize()
     per_rep = start.elapsed_time(end) / 20
-    reps = max(1, math.ceil(copy_ms / per_rep))
+    reps = max(1, math.ceil(COMPUTE_FACTOR[0] * copy_ms / per_rep))
     log(f"{format_nbytes(batch_bytes)}: copy {copy_ms:.3f} ms, {reps} matmul(s) of {rows} rows")
     return Step(dev, reps, rows)
 
@@ -657,6 +661,13 @@ if __name__ == "__main__":
     parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
     parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
     parser.add_argument(
+        "--compute-factor",
+        type=float,
+        default=1.0,
+        help="the step's compute time over the copy time (above 1: copies take less than the "
+        "compute, the case of the GPU-idle goal)",
+    )
+    parser.add_argument(
         "--sample-threads", action="store_true", help="where the threads are while iterating"
     )
     parser.add_argument(
@@ -674,6 +685,7 @@ if __name__ == "__main__":
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
     SHARD_WORKERS[0] = arguments.shard_workers
+    COMPUTE_FACTOR[0] = arguments.compute_factor
     SAMPLE_THREADS[0] = arguments.sample_threads
     if arguments.dump_after:
         faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
