@@ -10,7 +10,10 @@ parts. Each row is the median of ``--rounds`` rounds, in microseconds per copy:
 * ``tasks``: one task per value calling ``await manager.materialize`` (``bench_copy.py``'s
   manager row);
 * ``4 KiB tasks``: the same with 4 KiB values, where the device's copy time is negligible:
-  the runtime's own cost per operation.
+  the runtime's own cost per operation;
+* ``one plan`` / ``4 KiB one plan``: every copy in one plan
+  (``await manager.execute(ResidencyPlan(enter=[Materialize(...), ...]))``): admission, plan
+  and commit once for all of them.
 
 The GB/s column is the size over the row's time per copy.
 
@@ -36,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aresidency import ReplicaMode, ResidencyManager
+from aresidency import Materialize, Release, ReplicaMode, ResidencyManager, ResidencyPlan
 from aresidency.core.locations import Location
 from aresidency.core.sizes import format_nbytes, parse_nbytes
 
@@ -134,11 +137,24 @@ async def main(args: argparse.Namespace) -> None:
 
             return run
 
+        def plan_round(which: list[Any], label: str) -> Callable[[], Awaitable[dict[str, float]]]:
+            async def run() -> dict[str, float]:
+                _sync(gpu)
+                t0 = time.perf_counter()
+                await m.execute(ResidencyPlan(enter=[Materialize(h, dev) for h in which]))
+                t1 = time.perf_counter()
+                await m.execute(ResidencyPlan(reclaim=[Release(h, dev) for h in which]))
+                return {label: t1 - t0}
+
+            return run
+
         for fn in (
             backend_round,
             nowait_round,
             tasks_round(handles, "tasks"),
             tasks_round(small, "4 KiB tasks"),
+            plan_round(handles, "one plan"),
+            plan_round(small, "4 KiB one plan"),
         ):
             rows.update(await _median_us(fn, args.rounds, count))
     where = "cuda" if gpu else "sim (simulation, not a measurement)"
