@@ -258,11 +258,14 @@ class AdmissionQueue:
             self._queue.remove(waiter)
             self._wake_head()
 
-    def refuse_nowait(self, locations: Iterable[Location], what: str) -> None:
+    def refuse_nowait(self, locations: Iterable[Location], what: Callable[[], str]) -> None:
         """For an operation that cannot wait: ``ResidencyBudgetError`` if it would overtake a
-        waiting scope at one of ``locations``."""
+        waiting scope at one of ``locations`` (``what()`` names the operation in it)."""
+        if not self._queue:
+            return  # nobody waits (the common case: a direct operation's fast path)
+        short = self.short_of()
         for location in locations:
-            if location in self.short_of():
+            if location in short:
                 ledger = self._rt.state.ledger(location)
                 waiting = sum(1 for w in self._queue if location in w.short_of)
                 raise ResidencyBudgetError(
@@ -271,7 +274,7 @@ class AdmissionQueue:
                     ledger.used_bytes,
                     ledger.reserved_bytes,
                     0,
-                    what=f"{what}: {waiting} waiting scope(s) need room here first (FIFO)",
+                    what=f"{what()}: {waiting} waiting scope(s) need room here first (FIFO)",
                 )
 
     def close(self, message: str) -> None:

@@ -504,7 +504,7 @@ class ResidencyManager:
         action = Materialize(handle, loc)
         charged = self._charged_by(action)
         if charged:
-            rt.admission.refuse_nowait(charged, f"{handle} ({loc})")
+            rt.admission.refuse_nowait(charged, lambda: f"{handle} ({loc})")
         run = PhaseRun(rt, "execute", [action]).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None

@@ -16,6 +16,7 @@ from aresidency import (
     Move,
     Release,
     ReplicaMode,
+    ResidencyBudgetError,
     ResidencyManager,
     ResidencyPlan,
     ResidencyPlanError,
@@ -271,6 +272,45 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
                     pass
             hold.release()
         assert m.waiting == 0
+        assert_no_leak(m)
+
+
+async def test_materialize_nowait_never_overtakes_a_waiting_scope() -> None:
+    """A nowait materialization cannot wait its turn: while a scope waits for room at the
+    device it is refused, naming the value and the waiting scope, and changes nothing; once the
+    queue is empty it goes ahead."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(seed=1), name="b")
+        c = m.register(tensor(seed=2), name="c", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(a, "cuda:0")
+        hold = m.hold(a, "cuda:0")
+        entered = anyio.Event()
+
+        async def waiting_scope() -> None:
+            # a's hold stands in the way of its move out: the scope waits (transient state)
+            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+            async with m.scope(plan, timeout=5):
+                entered.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(waiting_scope)
+            with anyio.fail_after(5):
+                while m.waiting == 0:
+                    await anyio.lowlevel.checkpoint()
+            version = m.state_version
+            with pytest.raises(
+                ResidencyBudgetError, match=r"value c .*waiting scope\(s\) need room"
+            ):
+                m.materialize_nowait(c, "cuda:0")
+            assert m.state_version == version  # nothing changed
+            assert "cuda:0" not in {
+                str(x.location) for x in m.snapshot().values[c].materializations
+            }
+            hold.release()
+            await entered.wait()
+        assert m.waiting == 0
+        await m.materialize_nowait(c, "cuda:0")  # nobody waits: it goes ahead
         assert_no_leak(m)
 
 
