@@ -282,7 +282,7 @@ class PinnedArena:
         try:
             for size in sizes:
                 if not self._make_room(size):
-                    break
+                    continue  # too large for the limit: a smaller one may still fit
                 try:
                     slab = self._new_slab(size, size)
                 except (torch.OutOfMemoryError, OSError):
@@ -307,10 +307,15 @@ class PinnedArena:
     def _should_grow_locked(self) -> bool:
         if self._closed or not self.ahead_bytes:
             return False
-        if not self._missed and any(slab.largest() >= self.ahead_bytes for slab in self._slabs):
+        if self._missed:
+            if any(self._room_locked(self._slab_size_for(need)) >= 0 for need in set(self._missed)):
+                return True
+            # None of them can fit under the limit now: forget them (later misses count
+            # afresh), so that they never stand in the way of growth for the others.
+            self._missed.clear()
+        if any(slab.largest() >= self.ahead_bytes for slab in self._slabs):
             return False
-        size = self._slab_size_for(max(self._missed, default=self.ahead_bytes))
-        return self._room_locked(size) >= 0
+        return self._room_locked(self._slab_size_for(self.ahead_bytes)) >= 0
 
     def _growth_sizes_locked(self) -> list[int]:
         """The slabs to add for the misses since the last growth (and forget them), largest

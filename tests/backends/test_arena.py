@@ -151,6 +151,19 @@ def test_growth_releases_free_smaller_slabs_to_stay_within_the_limit() -> None:
     assert registry.ranges == {}
 
 
+def test_a_miss_too_large_for_the_limit_does_not_stop_growth_for_the_others() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=8 * SLAB)
+    assert arena.try_carve((16 * SLAB,), torch.uint8) is None  # never fits the 8 MiB limit
+    assert arena.try_carve((3 * SLAB,), torch.uint8) is None
+    assert arena.needs_growth() and arena.grow_ahead()
+    assert arena.total_bytes == 4 * SLAB, "room for the 3 MiB miss (4 MiB slab), not 16 MiB"
+    assert arena.try_carve((3 * SLAB,), torch.uint8) is not None
+    # the misses were taken: the arena does not keep trying for the 16 MiB one
+    assert not arena.needs_growth() and arena.slabs_made == 1
+    arena.close()
+
+
 def test_close_releases_busy_slabs_when_their_last_block_dies() -> None:
     registry = FakeRegistry()
     arena = _arena(registry)
