@@ -5,8 +5,9 @@
 #   bash benchmarks/device_all.sh            # from the repository root, on the GPU machine
 #
 # PARTS picks what runs (default: all of "tests examples copy scope stream loader serve";
-# "overhead", the host time per pool call, and "profile", where the manager's small copies
-# spend host time, run only when named; "none": nothing but the wheels);
+# "overhead", the host time per pool call, "profile", where the manager's small copies
+# spend host time, and "diag", the small copies' parts and the host's shard read rate, run
+# only when named; "none": nothing but the wheels);
 # TEST_PATHS narrows the test directories; TEST_K the tests, with pytest -k (for example
 # "not uvloop and not trio": asyncio only). STREAM_ARGS, LOADER_ARGS, SERVE_ARGS pass options
 # (such as --quick) to those benchmarks; SCOPE_QUICK=1 runs bench_scope on asyncio only;
@@ -88,6 +89,14 @@ fi
 if has overhead; then
   timeout 120 python3 benchmarks/bench_call_overhead.py --backend cuda > "$OUT/bench_call_overhead.log" 2>&1
   echo "== bench_call_overhead rc=$?"; tail -n 8 "$OUT/bench_call_overhead.log"
+fi
+
+if has diag; then
+  timeout 120 python3 benchmarks/diag_manager_copies.py > "$OUT/diag_manager_copies.log" 2>&1
+  echo "== diag_manager_copies rc=$?"; tail -n 12 "$OUT/diag_manager_copies.log"
+  timeout 150 python3 benchmarks/diag_shard_reads.py --with-dma --threads 1,4,8,16 --gib 2 \
+    > "$OUT/diag_shard_reads.log" 2>&1
+  echo "== diag_shard_reads rc=$?"; tail -n 14 "$OUT/diag_shard_reads.log"
 fi
 
 if has profile; then
