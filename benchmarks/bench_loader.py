@@ -658,7 +658,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
     )
-    parser.add_argument("--methods", default=None, help="only these methods (comma-separated)")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="only these methods (comma-separated; _ for a space: aresidency_shards)",
+    )
     parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
     parser.add_argument(
         "--compute-factor",
@@ -691,7 +695,8 @@ if __name__ == "__main__":
         faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
         DUMP_TASKS_AT.append(time.monotonic() + max(1.0, arguments.dump_after - 5))
     if arguments.methods:
-        ONLY.update(arguments.methods.split(","))
+        # "_" stands for a space ("aresidency_shards"), for shells and LOADER_ARGS
+        ONLY.update(m.replace("_", " ") for m in arguments.methods.split(","))
     text, data = anyio.run(main, arguments)
     if arguments.markdown:
         Path(arguments.markdown).write_text(text + "\n")
