@@ -267,22 +267,20 @@ async def bench_cell(
     async def materialize_in_one_plan() -> None:
         await m.execute(ResidencyPlan(enter=[Materialize(h, dst) for h in handles]))
 
-    managed = []
-    for i in range(iters + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        await materialize_all()
-        if i:
-            managed.append(time.perf_counter() - t0)
-        await release_all()
-    in_one_plan = []
-    for i in range(iters + 1 if conc > 1 else 0):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        await materialize_in_one_plan()
-        if i:
-            in_one_plan.append(time.perf_counter() - t0)
-        await release_all()
+    async def timed(materialize: Callable[[], Awaitable[None]]) -> list[float]:
+        """Seconds per round of ``materialize`` (after one warm-up), releasing after each."""
+        out = []
+        for i in range(iters + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            await materialize()
+            if i:
+                out.append(time.perf_counter() - t0)
+            await release_all()
+        return out
+
+    managed = await timed(materialize_all)
+    in_one_plan = await timed(materialize_in_one_plan) if conc > 1 else []
     for h in handles:
         await m.discard(h)
     total = n * conc

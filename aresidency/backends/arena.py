@@ -346,19 +346,27 @@ class PinnedArena:
         with self._lock:
             if self._closed or self._room_locked(size) < 0:
                 return False
-            released = []
-            candidates = sorted(
-                (s for s in self._slabs if s.empty() and s.nbytes < size), key=lambda s: s.nbytes
-            )
-            for slab in candidates:
-                if self.limit_bytes is None or self.total_bytes + size <= self.limit_bytes:
-                    break
-                self._slabs.remove(slab)
-                self.total_bytes -= slab.nbytes
-                released.append(slab)
+            smaller = sorted((s for s in self._slabs if s.nbytes < size), key=lambda s: s.nbytes)
+            target = None if self.limit_bytes is None else self.limit_bytes - size
+            released = self._remove_empty_locked(smaller, target)
         for slab in released:
             self._release(slab)
         return True
+
+    def _remove_empty_locked(self, slabs: list[_Slab], target: int | None) -> list[_Slab]:
+        """Take the entirely free ones of ``slabs`` out of the arena, in order, until
+        ``total_bytes`` is at most ``target`` (``None``: all of them); the caller releases
+        them once the lock is dropped."""
+        removed: list[_Slab] = []
+        for slab in slabs:
+            if target is not None and self.total_bytes <= target:
+                break
+            if not slab.empty():
+                continue
+            self._slabs.remove(slab)
+            self.total_bytes -= slab.nbytes
+            removed.append(slab)
+        return removed
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in one of the arena's slabs."""
@@ -375,17 +383,11 @@ class PinnedArena:
         as many as needed to bring ``total_bytes`` within ``limit_bytes``. Returns the bytes
         released. Blocking (unregistering takes milliseconds per GB)."""
         with self._lock:
-            released: list[_Slab] = []
-            for slab in sorted(self._slabs, key=lambda s: s.nbytes, reverse=True):
-                if not slab.empty():
-                    continue
-                if keep_within_limit and (
-                    self.limit_bytes is None or self.total_bytes <= self.limit_bytes
-                ):
-                    break
-                self._slabs.remove(slab)
-                self.total_bytes -= slab.nbytes
-                released.append(slab)
+            if keep_within_limit and self.limit_bytes is None:
+                return 0
+            largest_first = sorted(self._slabs, key=lambda s: s.nbytes, reverse=True)
+            target = self.limit_bytes if keep_within_limit else None
+            released = self._remove_empty_locked(largest_first, target)
         for slab in released:
             self._release(slab)
         return sum(slab.nbytes for slab in released)
