@@ -342,7 +342,8 @@ class PinnedArena:
 
     def _make_room(self, size: int) -> bool:
         """Release entirely free slabs smaller than ``size``, smallest first, until a slab of
-        ``size`` fits the limit; whether it fits (nothing is released if it cannot)."""
+        ``size`` fits the limit; whether it fits (nothing is released if it cannot). Blocking
+        while it unregisters: called by :meth:`grow_ahead`, in a worker thread."""
         with self._lock:
             if self._closed or self._room_locked(size) < 0:
                 return False

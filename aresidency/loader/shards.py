@@ -155,7 +155,8 @@ _READ_MAX = 0x7FFFF000
 
 
 def _pread_into(file: _ShardFile, offset: int, destination: torch.Tensor) -> None:
-    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``.
+    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``;
+    blocks the calling thread (a reading thread of the loader, never the event loop).
 
     The kernel copies from the page cache straight into the buffer (``preadv``, the GIL
     released): unlike a copy out of the file's mapping it takes no page fault per 4 KiB of
