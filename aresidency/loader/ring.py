@@ -383,6 +383,12 @@ class RingEpoch:
             return
         except BaseException as error:
             self._push(_Ready(index, None, error=error))
+        finally:
+            # Reads still in flight write into staging buffers the next pass fills again:
+            # the pass (this thread, which drain joins) ends only after them.
+            for _, _, fill in fills:
+                fill.cancel()
+            concurrent.futures.wait([fill for _, _, fill in fills])
 
     def _copy_staged(self, index: int, layout: Any, buffer: torch.Tensor) -> _Ready:
         specs, structure, nbytes = staged_layout(index, layout, buffer)

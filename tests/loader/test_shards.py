@@ -5,6 +5,7 @@ bit-identical to the files, across shard boundaries and shuffled; the staging bu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,59 @@ async def test_staging_that_does_not_fit_pinned_host_is_refused_with_what_to_do(
                     await anext(aiter(loader))
             assert "lower staging_slots" in "".join(getattr(info.value, "__notes__", []))
             assert_nothing_left(m)
+
+
+class SlowFirstPassSource:
+    """A staged source whose read of batch 2 in the first pass is slow: it waits (at most
+    half a second) for a read of a later pass to start, and notes whether one did, that is
+    whether a later pass read while it still wrote into a staging buffer."""
+
+    workers = 3
+    max_batch_nbytes = 64
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.slow_in_flight = threading.Event()
+        self.later_read_started = threading.Event()
+        self.overlapped = False
+
+    def plan_epoch(self) -> Sequence[Any]:
+        self.passes += 1
+        return [(self.passes, i) for i in range(4)]
+
+    def read_into(self, plan: Any, out: torch.Tensor) -> Any:
+        number, index = plan
+        if number > 1:
+            if self.slow_in_flight.is_set():
+                self.overlapped = True
+            self.later_read_started.set()
+        elif index == 2:
+            self.slow_in_flight.set()
+            self.later_read_started.wait(0.5)
+            self.slow_in_flight.clear()
+        spec = TensorSpec(0, torch.int64, (4,))
+        spec.view(out).copy_(torch.arange(4) + 4 * index + 100 * number)
+        return spec
+
+
+async def test_a_pass_ends_only_after_the_reads_it_started(ring: bool | None) -> None:
+    """Breaking out of a pass while a read is in flight (batch 2's, while the pass waits to
+    copy batch 1: no prefetch): the next pass reads into the staging buffers only after that
+    read ended (it would otherwise write into a buffer the next pass filled), and hands out
+    its own data."""
+    source = SlowFirstPassSource()
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(
+            m, source, "cuda:0", prefetch=0, staging_slots=3, ring=ring
+        ) as loader:
+            async for _batch in loader:
+                with anyio.fail_after(5):
+                    await anyio.to_thread.run_sync(source.slow_in_flight.wait)
+                break
+            got = [batch.clone() async for batch in loader]
+        assert_nothing_left(m)
+    assert not source.overlapped
+    assert [b.tolist() for b in got] == [[200 + 4 * i + k for k in range(4)] for i in range(4)]
 
 
 async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
