@@ -695,8 +695,13 @@ if __name__ == "__main__":
         faulthandler.dump_traceback_later(arguments.dump_after, exit=True)
         DUMP_TASKS_AT.append(time.monotonic() + max(1.0, arguments.dump_after - 5))
     if arguments.methods:
-        # "_" stands for a space ("aresidency_shards"), for shells and LOADER_ARGS
-        ONLY.update(m.replace("_", " ") for m in arguments.methods.split(","))
+        # "_" stands for a space ("aresidency_shards"), for shells and LOADER_ARGS, in a name
+        # that is not a method's as it is ("pin+non_blocking" is)
+        ONLY.update(
+            m if m in METHODS else m.replace("_", " ") for m in arguments.methods.split(",")
+        )
+        if unknown := sorted(ONLY - set(METHODS)):
+            parser.error(f"--methods: no method {unknown}; the methods: {METHODS}")
     text, data = anyio.run(main, arguments)
     if arguments.markdown:
         Path(arguments.markdown).write_text(text + "\n")

@@ -83,7 +83,7 @@ fi
 
 if has loader && [ -f benchmarks/bench_loader.py ]; then
   timeout "${LOADER_TIMEOUT:-240}" python3 benchmarks/bench_loader.py ${LOADER_ARGS:-} > "$OUT/bench_loader.log" 2>&1
-  echo "== bench_loader rc=$?"; tail -n 40 "$OUT/bench_loader.log"
+  echo "== bench_loader rc=$?"; grep -v "^\[bench_loader [0-9:]*\]  *[0-9.]*%" "$OUT/bench_loader.log" | tail -n 40
 fi
 
 if has overhead; then
@@ -107,4 +107,12 @@ fi
 if has serve && [ -f benchmarks/bench_serve.py ]; then
   timeout "${SERVE_TIMEOUT:-240}" python3 benchmarks/bench_serve.py ${SERVE_ARGS:-} > "$OUT/bench_serve.log" 2>&1
   echo "== bench_serve rc=$?"; tail -n 40 "$OUT/bench_serve.log"
+fi
+
+# The tests' outcome once more at the very end: a caller that keeps only the output's tail (a
+# long benchmark table pushes the first lines out) still sees it.
+if has tests; then
+  echo "== summary: pytest -m 'cuda or cuda2' -k '${TEST_K:-}'"
+  grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -n 1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -n 10
 fi

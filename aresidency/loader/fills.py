@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.values import value_charge
 from .feeder import End
 from .records import BatchRecord, Part
-from .staging import SlotSource, staged_layout
+from .staging import SlotSource, StagedFill, staged_layout
 
 if TYPE_CHECKING:
     import torch
@@ -69,9 +69,16 @@ class StagedFills:
             index = self.next_plan
             self.next_plan += 1
             self.in_flight += 1
-            read = functools.partial(source.read_into, self.plans[index])
-            done = functools.partial(self._filled_in_thread, index, slot)
-            slots.fill(slot, read, done)
+            fill = StagedFill(
+                slots.executor,
+                source,
+                self.plans[index],
+                slots.buffers[slot],
+                None,
+                _never,
+                slots.workers,
+            )
+            fill.when_done(functools.partial(self._filled_in_thread, index, slot))
 
     def take(self) -> BatchRecord | End | None:
         """The next batch in plan order once it is filled, the :class:`End` after the last
@@ -146,6 +153,10 @@ class StagedFills:
         charge = value_charge(nbytes, None, self.loader.manager.state.granularity)
         part = Part(charge, nbytes, source=source)
         return BatchRecord(index, [part], structure, nbytes, specs=specs, slot=slot)
+
+
+def _never(_after: Any) -> None:
+    raise AssertionError("a free staging buffer has no copy to wait for")
 
 
 def return_slot(loader: DeviceLoader, batch: BatchRecord) -> None:

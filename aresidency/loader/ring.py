@@ -80,7 +80,7 @@ from ..core.values import value_charge
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
-from .staging import staged_layout
+from .staging import StagedFill, staged_layout
 
 PINNED = Location("pinned-host")
 PAGE = mmap.PAGESIZE
@@ -184,16 +184,6 @@ class _Out:
     slot: Slot
     handed: DeviceBatch | None = None
     streams: list[Any] = field(default_factory=list)
-
-
-def _fill(source: Any, plan: Any, buffer: torch.Tensor, after: Any) -> tuple[Any, float, float]:
-    """A staging thread: once the last copy out of ``buffer`` completed, read the batch
-    ``plan`` into it; its layout and when the read ran."""
-    if after is not None:
-        _wait_host(after)
-    start = time.perf_counter()
-    layout = source.read_into(plan, buffer)
-    return layout, start, time.perf_counter()
 
 
 def _wait_all(events: list[Any]) -> None:
@@ -351,15 +341,21 @@ class RingEpoch:
         source = self.loader.source
         last_copy: list[Any] = [None] * staging.count
         free = deque(range(staging.count))
-        fills: deque[tuple[int, int, concurrent.futures.Future[Any]]] = deque()
+        fills: deque[tuple[int, int, StagedFill]] = deque()
         next_plan = 0
         index = 0
         try:
             while True:
                 while free and next_plan < len(plans) and not self._stopped:
                     buffer = free.popleft()
-                    fill = executor.submit(
-                        _fill, source, plans[next_plan], staging.buffers[buffer], last_copy[buffer]
+                    fill = StagedFill(
+                        executor,
+                        source,
+                        plans[next_plan],
+                        staging.buffers[buffer],
+                        last_copy[buffer],
+                        _wait_host,
+                        staging.workers,
                     )
                     fills.append((next_plan, buffer, fill))
                     next_plan += 1
@@ -388,7 +384,7 @@ class RingEpoch:
             # the pass (this thread, which drain joins) ends only after them.
             for _, _, fill in fills:
                 fill.cancel()
-            concurrent.futures.wait([fill for _, _, fill in fills])
+            concurrent.futures.wait([f for _, _, fill in fills for f in fill.futures()])
 
     def _copy_staged(self, index: int, layout: Any, buffer: torch.Tensor) -> _Ready:
         specs, structure, nbytes = staged_layout(index, layout, buffer)

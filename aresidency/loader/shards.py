@@ -14,7 +14,8 @@ Every shard is memory-mapped once (safetensors through its library, ``.npy`` by 
 format's header, so numpy is not needed). Reading a batch is one copy per tensor and shard from
 the page cache into the destination: ``preadv`` on the file for a run of samples (POSIX; the
 kernel copies, with no page fault per 4 KiB of the mapping and no torch thread pool), a gather
-from the mapping for shuffled samples. Batches may span shards. Samples come
+from the mapping for shuffled samples; :meth:`ShardSource.read_pieces` cuts a batch into pieces
+that several threads read at once. Batches may span shards. Samples come
 in file order, or with ``shuffle=True`` in a new random order each epoch (``seed + epoch``): a
 batch then holds a random set of samples, ordered inside the batch by their place in the files
 so that each shard is read in one forward gather straight into the destination.
@@ -31,14 +32,10 @@ the data from disk when it is not in the page cache. Several threads may read at
 
 from __future__ import annotations
 
-import ast
-import ctypes
-import json
+import functools
 import mmap
 import os
-import struct
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -46,31 +43,20 @@ from typing import Any
 
 import torch
 
-from ..backends.memory import as_bytes
+from .shardfiles import (
+    ShardFile,
+    copy_bytes,
+    gather,
+    open_npy,
+    open_safetensors,
+    pread_into,
+    safetensors_offsets,
+)
 from .staging import TensorSpec
 
 __all__ = ["ShardSource"]
 
 StrPath = str | os.PathLike[str]
-
-# The .npy format (numpy's NEP 1): magic, version, header length, then a Python literal dict.
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_DTYPES: dict[str, torch.dtype] = {
-    "f8": torch.float64,
-    "f4": torch.float32,
-    "f2": torch.float16,
-    "i8": torch.int64,
-    "i4": torch.int32,
-    "i2": torch.int16,
-    "i1": torch.int8,
-    "u1": torch.uint8,
-    "u2": torch.uint16,
-    "u4": torch.uint32,
-    "u8": torch.uint64,
-    "b1": torch.bool,
-    "c8": torch.complex64,
-    "c16": torch.complex128,
-}
 
 
 #: Whether contiguous runs are read with ``os.preadv`` (POSIX); elsewhere they are copied
@@ -109,8 +95,8 @@ class _Shard:
         self.rows = rows
         self.columns = columns
         # key -> (the file, file offset of its first sample): where contiguous runs are read
-        # with pread (see _pread_into); a key missing here is copied from the mapping.
-        self.files: dict[str | None, tuple[_ShardFile, int]] = {}
+        # with pread (see pread_into); a key missing here is copied from the mapping.
+        self.files: dict[str | None, tuple[ShardFile, int]] = {}
         self._keep = keep
 
     def close(self) -> None:
@@ -125,150 +111,9 @@ class _Shard:
                     pass  # a tensor over it is still alive: unmapped when that one dies
 
 
-class _ShardFile:
-    """A shard file read with ``pread``: opened for each read, not held open (a dataset of
-    thousands of shards would otherwise hold thousands of descriptors), and checked to be the
-    file the source opened (the same device and inode), so that a file replaced since reads
-    as an error, not as other data."""
-
-    __slots__ = ("identity", "path")
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        info = os.stat(path)
-        self.identity = (info.st_dev, info.st_ino)
-
-    def open(self) -> int:
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        info = os.fstat(fd)
-        if (info.st_dev, info.st_ino) != self.identity:
-            os.close(fd)
-            raise OSError(
-                f"{self.path} was replaced since the ShardSource opened it: open a new "
-                "source to read the new file"
-            )
-        return fd
-
-
-#: The most one read(2) call returns on Linux (0x7ffff000 bytes).
-_READ_MAX = 0x7FFFF000
-
-
-def _pread_into(file: _ShardFile, offset: int, destination: torch.Tensor) -> None:
-    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``;
-    blocks the calling thread (a reading thread of the loader, never the event loop).
-
-    The kernel copies from the page cache straight into the buffer (``preadv``, the GIL
-    released): unlike a copy out of the file's mapping it takes no page fault per 4 KiB of
-    the file, and it runs in the calling thread only, where torch's copy would start its own
-    thread pool in every reading thread at once (CPUs oversubscribed, the event loop late)."""
-    nbytes = destination.numel() * destination.element_size()
-    address = destination.data_ptr()
-    done = 0
-    fd = file.open()
-    try:
-        while done < nbytes:
-            count = min(nbytes - done, _READ_MAX)
-            window = (ctypes.c_char * count).from_address(address + done)
-            got = os.preadv(fd, [window], offset + done)
-            if got <= 0:
-                raise OSError(
-                    f"{file.path} ended early: {nbytes - done} B missing at offset {offset + done}"
-                )
-            done += got
-    finally:
-        os.close(fd)
-
-
-def _open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap, int]:
-    """The array of an ``.npy`` file as a tensor over a private mapping of the file, and the
-    file offset of its data."""
-    with open(path, "rb") as file:
-        if file.read(6) != _NPY_MAGIC:
-            raise ValueError(f"{path} is not a .npy file (no NUMPY magic)")
-        major = file.read(2)[0]
-        size_format = "<H" if major == 1 else "<I"
-        (header_len,) = struct.unpack(size_format, file.read(struct.calcsize(size_format)))
-        header = file.read(header_len).decode("latin1" if major < 3 else "utf8")
-        offset = file.tell()
-        try:
-            info = ast.literal_eval(header)
-            descr, fortran, shape = info["descr"], info["fortran_order"], tuple(info["shape"])
-        except (ValueError, SyntaxError, KeyError, TypeError):
-            raise ValueError(f"{path}: unreadable .npy header {header!r}") from None
-        if (
-            not isinstance(descr, str)
-            or descr[:1] == ">"
-            or (descr[:1] == "=" and sys.byteorder != "little")
-        ):
-            raise ValueError(
-                f"{path}: dtype {descr!r} is not little-endian plain data; save it with "
-                "numpy.save from a little-endian array of numbers or booleans"
-            )
-        dtype = _NPY_DTYPES.get(descr.lstrip("<|="))
-        if dtype is None:
-            raise ValueError(
-                f"{path}: dtype {descr!r} has no torch equivalent here (supported: "
-                f"{', '.join(sorted(_NPY_DTYPES))})"
-            )
-        if fortran and len(shape) > 1:
-            raise ValueError(f"{path} is stored in Fortran order; save a C-contiguous array")
-        if not shape or shape[0] == 0:
-            raise ValueError(f"{path} holds no samples (shape {shape})")
-        # ACCESS_COPY: a private mapping, so the tensor over it is writable (torch warns about
-        # read-only buffers) while reads still come from the page cache; nothing writes it.
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = 1
-    for dim in shape:
-        count *= dim
-    nbytes = count * itemsize
-    if offset + nbytes > len(mapped):
-        mapped.close()
-        raise ValueError(f"{path} is truncated: its header promises {nbytes} B of data")
-    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
-    return raw.view(dtype).view(shape), mapped, offset
-
-
-def _open_safetensors(
-    path: Path, keys: Sequence[str] | None
-) -> tuple[dict[str | None, torch.Tensor], Any]:
-    """The named tensors of a safetensors file as views over the library's mapping of it."""
-    try:
-        from safetensors import safe_open
-    except ImportError:  # pragma: no cover - the extra is installed for the tests
-        raise ImportError(
-            "reading .safetensors shards needs the safetensors package: pip install "
-            "'aresidency[safetensors]'"
-        ) from None
-    handle: Any = safe_open(str(path), framework="pt")  # untyped library
-    held = sorted(handle.keys())
-    names = held if keys is None else list(keys)
-    tensors: dict[str | None, torch.Tensor] = {}
-    for name in names:
-        if name not in held:
-            raise KeyError(f"{path} has no tensor {name!r}; it holds {held}")
-        # A view over the library's private mapping of the file: no data is read here.
-        tensors[name] = handle.get_tensor(name)
-    return tensors, handle
-
-
-def _safetensors_offsets(path: Path) -> dict[str, int]:
-    """The file offset of each tensor's data in a safetensors file (its format: an 8-byte
-    little-endian header length, a JSON header whose ``data_offsets`` count from the end of
-    the header). Empty when the header cannot be read: its tensors are then copied from the
-    library's mapping."""
-    try:
-        with open(path, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length))
-        return {
-            name: 8 + length + int(info["data_offsets"][0])
-            for name, info in header.items()
-            if name != "__metadata__"
-        }
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
-        return {}
+#: The smallest piece :meth:`ShardSource.read_pieces` cuts a batch into: below it a thread's
+#: hand-off costs more than it saves.
+_MIN_PIECE = 1 << 20
 
 
 def _expand(paths: StrPath | Sequence[StrPath]) -> list[Path]:
@@ -418,22 +263,22 @@ class ShardSource:
         shard = _Shard(0, columns, keep)
         self.shards.append(shard)  # closed with the others if a later file fails
         for key, path in files.items():
-            tensor, mapped, offset = _open_npy(path)
+            tensor, mapped, offset = open_npy(path)
             keep.append(mapped)
             columns[key] = tensor
             if _PREAD:
-                shard.files[key] = (_ShardFile(path), offset)
+                shard.files[key] = (ShardFile(path), offset)
         self._check_rows(shard, files)
 
     def _add_safetensors_shard(self, path: Path, keys: Sequence[str] | None) -> None:
-        tensors, handle = _open_safetensors(path, keys)
+        tensors, handle = open_safetensors(path, keys)
         if not tensors:
             raise ValueError(f"{path} holds no tensor")
         shard = _Shard(0, dict(tensors), [handle])
         self.shards.append(shard)
-        offsets = _safetensors_offsets(path) if _PREAD else {}
+        offsets = safetensors_offsets(path) if _PREAD else {}
         if offsets:
-            file = _ShardFile(path)
+            file = ShardFile(path)
             for name in tensors:
                 if name in offsets and tensors[name].is_contiguous():
                     shard.files[name] = (file, offsets[name])
@@ -517,6 +362,19 @@ class ShardSource:
     def read_into(self, plan: BatchPlan, out: torch.Tensor) -> Any:
         """Copy the batch ``plan`` into the flat ``uint8`` buffer ``out`` and return its layout
         (a :class:`TensorSpec`, or a dict of them by key). Blocks the calling thread."""
+        layout, pieces = self.read_pieces(plan, out, 1)
+        for piece in pieces:
+            piece()
+        return layout
+
+    def read_pieces(
+        self, plan: BatchPlan, out: torch.Tensor, parts: int
+    ) -> tuple[Any, list[Callable[[], None]]]:
+        """The batch ``plan``'s layout in the flat ``uint8`` buffer ``out`` (as
+        :meth:`read_into` returns it) and the reads that fill it, as about ``parts`` pieces
+        of similar size (none under a MiB unless the batch is) that may run in different
+        threads at once, in any order: a loader reads one batch several threads wide, so that
+        it is ready sooner. Quick; the pieces block their thread."""
         self._check_open()
         nbytes = self.batch_nbytes(plan.rows)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
@@ -524,33 +382,47 @@ class ShardSource:
                 f"read_into needs a flat uint8 buffer of at least {nbytes} B, got "
                 f"{out.dtype} {tuple(out.shape)}"
             )
+        piece_nbytes = max(_MIN_PIECE, -(-nbytes // max(1, parts)))
         specs: dict[str | None, TensorSpec] = {}
+        pieces: list[Callable[[], None]] = []
         offset = 0
         for column in self.columns:
             spec = TensorSpec(offset, column.dtype, (plan.rows, *column.row_shape))
-            self._read_column(plan, column, spec.view(out))
+            pieces += self._column_pieces(plan, column, spec.view(out), piece_nbytes)
             specs[column.key] = spec
             offset += self._align_up(spec.nbytes)
         if self.tensor_batches:
-            return specs[None]
-        return specs
+            return specs[None], pieces
+        return specs, pieces
 
-    def _read_column(self, plan: BatchPlan, column: _Column, out: torch.Tensor) -> None:
+    def _column_pieces(
+        self, plan: BatchPlan, column: _Column, out: torch.Tensor, piece_nbytes: int
+    ) -> list[Callable[[], None]]:
+        rows_per_piece = max(1, piece_nbytes // max(1, column.row_nbytes))
+        pieces: list[Callable[[], None]] = []
         position = 0
         for run in plan.runs:
-            source = self.shards[run.shard].columns[column.key]
-            rows = run.rows
-            destination = out[position : position + rows]
-            extent = self.shards[run.shard].files.get(column.key)
-            if run.index is None and extent is not None and destination.is_contiguous():
-                file, offset = extent
-                _pread_into(file, offset + run.start * column.row_nbytes, destination)
-            elif run.index is None:
-                # Both contiguous: one memcpy from the page cache.
-                as_bytes(destination).copy_(as_bytes(source[run.start : run.stop]))
-            else:
-                torch.index_select(source, 0, run.index, out=destination)
-            position += rows
+            shard = self.shards[run.shard]
+            source = shard.columns[column.key]
+            extent = shard.files.get(column.key)
+            for first in range(0, run.rows, rows_per_piece):
+                rows = min(rows_per_piece, run.rows - first)
+                destination = out[position + first : position + first + rows]
+                if run.index is None and extent is not None and destination.is_contiguous():
+                    file, offset = extent
+                    where = offset + (run.start + first) * column.row_nbytes
+                    pieces.append(functools.partial(pread_into, file, where, destination))
+                elif run.index is None:
+                    # Both contiguous: one memcpy from the page cache.
+                    start = run.start + first
+                    pieces.append(
+                        functools.partial(copy_bytes, destination, source[start : start + rows])
+                    )
+                else:
+                    index = run.index[first : first + rows]
+                    pieces.append(functools.partial(gather, source, index, destination))
+            position += run.rows
+        return pieces
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of one epoch in new host memory (one tensor per key)."""
@@ -558,7 +430,8 @@ class ShardSource:
             batch: dict[str | None, torch.Tensor] = {}
             for column in self.columns:
                 tensor = torch.empty((plan.rows, *column.row_shape), dtype=column.dtype)
-                self._read_column(plan, column, tensor)
+                for piece in self._column_pieces(plan, column, tensor, tensor.nbytes):
+                    piece()
                 batch[column.key] = tensor
             yield batch[None] if self.tensor_batches else batch
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import mmap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +47,14 @@ from ..core.sizes import format_nbytes
 from ..runtime.manager import ResidencyManager
 from .structure import Structure, flatten
 
-__all__ = ["SlotSource", "StagedSource", "StagingSlots", "TensorSpec", "staged_layout"]
+__all__ = [
+    "SlotSource",
+    "StagedFill",
+    "StagedSource",
+    "StagingSlots",
+    "TensorSpec",
+    "staged_layout",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,101 @@ class StagedSource(Protocol):
     def plan_epoch(self) -> Sequence[Any]: ...
 
     def read_into(self, plan: Any, out: torch.Tensor) -> Any: ...
+
+
+class StagedFill:
+    """One batch being read into a staging buffer by the fill threads: in one call of
+    :meth:`StagedSource.read_into`, or, when the source has ``read_pieces(plan, out, parts)``
+    (returning the layout and a list of independent reads, as
+    :meth:`~aresidency.loader.ShardSource.read_pieces` does), in pieces spread over the
+    threads, so that one batch is read several threads wide and is ready sooner (the first
+    batch of a pass most of all). Each piece first waits, in its thread, for ``after`` (the last
+    copy out of the buffer). ``parts``: how many pieces to ask for (the number of threads).
+
+    :meth:`result` blocks until every piece ended (so that no piece still writes the buffer when
+    it returns or raises) and gives the layout with the reading's first start and last end
+    (``perf_counter``); :meth:`cancel` drops the pieces not started, :meth:`futures` the ones to
+    wait for before the buffer may be used again."""
+
+    __slots__ = ("_layout", "_lock", "_pieces", "_remaining")
+
+    _FROM_READ: Any = object()  # the layout is what the single read returns
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        source: Any,
+        plan: Any,
+        buffer: torch.Tensor,
+        after: Any,
+        wait: Callable[[Any], None],
+        parts: int,
+    ) -> None:
+        self._pieces: list[concurrent.futures.Future[tuple[Any, float, float]]] = []
+        self._lock = threading.Lock()
+        self._remaining = 0
+        split = getattr(source, "read_pieces", None)
+        try:
+            if callable(split):
+                self._layout, reads = split(plan, buffer, parts)
+            else:
+                self._layout = self._FROM_READ
+                reads = [functools.partial(source.read_into, plan, buffer)]
+        except BaseException as error:  # the source refused the plan: the batch raises it
+            failed: concurrent.futures.Future[tuple[Any, float, float]] = (
+                concurrent.futures.Future()
+            )
+            failed.set_exception(error)
+            self._pieces.append(failed)
+            return
+        for read in reads:
+            self._pieces.append(executor.submit(_timed_piece, read, after, wait))
+
+    def when_done(self, done: Callable[[Any, BaseException | None, float, float], None]) -> None:
+        """Call ``done(layout, error, start, end)`` once every piece ended (``layout`` ``None``
+        and ``error`` the first piece's when one failed), in the thread that ended the last
+        one, or at once in this one if all had ended."""
+
+        def ended(_piece: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._remaining -= 1
+                if self._remaining > 0:
+                    return
+            try:
+                layout, start, end = self.result()
+            except BaseException as error:
+                now = time.perf_counter()
+                done(None, error, now, now)
+                return
+            done(layout, None, start, end)
+
+        with self._lock:
+            self._remaining = len(self._pieces)
+        for piece in self._pieces:
+            piece.add_done_callback(ended)
+
+    def futures(self) -> list[concurrent.futures.Future[tuple[Any, float, float]]]:
+        return list(self._pieces)
+
+    def cancel(self) -> None:
+        for piece in self._pieces:
+            piece.cancel()
+
+    def result(self) -> tuple[Any, float, float]:
+        concurrent.futures.wait(self._pieces)
+        results = [piece.result() for piece in self._pieces]  # the first piece's error raises
+        layout = results[0][0] if self._layout is self._FROM_READ else self._layout
+        return layout, min(r[1] for r in results), max(r[2] for r in results)
+
+
+def _timed_piece(
+    read: Callable[[], Any], after: Any, wait: Callable[[Any], None]
+) -> tuple[Any, float, float]:
+    if after is not None:
+        wait(after)
+    start = time.perf_counter()
+    value = read()
+    return value, start, time.perf_counter()
 
 
 class SlotSource:
@@ -224,20 +328,6 @@ class StagingSlots:
             raise RuntimeError(f"{self!r} is not open")
         return executor
 
-    def fill(
-        self,
-        slot: int,
-        read: Callable[[torch.Tensor], Any],
-        done: Callable[[Any, BaseException | None, float, float], None],
-    ) -> None:
-        """Run ``read(buffer)`` in a worker thread, then ``done(result, error, start, end)`` in
-        that thread (``perf_counter`` times around the read). Loop thread; never waits."""
-        executor = self._executor
-        if executor is None:
-            raise RuntimeError(f"{self!r} is not open")
-        buffer = self.buffers[slot]
-        executor.submit(_run_fill, read, buffer, done)
-
     async def aclose(self) -> None:
         """Stop the threads (after the fills in flight), drop the reservation and unpin the
         buffers. The caller makes sure no copy reads a buffer any more."""
@@ -269,17 +359,3 @@ class StagingSlots:
             f"<StagingSlots {self.name} {self.count} x {format_nbytes(self.nbytes)} {kind} "
             f"{self.workers} workers {self.status} free={len(self.free)}>"
         )
-
-
-def _run_fill(
-    read: Callable[[torch.Tensor], Any],
-    buffer: torch.Tensor,
-    done: Callable[[Any, BaseException | None, float, float], None],
-) -> None:
-    start = time.perf_counter()
-    try:
-        result = read(buffer)
-    except BaseException as error:
-        done(None, error, start, time.perf_counter())
-        return
-    done(result, None, start, time.perf_counter())

@@ -5,6 +5,7 @@ bit-identical to the files, across shard boundaries and shuffled; the staging bu
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,9 +97,9 @@ def test_runs_of_samples_are_read_from_the_file_not_copied_from_the_mapping(
         return {k: torch.cat([b[k] for b in batches]) for k in expected}
 
     reads: list[int] = []
-    real = shards_module._pread_into
+    real = shards_module.pread_into
     monkeypatch.setattr(
-        shards_module, "_pread_into", lambda fd, off, dst: (reads.append(off), real(fd, off, dst))
+        shards_module, "pread_into", lambda fd, off, dst: (reads.append(off), real(fd, off, dst))
     )
     with ShardSource(paths, batch_size=4) as source:
         got = read_all(source)
@@ -358,3 +359,102 @@ async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
                     got = [batch["x"].clone() async for batch in loader]
             assert_nothing_left(m)
     assert torch.equal(torch.cat(got), x)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["runs", "shuffled"])
+def test_read_pieces_cut_a_large_batch_into_pieces_that_fill_it_in_any_order(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    """A 3 MiB batch asked for in 8 parts: no piece under a MiB, so 3 pieces (or more where
+    the batch spans shards), and running them backwards fills the buffer as read_into does."""
+    rows = 3 * 1024  # 1 KiB samples: 3 MiB per batch
+    generator = np.random.default_rng(3)
+    for number in range(2):
+        np.save(tmp_path / f"x-{number}.npy", generator.standard_normal((rows, 256)).astype("f4"))
+    with ShardSource(sorted(tmp_path.glob("*.npy")), batch_size=rows, shuffle=shuffle) as source:
+        plans = source.plan_epoch()
+        for plan in plans:
+            whole = torch.zeros(source.max_batch_nbytes, dtype=torch.uint8)
+            layout = source.read_into(plan, whole)
+            pieces_buffer = torch.zeros_like(whole)
+            same_layout, pieces = source.read_pieces(plan, pieces_buffer, 8)
+            assert same_layout == layout
+            assert 3 <= len(pieces) <= 6
+            for piece in reversed(pieces):
+                piece()
+            assert torch.equal(pieces_buffer, whole)
+            assert source.read_pieces(plan, pieces_buffer, 1)[1].__len__() == len(plan.runs)
+
+
+class PiecesSource:
+    """A staged source read only in pieces, ``workers`` per batch of ``workers`` int64 (piece
+    ``k`` of batch ``b`` writes ``10 * b + k``). The pieces of a batch meet at a barrier, so a
+    batch is read only if its pieces run in different threads at once. In batch
+    ``fail_batch`` piece 0 fails at once while piece 1 goes on until the consumer saw the error
+    (or half a second passed): ``late_piece_ended_first`` says whether it ended before that."""
+
+    def __init__(self, workers: int, fail_batch: int | None = None) -> None:
+        self.workers = workers
+        self.max_batch_nbytes = 8 * workers
+        self.fail_batch = fail_batch
+        self.barrier = threading.Barrier(workers, timeout=5)
+        self.failed = threading.Event()
+        self.consumer_saw_error = threading.Event()
+        self.late_piece_ended = threading.Event()
+
+    def plan_epoch(self) -> Sequence[Any]:
+        return list(range(4))
+
+    def read_into(self, plan: Any, out: torch.Tensor) -> Any:
+        raise AssertionError("the loader read a batch in one piece")
+
+    def read_pieces(self, plan: Any, out: torch.Tensor, parts: int) -> tuple[Any, list[Any]]:
+        assert parts == self.workers
+        spec = TensorSpec(0, torch.int64, (parts,))
+        view = spec.view(out)
+
+        def piece(k: int) -> None:
+            if plan == self.fail_batch and k == 0:
+                self.failed.set()
+                raise OSError(f"piece {k} of batch {plan} failed")
+            if plan == self.fail_batch:
+                if k == 1:
+                    self.failed.wait(5)
+                    self.consumer_saw_error.wait(0.5)
+                    self.late_piece_ended.set()
+                view[k] = 10 * plan + k
+                return
+            self.barrier.wait()
+            view[k] = 10 * plan + k
+
+        return spec, [functools.partial(piece, k) for k in range(parts)]
+
+
+async def test_a_loader_reads_each_batch_several_threads_wide(ring: bool | None) -> None:
+    source = PiecesSource(workers=3)
+    async with ResidencyManager(backend=sim()) as m:
+        with anyio.fail_after(10):
+            async with DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) as loader:
+                got = [batch.tolist() async for batch in loader]
+        assert_nothing_left(m)
+    assert got == [[10 * b + k for k in range(3)] for b in range(4)]
+
+
+async def test_a_failed_piece_raises_at_its_batch_after_the_batchs_other_pieces(
+    ring: bool | None,
+) -> None:
+    """The error reaches the consumer with its type, after the batches before it, and only
+    once no piece of its batch still writes the staging buffer."""
+    source = PiecesSource(workers=2, fail_batch=3)  # the last: no later read holds the pass
+    got: list[list[int]] = []
+    async with ResidencyManager(backend=sim()) as m:
+        with anyio.fail_after(10):
+            async with DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) as loader:
+                with pytest.raises(OSError, match="piece 0 of batch 3 failed"):
+                    async for batch in loader:
+                        got.append(batch.tolist())
+                late_piece_ended_first = source.late_piece_ended.is_set()
+                source.consumer_saw_error.set()
+        assert_nothing_left(m)
+    assert got == [[0, 1], [10, 11], [20, 21]]
+    assert late_piece_ended_first

@@ -1,0 +1,199 @@
+"""The shard files' formats and reads, for :class:`~aresidency.loader.ShardSource`.
+
+``.npy`` headers (numpy's NEP 1) and safetensors headers are parsed here without numpy;
+:func:`pread_into` reads a run of samples with ``preadv`` straight into a destination
+buffer, opening the file for each read and checking it is the file the source opened.
+
+What the host waits on: opening reads headers (file I/O in the calling thread); the reads block
+their thread (a loader's fill thread, never the event loop).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import json
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backends.memory import as_bytes
+
+# The .npy format (numpy's NEP 1): magic, version, header length, then a Python literal dict.
+NPY_MAGIC = b"\x93NUMPY"
+NPY_DTYPES: dict[str, torch.dtype] = {
+    "f8": torch.float64,
+    "f4": torch.float32,
+    "f2": torch.float16,
+    "i8": torch.int64,
+    "i4": torch.int32,
+    "i2": torch.int16,
+    "i1": torch.int8,
+    "u1": torch.uint8,
+    "u2": torch.uint16,
+    "u4": torch.uint32,
+    "u8": torch.uint64,
+    "b1": torch.bool,
+    "c8": torch.complex64,
+    "c16": torch.complex128,
+}
+
+
+class ShardFile:
+    """A shard file read with ``pread``: opened for each read, not held open (a dataset of
+    thousands of shards would otherwise hold thousands of descriptors), and checked to be the
+    file the source opened (the same device and inode), so that a file replaced since reads
+    as an error, not as other data."""
+
+    __slots__ = ("identity", "path")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        info = os.stat(path)
+        self.identity = (info.st_dev, info.st_ino)
+
+    def open(self) -> int:
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != self.identity:
+            os.close(fd)
+            raise OSError(
+                f"{self.path} was replaced since the ShardSource opened it: open a new "
+                "source to read the new file"
+            )
+        return fd
+
+
+#: The most one read(2) call returns on Linux (0x7ffff000 bytes).
+READ_MAX = 0x7FFFF000
+
+
+def pread_into(file: ShardFile, offset: int, destination: torch.Tensor) -> None:
+    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``;
+    blocks the calling thread (a reading thread of the loader, never the event loop).
+
+    The kernel copies from the page cache straight into the buffer (``preadv``, the GIL
+    released): unlike a copy out of the file's mapping it takes no page fault per 4 KiB of
+    the file, and it runs in the calling thread only, where torch's copy would start its own
+    thread pool in every reading thread at once (CPUs oversubscribed, the event loop late)."""
+    nbytes = destination.numel() * destination.element_size()
+    address = destination.data_ptr()
+    done = 0
+    fd = file.open()
+    try:
+        while done < nbytes:
+            count = min(nbytes - done, READ_MAX)
+            window = (ctypes.c_char * count).from_address(address + done)
+            got = os.preadv(fd, [window], offset + done)
+            if got <= 0:
+                raise OSError(
+                    f"{file.path} ended early: {nbytes - done} B missing at offset {offset + done}"
+                )
+            done += got
+    finally:
+        os.close(fd)
+
+
+def copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    as_bytes(destination).copy_(as_bytes(source))
+
+
+def gather(source: torch.Tensor, index: torch.Tensor, destination: torch.Tensor) -> None:
+    torch.index_select(source, 0, index, out=destination)
+
+
+def open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap, int]:
+    """The array of an ``.npy`` file as a tensor over a private mapping of the file, and the
+    file offset of its data."""
+    with open(path, "rb") as file:
+        if file.read(6) != NPY_MAGIC:
+            raise ValueError(f"{path} is not a .npy file (no NUMPY magic)")
+        major = file.read(2)[0]
+        size_format = "<H" if major == 1 else "<I"
+        (header_len,) = struct.unpack(size_format, file.read(struct.calcsize(size_format)))
+        header = file.read(header_len).decode("latin1" if major < 3 else "utf8")
+        offset = file.tell()
+        try:
+            info = ast.literal_eval(header)
+            descr, fortran, shape = info["descr"], info["fortran_order"], tuple(info["shape"])
+        except (ValueError, SyntaxError, KeyError, TypeError):
+            raise ValueError(f"{path}: unreadable .npy header {header!r}") from None
+        if (
+            not isinstance(descr, str)
+            or descr[:1] == ">"
+            or (descr[:1] == "=" and sys.byteorder != "little")
+        ):
+            raise ValueError(
+                f"{path}: dtype {descr!r} is not little-endian plain data; save it with "
+                "numpy.save from a little-endian array of numbers or booleans"
+            )
+        dtype = NPY_DTYPES.get(descr.lstrip("<|="))
+        if dtype is None:
+            raise ValueError(
+                f"{path}: dtype {descr!r} has no torch equivalent here (supported: "
+                f"{', '.join(sorted(NPY_DTYPES))})"
+            )
+        if fortran and len(shape) > 1:
+            raise ValueError(f"{path} is stored in Fortran order; save a C-contiguous array")
+        if not shape or shape[0] == 0:
+            raise ValueError(f"{path} holds no samples (shape {shape})")
+        # ACCESS_COPY: a private mapping, so the tensor over it is writable (torch warns about
+        # read-only buffers) while reads still come from the page cache; nothing writes it.
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for dim in shape:
+        count *= dim
+    nbytes = count * itemsize
+    if offset + nbytes > len(mapped):
+        mapped.close()
+        raise ValueError(f"{path} is truncated: its header promises {nbytes} B of data")
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape), mapped, offset
+
+
+def open_safetensors(
+    path: Path, keys: Sequence[str] | None
+) -> tuple[dict[str | None, torch.Tensor], Any]:
+    """The named tensors of a safetensors file as views over the library's mapping of it."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - the extra is installed for the tests
+        raise ImportError(
+            "reading .safetensors shards needs the safetensors package: pip install "
+            "'aresidency[safetensors]'"
+        ) from None
+    handle: Any = safe_open(str(path), framework="pt")  # untyped library
+    held = sorted(handle.keys())
+    names = held if keys is None else list(keys)
+    tensors: dict[str | None, torch.Tensor] = {}
+    for name in names:
+        if name not in held:
+            raise KeyError(f"{path} has no tensor {name!r}; it holds {held}")
+        # A view over the library's private mapping of the file: no data is read here.
+        tensors[name] = handle.get_tensor(name)
+    return tensors, handle
+
+
+def safetensors_offsets(path: Path) -> dict[str, int]:
+    """The file offset of each tensor's data in a safetensors file (its format: an 8-byte
+    little-endian header length, a JSON header whose ``data_offsets`` count from the end of
+    the header). Empty when the header cannot be read: its tensors are then copied from the
+    library's mapping."""
+    try:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        return {
+            name: 8 + length + int(info["data_offsets"][0])
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return {}
