@@ -70,6 +70,7 @@ from aresidency import ResidencyManager
 from aresidency.backends.sim import SimBackend
 from aresidency.core.sizes import format_nbytes
 from aresidency.loader import DeviceLoader, ShardSource
+from aresidency.loader import shards as shards_module
 
 MiB = 1 << 20
 ROW = 1024  # floats per row: a batch is (rows, 1024) float32
@@ -665,6 +666,20 @@ if __name__ == "__main__":
     )
     parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
     parser.add_argument(
+        "--shard-read",
+        choices=["pread", "mapping"],
+        default="pread",
+        help="how ShardSource reads runs of samples: preadv (the default where the OS has it), "
+        "or torch's copy from the file's mapping (one call, torch's own threads)",
+    )
+    parser.add_argument(
+        "--min-piece-mib",
+        type=float,
+        default=None,
+        help="the smallest piece ShardSource cuts a batch into (default its own: 1 MiB; a "
+        "large value reads each batch in one piece)",
+    )
+    parser.add_argument(
         "--compute-factor",
         type=float,
         default=1.0,
@@ -689,6 +704,10 @@ if __name__ == "__main__":
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
     SHARD_WORKERS[0] = arguments.shard_workers
+    # Module settings of ShardSource, for this process only (the benchmark's own variants).
+    shards_module.PREAD = shards_module.PREAD and arguments.shard_read == "pread"
+    if arguments.min_piece_mib is not None:
+        shards_module.MIN_PIECE = int(arguments.min_piece_mib * MiB)
     COMPUTE_FACTOR[0] = arguments.compute_factor
     SAMPLE_THREADS[0] = arguments.sample_threads
     if arguments.dump_after:

@@ -121,7 +121,7 @@ def main() -> None:
             print("|---|---|---|---|---|")
             for dma in loads:
                 for path in ("preadv", "mapping"):
-                    shards_module._PREAD = path == "preadv"
+                    shards_module.PREAD = path == "preadv"
                     with ShardSource(paths, batch_size=batch_rows, drop_last=True) as run:
                         for threads in counts:
                             stop = threading.Event()

@@ -61,7 +61,7 @@ StrPath = str | os.PathLike[str]
 
 #: Whether contiguous runs are read with ``os.preadv`` (POSIX); elsewhere they are copied
 #: from the file's mapping.
-_PREAD = hasattr(os, "preadv")
+PREAD = hasattr(os, "preadv")
 
 
 def _default_workers() -> int:
@@ -113,7 +113,7 @@ class _Shard:
 
 #: The smallest piece :meth:`ShardSource.read_pieces` cuts a batch into: below it a thread's
 #: hand-off costs more than it saves.
-_MIN_PIECE = 1 << 20
+MIN_PIECE = 1 << 20
 
 
 def _expand(paths: StrPath | Sequence[StrPath]) -> list[Path]:
@@ -266,7 +266,7 @@ class ShardSource:
             tensor, mapped, offset = open_npy(path)
             keep.append(mapped)
             columns[key] = tensor
-            if _PREAD:
+            if PREAD:
                 shard.files[key] = (ShardFile(path), offset)
         self._check_rows(shard, files)
 
@@ -276,7 +276,7 @@ class ShardSource:
             raise ValueError(f"{path} holds no tensor")
         shard = _Shard(0, dict(tensors), [handle])
         self.shards.append(shard)
-        offsets = safetensors_offsets(path) if _PREAD else {}
+        offsets = safetensors_offsets(path) if PREAD else {}
         if offsets:
             file = ShardFile(path)
             for name in tensors:
@@ -382,7 +382,7 @@ class ShardSource:
                 f"read_into needs a flat uint8 buffer of at least {nbytes} B, got "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        piece_nbytes = max(_MIN_PIECE, -(-nbytes // max(1, parts)))
+        piece_nbytes = max(MIN_PIECE, -(-nbytes // max(1, parts)))
         specs: dict[str | None, TensorSpec] = {}
         pieces: list[Callable[[], None]] = []
         offset = 0

@@ -105,7 +105,7 @@ def test_runs_of_samples_are_read_from_the_file_not_copied_from_the_mapping(
         got = read_all(source)
     assert reads, "no run was read with pread"
     assert all(torch.equal(got[k], expected[k]) for k in expected)
-    monkeypatch.setattr(shards_module, "_PREAD", False)
+    monkeypatch.setattr(shards_module, "PREAD", False)
     reads.clear()
     with ShardSource(paths, batch_size=4) as source:
         got = read_all(source)
