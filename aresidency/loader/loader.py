@@ -149,6 +149,8 @@ class DeviceLoader:
         self.staging: StagingSlots | None = None
         self.task_group: anyio.abc.TaskGroup | None = None
         self._epoch: Epoch | RingEpoch | None = None
+        # Ended passes whose slots may still wait for the device (freed by then at close).
+        self._handed_over: list[RingEpoch] = []
         self._epochs = 0
         self._lock = anyio.Lock()
         self.status = "open"
@@ -179,7 +181,10 @@ class DeviceLoader:
             if previous is not None:
                 previous.shutdown()
                 with anyio.CancelScope(shield=True):
-                    await previous.drain()
+                    await previous.drain(handover=True)
+                if isinstance(previous, RingEpoch):
+                    self._handed_over = [e for e in self._handed_over if e.retiring]
+                    self._handed_over.append(previous)
             plans = None
             if self.is_staged:
                 await self._open_staging()
@@ -255,6 +260,10 @@ class DeviceLoader:
                 with anyio.CancelScope(shield=True):
                     await epoch.drain()
                 deferred = epoch.take_deferred()
+            with anyio.CancelScope(shield=True):
+                for ended in self._handed_over:
+                    await ended.settle()
+            self._handed_over = []
         finally:
             try:
                 if self.staging is not None:

@@ -700,10 +700,12 @@ class Epoch:
         fills = 0 if self._fills is None else self._fills.in_flight
         return not (self._queue or self._out or self._releasing or fills)
 
-    async def drain(self, *, releases_only: bool = False) -> None:
+    async def drain(self, *, releases_only: bool = False, handover: bool = False) -> None:
         """Park until every released batch has left the budget (``releases_only``), or, after
         :meth:`shutdown`, until nothing is left at all; then stop listening. Returns at once
-        once the manager closed (it waited for every copy and reader already)."""
+        once the manager closed (it waited for every copy and reader already). ``handover``
+        (the loader starts its next pass) changes nothing here: the pass's values are
+        discarded as the device passes them either way."""
         while True:
             if not self.manager.running:
                 break

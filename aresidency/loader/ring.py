@@ -339,7 +339,7 @@ class RingEpoch:
         assert staging is not None
         executor = staging.executor
         source = self.loader.source
-        last_copy: list[Any] = [None] * staging.count
+        last_copy = staging.last_copy  # kept across passes: a copy may outlive its pass
         free = deque(range(staging.count))
         fills: deque[tuple[int, int, StagedFill]] = deque()
         next_plan = 0
@@ -963,10 +963,13 @@ class RingEpoch:
     def settled(self) -> bool:
         return self.status == "closed"
 
-    async def drain(self, *, releases_only: bool = False) -> None:
+    async def drain(self, *, releases_only: bool = False, handover: bool = False) -> None:
         """After :meth:`shutdown`: park until the ring's thread ended and every slot was freed
-        (its reservation ended). While running (``releases_only``): until the device passed
-        every batch released so far (the slots stay with the pass)."""
+        (its reservation ended). With ``handover`` (the loader starts its next pass): only
+        until the thread ended; the slots are freed later, once the device passed their last
+        readers and copies (:meth:`settle` waits for that), so the next pass fills and copies
+        while the device still runs this one's steps. While running (``releases_only``): until
+        the device passed every batch released so far (the slots stay with the pass)."""
         if releases_only:
             await self._drain_releases()
             return
@@ -979,6 +982,10 @@ class RingEpoch:
             with self._cond:
                 slots = list(self.slots)
                 self.slots = []
+            if handover:
+                self._retire(slots)
+                self._finish()
+                return
             # The last readers (an event now on every stream that read a slot) and copies,
             # waited for in a worker thread: the end of a pass does not depend on the
             # backend's completion notifications.
@@ -987,13 +994,21 @@ class RingEpoch:
             events += [s.copied for s in slots if s.copied is not None]
             await anyio.to_thread.run_sync(_wait_all, events)
             self._free(slots)
-            if self._pending_retires:
-                try:
-                    while self._pending_retires and self.manager.running:
-                        await self.manager.wait_for_change()
-                except ManagerClosedError:
-                    pass
+            await self.settle()
         self._finish()
+
+    @property
+    def retiring(self) -> bool:
+        """Whether slots this pass retired still wait for the device."""
+        return self._pending_retires > 0
+
+    async def settle(self) -> None:
+        """Park until every slot this pass retired was freed (or the manager closed)."""
+        try:
+            while self._pending_retires and self.manager.running:
+                await self.manager.wait_for_change()
+        except ManagerClosedError:
+            pass
 
     async def _drain_releases(self) -> None:
         if not self._streams or not self.manager.running:

@@ -268,6 +268,9 @@ class StagingSlots:
         self.workers = workers
         self.name = name
         self.buffers: list[torch.Tensor] = []
+        # Per buffer, the event after the last copy out of it (the ring's passes): the next
+        # fill waits for it, in the pass that comes next too.
+        self.last_copy: list[Any] = [None] * count
         self.free: list[int] = []
         self.pinned = False
         self._allocator: PinnedAllocator | None = None

@@ -1,15 +1,19 @@
 """``DeviceLoader`` on a real GPU (marked ``cuda``; skipped without one): the ring's copies
 from pageable and page-locked sources, its slots reused under a step's slow kernels, the budget
-against what torch really allocated, and the managed values beside it."""
+against what torch really allocated, the managed values beside it, and passes over shards
+started while the device still runs the previous pass's steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from aresidency import ResidencyManager
-from aresidency.loader import DeviceLoader
+from aresidency.loader import DeviceLoader, ShardSource
 
 from ._support import MiB, assert_nothing_left
 
@@ -141,3 +145,24 @@ async def test_page_locked_batches_are_copied_without_a_twin() -> None:
         assert_nothing_left(m)
     assert stats.packed_bytes == 0 and stats.twin_peak_bytes == 0
     assert [float(s.item()) for s in sums] == [float(i) * (1 << 16) for i in range(6)]
+
+
+async def test_passes_over_shards_back_to_back_under_slow_steps(tmp_path: Path) -> None:
+    """Three passes over shards, each step spinning ~10 ms before it reads its batch: a new
+    pass starts while the device still runs the old pass's steps (its slots are freed only
+    once those ran, its staging buffers refilled only after their copies out), and every
+    step reads its own batch."""
+    rows, row = 24, 1 << 16  # 256 KiB float32 samples: batches of 4 = 1 MiB
+    np.save(tmp_path / "x-0.npy", np.arange(rows, dtype=np.float32)[:, None].repeat(row, 1))
+    reads = []
+    with ShardSource([tmp_path / "x-0.npy"], batch_size=4, workers=2) as source:
+        async with ResidencyManager(budgets={"cuda:0": 64 * MiB}) as m:
+            async with DeviceLoader(m, source, "cuda:0", prefetch=1, staging_slots=3) as loader:
+                assert loader.ring
+                for _pass in range(3):
+                    async for batch in loader:
+                        torch.cuda._sleep(SLEEP_CYCLES)
+                        reads.append(batch[:, 0].clone())  # after the spin, on its stream
+            assert_nothing_left(m)
+    got = [r.tolist() for r in reads]
+    assert got == [[float(4 * b + k) for k in range(4)] for b in range(6)] * 3

@@ -581,3 +581,33 @@ async def test_large_batches_are_packed_by_several_threads_bit_identical(
             assert torch.equal(a["x"], b["x"]) and torch.equal(a["t"], b["t"]) and a["i"] == b["i"]
         assert_nothing_left(m)
     assert len(split) >= 3 * len(data) and threading.get_ident() not in split
+
+
+async def test_the_next_pass_starts_while_the_device_still_runs_the_last_ones_steps() -> None:
+    """Starting a pass does not wait for the device to pass the previous pass's batches (it
+    would leave the device idle between passes): the old slots stay reserved, and are freed
+    only once the step still reading the last batch of the old pass ran."""
+    data = batches(4)
+    gate = threading.Event()
+    read: list[torch.Tensor] = []
+    async with ResidencyManager(backend=SimBackend()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            first_pass = [batch async for batch in loader]
+            last = first_pass[-1]
+
+            def step() -> None:  # the old pass's last step, still queued on the device
+                gate.wait(10)
+                read.append(last.clone())
+
+            m.backend.run_in_stream_order(stream, step)
+            with anyio.fail_after(5):
+                second = aiter(loader)
+                got = await anext(second)
+            assert torch.equal(got, data[0])
+            assert any(" ring e1 " in name for name in live_slots(m)), live_slots(m)
+            gate.set()
+            rest = [batch.clone() async for batch in second]
+        assert_nothing_left(m)
+    assert torch.equal(read[0], data[-1])  # its slot was not freed or reused under the step
+    assert all(torch.equal(a, b) for a, b in zip(rest, data[1:], strict=True))
