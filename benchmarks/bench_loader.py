@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aresidency import ResidencyManager
+from aresidency.backends.cuda import CudaBackend
 from aresidency.backends.sim import SimBackend
 from aresidency.core.sizes import format_nbytes
 from aresidency.loader import DeviceLoader, ShardSource
@@ -86,6 +87,7 @@ METHODS = [
 ]
 PREFETCH = 4
 ONLY: set[str] = set()  # --methods: run only these (empty: all)
+WAITER: list[str] = ["auto"]  # --waiter: the CUDA backend's event-waiting strategy
 SHARD_WORKERS: list[int | None] = [None]  # --shard-workers (None: ShardSource's default)
 DUMP_TASKS_AT: list[float] = []  # --dump-after: when to print every task's stack
 
@@ -415,7 +417,7 @@ LAG_TIMES: list[float] = []  # when each of the ticker's lags ended (perf_counte
 
 def manager_for(dev: Device, batch_bytes: int) -> ResidencyManager:
     budget = (PREFETCH + 3) * batch_bytes + 16 * MiB
-    backend: Any = SimBackend() if dev.sim else "cuda"
+    backend: Any = SimBackend() if dev.sim else CudaBackend(waiter=WAITER[0])
     return ResidencyManager(budgets={"cuda:0": budget}, backend=backend)
 
 
@@ -666,6 +668,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--shard-workers", type=int, default=None, help="ShardSource workers")
     parser.add_argument(
+        "--waiter",
+        choices=["auto", "hybrid", "hostfunc", "poll", "blocking"],
+        default="auto",
+        help="the CUDA backend's event-waiting strategy",
+    )
+    parser.add_argument(
         "--shard-read",
         choices=["pread", "mapping"],
         default="pread",
@@ -704,6 +712,7 @@ if __name__ == "__main__":
     parser.add_argument("--markdown", help="write the markdown table to this path")
     arguments = parser.parse_args()
     SHARD_WORKERS[0] = arguments.shard_workers
+    WAITER[0] = arguments.waiter
     # Module settings of ShardSource, for this process only (the benchmark's own variants).
     shards_module.PREAD = shards_module.PREAD and arguments.shard_read == "pread"
     if arguments.min_piece_mib is not None:

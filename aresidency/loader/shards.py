@@ -111,9 +111,11 @@ class _Shard:
                     pass  # a tensor over it is still alive: unmapped when that one dies
 
 
-#: The smallest piece :meth:`ShardSource.read_pieces` cuts a batch into: below it a thread's
-#: hand-off costs more than it saves.
-MIN_PIECE = 1 << 20
+#: The smallest piece :meth:`ShardSource.read_pieces` cuts a batch into. Every piece costs the
+#: reading thread a few turns of the interpreter lock, which the event loop's thread then waits
+#: for: on the H200 host, 1 MiB pieces made a loader's steps slower at 16 and 64 MiB batches
+#: (the loop thread launches the step's kernels late), whole batches did not.
+MIN_PIECE = 32 << 20
 
 
 def _expand(paths: StrPath | Sequence[StrPath]) -> list[Path]:
@@ -372,7 +374,7 @@ class ShardSource:
     ) -> tuple[Any, list[Callable[[], None]]]:
         """The batch ``plan``'s layout in the flat ``uint8`` buffer ``out`` (as
         :meth:`read_into` returns it) and the reads that fill it, as about ``parts`` pieces
-        of similar size (none under a MiB unless the batch is) that may run in different
+        of similar size (none under 32 MiB unless the batch is) that may run in different
         threads at once, in any order: a loader reads one batch several threads wide, so that
         it is ready sooner. Quick; the pieces block their thread."""
         self._check_open()

@@ -363,10 +363,12 @@ async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["runs", "shuffled"])
 def test_read_pieces_cut_a_large_batch_into_pieces_that_fill_it_in_any_order(
-    tmp_path: Path, shuffle: bool
+    tmp_path: Path, shuffle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 3 MiB batch asked for in 8 parts: no piece under a MiB, so 3 pieces (or more where
-    the batch spans shards), and running them backwards fills the buffer as read_into does."""
+    """A 3 MiB batch asked for in 8 parts with pieces of at least a MiB (the module's setting,
+    lowered from its default): 3 pieces (or more where the batch spans shards), and running
+    them backwards fills the buffer as read_into does."""
+    monkeypatch.setattr(shards_module, "MIN_PIECE", 1 << 20)
     rows = 3 * 1024  # 1 KiB samples: 3 MiB per batch
     generator = np.random.default_rng(3)
     for number in range(2):
@@ -383,7 +385,12 @@ def test_read_pieces_cut_a_large_batch_into_pieces_that_fill_it_in_any_order(
             for piece in reversed(pieces):
                 piece()
             assert torch.equal(pieces_buffer, whole)
-            assert source.read_pieces(plan, pieces_buffer, 1)[1].__len__() == len(plan.runs)
+            assert len(source.read_pieces(plan, pieces_buffer, 1)[1]) == len(plan.runs)
+    monkeypatch.undo()
+    with ShardSource(sorted(tmp_path.glob("*.npy")), batch_size=rows) as source:
+        plan = source.plan_epoch()[0]
+        buffer = torch.empty(source.max_batch_nbytes, dtype=torch.uint8)
+        assert len(source.read_pieces(plan, buffer, 8)[1]) == 1  # under 32 MiB: one piece
 
 
 class PiecesSource:
