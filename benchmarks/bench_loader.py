@@ -19,8 +19,10 @@ worker processes (or, for one row, shards on disk). Methods, each timed in steps
   a temporary directory first, read memory-mapped by the loader's threads straight into its
   pinned staging buffers.
 
-Also per method: GPU idle time between steps (the gaps between one step's last kernel and the
-next one's first, by CUDA events around each step's kernels, as a share of the measured span),
+Also per method: GPU idle time, ``1 - steps/s / compute-only steps/s`` (the device's time not
+spent on the step's own kernels), and the gaps between steps alone (between one step's last
+kernel and the next one's first, by CUDA events around each step's kernels, as a share of the
+measured span: it misses a step whose kernels the host launched late, which then lasts longer),
 pinned host memory (aresidency: the ``pinned-host`` ledger's peak, which holds the loader's
 staging reservation and the backend's staging pool; DataLoader: its pin-memory queue,
 ``workers x prefetch_factor + 1`` batches, estimated) and, for aresidency, the event loop's lag
@@ -565,9 +567,20 @@ def markdown(report: dict[str, dict[str, Result]], env: str) -> str:
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for size, results in report.items():
+        compute = results.get("compute", Result()).steps_per_s
+
+        def idle(r: Result, compute: float | None = compute) -> str:
+            # The device's time not spent on the step's own kernels: 1 - rate / compute-only
+            # rate. Gaps between steps alone miss a step whose kernels were launched late
+            # (the host's launches, not the device, set its length).
+            if not compute or r.steps_per_s is None:
+                return "-"
+            return f"{max(0.0, 100.0 * (1.0 - r.steps_per_s / compute)):.1f}"
+
         for what, cell in (
             ("steps/s", lambda r: f"{r.steps_per_s:.1f}"),
-            ("GPU idle %", lambda r: f"{r.gpu_idle_pct:.1f}"),
+            ("GPU idle %", idle),
+            ("gaps between steps %", lambda r: f"{r.gpu_idle_pct:.1f}"),
             ("pinned", lambda r: format_nbytes(r.pinned_bytes or 0)),
             (
                 "loop lag p99 ms",

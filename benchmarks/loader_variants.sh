@@ -12,5 +12,5 @@ for variant in "${variants[@]}"; do
   echo "== $variant"
   # shellcheck disable=SC2086
   timeout 120 python3 benchmarks/bench_loader.py $BASE $variant 2>&1 \
-    | grep -E "MiB (steps/s|GPU idle|loop lag)|^source:" | sed -E 's/\| error: not run //g'
+    | grep -E "MiB (steps/s|GPU idle %|loop lag)|^source:" | sed -E 's/\| error: not run //g'
 done

@@ -74,16 +74,18 @@ class ShardFile:
 READ_MAX = 0x7FFFF000
 
 
-def pread_into(file: ShardFile, offset: int, destination: torch.Tensor) -> None:
-    """Fill the contiguous ``destination`` with its size in bytes of ``file`` at ``offset``;
-    blocks the calling thread (a reading thread of the loader, never the event loop).
+def pread_into(file: ShardFile, offset: int, buffer: torch.Tensor, start: int, nbytes: int) -> None:
+    """Fill ``nbytes`` of the contiguous ``buffer`` from byte ``start`` on with as many bytes of
+    ``file`` at ``offset``; blocks the calling thread (a reading thread of the loader, never the
+    event loop).
 
     The kernel copies from the page cache straight into the buffer (``preadv``, the GIL
     released): unlike a copy out of the file's mapping it takes no page fault per 4 KiB of
     the file, and it runs in the calling thread only, where torch's copy would start its own
-    thread pool in every reading thread at once (CPUs oversubscribed, the event loop late)."""
-    nbytes = destination.numel() * destination.element_size()
-    address = destination.data_ptr()
+    thread pool in every reading thread at once (CPUs oversubscribed, the event loop late).
+    No tensor view is made: the caller's thread (the loader's ring thread, which the event
+    loop shares the interpreter with) only computes addresses."""
+    address = buffer.data_ptr() + start
     done = 0
     fd = file.open()
     try:

@@ -81,7 +81,7 @@ class _Column:
         count = 1
         for dim in self.row_shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
 class _Shard:
@@ -390,7 +390,7 @@ class ShardSource:
         offset = 0
         for column in self.columns:
             spec = TensorSpec(offset, column.dtype, (plan.rows, *column.row_shape))
-            pieces += self._column_pieces(plan, column, spec.view(out), piece_nbytes)
+            pieces += self._column_pieces(plan, column, out, spec, piece_nbytes)
             specs[column.key] = spec
             offset += self._align_up(spec.nbytes)
         if self.tensor_batches:
@@ -398,31 +398,52 @@ class ShardSource:
         return specs, pieces
 
     def _column_pieces(
-        self, plan: BatchPlan, column: _Column, out: torch.Tensor, piece_nbytes: int
+        self,
+        plan: BatchPlan,
+        column: _Column,
+        out: torch.Tensor,
+        spec: TensorSpec,
+        piece_nbytes: int,
     ) -> list[Callable[[], None]]:
-        rows_per_piece = max(1, piece_nbytes // max(1, column.row_nbytes))
+        """The reads of one key of batch ``plan`` into its place ``spec`` in the flat buffer
+        ``out``. Runs read with ``preadv`` need only addresses (no tensor view is made here,
+        in the ring's thread); copies from the mapping and gathers view their destination."""
+        row_nbytes = column.row_nbytes
+        rows_per_piece = max(1, piece_nbytes // max(1, row_nbytes))
         pieces: list[Callable[[], None]] = []
         position = 0
+        destination: torch.Tensor | None = None
         for run in plan.runs:
             shard = self.shards[run.shard]
-            source = shard.columns[column.key]
             extent = shard.files.get(column.key)
             for first in range(0, run.rows, rows_per_piece):
                 rows = min(rows_per_piece, run.rows - first)
-                destination = out[position + first : position + first + rows]
-                if run.index is None and extent is not None and destination.is_contiguous():
+                if run.index is None and extent is not None:
                     file, offset = extent
-                    where = offset + (run.start + first) * column.row_nbytes
-                    pieces.append(functools.partial(pread_into, file, where, destination))
-                elif run.index is None:
+                    pieces.append(
+                        functools.partial(
+                            pread_into,
+                            file,
+                            offset + (run.start + first) * row_nbytes,
+                            out,
+                            spec.offset + (position + first) * row_nbytes,
+                            rows * row_nbytes,
+                        )
+                    )
+                    continue
+                if destination is None:
+                    destination = spec.view(out)
+                place = destination[position + first : position + first + rows]
+                source = shard.columns[column.key]
+                if run.index is None:
                     # Both contiguous: one memcpy from the page cache.
                     start = run.start + first
                     pieces.append(
-                        functools.partial(copy_bytes, destination, source[start : start + rows])
+                        functools.partial(copy_bytes, place, source[start : start + rows])
                     )
                 else:
                     index = run.index[first : first + rows]
-                    pieces.append(functools.partial(gather, source, index, destination))
+                    pieces.append(functools.partial(gather, source, index, place))
             position += run.rows
         return pieces
 
@@ -431,10 +452,11 @@ class ShardSource:
         for plan in self.plan_epoch():
             batch: dict[str | None, torch.Tensor] = {}
             for column in self.columns:
-                tensor = torch.empty((plan.rows, *column.row_shape), dtype=column.dtype)
-                for piece in self._column_pieces(plan, column, tensor, tensor.nbytes):
+                spec = TensorSpec(0, column.dtype, (plan.rows, *column.row_shape))
+                flat = torch.empty(spec.nbytes, dtype=torch.uint8)
+                for piece in self._column_pieces(plan, column, flat, spec, spec.nbytes):
                     piece()
-                batch[column.key] = tensor
+                batch[column.key] = spec.view(flat)
             yield batch[None] if self.tensor_batches else batch
 
     # -- end

@@ -71,7 +71,7 @@ class TensorSpec:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of ``flat`` (a ``uint8`` buffer holding the batch)."""

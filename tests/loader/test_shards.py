@@ -99,7 +99,9 @@ def test_runs_of_samples_are_read_from_the_file_not_copied_from_the_mapping(
     reads: list[int] = []
     real = shards_module.pread_into
     monkeypatch.setattr(
-        shards_module, "pread_into", lambda fd, off, dst: (reads.append(off), real(fd, off, dst))
+        shards_module,
+        "pread_into",
+        lambda file, off, *rest: (reads.append(off), real(file, off, *rest)),
     )
     with ShardSource(paths, batch_size=4) as source:
         got = read_all(source)
