@@ -80,6 +80,7 @@ from ..core.values import value_charge
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
+from .reclaim import release_shared
 from .staging import StagedFill, staged_layout
 
 PINNED = Location("pinned-host")
@@ -326,6 +327,10 @@ class RingEpoch:
                     return
                 index = item.index
                 self._push(self._copy(item))
+                # The batch's bytes are on their way (taken by the driver, packed, or kept
+                # in the slot's pins): its shared memory goes back without the interpreter lock
+                parts, item.parts = item.parts, []
+                self.counters.released_shared_bytes += release_shared(parts)
         except _Stopped:
             return
         except BaseException as error:  # a copy or slot failure: the batch raises it

@@ -86,6 +86,9 @@ class LoaderStats:
       pinned twins (then copied with one DMA each); ``twin_peak_bytes``: the most pinned
       memory those twins held at once (each charged to ``pinned-host`` as a named
       reservation while its slot exists).
+    * ``released_shared_bytes``: bytes of batches in shared memory (a ``DataLoader``'s
+      workers') the ring's thread gave back without holding the interpreter lock (see
+      :mod:`~aresidency.loader.reclaim`).
     """
 
     batches: int = 0
@@ -105,6 +108,7 @@ class LoaderStats:
     pinned_bytes: int = 0
     packed_bytes: int = 0
     twin_peak_bytes: int = 0
+    released_shared_bytes: int = 0
 
     @property
     def batches_per_s(self) -> float | None:
@@ -174,6 +178,11 @@ class LoaderStats:
                 f"packed into pinned twins: {format_nbytes(self.packed_bytes)} (twins at most "
                 f"{format_nbytes(self.twin_peak_bytes)} pinned)"
             )
+        if self.released_shared_bytes:
+            lines.append(
+                "shared memory given back without the interpreter lock: "
+                f"{format_nbytes(self.released_shared_bytes)}"
+            )
         return "\n".join(lines)
 
 
@@ -202,6 +211,7 @@ class LoaderCounters:
         self.packed_bytes = 0
         self.twin_bytes = 0  # the ring's pinned twins now (reserved at pinned-host)
         self.twin_peak = 0
+        self.released_shared_bytes = 0
         self.first_request: float | None = None
         self.last_hand_out: float | None = None
 
@@ -230,4 +240,5 @@ class LoaderCounters:
             pinned_bytes=self.pinned_bytes,
             packed_bytes=self.packed_bytes,
             twin_peak_bytes=self.twin_peak,
+            released_shared_bytes=self.released_shared_bytes,
         )
