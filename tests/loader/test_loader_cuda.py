@@ -166,3 +166,33 @@ async def test_passes_over_shards_back_to_back_under_slow_steps(tmp_path: Path) 
             assert_nothing_left(m)
     got = [r.tolist() for r in reads]
     assert got == [[float(4 * b + k) for k in range(4)] for b in range(6)] * 3
+
+
+@pytest.mark.parametrize("twins", [False, True], ids=["driver", "twins"])
+async def test_worker_processes_batches_arrive_bit_identical_and_their_memory_goes_back(
+    twins: bool,
+) -> None:
+    """A DataLoader with worker processes (batches in shared memory): each batch is copied
+    (through the driver's staging, or packed into a pinned twin), then its shared memory is
+    given back without the interpreter lock; every batch on the device is still the source's."""
+    numel = MiB // 4
+    source = DataLoader(
+        Rows(24, numel),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="forkserver",  # workers forked after CUDA started would crash
+    )
+    async with ResidencyManager(budgets={"cuda:0": 16 * MiB}) as m:
+        got = []
+        async with DeviceLoader(
+            m, source, "cuda:0", prefetch=2, pack_min_bytes=MiB if twins else None
+        ) as loader:
+            assert loader.ring
+            async for batch in loader:
+                got.append(batch["x"].cpu())
+            stats = loader.stats()
+        assert_nothing_left(m)
+    assert stats.released_shared_bytes > 0
+    for n, batch in enumerate(got):
+        for j in range(2):
+            assert torch.equal(batch[j], expected(2 * n + j, numel))
