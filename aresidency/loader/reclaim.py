@@ -102,6 +102,7 @@ def _release(tensor: torch.Tensor) -> int:
         or not isinstance(tensor, torch.Tensor)
         or tensor.device.type != "cpu"
         or tensor.storage_offset() != 0
+        or tensor.is_pinned()
         or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"  # type: ignore[no-untyped-call]
     ):
         return 0
@@ -109,7 +110,6 @@ def _release(tensor: torch.Tensor) -> int:
     nbytes = storage.nbytes()
     if (
         not storage.is_shared()
-        or storage.is_pinned()
         or nbytes != tensor.numel() * tensor.element_size()
         or nbytes < mmap.PAGESIZE
         or storage.data_ptr() % mmap.PAGESIZE
