@@ -611,3 +611,37 @@ async def test_the_next_pass_starts_while_the_device_still_runs_the_last_ones_st
         assert_nothing_left(m)
     assert torch.equal(read[0], data[-1])  # its slot was not freed or reused under the step
     assert all(torch.equal(a, b) for a, b in zip(rest, data[1:], strict=True))
+
+
+async def test_a_next_pass_without_room_waits_for_the_old_slots_to_be_freed() -> None:
+    """A budget of exactly one slot, the old pass's: the next pass waits for room (its first
+    batch does not come while the old pass's last step is held on the device), gets it once
+    that step ran and the old slot was freed, and never exceeds the budget."""
+    data = batches(4)
+    gate = threading.Event()
+    async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=SimBackend()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            first = aiter(loader)
+            assert [(await anext(first)).tolist() for _ in data] == [d.tolist() for d in data]
+            # A step still reading the last batch: its release (the pass's end) comes after it.
+            m.backend.run_in_stream_order(stream, lambda: gate.wait(10))
+            with pytest.raises(StopAsyncIteration):
+                await anext(first)
+            assert sum(" ring e1 " in name for name in live_slots(m)) == 1, live_slots(m)
+            second = aiter(loader)
+            got: list[torch.Tensor] = []
+
+            async def first_of_second_pass() -> None:
+                got.append((await anext(second)).clone())
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(first_of_second_pass)
+                await until(lambda: waiting_for_room(loader))
+                assert not got
+                gate.set()
+            assert torch.equal(got[0], data[0])
+            rest = [b.clone() async for b in second]
+        assert_nothing_left(m)
+        assert max_charge(m.trace()) <= CHARGE
+    assert all(torch.equal(a, b) for a, b in zip(rest, data[1:], strict=True))
