@@ -102,7 +102,6 @@ def _release(tensor: torch.Tensor) -> int:
         or not isinstance(tensor, torch.Tensor)
         or tensor.device.type != "cpu"
         or tensor.storage_offset() != 0
-        or tensor.is_pinned()
         or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"  # type: ignore[no-untyped-call]
     ):
         return 0
@@ -114,6 +113,7 @@ def _release(tensor: torch.Tensor) -> int:
         or nbytes < mmap.PAGESIZE
         or storage.data_ptr() % mmap.PAGESIZE
         or _USE_COUNT(storage._cdata) != 2  # the tensor's and this wrapper's
+        or tensor.is_pinned()  # last: a driver query on a machine with CUDA
     ):
         return 0
     fd, size = storage._share_fd_cpu_()[:2]  # shared already: its own descriptor, no copy
