@@ -46,38 +46,65 @@ def target_of(fd: int) -> str:
 
 
 class RecordingLibc:
-    """libc, noting what each descriptor pointed to after ``dup2`` replaced it."""
+    """libc, noting the ranges given to ``madvise`` and what each descriptor closed pointed to,
+    and whether torch's own descriptor ``theirs`` was closed by then."""
 
-    def __init__(self, libc: Any) -> None:
+    def __init__(self, libc: Any, theirs: int) -> None:
         self.libc = libc
-        self.before: list[str] = []
-        self.after: list[str] = []
+        self.theirs = theirs
+        self.advised: list[tuple[int, int, int]] = []
+        self.closed: list[tuple[str, bool]] = []
 
-    def mmap(self, *args: Any) -> Any:
-        return self.libc.mmap(*args)
+    def madvise(self, address: int, length: int, advice: int) -> int:
+        self.advised.append((address, length, advice))
+        return int(self.libc.madvise(address, length, advice))
 
-    def dup2(self, old: int, new: int) -> int:
-        self.before.append(target_of(new))
-        result = int(self.libc.dup2(old, new))
-        self.after.append(target_of(new))
-        return result
+    def close(self, fd: int) -> int:
+        self.closed.append((target_of(fd), not os.path.exists(f"/proc/self/fd/{self.theirs}")))
+        return int(self.libc.close(fd))
 
 
 @linux_only
-def test_a_batch_only_the_list_holds_is_given_back_and_its_shared_file_closed(
+def test_a_batch_only_the_list_holds_is_given_back_by_its_last_descriptor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    libc = RecordingLibc(reclaim._LIBC)
-    monkeypatch.setattr(reclaim, "_LIBC", libc)
     batch = from_a_worker(1)[0]
+    storage = batch.untyped_storage()
+    theirs = storage._share_fd_cpu_()[0]
+    address, nbytes = storage.data_ptr(), storage.nbytes()
+    del storage
+    libc = RecordingLibc(reclaim._LIBC, theirs)
+    monkeypatch.setattr(reclaim, "_LIBC", libc)
     parts = [batch]
     del batch
-    assert release_shared(parts) == (1 << 16) * 4
+    assert release_shared(parts) == nbytes == (1 << 16) * 4
     assert parts == [None]
-    # During the call, the shared file's descriptor (the last reference to it: its pages are
-    # freed there) was replaced by /dev/null's, which torch closed afterwards.
-    assert len(libc.before) == 1 and "/dev/shm/" in libc.before[0], libc.before
-    assert libc.after == ["/dev/null"]
+    # The page-table entries were dropped over the whole mapping, and the descriptor this
+    # call closed, the shared file's, was its last one here: torch had closed its own.
+    assert libc.advised == [(address, nbytes, 4)]
+    assert len(libc.closed) == 1
+    where, torch_closed_first = libc.closed[0]
+    assert "/dev/shm/" in where and torch_closed_first, libc.closed
+
+
+@linux_only
+def test_the_memory_stays_readable_for_a_reference_taken_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Torch hands a storage received again to whoever asks (it caches them by file): one
+    picked up while the memory is given back still reads the batch's data."""
+    taken: list[torch.Tensor] = []
+    real = reclaim._unmap
+
+    def unmap_then_take(tensor: torch.Tensor) -> tuple[int | None, int]:
+        result = real(tensor)
+        taken.append(tensor.view(-1)[:])  # another reference, after the page tables went
+        return result
+
+    monkeypatch.setattr(reclaim, "_unmap", unmap_then_take)
+    parts = [from_a_worker(1)[0]]
+    assert release_shared(parts) == (1 << 16) * 4
+    assert torch.equal(taken[0], torch.zeros(1 << 16))
 
 
 @linux_only
