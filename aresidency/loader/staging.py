@@ -306,13 +306,21 @@ class StagingSlots:
             await self.aclose()
             raise
         self.free = list(range(self.count))
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.workers, thread_name_prefix=f"aresidency-loader-fill-{self.name}"
-        )
 
     def _allocate(self) -> None:
-        # Worker thread: page-locking blocks. Without CUDA there is no pinned memory to ask for
-        # (only the simulated backend runs there); a GPU machine pins whatever backend runs.
+        # Worker thread: page-locking blocks, and so does starting threads. The fill threads
+        # start here, all of them: an executor starts a thread on a submit that finds none
+        # idle, and waits for it to run, which on a busy machine blocked the event loop (the
+        # managed-value pass submits from the loop) for a fifth of a second.
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.workers, thread_name_prefix=f"aresidency-loader-fill-{self.name}"
+        )
+        self._executor = executor
+        meet = threading.Barrier(self.workers)
+        started = [executor.submit(_meet, meet) for _ in range(self.workers)]
+        concurrent.futures.wait(started)
+        # Without CUDA there is no pinned memory to ask for (only the simulated backend runs
+        # there); a GPU machine pins whatever backend runs.
         if torch.cuda.is_available():
             self._allocator = PinnedAllocator()
             self.pinned = True
@@ -362,3 +370,10 @@ class StagingSlots:
             f"<StagingSlots {self.name} {self.count} x {format_nbytes(self.nbytes)} {kind} "
             f"{self.workers} workers {self.status} free={len(self.free)}>"
         )
+
+
+def _meet(barrier: threading.Barrier) -> None:
+    """A fill thread's first task: wait until every fill thread runs (each task takes its own
+    thread), or give up after a while (they start anyway, only later)."""
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait(timeout=10)

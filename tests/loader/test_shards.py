@@ -467,3 +467,18 @@ async def test_a_failed_piece_raises_at_its_batch_after_the_batchs_other_pieces(
         assert_nothing_left(m)
     assert got == [[0, 1], [10, 11], [20, 21]]
     assert late_piece_ended_first
+
+
+async def test_staging_starts_every_fill_thread_when_it_opens() -> None:
+    """An executor starts a thread on a submit that finds none idle and waits for it to run:
+    off the loop, at open, so that a submit from the loop never does."""
+    from aresidency.loader.staging import StagingSlots
+
+    slots = StagingSlots(2, 4 * KiB, 3, "prestart")
+    async with ResidencyManager(backend=sim()) as m:
+        await slots.open(m)
+        try:
+            names = [t.name for t in threading.enumerate() if t.is_alive()]
+            assert sum(n.startswith("aresidency-loader-fill-prestart") for n in names) == 3
+        finally:
+            await slots.aclose()
