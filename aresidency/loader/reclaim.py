@@ -75,15 +75,15 @@ def release_shared(parts: list[Any]) -> int:
         duplicate = None
         nbytes = 0
         with contextlib.suppress(Exception):  # anything unexpected: dropped as usual
-            duplicate, nbytes = _unmap(tensor)
-        del tensor  # torch unmaps (nothing mapped now) and closes its descriptor (not the last)
+            duplicate, nbytes = _drop_page_tables(tensor)
+        del tensor  # torch unmaps (no page tables left) and closes its descriptor (not the last)
         if duplicate is not None:
             _LIBC.close(duplicate)  # the file's last reference here: its pages are freed
             released += nbytes
     return released
 
 
-def _unmap(tensor: torch.Tensor) -> tuple[int | None, int]:
+def _drop_page_tables(tensor: torch.Tensor) -> tuple[int | None, int]:
     """For a tensor that qualifies: its page-table entries dropped, and a duplicate of its
     storage's descriptor with its size; ``(None, 0)`` for any other."""
     libc = _LIBC

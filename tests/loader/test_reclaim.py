@@ -94,14 +94,14 @@ def test_the_memory_stays_readable_for_a_reference_taken_meanwhile(
     """Torch hands a storage received again to whoever asks (it caches them by file): one
     picked up while the memory is given back still reads the batch's data."""
     taken: list[torch.Tensor] = []
-    real = reclaim._unmap
+    real = reclaim._drop_page_tables
 
     def unmap_then_take(tensor: torch.Tensor) -> tuple[int | None, int]:
         result = real(tensor)
         taken.append(tensor.view(-1)[:])  # another reference, after the page tables went
         return result
 
-    monkeypatch.setattr(reclaim, "_unmap", unmap_then_take)
+    monkeypatch.setattr(reclaim, "_drop_page_tables", unmap_then_take)
     parts = [from_a_worker(1)[0]]
     assert release_shared(parts) == (1 << 16) * 4
     assert torch.equal(taken[0], torch.zeros(1 << 16))
