@@ -130,12 +130,16 @@ def test_views_plain_memory_and_other_objects_are_left_alone() -> None:
 
 @linux_only
 @pytest.mark.anyio
-async def test_a_loader_over_worker_processes_gives_their_memory_back_and_right_data() -> None:
-    """The ring's thread gives each copied batch's shared memory back; every batch the
-    consumer gets is the source's."""
+@pytest.mark.parametrize("pack", [None, 64 << 10], ids=["copied", "packed"])
+async def test_a_loader_over_worker_processes_gives_their_memory_back_and_right_data(
+    pack: int | None,
+) -> None:
+    """The ring's thread gives each batch's shared memory back once its bytes are on their
+    way (copied, or packed into the slot's twin); every batch the consumer gets is the
+    source's."""
     source = DataLoader(Rows(12), batch_size=None, num_workers=2)
     async with ResidencyManager(backend=SimBackend()) as m:
-        async with DeviceLoader(m, source, "cuda:0", prefetch=2) as loader:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=2, pack_min_bytes=pack) as loader:
             assert loader.ring
             got = [batch.clone() async for batch in loader]
             stats = loader.stats()
@@ -144,3 +148,4 @@ async def test_a_loader_over_worker_processes_gives_their_memory_back_and_right_
     assert all(torch.equal(b, torch.full((1 << 16,), float(i))) for i, b in enumerate(got))
     assert stats.released_shared_bytes > 0
     assert "shared memory given back" in str(stats)
+    assert (stats.packed_bytes > 0) == (pack is not None)
