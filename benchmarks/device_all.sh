@@ -7,7 +7,8 @@
 # PARTS picks what runs (default: all of "tests examples copy scope stream loader serve";
 # "overhead", the host time per pool call, "profile", where the manager's small copies
 # spend host time, and "diag", the small copies' parts and the host's shard read rate, run
-# only when named; "none": nothing but the wheels);
+# only when named (diag also times the loop's lag while threads read files); "none": nothing
+# but the wheels);
 # TEST_PATHS narrows the test directories; TEST_K the tests, with pytest -k (for example
 # "not uvloop and not trio": asyncio only). STREAM_ARGS, LOADER_ARGS, SERVE_ARGS pass options
 # (such as --quick) to those benchmarks; SCOPE_QUICK=1 runs bench_scope on asyncio only;
@@ -97,6 +98,8 @@ if has diag; then
   timeout 150 python3 benchmarks/diag_shard_reads.py --with-dma --threads 1,4,8,16 --gib 2 \
     > "$OUT/diag_shard_reads.log" 2>&1
   echo "== diag_shard_reads rc=$?"; tail -n 14 "$OUT/diag_shard_reads.log"
+  timeout 120 python3 benchmarks/diag_loop_convoy.py > "$OUT/diag_loop_convoy.log" 2>&1
+  echo "== diag_loop_convoy rc=$?"; tail -n 15 "$OUT/diag_loop_convoy.log"
 fi
 
 if has profile; then
