@@ -106,6 +106,9 @@ class StagedSource(Protocol):
     :meth:`read_into` is called in a worker thread with one plan and a flat ``uint8`` buffer of
     ``max_batch_nbytes`` bytes, writes the batch into it and returns the batch's structure with a
     :class:`TensorSpec` where each tensor goes (a spec, or dicts, lists, tuples of specs).
+    Optionally, ``read_pieces(plan, out, parts)`` returns that structure at once with a list
+    of independent zero-argument reads that together fill ``out`` (about ``parts`` of them):
+    the loader then runs them in several threads at once (see :class:`StagedFill`).
     """
 
     workers: int
