@@ -235,10 +235,13 @@ class DeviceLoader:
 
     async def drain(self) -> None:
         """Park until every batch released so far has left the device budget (its readers'
-        events completed and its values were discarded). The host does not block."""
+        events completed and its values were discarded), the slots of ended passes
+        included. The host does not block."""
         epoch = self._epoch
         if epoch is not None:
             await epoch.drain(releases_only=epoch.status == "running")
+        for ended in list(self._handed_over):
+            await ended.settle()
 
     async def aclose(self) -> None:
         """End the current pass and release everything: batches handed out (their tensors must

@@ -645,3 +645,48 @@ async def test_a_next_pass_without_room_waits_for_the_old_slots_to_be_freed() ->
         assert_nothing_left(m)
         assert max_charge(m.trace()) <= CHARGE
     assert all(torch.equal(a, b) for a, b in zip(rest, data[1:], strict=True))
+
+
+async def test_drain_waits_for_the_slots_of_the_pass_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``loader.drain()`` during a pass also waits until the previous pass's slots, retired
+    when the pass ended, have left the budget (their retiring thread is held here)."""
+    from aresidency.loader import ring as ring_module
+
+    gate = threading.Event()
+    real_wait_all = ring_module._wait_all
+
+    def held_when_retiring(events: list[Any]) -> None:
+        if threading.current_thread().name == "aresidency-loader-ring-retire":
+            gate.wait(10)
+        real_wait_all(events)
+
+    async def nothing_released_to_wait_for(self: RingEpoch) -> None:
+        return None  # the running pass's own part of drain: not what this test looks at
+
+    monkeypatch.setattr(ring_module, "_wait_all", held_when_retiring)
+    monkeypatch.setattr(RingEpoch, "_drain_releases", nothing_released_to_wait_for)
+    data = batches(4)
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            async for _batch in loader:
+                pass
+            second = aiter(loader)
+            await anext(second)
+            assert any(" ring e1 " in name for name in live_slots(m))
+            drained = anyio.Event()
+
+            async def drain() -> None:
+                await loader.drain()
+                drained.set()
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(drain)
+                await anyio.wait_all_tasks_blocked()
+                assert not drained.is_set()
+                gate.set()
+            assert not any(" ring e1 " in name for name in live_slots(m))
+            async for _batch in second:
+                pass
+        assert_nothing_left(m)
