@@ -69,6 +69,13 @@ EXPECTED = {
     ],
     "15_search_limits.py": ["limit 2: inconclusive", "infeasible: ResidencyPlanError"],
     "16_weight_streaming.py": ["bit-identical to the model run entirely on cpu: True"],
+    "17_data_loader.py": [
+        "24 batches of 1 MiB, in order: True",
+        "every step read its batch as the source made it: True",
+        "MiB: True",
+        "nothing left at cuda:0 after the loader closed: True",
+        "shared memory given back without the interpreter lock",
+    ],
 }
 
 # Imports torch and the package once, then forks a child per example: the child's stdout and
