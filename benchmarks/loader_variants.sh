@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 BASE=${BASE:-"--quick --sizes 16,64 --compute-factor 3 --methods compute,aresidency_shards"}
 IFS='|' read -r -a variants <<< "${VARIANTS:-}"
+# No VARIANTS (or an empty one): BASE alone, once (read -a gives no element for "").
+[ "${#variants[@]}" -gt 0 ] || variants=("")
 for variant in "${variants[@]}"; do
   echo "== $variant"
   # shellcheck disable=SC2086
