@@ -14,10 +14,13 @@ destinations out of registered slabs:
   smaller ones share ``slab_bytes`` slabs, best fit, with neighbouring free blocks merged.
 * **Grown ahead of need.** After a carve leaves less than ``ahead_bytes`` (the largest recent
   request) free, :meth:`PinnedArena.grow_ahead` adds a slab in a worker thread, so the next
-  fresh destination is carved, not registered. Requests that found no hole (*misses*: they
-  were registered on their own) are remembered, and the next growth adds room for all of
-  them at once, so that a burst of concurrent copies (64 of 64 MB) is carved the next time
-  instead of one more slab per burst. Growth never takes the arena past ``limit_bytes``, which
+  fresh destination is carved, not registered. A request that found no hole either gets a
+  new slab at once (:meth:`PinnedArena.carve_new`: mapped on the loop, registered by the
+  worker that issues its copy; the CUDA backend does this for destinations too large to
+  register on the loop), so that a burst of concurrent copies (64 of 64 MB) builds the room
+  the next burst carves, instead of registering each destination for itself and unregistering
+  it at its free; or it is remembered as a *miss*, and the next growth adds room for all of
+  them at once. Growth never takes the arena past ``limit_bytes``, which
   the runtime keeps at the pinned-host budget's headroom (the budget less every other charge);
   to make room under it, growth releases slabs that are entirely free and smaller than the slab
   it adds (a size the recent requests do not use), and slabs left entirely free beyond the
@@ -77,7 +80,17 @@ def private_mapping(nbytes: int) -> mmap.mmap:
 
 
 class _Slab:
-    __slots__ = ("free", "live", "mapping", "nbytes", "ptr", "registered", "unregister")
+    __slots__ = (
+        "detached",
+        "free",
+        "live",
+        "mapping",
+        "nbytes",
+        "ptr",
+        "ready",
+        "registered",
+        "unregister",
+    )
 
     def __init__(
         self, mapping: mmap.mmap, nbytes: int, ptr: int, unregister: Callable[[int], None]
@@ -88,7 +101,9 @@ class _Slab:
         self.ptr = ptr
         self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), by offset
         self.live = 0  # blocks carved from it and not yet returned
-        self.registered = True
+        self.registered = True  # page-locked: unlock before unmapping
+        self.ready = True  # False while its first block's worker registers it (carve nothing)
+        self.detached = False  # its registration failed: out of the arena, unmapped at return
 
     def largest(self) -> int:
         return max((length for _, length in self.free), default=0)
@@ -222,10 +237,11 @@ class PinnedArena:
     # -- carving
 
     def try_carve(
-        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, *, note_miss: bool = True
     ) -> torch.Tensor | None:
         """A pinned tensor from a registered slab, or None when no hole is large enough. Never
-        registers memory (cheap enough for the event loop)."""
+        registers memory (cheap enough for the event loop). A miss is remembered for the next
+        growth unless ``note_miss`` is false (the caller then calls :meth:`carve_new`)."""
         nbytes = _nbytes(shape, dtype)
         with self._lock:
             if self._closed:
@@ -234,7 +250,7 @@ class PinnedArena:
             found = self._take_locked(self.block_bytes(nbytes))
             if found is None:
                 self.misses += 1
-                if len(self._missed) < _MISSES_KEPT:
+                if note_miss and len(self._missed) < _MISSES_KEPT:
                     self._missed.append(self.block_bytes(nbytes))
                 return None
             slab, offset = found
@@ -260,6 +276,63 @@ class PinnedArena:
             assert offset is not None
             self._carved_locked(nbytes)
         return self._tensor(slab, offset, nbytes, shape, dtype)
+
+    def carve_new(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, Callable[[], None]] | None:
+        """A tensor over a new slab, not registered yet, or None when that slab would pass
+        ``limit_bytes`` (or the arena is closed). Cheap (one ``mmap``): for the event loop,
+        when :meth:`try_carve` found no hole. Call the returned function off the loop before
+        the device writes the tensor: it faults the slab in and registers it (blocking), so
+        that the block returns to the arena when its tensor dies and later requests carve
+        the slab, where registering a destination of its own would be undone at its free. It
+        raises ``torch.OutOfMemoryError`` when registration fails; the slab then leaves the
+        arena and is unmapped with its tensor."""
+        nbytes = _nbytes(shape, dtype)
+        need = self.block_bytes(nbytes)
+        size = self._slab_size_for(need)
+        with self._lock:
+            if self._closed or self._room_locked(size) < 0:
+                return None
+        mapping = private_mapping(size)
+        exporter = (ctypes.c_uint8 * size).from_buffer(mapping)
+        ptr = torch.frombuffer(exporter, dtype=torch.uint8).data_ptr()
+        del exporter
+        slab = _Slab(mapping, size, ptr, self._unregister)
+        slab.registered = slab.ready = False
+        with self._lock:
+            if self._closed or self._room_locked(size) < 0:
+                _unmap(mapping)
+                return None
+            self._add_locked(slab)  # counted now: concurrent requests see the limit's use
+            offset = slab.take(need)
+            assert offset == 0
+            self._carved_locked(nbytes)
+        tensor = self._tensor(slab, offset, nbytes, shape, dtype)
+        return tensor, functools.partial(self._register_new, slab, nbytes)
+
+    def _register_new(self, slab: _Slab, nbytes: int) -> None:
+        """Fault in and register a slab made by :meth:`carve_new` (a worker thread)."""
+        try:
+            exporter = (ctypes.c_uint8 * slab.nbytes).from_buffer(slab.mapping)
+            raw = torch.frombuffer(exporter, dtype=torch.uint8)
+            if self._prefault is not None:
+                self._prefault(raw)
+            del raw, exporter
+            self._register(slab.ptr, slab.nbytes)
+        except BaseException:
+            with self._lock:
+                if slab in self._slabs:
+                    self._slabs.remove(slab)
+                    self.total_bytes -= slab.nbytes
+                self.carved_bytes -= self.block_bytes(nbytes)
+                self.value_bytes -= nbytes
+                self.carves -= 1
+                slab.detached = True
+            raise
+        with self._lock:
+            slab.registered = slab.ready = True
+            self.slabs_made += 1
 
     def needs_growth(self) -> bool:
         """Whether no hole holds ``ahead_bytes`` and a slab for it would fit the limit (then
@@ -437,6 +510,8 @@ class PinnedArena:
         best: tuple[_Slab, int] | None = None
         best_hole = 0
         for slab in self._slabs:
+            if not slab.ready:
+                continue  # being registered for the block carved from it
             for _, length in slab.free:
                 if length >= need and (best is None or length < best_hole):
                     best, best_hole = (slab, 0), length
@@ -470,16 +545,26 @@ class PinnedArena:
         """The last tensor over a block died (any thread)."""
         release = False
         with self._lock:
-            slab.give_back(offset, self.block_bytes(nbytes))
-            self.carved_bytes -= self.block_bytes(nbytes)
-            self.value_bytes -= nbytes
-            over = self.limit_bytes is not None and self.total_bytes > self.limit_bytes
-            if slab.empty() and (self._closed or over) and slab in self._slabs:
-                self._slabs.remove(slab)
-                self.total_bytes -= slab.nbytes
-                release = True
+            if slab.detached:
+                release = True  # its registration failed: its only block, never counted
+                slab.detached = False
+            else:
+                release = self._give_back_locked(slab, offset, nbytes)
         if release:
             self._release(slab)
+
+    def _give_back_locked(self, slab: _Slab, offset: int, nbytes: int) -> bool:
+        """Return a block to its slab; whether the slab now leaves the arena (then the caller
+        releases it, without the lock)."""
+        slab.give_back(offset, self.block_bytes(nbytes))
+        self.carved_bytes -= self.block_bytes(nbytes)
+        self.value_bytes -= nbytes
+        over = self.limit_bytes is not None and self.total_bytes > self.limit_bytes
+        if slab.empty() and (self._closed or over) and slab in self._slabs:
+            self._slabs.remove(slab)
+            self.total_bytes -= slab.nbytes
+            return True
+        return False
 
     def _release(self, slab: _Slab) -> None:
         later = self._unregister_later

@@ -309,6 +309,17 @@ class Backend(abc.ABC):
         everything charged there (``None``: no budget). Nothing to bound by default."""
         del headroom
 
+    def pageable_overhead_bytes(self) -> int:
+        """Pageable bytes this backend keeps ready for pageable destinations that no value
+        holds (freed destinations kept with their pages faulted in); the runtime shows them
+        as spare bytes at ``pageable-host``. None by default."""
+        return 0
+
+    def limit_pageable_overhead(self, headroom: int | None) -> None:
+        """The runtime's bound on :meth:`pageable_overhead_bytes`: the pageable-host budget
+        less everything charged there (``None``: no budget). Nothing to bound by default."""
+        del headroom
+
     # -------------------------------------------------------------- memory
 
     @abc.abstractmethod

@@ -57,6 +57,7 @@ from .bridge import LoopBridge
 from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
 from .memory import as_bytes, host_fill, poison_
+from .pageable import PageableCache, default_host_keep_bytes
 from .pinned import (
     PinnedAllocator,
     cuda_event,
@@ -191,12 +192,17 @@ class CudaBackend(Backend):
     pinned buffer. ``pageable_mmap_bytes``: pageable destinations from this size up are
     private mappings asked for huge pages (``None``: ``torch.empty``).
     ``pinned_arena_bytes``: the most host memory the pinned arena may keep registered (``0``:
-    no arena, every fresh pinned destination is registered for itself); the runtime lowers it
-    to the pinned-host budget's headroom (:meth:`limit_pinned_overhead`). ``arena_slab_bytes``:
-    the size of its shared slabs.
+    no arena, every fresh pinned destination is registered for itself; ``None``: an eighth of
+    the machine's memory, within 4-16 GiB); the runtime lowers it to the pinned-host budget's
+    headroom (:meth:`limit_pinned_overhead`). ``arena_slab_bytes``: the size of its shared
+    slabs. ``pageable_cache_bytes``: the most memory of freed pageable destinations (mappings,
+    from ``pageable_mmap_bytes`` up) kept, faulted in, for destinations of the same size
+    (``0``: none; ``None``: as ``pinned_arena_bytes``); the runtime lowers it to the
+    pageable-host budget's headroom (:meth:`limit_pageable_overhead`).
 
     State: the waiter thread, the staging pool (two lane threads and the memcpy threads), a
-    worker pool for host copies and deferred issues, the pinned allocator and arena,
+    worker pool for host copies and deferred issues, the pinned allocator and arena, the
+    pageable cache,
     ``_busy_until`` (per copy stream, when its queued copies should be done: the waiter polls
     short ones on the loop), ``_host_waits`` (completions of host events), ``_closed``.
     """
@@ -216,8 +222,9 @@ class CudaBackend(Backend):
         host_workers: int = 4,
         staging_memcpy_threads: int | None = None,
         pageable_mmap_bytes: int | None = 2 << 20,
-        pinned_arena_bytes: int = 4 << 30,
+        pinned_arena_bytes: int | None = None,
         arena_slab_bytes: int = 64 << 20,
+        pageable_cache_bytes: int | None = None,
         faults: FaultInjector | None = None,
     ) -> None:
         if not torch.cuda.is_available():
@@ -233,8 +240,16 @@ class CudaBackend(Backend):
             buffers=staging_buffers,
             memcpy_threads=staging_memcpy_threads,
         )
+        if pinned_arena_bytes is None:
+            pinned_arena_bytes = default_host_keep_bytes()
+        if pageable_cache_bytes is None:
+            pageable_cache_bytes = default_host_keep_bytes()
         if pinned_arena_bytes < 0:
             raise ValueError(f"pinned_arena_bytes must be >= 0, got {pinned_arena_bytes}")
+        if pageable_cache_bytes < 0:
+            raise ValueError(f"pageable_cache_bytes must be >= 0, got {pageable_cache_bytes}")
+        self.pageable_cache_bytes = pageable_cache_bytes
+        self.pageable_cache = PageableCache(pageable_cache_bytes)
         self.pinned_arena_bytes = pinned_arena_bytes
         self.arena: PinnedArena | None = None
         if pinned_arena_bytes and self.pinned.exact:
@@ -298,6 +313,7 @@ class CudaBackend(Backend):
             self.pinned.trim()
             if self.arena is not None:
                 self.arena.close()
+            self.pageable_cache.close()
             flush_unpins()  # closed means unlocked
 
         await anyio.to_thread.run_sync(close_all)
@@ -331,6 +347,24 @@ class CudaBackend(Backend):
         elif arena.needs_growth():
             self._executor.submit(arena.grow_ahead)
 
+    def pageable_overhead_bytes(self) -> int:
+        """Bytes of freed pageable destinations kept for reuse (:class:`PageableCache`)."""
+        return self.pageable_cache.cached_bytes
+
+    def limit_pageable_overhead(self, headroom: int | None) -> None:
+        """Let the pageable cache keep at most ``headroom`` bytes (``None``: only
+        ``pageable_cache_bytes`` bounds it); what no longer fits is unmapped in a worker
+        thread. Cheap; on the loop."""
+        cache = self.pageable_cache
+        limit = self.pageable_cache_bytes
+        if headroom is not None:
+            limit = min(limit, max(headroom, 0))
+        if limit == cache.limit_bytes or self._closed:
+            return
+        cache.limit_bytes = limit  # mappings returned from now on are kept within it
+        if cache.cached_bytes > limit:
+            self._executor.submit(cache.enforce_limit)
+
     def _carve_pinned(
         self, shape: Sequence[int] | torch.Size, dtype: torch.dtype
     ) -> torch.Tensor | None:
@@ -343,6 +377,28 @@ class CudaBackend(Backend):
         if arena.needs_growth() and not self._closed:
             self._executor.submit(arena.grow_ahead)
         return tensor
+
+    def _pinned_destination(
+        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, nbytes: int
+    ) -> tuple[torch.Tensor | None, Callable[[], None] | None]:
+        """A copy's pinned destination from the arena: carved from a registered slab (no
+        function), or, for a request too large to register on the loop that found no hole,
+        over a new slab with the function that registers it (off the loop; the slab then
+        stays in the arena for later requests, where a destination registered on its own
+        would be unregistered at its free). ``(None, None)``: no arena, or no room in it."""
+        arena = self.arena
+        if arena is None or self._closed:
+            return None, None
+        large = nbytes > self.inline_register_bytes
+        tensor = arena.try_carve(shape, dtype, note_miss=not large)
+        register = None
+        if tensor is None and large:
+            made = arena.carve_new(shape, dtype)
+            if made is not None:
+                tensor, register = made
+        if arena.needs_growth():
+            self._executor.submit(arena.grow_ahead)
+        return tensor, register
 
     # -------------------------------------------------------------- memory
 
@@ -723,7 +779,7 @@ class CudaBackend(Backend):
         i = src_loc.device_index
         stream = copy_streams(i).d2h
         if dst_loc.is_pinned:
-            carved = self._carve_pinned(src.shape, src.dtype)
+            carved, register = self._pinned_destination(src.shape, src.dtype, nbytes)
             pin_now = carved is not None or nbytes <= self.inline_register_bytes
             dst = (
                 carved
@@ -736,6 +792,8 @@ class CudaBackend(Backend):
             needs_pin = not (pin_now or self.pinned.is_pinned_by_us(dst) or nbytes == 0)
 
             def issue() -> DeviceEvent:
+                if register is not None:
+                    register()  # worker thread: faults in and locks the new slab
                 if needs_pin:
                     self.pinned.pin(dst)  # worker thread: faults in and locks the pages
                 with on_stream(stream):
@@ -749,12 +807,13 @@ class CudaBackend(Backend):
                     return HostEvent(done=True, label="failed")
                 return event
 
-            self._issue_inline_or_deferred(
-                transfer, host_waits, issue, defer=needs_pin or (fail and nbytes > 0)
-            )
+            defer = needs_pin or register is not None or (fail and nbytes > 0)
+            self._issue_inline_or_deferred(transfer, host_waits, issue, defer=defer)
             return transfer
 
-        dst = pageable_empty(src.shape, src.dtype, mmap_from=self.pageable_mmap_bytes)
+        dst = pageable_empty(
+            src.shape, src.dtype, mmap_from=self.pageable_mmap_bytes, cache=self.pageable_cache
+        )
         fail = self.faults.next_transfer_fails()
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "staged", fail=fail)
         # Enqueued now, in stream order before the lane's chunks.
@@ -789,19 +848,30 @@ class CudaBackend(Backend):
         nbytes: int,
         waits: list[DeviceEvent],
     ) -> Transfer:
-        carved = self._carve_pinned(src.shape, src.dtype) if dst_loc.is_pinned else None
+        carved, register = (
+            self._pinned_destination(src.shape, src.dtype, nbytes)
+            if dst_loc.is_pinned
+            else (None, None)
+        )
         if carved is not None:
             dst = carved
         elif dst_loc.is_pinned:
             dst = self.pinned.empty(src.shape, src.dtype, pin=False)
         else:
-            dst = pageable_empty(src.shape, src.dtype, mmap_from=self.pageable_mmap_bytes)
+            dst = pageable_empty(
+                src.shape,
+                src.dtype,
+                mmap_from=self.pageable_mmap_bytes,
+                cache=self.pageable_cache,
+            )
         fail = self.faults.next_transfer_fails()
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "host", fail=fail)
 
         def issue() -> DeviceEvent:
             for event in waits:
                 _host_wait(event)
+            if register is not None:
+                register()
             if dst_loc.is_pinned and carved is None:
                 self.pinned.pin(dst)
             dst.copy_(src)

@@ -35,6 +35,7 @@ from typing import Any, Final
 import torch
 
 from .arena import private_mapping
+from .pageable import PageableCache
 from .pinned import PAGE_BYTES, PinnedAllocator, cuda_event
 from .polling import spin_wait
 
@@ -276,15 +277,22 @@ def copy_d2h_staged(
 
 
 def pageable_empty(
-    shape: Sequence[int] | torch.Size, dtype: torch.dtype, *, mmap_from: int | None
+    shape: Sequence[int] | torch.Size,
+    dtype: torch.dtype,
+    *,
+    mmap_from: int | None,
+    cache: PageableCache | None = None,
 ) -> torch.Tensor:
     """An uninitialized pageable host tensor; from ``mmap_from`` bytes up, over a private
     anonymous mapping asked for transparent huge pages (fewer, larger page faults when a copy
-    first writes it), else ``torch.empty``."""
+    first writes it), taken from ``cache`` when it keeps one of that size (its pages are
+    faulted in already), else ``torch.empty``."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if mmap_from is None or nbytes < mmap_from:
         return torch.empty(tuple(shape), dtype=dtype)
+    if cache is not None:
+        return cache.empty(shape, dtype)
     mapping = private_mapping(nbytes)
     exporter = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
     return torch.frombuffer(exporter, dtype=torch.uint8).view(dtype).view(tuple(shape))

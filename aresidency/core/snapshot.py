@@ -32,9 +32,10 @@ NOT_RECONSTRUCTIBLE = "not-reconstructible"
 class LocationRecord:
     """One location's ledger: ``charged_bytes = used_bytes + reserved_bytes``.
 
-    ``spare_bytes``: page-locked memory the backend keeps ready for new values here (the pinned
-    arena's free space, ``aresidency.pinned-arena``): not charged, since a value copied there
-    takes it over, and kept within the budget's headroom."""
+    ``spare_bytes``: memory the backend keeps ready for new values here (at ``pinned-host``
+    the pinned arena's free space, at ``pageable-host`` the freed pageable destinations kept
+    with their pages faulted in): not charged, since a value copied there takes it over, and
+    kept within the budget's headroom."""
 
     location: Location
     budget_bytes: int | None

@@ -220,9 +220,10 @@ class LocationLedger:
     ``protected_bytes`` are materializations in use, held or read (what admission may wait
     for, since protection ends on its own).
     ``reserved_bytes`` is the sum of the named reservations (kept, not recomputed).
-    ``spare_bytes``: page-locked bytes the backend keeps ready for new pinned values (a pinned
-    arena's free space). Not charged: a value copied there takes them over; the runtime keeps
-    them within the budget's headroom (shown, never admitted against).
+    ``spare_bytes``: bytes the backend keeps ready for new values here (a pinned arena's free
+    space; freed pageable destinations kept for reuse). Not charged: a value copied there
+    takes them over; the runtime keeps them within the budget's headroom (shown, never
+    admitted against).
     """
 
     __slots__ = (

@@ -35,6 +35,7 @@ from .sources import Source
 __all__ = ["Runtime"]
 
 PINNED = Location("pinned-host")
+PAGEABLE = Location("pageable-host")
 
 
 class Runtime:
@@ -104,21 +105,30 @@ class Runtime:
             self.backend.free(tensor, location)
 
     def sync_spare(self) -> None:
-        """Bound the backend's spare pinned memory (its pinned arena) by the pinned-host
-        budget and show it in the ledger. The arena may hold what its live blocks and the
-        copies admitted into pinned memory need, plus the budget's headroom; no more."""
-        ledger = self.state.find_ledger(PINNED)
-        if ledger is None:
-            return
+        """Bound the backend's spare host memory by the host budgets and show it in the
+        ledgers: its pinned arena may hold what its live blocks and the copies admitted into
+        pinned memory need, plus the pinned-host budget's headroom; the freed pageable
+        destinations it keeps, the pageable-host budget's headroom. No more."""
         backend = self.backend
-        if ledger.budget_bytes is None:
-            backend.limit_pinned_overhead(None)
-        else:
-            headroom = ledger.budget_bytes - ledger.charged_bytes
-            backend.limit_pinned_overhead(ledger.incoming_bytes + max(headroom, 0))
-        spare = backend.pinned_overhead_bytes()
-        if spare != ledger.spare_bytes:
-            self.state.set_spare_bytes(PINNED, spare)
+        ledger = self.state.find_ledger(PINNED)
+        if ledger is not None:
+            if ledger.budget_bytes is None:
+                backend.limit_pinned_overhead(None)
+            else:
+                headroom = ledger.budget_bytes - ledger.charged_bytes
+                backend.limit_pinned_overhead(ledger.incoming_bytes + max(headroom, 0))
+            spare = backend.pinned_overhead_bytes()
+            if spare != ledger.spare_bytes:
+                self.state.set_spare_bytes(PINNED, spare)
+        ledger = self.state.find_ledger(PAGEABLE)
+        if ledger is not None:
+            if ledger.budget_bytes is None:
+                backend.limit_pageable_overhead(None)
+            else:
+                backend.limit_pageable_overhead(max(ledger.budget_bytes - ledger.charged_bytes, 0))
+            spare = backend.pageable_overhead_bytes()
+            if spare != ledger.spare_bytes:
+                self.state.set_spare_bytes(PAGEABLE, spare)
 
     # -- checks
 

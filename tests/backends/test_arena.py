@@ -227,3 +227,67 @@ def test_a_slab_grown_while_the_limit_dropped_is_released_again() -> None:
     gc.collect()
     arena.close()
     assert registry.ranges == {}
+
+
+def test_a_miss_carved_from_a_new_slab_registers_it_once_and_later_requests_reuse_it() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=8 * SLAB)
+    n = 3 * SLAB // 2  # at least half a slab: a slab of its own (2 MiB)
+    assert arena.try_carve((n,), torch.uint8, note_miss=False) is None
+    assert not arena._missed, "a miss the caller serves itself is not remembered for growth"
+    made = arena.carve_new((n,), torch.uint8)
+    assert made is not None
+    tensor, register = made
+    assert tensor.untyped_storage().nbytes() == n and not registry.ranges, "not registered yet"
+    assert arena.total_bytes == 2 * SLAB and arena.value_bytes == n, "counted at once"
+    assert arena.try_carve((SLAB // 4,), torch.uint8) is None, "nothing is carved from it yet"
+    register()
+    assert registry.ranges == {arena._slabs[0].ptr: 2 * SLAB}
+    tensor.fill_(5)
+    ptr = tensor.data_ptr()
+    del tensor, made
+    gc.collect()
+    assert arena.value_bytes == 0 and arena.total_bytes == 2 * SLAB, "the slab stays"
+    again = arena.try_carve((n,), torch.uint8)
+    assert again is not None and again.data_ptr() == ptr, "the next request carves it"
+    assert len(registry.ranges) == 1, "registered once"
+    _check_tiling(arena)
+
+
+def test_a_new_slab_past_the_limit_is_refused_and_a_failed_registration_leaves_the_arena() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry, limit_bytes=3 * SLAB)
+    first = arena.carve_new((2 * SLAB,), torch.uint8)
+    assert first is not None
+    assert arena.carve_new((2 * SLAB,), torch.uint8) is None, "a second slab passes the limit"
+
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise torch.OutOfMemoryError("no more page-locked memory")
+
+    arena._register = refuse
+    tensor, register = first
+    with pytest.raises(torch.OutOfMemoryError, match="no more page-locked memory"):
+        register()
+    assert arena.total_bytes == 0 and arena.value_bytes == 0 and not arena._slabs
+    assert arena.carves == 0
+    tensor.fill_(1)  # still ordinary memory: the caller sees the error, nothing crashes
+    del tensor, first
+    gc.collect()
+    assert arena.total_bytes == 0 and arena.carved_bytes == 0 and not registry.ranges
+    arena._register = registry.register
+    assert arena.carve_new((2 * SLAB,), torch.uint8) is not None, "its room came back"
+
+
+def test_a_new_slab_registered_after_close_is_released_with_its_block() -> None:
+    registry = FakeRegistry()
+    arena = _arena(registry)
+    made = arena.carve_new((SLAB,), torch.uint8)
+    assert made is not None
+    tensor, register = made
+    arena.close()
+    assert arena.carve_new((SLAB,), torch.uint8) is None, "a closed arena makes no slab"
+    register()
+    assert len(registry.ranges) == 1
+    del tensor, made
+    gc.collect()
+    assert not registry.ranges and arena.total_bytes == 0

@@ -199,8 +199,12 @@ async def test_fresh_pinned_destinations_are_carved_from_the_arena_exactly_charg
         src = torch.arange(3 * CHUNK + 5, dtype=torch.uint8, device="cuda:0")  # own slab
         first = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
         await first.wait()
-        assert first.route == "direct", "the empty arena registered the first one itself"
-        await _until(lambda: arena.total_bytes >= 3 * CHUNK + 5)  # grown ahead, in a worker
+        assert first.route == "arena", "a miss got a new slab, registered in a worker"
+        assert first.tensor.is_pinned() and torch.equal(first.tensor, src.cpu())
+        assert arena.slabs_made >= 1 and arena.total_bytes >= 3 * CHUNK + 5
+        del first
+        gc.collect()  # its block returns to the slab
+        await _until(lambda: not arena._growing and not arena.needs_growth())
         made = arena.slabs_made
         second = b.copy(src, _loc("cuda:0"), _loc("pinned-host"))
         await second.wait()
@@ -228,6 +232,37 @@ async def test_fresh_pinned_destinations_are_carved_from_the_arena_exactly_charg
     finally:
         await b.aclose()
     assert arena.total_bytes == 0, "closing released every slab"
+
+
+async def test_a_burst_of_fresh_pinned_destinations_is_carved_the_next_time() -> None:
+    b = CudaBackend(
+        staging_chunk_bytes=CHUNK, pinned_arena_bytes=64 * CHUNK, arena_slab_bytes=4 * CHUNK
+    )
+    b.start()
+    try:
+        arena = b.arena
+        assert arena is not None
+        srcs = [torch.full((3 * CHUNK,), i, dtype=torch.uint8, device="cuda:0") for i in range(8)]
+        for burst in range(3):
+            misses = arena.misses
+            transfers = [b.copy(s, _loc("cuda:0"), _loc("pinned-host")) for s in srcs]
+            for t in transfers:
+                await t.wait()
+            assert all(t.route == "arena" for t in transfers)
+            for t, s in zip(transfers, srcs, strict=True):
+                assert t.tensor.is_pinned() and torch.equal(t.tensor, s.cpu())
+            if burst:
+                assert arena.misses == misses, "every destination found a registered hole"
+            else:  # the empty arena: new slabs (and some grown ahead meanwhile)
+                assert arena.misses > misses and arena.total_bytes >= 8 * 3 * CHUNK
+            del transfers, t
+            gc.collect()
+            assert arena.value_bytes == 0
+            await _until(lambda: not arena._growing and not arena.needs_growth())
+        assert arena.total_bytes <= 64 * CHUNK
+    finally:
+        await b.aclose()
+    assert arena.total_bytes == 0
 
 
 async def test_an_arena_block_outlives_the_manager_while_its_tensor_does() -> None:

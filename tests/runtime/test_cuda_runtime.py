@@ -193,6 +193,49 @@ async def test_cuda_peer_copies_between_two_gpus(no_gpu_leak: object) -> None:
         await m.discard(h)
 
 
+async def test_cuda_pageable_destinations_are_reused_within_the_pageable_budget(
+    no_gpu_leak: object,
+) -> None:
+    from aresidency.backends import CudaBackend
+
+    backend = CudaBackend()
+    cache = backend.pageable_cache
+    budget = 40 * MiB
+    async with ResidencyManager(budgets={"pageable-host": budget}, backend=backend) as m:
+        values = [data(8 * MiB, seed=i) for i in range(3)]
+        handles = [
+            m.register(v.clone().cuda(), None, ReplicaMode.REPLICABLE, location="cuda:0")
+            for v in values
+        ]
+        for _ in range(3):
+            for h in handles:
+                await m.materialize(h, "pageable-host")
+            for h, v in zip(handles, values, strict=True):
+                async with m.acquire(h, "pageable-host") as lease:
+                    assert torch.equal(lease.tensor, v), "a reused mapping holds the new data"
+            assert m.state.ledger("pageable-host").charged_bytes <= budget
+            for h in handles:
+                await m.release(h, "pageable-host")
+            gc.collect()
+            record = m.snapshot().location("pageable-host")
+            assert record.spare_bytes == cache.cached_bytes > 0
+            assert record.spare_bytes <= budget - record.charged_bytes
+        assert cache.reuses >= 6, "the later rounds' destinations were the earlier ones'"
+        # A tensor the user keeps is never handed out again while it lives.
+        await m.materialize(handles[0], "pageable-host")
+        async with m.acquire(handles[0], "pageable-host") as lease:
+            kept = lease.tensor
+        await m.release(handles[0], "pageable-host")
+        for h in handles[1:]:
+            await m.materialize(h, "pageable-host")
+        assert torch.equal(kept, values[0])
+        del kept
+        for h in handles:
+            await m.discard(h)
+    gc.collect()
+    assert cache.cached_bytes == 0, "closing the manager unmapped what the cache kept"
+
+
 async def test_cuda_pinned_arena_stays_within_the_pinned_budget(no_gpu_leak: object) -> None:
     from aresidency.backends import CudaBackend
 

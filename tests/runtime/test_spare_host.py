@@ -1,7 +1,8 @@
-"""Spare pinned memory (a backend's pinned arena): bounded by the pinned-host budget's headroom
-and shown in the ledger, never charged. On the simulated backend (a simulation of CUDA devices
-in host memory) with a stand-in for the arena's two questions; the real arena is covered by
-the CUDA tests."""
+"""Spare host memory: a backend's pinned arena, bounded by the pinned-host budget's headroom, and
+the freed pageable destinations it keeps, bounded by the pageable-host budget's; both shown in
+the ledger, never charged. On the simulated backend (a simulation of CUDA devices in host
+memory) with stand-ins for the backend's two questions; the real arena and pageable cache are
+covered by the CUDA tests."""
 
 from __future__ import annotations
 
@@ -69,3 +70,50 @@ async def test_without_a_pinned_budget_only_the_backend_bounds_its_arena() -> No
         assert backend.limits and set(backend.limits) == {None}
         with anyio.fail_after(5):
             await m.release(h, "pinned-host")
+
+
+class PageableCacheSim(SimBackend):
+    """A simulation whose "pageable cache" keeps whatever the runtime lets it: the limit given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[int | None] = []
+        self.spare = 0
+
+    def pageable_overhead_bytes(self) -> int:
+        return self.spare
+
+    def limit_pageable_overhead(self, headroom: int | None) -> None:
+        self.limits.append(headroom)
+        self.spare = min(self.spare, headroom) if headroom is not None else self.spare
+
+
+async def test_kept_pageable_memory_is_bounded_by_the_budget_headroom_and_shown_uncharged() -> None:
+    backend = PageableCacheSim()
+    async with ResidencyManager(budgets={"pageable-host": 10 * MiB}, backend=backend) as m:
+        backend.spare = 6 * MiB  # destinations freed while nothing was charged
+        h = m.register(
+            torch.zeros(MiB, dtype=torch.uint8), None, ReplicaMode.REPLICABLE, location="cuda:0"
+        )
+        await m.materialize(h, "pageable-host")
+        ledger = m.state.ledger("pageable-host")
+        assert ledger.charged_bytes == MiB, "the kept bytes are not charged"
+        assert backend.limits[-1] == 9 * MiB, "budget less what is charged"
+        record = m.snapshot().location("pageable-host")
+        assert record.spare_bytes == 6 * MiB and "spare=6144 KiB" in repr(record)
+        big = m.register(
+            torch.zeros(7 * MiB, dtype=torch.uint8), None, ReplicaMode.REPLICABLE, location="cuda:0"
+        )
+        await m.materialize(big, "pageable-host")  # admitted against the budget, not the spare
+        assert backend.limits[-1] == 2 * MiB
+        assert m.snapshot().location("pageable-host").spare_bytes == 2 * MiB, "it shrank"
+        await m.release(big, "pageable-host")
+        assert backend.limits[-1] == 9 * MiB
+
+
+async def test_without_a_pageable_budget_only_the_backend_bounds_what_it_keeps() -> None:
+    backend = PageableCacheSim()
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(torch.zeros(1000), None, ReplicaMode.REPLICABLE, location="cuda:0")
+        await m.materialize(h, "pageable-host")
+        assert backend.limits and set(backend.limits) == {None}
