@@ -233,6 +233,8 @@ async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> Non
             print(f"  waiter: {backend.waiter!r} {backend.waiter.degraded or ''}", flush=True)
             print(f"  loop-polled completions: {backend.waiter.loop_hits}", flush=True)
             print(f"  manager backend: {manager_backend!r}", flush=True)
+            for name, b in (("backend", backend), ("manager backend", manager_backend)):
+                print(f"  {name}'s pageable cache: {b.pageable_cache!r}", flush=True)
     finally:
         await backend.aclose()
 

@@ -252,8 +252,15 @@ def copy_d2h_staged(
         spin_wait(event)
         reading[b] = lane.host_copy(dst[off : off + length], lane.buffers[b][:length])
 
+    def drain_arrived() -> None:
+        # Copy out every chunk that has crossed already, before waiting for anything: the
+        # memcpy threads then always have the next chunk queued.
+        while inflight and inflight[0][0].query():
+            drain_one()
+
     try:
         for off in range(0, n, chunk):
+            drain_arrived()
             if len(inflight) == lane.num_buffers:
                 drain_one()
             if cancelled():
@@ -261,7 +268,10 @@ def copy_d2h_staged(
                 break
             length = min(chunk, n - off)
             b = lane.next_buffer()
-            for future in reading.pop(b, ()):
+            pending = reading.pop(b, ())
+            if pending and not all(f.done() for f in pending):
+                drain_arrived()
+            for future in pending:
                 future.result()
             lane.buffers[b][:length].copy_(src[off : off + length], non_blocking=True)
             event = cuda_event(blocking=True)
