@@ -10,6 +10,7 @@ blocks a worker thread (never the loop) on one event.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -36,14 +37,17 @@ class EventNotes:
     """What the waiter knows of one event, kept on the event (attribute ``_aresidency``):
     ``origin`` (the stream it was recorded on, as ``(device, handle)``), ``expected_at`` (when
     the backend expects it to complete, ``time.monotonic``), ``armed`` (its notification is
-    enqueued). Events that take no attributes get none (and are waited for without them)."""
+    enqueued), ``seq`` (when it was last recorded, in the order of :func:`next_record`: events
+    of one stream complete in that order; 0: unknown). Events that take no attributes get
+    none (and are waited for without them)."""
 
-    __slots__ = ("armed", "expected_at", "origin")
+    __slots__ = ("armed", "expected_at", "origin", "seq")
 
     def __init__(self) -> None:
         self.origin: tuple[int, int | None] | None = None
         self.expected_at: float | None = None
         self.armed = False
+        self.seq = 0
 
     @classmethod
     def of(cls, event: Any) -> EventNotes | None:
@@ -55,6 +59,15 @@ class EventNotes:
             except AttributeError:
                 return None
         return notes  # type: ignore[no-any-return]
+
+
+_records = itertools.count(1)
+
+
+def next_record() -> int:
+    """A number larger than every one given before (thread-safe: ``next`` on an
+    ``itertools.count`` is atomic in CPython)."""
+    return next(_records)
 
 
 class LoopPoller:

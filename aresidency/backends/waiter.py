@@ -47,6 +47,15 @@ calls back.) The waiter owns one background thread and one of four strategies:
       Events are created with ``blocking=True`` (``cudaEventBlockingSync``); the waiter
       thread sleeps in ``synchronize()`` on the oldest awaited event, then sweeps.
 
+Many waits at once
+    Events of one stream complete in the order they were recorded (the backend numbers them
+    when it arms them), so a sweep queries each stream's awaited events oldest first and stops
+    at the first one still pending; events recorded elsewhere are queried for themselves. A
+    new wait wakes the hybrid thread only if it wants polling before the thread's next planned
+    wake-up. So a burst of 64 queued copies costs the thread a query per completion and one
+    wake-up, not 64 queries at every wake and a wake-up per copy, and the interpreter lock it
+    takes for them is not taken from the loop.
+
 Short copies on the loop
     Whatever the strategy, an event the backend expects to complete within ``loop_poll_s``
     (250 us: a copy of known size on a copy stream, whose completion time it estimates from
@@ -75,7 +84,14 @@ import anyio
 
 from .bridge import LoopBridge
 from .cudadriver import CudaDriver, Timespec, cuda_driver, hostfunc_available
-from .polling import EventNotes, LoopPoller, closed_error, set_timer_slack, spin_wait
+from .polling import (
+    EventNotes,
+    LoopPoller,
+    closed_error,
+    next_record,
+    set_timer_slack,
+    spin_wait,
+)
 
 __all__ = [
     "STRATEGIES",
@@ -93,7 +109,7 @@ STRATEGIES: Final = ("hybrid", "hostfunc", "poll", "blocking")
 
 
 class _Pending:
-    __slots__ = ("added", "armed", "bridge", "callback", "event", "key", "poll_from")
+    __slots__ = ("added", "armed", "bridge", "callback", "event", "key", "poll_from", "seq")
 
     def __init__(
         self,
@@ -111,6 +127,15 @@ class _Pending:
         self.added = added  # time.monotonic() when the wait began
         self.poll_from = poll_from  # hybrid: polling starts here
         self.armed = True  # hybrid: False while the notification is not enqueued yet
+        # Record order on its origin stream (0: unknown). Events of one stream complete in
+        # record order, so a sweep stops at a stream's first event still pending.
+        self.seq = 0
+
+    def sort_key(self) -> tuple[int, int, int]:
+        key = self.key
+        if self.seq and key is not None and key[1] is not None:
+            return (0, hash(key), self.seq)
+        return (1, 0, 0)
 
 
 _HISTORY: Final = 8  # waits remembered per origin stream (hybrid prediction)
@@ -167,6 +192,9 @@ class EventWaiter:
         self.safety_timeout_s = safety_timeout_s
         self._cond = threading.Condition()
         self._pending: list[_Pending] = []
+        # hybrid: when the thread plans to wake next (monotonic; inf: only when posted), set
+        # under _cond together with the plan; 0 while it is awake
+        self._wake_at = 0.0
         self._closed = False
         self._thread: threading.Thread | None = None
         self._notify: dict[tuple[int, int | None], int] = {}
@@ -214,10 +242,12 @@ class EventWaiter:
         if notes is None:
             return
         notes.expected_at = expected_at
+        if stream is not None:
+            notes.origin = (int(stream.device_index), int(stream.cuda_stream))
+            notes.seq = next_record()
         if self.strategy not in ("hybrid", "hostfunc") or self._closed:
             return
-        notes.origin = (int(stream.device_index), int(stream.cuda_stream))
-        if self.strategy == "hybrid":
+        if self.strategy == "hybrid" or notes.origin is None:
             return
         try:
             self._arm_on(event, *notes.origin)
@@ -306,6 +336,8 @@ class EventWaiter:
             )
         now = time.monotonic()
         entry = _Pending(event, bridge, callback, key, now, now)
+        if notes is not None and notes.origin is not None:
+            entry.seq = notes.seq
         expected_at = notes.expected_at if notes is not None else None
         if expected_at is not None and self.strategy == "hybrid":
             # The backend's estimate (a copy of known size) beats the stream's history,
@@ -327,7 +359,16 @@ class EventWaiter:
         with self._cond:
             self._pending.append(entry)
             self._cond.notify()
-        if self.strategy == "hybrid" and self._driver is not None and self._sem is not None:
+            # The hybrid thread sleeps until its next poll (computed under this lock): wake it
+            # only if this wait wants polling sooner (a burst of copies posts once, not once
+            # per copy; an armed wait is woken by its notification anyway).
+            reschedule = entry.poll_from < self._wake_at
+        if (
+            reschedule
+            and self.strategy == "hybrid"
+            and self._driver is not None
+            and self._sem is not None
+        ):
             self._driver.libc.sem_post(ctypes.addressof(self._sem))  # reschedule the polls
         # The notification may have come and gone between the first query and the append
         # (the thread then swept without this entry): query again now that it is visible.
@@ -375,10 +416,22 @@ class EventWaiter:
         return min(self.lead_fraction * wait + self.lead_s, self.window_s)
 
     def _sweep(self) -> int:
-        """Resolve the entries whose event completed; returns how many. Waiter thread only."""
+        """Resolve the entries whose event completed; returns how many. Waiter thread only.
+        Events of one origin stream are queried oldest first, down to the first one still
+        pending (the later ones are then pending too): a burst of copies on one stream costs a
+        query per completion, not one per copy at every wake."""
         with self._cond:
-            entries = list(self._pending)
-        done = [p for p in entries if p.event.query()]
+            entries = sorted(self._pending, key=_Pending.sort_key)
+        done = []
+        blocked: set[Any] = set()  # origin streams whose oldest awaited event is pending
+        for p in entries:
+            ordered = p.seq and p.key is not None and p.key[1] is not None
+            if ordered and p.key in blocked:
+                continue
+            if p.event.query():
+                done.append(p)
+            elif ordered:
+                blocked.add(p.key)
         if not done:
             return 0
         finished = {id(p) for p in done}
@@ -447,6 +500,7 @@ class EventWaiter:
                     elif delay != self.hybrid_poll_s:
                         ahead = p.poll_from - now if p.poll_from > now else self.safety_timeout_s
                         delay = min(ahead, self.safety_timeout_s if delay is None else delay)
+                self._wake_at = float("inf") if delay is None else now + delay
             for p in unarmed:
                 try:
                     self._arm_on(p.event, *p.key)
@@ -462,6 +516,8 @@ class EventWaiter:
                 posted = libc.sem_timedwait(sem, ctypes.byref(timeout)) == 0
             while libc.sem_trywait(sem) == 0:
                 posted = True
+            with self._cond:
+                self._wake_at = 0.0  # awake: it plans again before it sleeps
             self.wakeups += 1
             if self._closed:
                 return

@@ -502,3 +502,97 @@ async def test_closing_the_waiter_fails_a_wait_polled_on_the_loop() -> None:
         await _until(lambda: bool(waiter._loop_pollers))
         await anyio.to_thread.run_sync(waiter.close)
         await _until(failed.is_set)
+
+
+class CountingEvent(ManualEvent):
+    """A manual event that counts its queries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+class RecordingBridge:
+    """Collects what a sweep hands to the loop."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def call_soon_quietly(self, fn: Any, *args: Any) -> None:
+        self.batches.append((fn, args))
+
+
+def test_a_sweep_queries_each_stream_oldest_first_and_stops_at_its_first_pending_event() -> None:
+    """Events of one stream complete in record order: a sweep that finds a stream's oldest
+    awaited event pending does not query the later ones (a burst of 64 copies costs a query
+    per completion, not 64 per wake). Events of other streams, or without a known stream,
+    are queried for themselves."""
+    waiter = EventWaiter("poll")  # never started: the test runs the sweeps itself
+    bridge = RecordingBridge()
+    a = [CountingEvent() for _ in range(4)]
+    b = [CountingEvent() for _ in range(2)]
+    for event in a:
+        waiter.arm(event, FakeStream(1))
+    for event in b:
+        waiter.arm(event, FakeStream(2))
+    unknown = CountingEvent()  # recorded elsewhere: no stream, no order
+    waiter.arm(unknown, None)
+    resolved: list[Any] = []
+    for event in [a[3], b[1], unknown, a[1], b[0], a[0], a[2]]:  # watched out of order
+        notes = waiter_module.EventNotes.of(event)
+        assert notes is not None
+        entry = waiter_module._Pending(event, bridge, resolved.append, notes.origin)  # type: ignore[arg-type]
+        entry.seq = notes.seq if notes.origin is not None else 0
+        waiter._pending.append(entry)
+    a[0].done = a[1].done = unknown.done = True
+    assert waiter._sweep() == 3
+    assert [e.queries for e in a] == [1, 1, 1, 0], "stopped at a[2], never asked a[3]"
+    assert [e.queries for e in b] == [1, 0], "stopped at b[0]"
+    assert unknown.queries == 1
+    for event in (*a, *b):
+        event.done = True
+    assert waiter._sweep() == 4 and waiter.pending_count() == 0
+    for fn, args in bridge.batches:
+        fn(*args)
+    assert len(resolved) == 7
+
+
+async def test_a_burst_of_hybrid_waits_wakes_the_thread_once_not_per_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    loop_thread = threading.get_ident()
+    posts = []
+    real_libc = driver.libc
+
+    class CountingLibc:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_libc, name)
+
+        def sem_post(self, sem: Any) -> int:
+            if threading.get_ident() == loop_thread:
+                posts.append(sem)
+            return int(real_libc.sem_post(sem))
+
+    driver.libc = CountingLibc()  # type: ignore[assignment]
+    waiter = EventWaiter("hybrid")
+    waiter.start()
+    try:
+        events = []
+        for i in range(32):  # a stream's queue: each expected after the one before
+            event = ArmableEvent(0.05 + 0.001 * i, driver)
+            waiter.arm(event, FakeStream(9), expected_at=time.monotonic() + 1.0 + 0.01 * i)
+            events.append(event)
+        with anyio.fail_after(5.0):
+            async with anyio.create_task_group() as waits:
+                for event in events:
+                    waits.start_soon(waiter.wait, event)
+        assert waiter.pending_count() == 0
+        assert len(posts) <= 4, f"{len(posts)} wake-ups of the thread for 32 waits"
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
