@@ -197,8 +197,8 @@ class CudaBackend(Backend):
     headroom (:meth:`limit_pinned_overhead`). ``arena_slab_bytes``: the size of its shared
     slabs. ``pageable_cache_bytes``: the most memory of freed pageable destinations (mappings,
     from ``pageable_mmap_bytes`` up) kept, faulted in, for destinations of the same size
-    (``0``: none; ``None``: as ``pinned_arena_bytes``); the runtime lowers it to the
-    pageable-host budget's headroom (:meth:`limit_pageable_overhead`).
+    (``0``: none; ``None``: an eighth of the machine's memory, at most 16 GiB); the runtime
+    lowers it to the pageable-host budget's headroom (:meth:`limit_pageable_overhead`).
 
     State: the waiter thread, the staging pool (two lane threads and the memcpy threads), a
     worker pool for host copies and deferred issues, the pinned allocator and arena, the
@@ -241,7 +241,7 @@ class CudaBackend(Backend):
             memcpy_threads=staging_memcpy_threads,
         )
         if pinned_arena_bytes is None:
-            pinned_arena_bytes = default_host_keep_bytes()
+            pinned_arena_bytes = default_host_keep_bytes(at_least=4 << 30)
         if pageable_cache_bytes is None:
             pageable_cache_bytes = default_host_keep_bytes()
         if pinned_arena_bytes < 0:

@@ -51,15 +51,16 @@ __all__ = ["MAPPING_ROUND", "PageableCache", "default_host_keep_bytes"]
 MAPPING_ROUND: Final = 2 << 20  # a transparent huge page
 
 
-def default_host_keep_bytes() -> int:
-    """How much freed host memory a backend keeps ready by default (the pinned arena, the
-    pageable cache, each): an eighth of the machine's memory, at least 4 GiB and at most 16
-    GiB (4 GiB when the size of memory is unknown)."""
+def default_host_keep_bytes(*, at_least: int = 0) -> int:
+    """How much freed host memory a backend keeps ready by default: an eighth of the
+    machine's memory, at most 16 GiB and at least ``at_least`` (the pinned arena asks for 4
+    GiB, its limit before it scaled with memory; ``at_least`` when the size of memory is
+    unknown)."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
-        return 4 << 30
-    return min(max(total // 8, 4 << 30), 16 << 30)
+        return at_least
+    return max(min(total // 8, 16 << 30), at_least)
 
 
 def _rounded(nbytes: int) -> int:
