@@ -18,24 +18,37 @@ pytestmark = pytest.mark.anyio
 MiB = 1 << 20
 
 
-class ArenaSim(SimBackend):
-    """A simulation whose "arena" holds whatever spare the runtime lets it: the limit given."""
+class SpareSim(SimBackend):
+    """A simulation whose spare host memory at one kind of location (``"pinned"``: its "arena";
+    ``"pageable"``: its "pageable cache") is whatever the runtime lets it keep: the limit
+    given. The other kind keeps nothing, as in the base class."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
+        self.kind = kind
         self.limits: list[int | None] = []
         self.spare = 0
 
+    def _limit(self, kind: str, headroom: int | None) -> None:
+        if kind == self.kind:
+            self.limits.append(headroom)
+            self.spare = min(self.spare, headroom) if headroom is not None else self.spare
+
     def pinned_overhead_bytes(self) -> int:
-        return self.spare
+        return self.spare if self.kind == "pinned" else 0
 
     def limit_pinned_overhead(self, headroom: int | None) -> None:
-        self.limits.append(headroom)
-        self.spare = min(self.spare, headroom) if headroom is not None else self.spare
+        self._limit("pinned", headroom)
+
+    def pageable_overhead_bytes(self) -> int:
+        return self.spare if self.kind == "pageable" else 0
+
+    def limit_pageable_overhead(self, headroom: int | None) -> None:
+        self._limit("pageable", headroom)
 
 
 async def test_the_arena_is_bounded_by_the_budget_headroom_and_shown_uncharged() -> None:
-    backend = ArenaSim()
+    backend = SpareSim("pinned")
     async with ResidencyManager(budgets={"pinned-host": 10 * MiB}, backend=backend) as m:
         backend.spare = 6 * MiB  # grown ahead while nothing was charged
         h = m.register(
@@ -63,7 +76,7 @@ async def test_the_arena_is_bounded_by_the_budget_headroom_and_shown_uncharged()
 
 
 async def test_without_a_pinned_budget_only_the_backend_bounds_its_arena() -> None:
-    backend = ArenaSim()
+    backend = SpareSim("pinned")
     async with ResidencyManager(backend=backend) as m:
         h = m.register(torch.zeros(1000), None, ReplicaMode.REPLICABLE, location="cuda:0")
         await m.materialize(h, "pinned-host")
@@ -72,24 +85,8 @@ async def test_without_a_pinned_budget_only_the_backend_bounds_its_arena() -> No
             await m.release(h, "pinned-host")
 
 
-class PageableCacheSim(SimBackend):
-    """A simulation whose "pageable cache" keeps whatever the runtime lets it: the limit given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.limits: list[int | None] = []
-        self.spare = 0
-
-    def pageable_overhead_bytes(self) -> int:
-        return self.spare
-
-    def limit_pageable_overhead(self, headroom: int | None) -> None:
-        self.limits.append(headroom)
-        self.spare = min(self.spare, headroom) if headroom is not None else self.spare
-
-
 async def test_kept_pageable_memory_is_bounded_by_the_budget_headroom_and_shown_uncharged() -> None:
-    backend = PageableCacheSim()
+    backend = SpareSim("pageable")
     async with ResidencyManager(budgets={"pageable-host": 10 * MiB}, backend=backend) as m:
         backend.spare = 6 * MiB  # destinations freed while nothing was charged
         h = m.register(
@@ -112,7 +109,7 @@ async def test_kept_pageable_memory_is_bounded_by_the_budget_headroom_and_shown_
 
 
 async def test_without_a_pageable_budget_only_the_backend_bounds_what_it_keeps() -> None:
-    backend = PageableCacheSim()
+    backend = SpareSim("pageable")
     async with ResidencyManager(backend=backend) as m:
         h = m.register(torch.zeros(1000), None, ReplicaMode.REPLICABLE, location="cuda:0")
         await m.materialize(h, "pageable-host")
