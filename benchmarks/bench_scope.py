@@ -22,7 +22,7 @@ import torch
 from aresidency import Materialize, Move, ResidencyManager, ResidencyPlan
 
 
-async def profile_transfer(backend: str, iterations: int) -> None:
+async def profile_transfer(backend: str, iterations: int, dump: str | None = None) -> None:
     """cProfile of the transfer case: where the host time of a scope goes."""
     import cProfile
     import pstats
@@ -45,6 +45,8 @@ async def profile_transfer(backend: str, iterations: int) -> None:
                 f"{iterations} scopes: completions seen by the loop's polls {waiter.loop_hits}, "
                 f"the waiter thread woke {waiter.wakeups} times ({waiter!r})"
             )
+        if dump:
+            profiler.dump_stats(dump)  # for pstats or snakeviz on another machine
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(35)
         stats.sort_stats("cumulative").print_stats(25)
@@ -100,9 +102,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20000)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
     parser.add_argument("--profile", action="store_true", help="cProfile the transfer case")
+    parser.add_argument("--dump", help="with --profile: also write the raw profile here")
     args = parser.parse_args()
     if args.profile:
-        asyncio.run(profile_transfer(args.backend, args.iterations))
+        asyncio.run(profile_transfer(args.backend, args.iterations, args.dump))
         return
     if args.uvloop:
         import uvloop

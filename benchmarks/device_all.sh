@@ -103,8 +103,16 @@ if has diag; then
 fi
 
 if has profile; then
-  timeout 120 python3 benchmarks/profile_manager_copies.py --backend cuda > "$OUT/profile_manager_copies.log" 2>&1
-  echo "== profile_manager_copies rc=$?"; head -n 45 "$OUT/profile_manager_copies.log"
+  # The raw profiles come back too (*.prof): read them with pstats on any machine.
+  timeout 120 python3 benchmarks/profile_manager_copies.py --backend cuda \
+    --dump "$OUT/manager_copies_tasks.prof" > "$OUT/profile_manager_copies.log" 2>&1
+  echo "== profile_manager_copies rc=$?"; head -n 25 "$OUT/profile_manager_copies.log"
+  timeout 120 python3 benchmarks/profile_manager_copies.py --backend cuda --one-plan \
+    --dump "$OUT/manager_copies_plan.prof" > "$OUT/profile_manager_copies_plan.log" 2>&1
+  echo "== profile_manager_copies --one-plan rc=$?"; head -n 3 "$OUT/profile_manager_copies_plan.log"
+  timeout 60 python3 benchmarks/bench_scope.py --backend cuda --iterations 1000 --profile \
+    --dump "$OUT/scope.prof" > "$OUT/bench_scope_profile.log" 2>&1
+  echo "== bench_scope --profile rc=$?"; head -n 3 "$OUT/bench_scope_profile.log"
 fi
 
 if has serve && [ -f benchmarks/bench_serve.py ]; then

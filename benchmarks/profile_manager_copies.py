@@ -5,6 +5,7 @@ copy and the functions that take it, by own time and by cumulative time.
 
     python3 benchmarks/profile_manager_copies.py                 # CUDA if present, else sim
     python3 benchmarks/profile_manager_copies.py --backend sim --size 4MiB --count 64
+    python3 benchmarks/profile_manager_copies.py --one-plan --dump copies.prof
 
 On the simulated backend (CUDA simulated in host memory) the figures include the simulation's
 own allocation and poisoning of device memory: a smoke test of the script, not a measurement
@@ -22,7 +23,7 @@ import time
 import anyio
 import torch
 
-from aresidency import ReplicaMode, ResidencyManager
+from aresidency import Materialize, ReplicaMode, ResidencyManager, ResidencyPlan
 from aresidency.core.sizes import parse_nbytes
 
 
@@ -39,9 +40,12 @@ async def main(args: argparse.Namespace) -> None:
             handles.append(m.register(source, name=f"v{i}", replica_mode=ReplicaMode.REPLICABLE))
 
         async def round_trip() -> None:
-            async with anyio.create_task_group() as tasks:
-                for h in handles:
-                    tasks.start_soon(m.materialize, h, "cuda:0")
+            if args.one_plan:
+                await m.execute(ResidencyPlan(enter=[Materialize(h, "cuda:0") for h in handles]))
+            else:
+                async with anyio.create_task_group() as tasks:
+                    for h in handles:
+                        tasks.start_soon(m.materialize, h, "cuda:0")
             async with anyio.create_task_group() as tasks:
                 for h in handles:
                     tasks.start_soon(m.release, h, "cuda:0")
@@ -54,6 +58,8 @@ async def main(args: argparse.Namespace) -> None:
             await round_trip()
         profile.disable()
         elapsed = time.perf_counter() - start
+        if args.dump:
+            profile.dump_stats(args.dump)  # for pstats on another machine
     copies = args.rounds * args.count
     print(
         f"{copies} copies of {args.size} ({args.count} at once), backend "
@@ -73,6 +79,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--one-plan", action="store_true", help="every copy in one plan, not a task each"
+    )
+    parser.add_argument("--dump", help="also write the raw profile here")
     return parser.parse_args(argv)
 
 

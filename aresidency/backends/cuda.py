@@ -124,6 +124,18 @@ def _new_stream(device: int) -> torch.cuda.Stream:
     return stream
 
 
+# The bindings under torch.cuda.current_device / current_stream / set_stream / set_device:
+# the public functions add a lazy-init check, a device-index lookup and a Stream object per
+# call, which are most of a small copy's stream switch. Every torch this package supports
+# (2.4 on) has them; where one is missing, on_stream uses the public functions.
+_C: Any = torch._C
+_GET_DEVICE = getattr(_C, "_cuda_getDevice", None)
+_SET_DEVICE = getattr(_C, "_cuda_setDevice", None)
+_GET_STREAM = getattr(_C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(_C, "_cuda_setStream", None)
+_RAW_STREAMS = None not in (_GET_DEVICE, _SET_DEVICE, _GET_STREAM, _SET_STREAM)
+
+
 class on_stream:  # a context manager, named like torch's
     """``with torch.cuda.device(stream.device), torch.cuda.stream(stream)``, at a fraction of
     the host cost: the calling thread's current device is ``stream``'s and its current stream
@@ -131,9 +143,10 @@ class on_stream:  # a context manager, named like torch's
 
     torch's context managers look the current device up through ``torch.cuda.is_available()``
     at every construction and entry (two to four calls a block); on a host whose other threads
-    hold the GIL that made them the largest single host cost of a small copy. This one asks
-    for the current device once (``torch.cuda.current_device``) and passes device indices
-    everywhere else."""
+    hold the GIL that made them the largest single host cost of a small copy. This one calls
+    the bindings those functions wrap, with device indices and the streams' ids, and builds
+    no ``Stream`` for the stream it restores. It is used where CUDA is initialized already
+    (the backend made its copy streams)."""
 
     __slots__ = ("_prev_device", "_prev_stream", "_stream")
 
@@ -142,12 +155,31 @@ class on_stream:  # a context manager, named like torch's
 
     def __enter__(self) -> None:
         stream = self._stream
+        if _RAW_STREAMS:
+            assert _GET_DEVICE is not None and _GET_STREAM is not None and _SET_STREAM is not None
+            self._prev_device = _GET_DEVICE()
+            # (stream_id, device_index, device_type), as torch.cuda.current_stream unpacks it
+            self._prev_stream = _GET_STREAM(stream.device_index)
+            _SET_STREAM(  # makes the stream's device the current one too
+                stream_id=stream.stream_id,
+                device_index=stream.device_index,
+                device_type=stream.device_type,
+            )
+            return
         self._prev_device = torch.cuda.current_device()
         self._prev_stream = torch.cuda.current_stream(stream.device_index)
-        torch.cuda.set_stream(stream)  # makes its device the current one too
+        torch.cuda.set_stream(stream)
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self._prev_stream)
+        previous = self._prev_stream
+        if _RAW_STREAMS:
+            assert _SET_STREAM is not None and _SET_DEVICE is not None
+            stream_id, device_index, device_type = previous
+            _SET_STREAM(stream_id=stream_id, device_index=device_index, device_type=device_type)
+            if self._prev_device != self._stream.device_index:
+                _SET_DEVICE(self._prev_device)
+            return
+        torch.cuda.set_stream(previous)
         if self._prev_device != self._stream.device_index:
             torch.cuda.set_device(self._prev_device)
 

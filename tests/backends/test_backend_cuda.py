@@ -630,6 +630,13 @@ def test_on_stream_sets_and_restores_the_threads_stream_and_device() -> None:
     with pytest.raises(KeyError), on_stream(stream):
         raise KeyError("inside")
     assert torch.cuda.current_stream(0) == before
+    # A user's stream current before the block is the one current after it.
+    mine = torch.cuda.Stream(0)
+    with torch.cuda.stream(mine):
+        with on_stream(stream):
+            assert torch.cuda.current_stream(0) == stream
+        assert torch.cuda.current_stream(0) == mine
+    assert torch.cuda.current_stream(0) == before
 
 
 @pytest.mark.cuda2
