@@ -9,6 +9,7 @@ event loop (asyncio, uvloop or trio) through a :class:`~aresidency.backends.brid
 from .base import (
     Backend,
     BackendClosedError,
+    CopyRequest,
     DeviceEvent,
     FaultInjector,
     Transfer,
@@ -28,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "Backend",
     "BackendClosedError",
+    "CopyRequest",
     "CopyStreams",
     "CudaBackend",
     "DeviceEvent",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import torch
@@ -43,6 +43,7 @@ __all__ = [
     "Backend",
     "BackendClosedError",
     "CompletionCallback",
+    "CopyRequest",
     "DeviceEvent",
     "FaultInjector",
     "Transfer",
@@ -50,6 +51,15 @@ __all__ = [
 ]
 
 CompletionCallback = Callable[[BaseException | None], None]
+
+
+class CopyRequest(NamedTuple):
+    """One copy of :meth:`Backend.copy_many`: the arguments of :meth:`Backend.copy`."""
+
+    src: torch.Tensor
+    src_location: Location
+    dst_location: Location
+    wait_events: Sequence[DeviceEvent] = ()
 
 
 class DeviceEvent(Protocol):
@@ -346,6 +356,28 @@ class Backend(abc.ABC):
         readers of ``src`` that must come first) and for the current stream of the source
         device. Allocation failure raises ``torch.OutOfMemoryError`` here; a failed copy is the
         transfer's outcome."""
+
+    def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
+        """Start several copies at once, in order: per request, what :meth:`copy` would
+        return, or the exception it would raise (a failed allocation fails its own request
+        only). A backend may issue them together: the transfers it issues on one stream, one
+        after the other, may then share one completion event (each is complete once all of
+        them are), so that a burst of small copies costs one stream switch, one event and one
+        completion to watch. The default calls :meth:`copy` for each."""
+        out: list[Transfer | BaseException] = []
+        for request in requests:
+            try:
+                out.append(
+                    self.copy(
+                        request.src,
+                        request.src_location,
+                        request.dst_location,
+                        wait_events=request.wait_events,
+                    )
+                )
+            except BaseException as error:  # the caller completes that request with it
+                out.append(error)
+        return out
 
     def allocate(
         self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, location: LocationLike

@@ -52,7 +52,14 @@ import torch
 from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
 from .arena import PinnedArena
-from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
+from .base import (
+    Backend,
+    CompletionCallback,
+    CopyRequest,
+    DeviceEvent,
+    FaultInjector,
+    Transfer,
+)
 from .bridge import LoopBridge
 from .cudadriver import cuda_driver
 from .events import HostEvent, OnceCallbacks
@@ -582,6 +589,36 @@ class CudaBackend(Backend):
         source device (an event recorded on it now); events that are host-side completions
         (or a host source) are waited for by the worker or lane thread that issues the copy.
         Raises ``torch.OutOfMemoryError`` when the destination cannot be allocated."""
+        checked = self._check_copy(src, src_location, dst_location, wait_events)
+        return self._copy_checked(src, *checked)
+
+    def _copy_checked(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        dst_loc: Location,
+        nbytes: int,
+        device_waits: list[torch.cuda.Event],
+        host_waits: list[DeviceEvent],
+    ) -> Transfer:
+        """:meth:`copy` after :meth:`_check_copy`: the route for the two locations."""
+        if dst_loc.is_cuda and src_loc.is_cuda:
+            return self._copy_peer(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        if dst_loc.is_cuda:
+            return self._copy_h2d(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        if src_loc.is_cuda:
+            return self._copy_d2h(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+        return self._copy_host(src, src_loc, dst_loc, nbytes, [*device_waits, *host_waits])
+
+    def _check_copy(
+        self,
+        src: torch.Tensor,
+        src_location: Location,
+        dst_location: Location,
+        wait_events: Sequence[DeviceEvent],
+    ) -> tuple[Location, Location, int, list[torch.cuda.Event], list[DeviceEvent]]:
+        """What every copy checks and needs first: its locations, its size, and the events it
+        waits for on the device and on the host (raises as :meth:`copy` does)."""
         src_loc = Location.parse(src_location)
         dst_loc = Location.parse(dst_location)
         self.check_location(src_loc)
@@ -603,14 +640,91 @@ class CudaBackend(Backend):
             marker = cuda_event()
             marker.record(torch.cuda.current_stream(src_loc.device_index))
             device_waits.append(marker)
+        return src_loc, dst_loc, nbytes, device_waits, host_waits
 
-        if dst_loc.is_cuda and src_loc.is_cuda:
-            return self._copy_peer(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
-        if dst_loc.is_cuda:
-            return self._copy_h2d(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
-        if src_loc.is_cuda:
-            return self._copy_d2h(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
-        return self._copy_host(src, src_loc, dst_loc, nbytes, [*device_waits, *host_waits])
+    def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
+        """See :meth:`Backend.copy_many`. Copies from pinned memory to a device, one after
+        the other in ``requests``, are issued together in the calling thread: one switch to
+        the device's host-to-device copy stream, every destination allocated and copied
+        there, and one event after the last, which their transfers share. Every other copy
+        goes through :meth:`copy`."""
+        out: list[Transfer | BaseException] = []
+        group: list[tuple[int, torch.Tensor, Location, Location, int, list[torch.cuda.Event]]] = []
+
+        def issue_group() -> None:
+            if group:
+                self._issue_direct_h2d(group, out)
+                group.clear()
+
+        for request in requests:
+            src = request.src
+            try:
+                src_loc, dst_loc, nbytes, device_waits, host_waits = self._check_copy(
+                    src, request.src_location, request.dst_location, request.wait_events
+                )
+            except BaseException as error:  # that request fails alone, as copy would raise
+                out.append(error)
+                continue
+            direct = (
+                dst_loc.is_cuda
+                and not src_loc.is_cuda
+                and all(e.query() for e in host_waits)
+                and src.is_pinned()
+            )
+            if direct and group and group[0][3] != dst_loc:
+                issue_group()
+            if direct:
+                out.append(_PLACEHOLDER)  # its transfer, once the group is issued
+                group.append((len(out) - 1, src, src_loc, dst_loc, nbytes, device_waits))
+                continue
+            issue_group()
+            try:
+                out.append(
+                    self._copy_checked(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+                )
+            except BaseException as error:
+                out.append(error)
+        issue_group()
+        return out
+
+    def _issue_direct_h2d(
+        self,
+        group: Sequence[tuple[int, torch.Tensor, Location, Location, int, list[torch.cuda.Event]]],
+        out: list[Transfer | BaseException],
+    ) -> None:
+        """Issue pinned-to-device copies to one device together (see :meth:`copy_many`):
+        ``out[i]`` becomes each one's transfer, or its allocation's error."""
+        dst_loc = group[0][3]
+        stream = copy_streams(dst_loc.device_index).h2d
+        device = _device(dst_loc)
+        issued: list[Transfer] = []
+        total = 0
+        with on_stream(stream):
+            for i, src, src_loc, _, nbytes, device_waits in group:
+                try:
+                    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+                except BaseException as error:
+                    out[i] = error
+                    continue
+                fail = self.faults.next_transfer_fails()
+                transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
+                out[i] = transfer
+                try:
+                    for event in device_waits:
+                        stream.wait_event(event)
+                    dst.copy_(src, non_blocking=True)
+                    if fail:
+                        poison_(dst)
+                except BaseException as error:  # the copy's own error is its outcome
+                    transfer._finish_issue(HostEvent(done=True, label="failed"), error)
+                    continue
+                issued.append(transfer)
+                total += nbytes
+            if not issued:
+                return
+            event = self._record(stream, self._expect(stream, total, _LINK_BYTES_PER_S))
+        for transfer in issued:
+            transfer._finish_issue(event)
 
     def copy_into(
         self,
@@ -935,6 +1049,8 @@ class CudaBackend(Backend):
 _LINK_BYTES_PER_S = 50e9
 _PEER_BYTES_PER_S = 350e9
 _DEVICE_BYTES_PER_S = 1500e9
+# A slot of copy_many's result list until its group is issued (never returned).
+_PLACEHOLDER: Any = RuntimeError("copy_many: not issued")
 _COPY_LATENCY_S = 10e-6
 
 

@@ -23,13 +23,11 @@ the semantics of the CUDA one, so that the whole runtime runs and is tested on a
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -37,10 +35,18 @@ import torch
 
 from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
-from .base import Backend, CompletionCallback, DeviceEvent, FaultInjector, Transfer
+from .base import (
+    Backend,
+    CompletionCallback,
+    CopyRequest,
+    DeviceEvent,
+    FaultInjector,
+    Transfer,
+)
 from .bridge import LoopBridge
-from .events import HostEvent, OnceCallbacks
+from .events import OnceCallbacks
 from .memory import POISON_BYTE, as_bytes, is_poisoned, poison_
+from .simstreams import SimDeviceStreams, SimEvent, SimStream
 
 __all__ = [
     "POISON_BYTE",
@@ -51,132 +57,6 @@ __all__ = [
     "is_poisoned",
     "poison_",
 ]
-
-
-class SimEvent(HostEvent):
-    """A SIMULATED CUDA event: complete once its stream's worker reached it."""
-
-    __slots__ = ()
-
-
-class _StreamClosed(Exception):
-    pass
-
-
-class SimStream:
-    """A SIMULATED in-order CUDA stream: work runs in submission order on one worker thread.
-
-    State: ``_queue`` (work not yet run), ``_closing``, ``errors`` (exceptions raised by
-    submitted work, kept for tests). Invariant: an item runs only after every item submitted
-    before it has finished; after ``close`` no further item starts.
-    """
-
-    def __init__(self, backend_label: str, device: int | None, kind: str) -> None:
-        self.device_index = device
-        self.kind = kind
-        where = f"cuda:{device}" if device is not None else "host"
-        self.name = f"{backend_label}-{where}/{kind}"
-        self.errors: list[BaseException] = []
-        self._cond = threading.Condition()
-        self._queue: list[Callable[[], object]] = []
-        self._closing = False
-        self._running = False
-        self._thread: threading.Thread | None = None
-        self._seq = itertools.count(1)
-
-    def submit(self, fn: Callable[[], object]) -> None:
-        """Enqueue ``fn`` to run on the stream's worker thread after everything before it.
-        The host does not wait."""
-        with self._cond:
-            if self._closing:
-                raise RuntimeError(f"{self.name} is closed")
-            self._queue.append(fn)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def sleep(self, seconds: float) -> None:
-        """Enqueue ``seconds`` of simulated device work (the worker sleeps)."""
-        self.submit(functools.partial(time.sleep, seconds))
-
-    def record_event(self) -> SimEvent:
-        """An event that completes when the worker reaches this point. Host does not wait."""
-        event = SimEvent(label=f"{self.name}#{next(self._seq)}")
-        self.submit(event.set)
-        return event
-
-    def wait_event(self, event: DeviceEvent) -> None:
-        """Make later work on this stream wait for ``event``; the host does not wait."""
-        if event.query():
-            return
-        self.submit(functools.partial(self._block_until, event))
-
-    def _block_until(self, event: DeviceEvent) -> None:
-        while True:
-            if isinstance(event, HostEvent):
-                if event.wait_blocking(0.05):
-                    return
-            elif event.query():
-                return
-            else:
-                time.sleep(0.001)
-            if self._closing:
-                raise _StreamClosed
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Block the calling thread until the stream's queued work ran (tests and ``place``;
-        never call it on the event loop)."""
-        if not self.record_event().wait_blocking(timeout):
-            raise TimeoutError(f"{self.name} did not drain within {timeout} s")
-
-    @property
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._queue) + (1 if self._running else 0)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    self._queue.clear()
-                    return
-                fn = self._queue.pop(0)
-                self._running = True
-            try:
-                fn()
-            except _StreamClosed:
-                return
-            except BaseException as exc:  # a failed "kernel": keep it for the test to see
-                self.errors.append(exc)
-            finally:
-                del fn  # an idle stream must not keep the last work item's tensors alive
-                with self._cond:
-                    self._running = False
-
-    def close(self, join_timeout: float = 2.0) -> None:
-        """Stop the worker; queued work that has not started is dropped."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(join_timeout)
-
-    def __repr__(self) -> str:
-        return f"<SimStream {self.name} (simulated) queued={self.queued}>"
-
-
-@dataclass(frozen=True)
-class SimDeviceStreams:
-    """The streams of one simulated device."""
-
-    compute: SimStream
-    h2d: SimStream
-    d2h: SimStream
-    peer: SimStream
 
 
 class _SimCopy:
@@ -472,6 +352,47 @@ class SimBackend(Backend):
         host-copy stream (host to host). It first waits for ``wait_events`` and for the
         source device's ``compute`` stream. Pageable copies run in ``chunk_bytes`` chunks.
         Raises ``torch.OutOfMemoryError`` for an injected allocation failure."""
+        transfer, stream = self._enqueue_copy(src, src_location, dst_location, wait_events)
+        transfer._finish_issue(stream.record_event())
+        return transfer
+
+    def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
+        """See :meth:`Backend.copy_many`: each copy is enqueued as :meth:`copy` does, and the
+        transfers enqueued one after the other on one simulated stream share the event
+        recorded after the last of them."""
+        out: list[Transfer | BaseException] = []
+        group: list[Transfer] = []
+        group_stream: SimStream | None = None
+
+        def close_group() -> None:
+            if group_stream is not None and group:
+                event = group_stream.record_event()
+                for transfer in group:
+                    transfer._finish_issue(event)
+                group.clear()
+
+        for request in requests:
+            try:
+                transfer, stream = self._enqueue_copy(*request)
+            except BaseException as error:  # that request fails alone, as copy would raise
+                out.append(error)
+                continue
+            if stream is not group_stream:
+                close_group()
+                group_stream = stream
+            group.append(transfer)
+            out.append(transfer)
+        close_group()
+        return out
+
+    def _enqueue_copy(
+        self,
+        src: torch.Tensor,
+        src_location: Location,
+        dst_location: Location,
+        wait_events: Sequence[DeviceEvent],
+    ) -> tuple[Transfer, SimStream]:
+        """Allocate and enqueue one copy; the caller finishes its issue with an event."""
         src_loc = Location.parse(src_location)
         dst_loc = Location.parse(dst_location)
         self.check_location(src_loc)
@@ -510,8 +431,7 @@ class SimBackend(Backend):
         stream.submit(functools.partial(self._finish, copy))
         if fail:
             stream.submit(functools.partial(poison_, dst))
-        transfer._finish_issue(stream.record_event())
-        return transfer
+        return transfer, stream
 
     def copy_into(
         self,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from ..backends.base import Transfer, TransferCancelledError
+from ..backends.base import CopyRequest, Transfer, TransferCancelledError
 from ..core.locations import Location
 from ..core.plans import (
     Action,
@@ -61,6 +61,9 @@ _START = object()
 
 #: Host time a run spends issuing copies before it lets the loop run other work.
 ISSUE_SLICE_S = 0.0005
+#: Copies handed to the backend at once (:meth:`Backend.copy_many`): those it issues
+#: together share one completion event, so they complete together too.
+ISSUE_BATCH = 16
 
 
 class PhaseRun:
@@ -191,48 +194,88 @@ class PhaseRun:
         rt = self._rt
         tickets = request.tickets
         # Issue for at most ISSUE_SLICE_S of host time per turn of the loop (a CUDA copy is
-        # enqueued in tens of microseconds; the simulation's take longer).
+        # enqueued in tens of microseconds; the simulation's take longer), ISSUE_BATCH copies
+        # to the backend at a time.
         until = time.perf_counter() + ISSUE_SLICE_S
         stop = start
-        for ticket in tickets[start:]:
+        while stop < len(tickets):
             if stop > start and time.perf_counter() > until:
                 break
-            stop += 1
-            if self.finished:
-                return
-            if ticket.source is None:
-                rt.begin_work()
-                self._load(ticket)
-                continue
-            if self.cancel_requested:
-                self._complete(
-                    ticket,
-                    TransferCancelledError(
-                        f"the copy of {ticket.handle} was cancelled before it began"
-                    ),
-                )
-                continue
-            try:
-                transfer = self._copy(ticket)
-            except BaseException as error:  # allocation failure: raised by copy itself
-                self._complete(ticket, error)
-                continue
-            rt.reaper.watch(transfer, functools.partial(self._transfer_done, ticket))
-        if stop < len(tickets):
+            batch: list[CopyTicket] = []
+            for ticket in tickets[stop : stop + ISSUE_BATCH]:
+                stop += 1
+                if self.finished:
+                    return
+                if ticket.source is None:
+                    rt.begin_work()
+                    self._load(ticket)
+                elif self.cancel_requested:
+                    self._complete(
+                        ticket,
+                        TransferCancelledError(
+                            f"the copy of {ticket.handle} was cancelled before it began"
+                        ),
+                    )
+                else:
+                    batch.append(ticket)
+            if batch:
+                self._copy(batch)
+        if stop < len(tickets) and not self.finished:
             rt.bridge.call_soon(self._issue_from, request, stop)
 
-    def _copy(self, ticket: CopyTicket) -> Transfer:
-        """Enqueue the copy of a begun ticket and record the destination's payload."""
-        assert ticket.source is not None
-        payloads = self._rt.payloads
-        source = payloads.get(ticket.handle, ticket.source)
-        assert source is not None, "a resident materialization without data"
-        transfer = self._rt.backend.copy(
-            source.tensor, ticket.source, ticket.destination, wait_events=source.readers
-        )
-        self._transfers[ticket.ticket_id] = transfer
-        payloads.put(ticket.handle, ticket.destination, Payload(transfer.tensor, transfer))
-        return transfer
+    def _copy(self, tickets: list[CopyTicket]) -> None:
+        """Enqueue the copies of begun tickets (one :meth:`Backend.copy_many`), record each
+        destination's payload and watch the transfers: one watch for the transfers that share
+        a completion event. A copy that could not start (its allocation failed) completes
+        with that error."""
+        rt = self._rt
+        payloads = rt.payloads
+        requests = []
+        for ticket in tickets:
+            assert ticket.source is not None
+            source = payloads.get(ticket.handle, ticket.source)
+            assert source is not None, "a resident materialization without data"
+            requests.append(
+                CopyRequest(source.tensor, ticket.source, ticket.destination, source.readers)
+            )
+        del source
+        results = rt.backend.copy_many(requests)
+        del requests
+        failed: list[tuple[CopyTicket, BaseException]] = []
+        sharing: list[CopyTicket] = []  # consecutive tickets whose transfers share an event
+        shared: Transfer | None = None
+        for ticket, result in zip(tickets, results, strict=True):
+            if not isinstance(result, Transfer):
+                failed.append((ticket, result))
+                continue
+            self._transfers[ticket.ticket_id] = result
+            payloads.put(ticket.handle, ticket.destination, Payload(result.tensor, result))
+            if shared is not None and result.event is not None and result.event is shared.event:
+                sharing.append(ticket)
+                continue
+            if shared is not None:
+                self._watch(shared, sharing)
+            shared, sharing = result, [ticket]
+        if shared is not None:
+            self._watch(shared, sharing)
+        del results, shared, result
+        for ticket, error in failed:
+            self._complete(ticket, error)
+
+    def _watch(self, transfer: Transfer, tickets: list[CopyTicket]) -> None:
+        """Complete ``tickets`` (whose transfers share ``transfer``'s event, or just its own)
+        once ``transfer`` completed."""
+        if len(tickets) == 1:
+            done = functools.partial(self._transfer_done, tickets[0])
+        else:
+            done = functools.partial(self._transfers_done, tickets)
+        self._rt.reaper.watch(transfer, done)
+
+    def _transfers_done(self, tickets: list[CopyTicket], error: BaseException | None) -> None:
+        for ticket in tickets:
+            if self.finished:
+                return
+            self._transfer_done(ticket, error)
 
     def _transfer_done(self, ticket: CopyTicket, error: BaseException | None) -> None:
         """The reaper: the transfer of ``ticket`` completed (or the backend closed)."""

@@ -14,7 +14,9 @@ import torch
 
 from aresidency.backends import (
     STRATEGIES,
+    CopyRequest,
     CudaBackend,
+    Transfer,
     TransferCancelledError,
     hostfunc_available,
     is_poisoned,
@@ -712,3 +714,38 @@ async def test_copy_into_waits_on_the_device_for_the_previous_reader(backend: Cu
     assert _same_bits(dst, expected)
     del seen, dst
     torch.cuda.synchronize()
+
+
+async def test_copy_many_issues_pinned_copies_together_and_each_fails_alone(
+    backend: CudaBackend,
+) -> None:
+    """Consecutive pinned-to-device copies share one event; a pageable one in between takes
+    its own route; an injected allocation failure and an injected transfer failure each
+    fail their own request only; every other destination holds its source exactly."""
+    pinned = [
+        backend.place(_pattern(4096 + i, torch.float32), _loc("pinned-host")) for i in range(6)
+    ]
+    pageable = _pattern(3 * CHUNK + 5, torch.uint8)
+    requests = [CopyRequest(t, _loc("pinned-host"), _loc("cuda:0")) for t in pinned[:3]]
+    requests.append(CopyRequest(pageable, _loc("pageable-host"), _loc("cuda:0")))
+    requests += [CopyRequest(t, _loc("pinned-host"), _loc("cuda:0")) for t in pinned[3:]]
+    backend.faults.oom_at_allocation = 2  # the second request's destination
+    backend.faults.fail_transfer_at = 4  # the fourth transfer made: request 4
+    out = backend.copy_many(requests)
+    assert isinstance(out[1], torch.OutOfMemoryError)
+    transfers = [t for t in out if isinstance(t, Transfer)]
+    assert len(transfers) == 6
+    assert out[0].event is out[2].event, "the first group shares one event"  # type: ignore[union-attr]
+    assert out[4].event is out[5].event is out[6].event  # type: ignore[union-attr]
+    assert out[3].route == "staged"  # type: ignore[union-attr]
+    for i, request in enumerate(requests):
+        result = out[i]
+        if not isinstance(result, Transfer):
+            continue
+        if i == 4:
+            with pytest.raises(RuntimeError, match="injected transfer failure"):
+                await result.wait()
+            continue
+        await result.wait()
+        assert _same_bits(result.tensor.cpu(), request.src)
+        backend.free(result.tensor, _loc("cuda:0"))

@@ -8,7 +8,7 @@ wrong view, a block run with the wrong weights)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import anyio
@@ -22,7 +22,7 @@ from aresidency import (
     ResidencyManager,
     ResidencyTrace,
 )
-from aresidency.backends import HostEvent
+from aresidency.backends import CopyRequest, HostEvent, Transfer
 from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, find_blocks, stream_module
 
@@ -174,14 +174,16 @@ class SlowIssueBackend(SimBackend):
         super().__init__()
         self.slow_left = 1
 
-    def copy(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
-        transfer = super().copy(*args, **kwargs)  # type: ignore[arg-type]
-        if self.slow_left:
-            self.slow_left -= 1
-            event = transfer.event
-            transfer._issued = HostEvent(label="issued later")  # type: ignore[attr-defined]
-            threading.Timer(0.05, transfer._finish_issue, args=(event,)).start()  # type: ignore[attr-defined]
-        return transfer
+    def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
+        out = super().copy_many(requests)
+        for transfer in out:
+            if self.slow_left and isinstance(transfer, Transfer):
+                self.slow_left -= 1
+                event = transfer.event
+                assert event is not None
+                transfer._issued = HostEvent(label="issued later")
+                threading.Timer(0.05, transfer._finish_issue, args=(event,)).start()
+        return out
 
 
 async def test_prefetches_start_while_the_first_copy_is_still_being_issued() -> None:
