@@ -2,16 +2,17 @@
 
 ``--count`` values of ``--size`` bytes (pinned sources) are materialized on ``cuda:0`` at
 once, three ways: the backend alone, one plan (``execute``), and a task each (``materialize``).
-For each copy the host's times are recorded (issue begins and ends in ``CudaBackend.copy``;
-the reaper delivers its completion on the loop) and, on the device, when the copy ran (timing
-events recorded around every copy on the copy stream, which add a few microseconds of host
-time per copy). Printed per way, in milliseconds from
-the round's start (median of ``--rounds`` rounds):
+For each call that issues copies (``CudaBackend.copy``, or ``copy_many`` with a batch) the
+host's times are recorded (the call begins and ends; the reaper delivers the completion on
+the loop) and, on the device, when its copies ran (timing events recorded around the call on
+the copy stream, which add a few microseconds of host time per call). Printed per way, in
+milliseconds from the round's start (median of ``--rounds`` rounds):
 
-* ``issue``: the first and last copy's issue; ``host in copy()``: the backend's share of it;
-* ``device``: when the first copy began and the last ended on the device, and how long the
-  copy stream sat idle between copies (``gaps``: the device waited for the host);
-* ``seen``: the median delay from a copy's end on the device to its delivery on the loop;
+* ``issue``: the first and last call's issue; ``host in copy()``: the backend's share of it;
+* ``device``: when the first call's copies began and the last ended on the device, and how
+  long the copy stream sat idle between calls (``gaps``: the device waited for the host);
+* ``seen``: the median delay from a call's copies ending on the device to the delivery of
+  their completion on the loop;
 * ``end``: when the round's awaits returned; ``tail``: that, less the last copy's end.
 
     python3 benchmarks/diag_copy_timeline.py                 # needs CUDA
@@ -50,20 +51,30 @@ class Recorder:
         self.by_transfer: dict[int, dict[str, Any]] = {}
         self.t0 = 0.0
         backend_copy = self.backend.copy
+        backend_copy_many = getattr(self.backend, "copy_many", None)
         reaper_watch = self.rt.reaper.watch
 
-        def copy(src: torch.Tensor, a: Location, b: Location, **kw: Any) -> Any:
-            stream = cuda_module.copy_streams(b.device_index).h2d
+        def timed_issue(issue: Callable[[], Any], transfers: Callable[[Any], list[Any]]) -> Any:
+            """One call that issues copies (``copy`` or ``copy_many``): a row of its own."""
+            stream = cuda_module.copy_streams(0).h2d
             row: dict[str, Any] = {"begin": time.perf_counter()}
             row["ev0"] = torch.cuda.Event(enable_timing=True)
             row["ev0"].record(stream)
-            transfer = backend_copy(src, a, b, **kw)
+            result = issue()
             row["ev1"] = torch.cuda.Event(enable_timing=True)
             row["ev1"].record(stream)
             row["end"] = time.perf_counter()
             self.rows.append(row)
-            self.by_transfer[id(transfer)] = row
-            return transfer
+            for transfer in transfers(result):
+                self.by_transfer[id(transfer)] = row
+            return result
+
+        def copy(src: torch.Tensor, a: Location, b: Location, **kw: Any) -> Any:
+            return timed_issue(lambda: backend_copy(src, a, b, **kw), lambda t: [t])
+
+        def copy_many(requests: Any) -> Any:
+            assert backend_copy_many is not None
+            return timed_issue(lambda: backend_copy_many(requests), list)
 
         def watch(waitable: Any, callback: Callable[[BaseException | None], None]) -> None:
             row = self.by_transfer.get(id(waitable))
@@ -75,6 +86,8 @@ class Recorder:
 
             reaper_watch(waitable, timed)
 
+        if backend_copy_many is not None:
+            self.backend.copy_many = copy_many  # type: ignore[method-assign]
         self.backend.copy = copy  # type: ignore[method-assign]
         self.rt.reaper.watch = watch  # type: ignore[method-assign]
 
