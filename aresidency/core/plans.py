@@ -44,6 +44,7 @@ __all__ = [
     "CHECKPOINT_EVERY",
     "ActionFailed",
     "Checkpoint",
+    "CommitNow",
     "Materialize",
     "MemoryReservation",
     "Move",
@@ -231,6 +232,16 @@ class TransferRequest:
 
     tickets: tuple[CopyTicket, ...]
     action_indexes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitNow:
+    """An answer to a :class:`TransferRequest` before all of its transfers completed: these
+    tickets' transfers succeeded and may commit now (the driver checked that no other copy
+    of the request still reads a source they free). The runner commits them and yields the
+    same request again; the final answer (the mapping of errors) covers the others."""
+
+    ticket_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,17 +437,30 @@ def _carry_out(
 ) -> Generator[PhaseRequest, Any, ActionFailed | None]:
     if not tickets:
         return failure
-    try:
-        errors: Mapping[int, BaseException | None] = yield TransferRequest(
-            tuple(t for _, t in tickets), tuple(i for i, _ in tickets)
-        )
-    except BaseException:
-        # Thrown in instead of an answer: the driver started no device work for these.
-        for _, ticket in tickets:
-            state.abort_copy(ticket)
-        raise
+    request = TransferRequest(tuple(t for _, t in tickets), tuple(i for i, _ in tickets))
+    committed: set[int] = set()  # committed early, at a CommitNow answer
+    by_id: dict[int, CopyTicket] = {}
+    while True:
+        try:
+            answer: Mapping[int, BaseException | None] | CommitNow = yield request
+        except BaseException:
+            # Thrown in instead of an answer: the driver started no device work for these.
+            for _, ticket in tickets:
+                if ticket.ticket_id not in committed:
+                    state.abort_copy(ticket)
+            raise
+        if not isinstance(answer, CommitNow):
+            break
+        if not by_id:
+            by_id = {t.ticket_id: t for t in request.tickets}
+        for ticket_id in answer.ticket_ids:
+            state.commit_copy(by_id[ticket_id])
+            committed.add(ticket_id)
+    errors = answer
     transfer_failure: ActionFailed | None = None
     for position, (index, ticket) in enumerate(tickets):
+        if ticket.ticket_id in committed:
+            continue
         error = errors.get(ticket.ticket_id)
         if error is None:
             state.commit_copy(ticket)

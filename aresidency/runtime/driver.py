@@ -39,6 +39,7 @@ from ..core.locations import Location
 from ..core.plans import (
     Action,
     Checkpoint,
+    CommitNow,
     SettleRequest,
     TransferRequest,
     run_phase,
@@ -89,6 +90,7 @@ class PhaseRun:
         self._transfers: dict[int, Transfer] = {}
         self._errors: dict[int, BaseException | None] = {}
         self._blocking: set[int] = set()  # completed tickets that may not commit yet
+        self._ready: list[CopyTicket] = []  # completed, may commit before the others complete
         self._reads: dict[tuple[Any, Any], int] = {}
         self._unlisten: Callable[[], None] | None = None
         self._done: anyio.Event | None = None
@@ -144,6 +146,8 @@ class PhaseRun:
             if ended:
                 self._finish(outcome)
                 return
+            if isinstance(response, CommitNow):
+                return  # the same request again: the rest of its transfers are in flight
             throw = None
             self._request = request
             if isinstance(request, Checkpoint):
@@ -183,6 +187,7 @@ class PhaseRun:
         thread."""
         self._errors = {}
         self._blocking = set()
+        self._ready = []
         self._reads = {}  # this request's copies per source: a move waits for no more reads
         for ticket in request.tickets:
             self._open[ticket.ticket_id] = ticket
@@ -275,10 +280,15 @@ class PhaseRun:
         for ticket in tickets:
             if self.finished:
                 return
-            self._transfer_done(ticket, error)
+            self._deliver(ticket, error)
+        self._commit_ready()
 
     def _transfer_done(self, ticket: CopyTicket, error: BaseException | None) -> None:
         """The reaper: the transfer of ``ticket`` completed (or the backend closed)."""
+        self._deliver(ticket, error)
+        self._commit_ready()
+
+    def _deliver(self, ticket: CopyTicket, error: BaseException | None) -> None:
         transfer = self._transfers.get(ticket.ticket_id)
         if error is None and transfer is not None:
             error = transfer.outcome()
@@ -302,8 +312,30 @@ class PhaseRun:
         del payload  # the commit below may free it (an abort): hold nothing of it
         if not self._may_commit(ticket):
             self._blocking.add(ticket.ticket_id)
+        elif error is None and self._open and self._commits_alone(ticket):
+            self._ready.append(ticket)
         if not self._open:
             self._poll_commit()
+
+    def _commits_alone(self, ticket: CopyTicket) -> bool:
+        """May this completed copy commit before the rest of its request? A copy that keeps
+        its source may (its commit ends its read of the source); a move only when no other
+        copy of the request reads its source (its commit frees the source)."""
+        if not ticket.move or ticket.source is None:
+            return True
+        return self._reads.get((ticket.handle, ticket.source), 0) == 1
+
+    def _commit_ready(self) -> None:
+        """Commit the copies that completed and may commit alone (one answer for all of
+        them), while the rest of the request's transfers are still in flight: when the last
+        one completes, only its own commits are left to do."""
+        if self.finished or not self._ready or not self._open:
+            return
+        ready, self._ready = self._ready, []
+        for ticket in ready:
+            if ticket.source is not None and not ticket.move:
+                self._reads[(ticket.handle, ticket.source)] -= 1  # its read ends here
+        self._advance(CommitNow(tuple(t.ticket_id for t in ready)))
 
     def _may_commit(self, ticket: CopyTicket) -> bool:
         """May the generator commit (or abort) this completed transfer now? A failed copy's
@@ -332,6 +364,7 @@ class PhaseRun:
                 self._listen(self._poll_commit)
                 return
         self._unlisten_now()
+        self._ready = []  # the final answer commits them with the rest
         self._advance(dict(self._errors))
 
     def _listen(self, poll: Callable[[], None]) -> None:

@@ -12,12 +12,13 @@ import torch
 
 from aresidency import (
     Materialize,
+    Move,
     ReplicaMode,
     ResidencyManager,
     ResidencyPlan,
     ResidencyPlanExecutionError,
 )
-from aresidency.backends import SimBackend
+from aresidency.backends import HostEvent, SimBackend
 from aresidency.runtime import driver
 
 pytestmark = pytest.mark.anyio
@@ -137,3 +138,102 @@ async def test_cancelling_a_plan_between_batches_aborts_every_copy_and_loses_not
     monkeypatch.setattr(driver, "ISSUE_SLICE_S", 0.0)  # one batch per turn, on any machine
     between = [await cancel_after(turns) for turns in range(8)]
     assert any(between), "no cancellation landed while batches remained to be issued"
+
+
+def gate_after_first_batch(m: ResidencyManager) -> HostEvent:
+    """Hold every copy after the first batch on cuda:0's simulated copy stream until the
+    returned event is set."""
+    gate = HostEvent(label="gate")
+    backend = m.backend
+    assert isinstance(backend, SimBackend)
+    copy_many = backend.copy_many
+    calls = [0]
+
+    def gated(requests: list[object]) -> list[object]:
+        out = copy_many(requests)  # type: ignore[arg-type]
+        calls[0] += 1
+        if calls[0] == 1:
+            backend.device_streams(0).h2d.wait_event(gate)
+        return out  # type: ignore[return-value]
+
+    backend.copy_many = gated  # type: ignore[method-assign]
+    return gate
+
+
+def states(m: ResidencyManager, handles: list[object], where: str) -> list[str]:
+    out = []
+    for h in handles:
+        records = {str(r.location): r.state.value for r in m.snapshot().value(h).materializations}
+        out.append(records.get(where, "absent"))
+    return out
+
+
+async def test_a_batch_commits_while_later_batches_are_still_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the last copy completes, only its batch's commits are left: the earlier batches
+    committed as they completed."""
+    monkeypatch.setattr(driver, "ISSUE_SLICE_S", 0.0)  # one batch per turn
+    async with ResidencyManager(backend="sim") as m:
+        handles = register_all(m)
+        gate = gate_after_first_batch(m)
+        plan = ResidencyPlan(enter=[Materialize(h, "cuda:0") for h in handles])
+        first = handles[: driver.ISSUE_BATCH]
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(m.execute, plan)
+            try:
+                with anyio.fail_after(5):
+                    while states(m, first, "cuda:0") != ["resident"] * len(first):
+                        await m.wait_for_change(5)
+                rest = states(m, handles[driver.ISSUE_BATCH :], "cuda:0")
+                assert set(rest) == {"incoming"}, rest
+            finally:
+                gate.set()  # whatever happened: the plan (or its cancellation) can end
+        assert states(m, handles, "cuda:0") == ["resident"] * N
+        for i, h in enumerate(handles):
+            async with m.acquire(h, "cuda:0") as lease:
+                assert torch.equal(lease.tensor, tensor(i))
+        m.state.check_invariants()
+
+
+async def test_moves_commit_early_and_free_their_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(driver, "ISSUE_SLICE_S", 0.0)
+    async with ResidencyManager(backend="sim") as m:
+        handles = [m.register(tensor(i), name=f"x{i}") for i in range(N)]  # EXCLUSIVE
+        gate = gate_after_first_batch(m)
+        first = handles[: driver.ISSUE_BATCH]
+        plan = ResidencyPlan(enter=[Move(h, "cuda:0") for h in handles])
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(m.execute, plan)
+            try:
+                with anyio.fail_after(5):
+                    while states(m, first, "pageable-host") != ["absent"] * len(first):
+                        await m.wait_for_change(5)
+                assert states(m, first, "cuda:0") == ["resident"] * len(first)
+                rest = handles[driver.ISSUE_BATCH :]
+                assert set(states(m, rest, "pageable-host")) == {"outgoing"}
+            finally:
+                gate.set()
+        for i, h in enumerate(handles):
+            assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0"]
+            async with m.acquire(h, "cuda:0") as lease:
+                assert torch.equal(lease.tensor, tensor(i))
+        assert m.snapshot().location("pageable-host").charged_bytes == 0
+        m.state.check_invariants()
+
+
+async def test_a_move_and_a_copy_of_one_source_in_one_phase_both_land() -> None:
+    """Two copies of the phase read one source, and one of them is a move (it frees the
+    source): the copy may commit alone, the move only once it is the source's last reader."""
+    for seed in range(6):
+        async with ResidencyManager(backend=SimBackend(num_devices=2)) as m:
+            h = m.register(tensor(seed), name="v", replica_mode=ReplicaMode.REPLICABLE)
+            others = register_all(m)[: seed * 3]  # shifts where the pair falls in the batches
+            enter = [Materialize(o, "cuda:1") for o in others]
+            enter += [Materialize(h, "cuda:0"), Move(h, "cuda:1")]
+            await m.execute(ResidencyPlan(enter=enter))
+            assert sorted(str(x) for x in m.snapshot().value(h).locations) == ["cuda:0", "cuda:1"]
+            for where in ("cuda:0", "cuda:1"):
+                async with m.acquire(h, where) as lease:
+                    assert torch.equal(lease.tensor, tensor(seed))
+            m.state.check_invariants()
