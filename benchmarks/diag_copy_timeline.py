@@ -13,6 +13,8 @@ milliseconds from the round's start (median of ``--rounds`` rounds):
   long the copy stream sat idle between calls (``gaps``: the device waited for the host);
 * ``seen``: the median delay from a call's copies ending on the device to the delivery of
   their completion on the loop;
+* ``last seen``: that delay for the last call's copies; ``finished``: when the last phase run
+  finished (its commits done, its waiter woken);
 * ``end``: when the round's awaits returned; ``tail``: that, less the last copy's end.
 
     python3 benchmarks/diag_copy_timeline.py                 # needs CUDA
@@ -39,6 +41,7 @@ from aresidency.backends import CudaBackend
 from aresidency.backends import cuda as cuda_module
 from aresidency.core.locations import Location
 from aresidency.core.sizes import parse_nbytes
+from aresidency.runtime import driver
 
 
 class Recorder:
@@ -88,6 +91,14 @@ class Recorder:
 
         if backend_copy_many is not None:
             self.backend.copy_many = copy_many  # type: ignore[method-assign]
+        self.finished = 0.0
+        finish = driver.PhaseRun._finish
+
+        def timed_finish(run: Any, error: BaseException | None) -> None:
+            self.finished = time.perf_counter()  # the last run's end: when its commits are done
+            finish(run, error)
+
+        driver.PhaseRun._finish = timed_finish  # type: ignore[method-assign]
         self.backend.copy = copy  # type: ignore[method-assign]
         self.rt.reaper.watch = watch  # type: ignore[method-assign]
 
@@ -95,6 +106,7 @@ class Recorder:
         torch.cuda.synchronize()
         self.rows = []
         self.by_transfer = {}
+        self.finished = 0.0
         self.anchor = torch.cuda.Event(enable_timing=True)
         self.anchor.record(cuda_module.copy_streams(0).h2d)
         torch.cuda.synchronize()
@@ -121,6 +133,8 @@ class Recorder:
             "device last": dev[-1][1],
             "gaps": gaps,
             "seen": statistics.median(seen) if seen else float("nan"),
+            "last seen": seen[-1] if seen and "seen" in rows[-1] else float("nan"),
+            "finished": (self.finished - self.t0) * ms if self.finished else float("nan"),
             "end": (end - self.t0) * ms,
             "tail": (end - self.t0) * ms - dev[-1][1],
         }
@@ -168,7 +182,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{sys.getswitchinterval() * 1e3:.2f} ms (torch {torch.__version__})"
         )
         keys = ["issue first", "issue last", "host in copy()", "device first", "device last"]
-        keys += ["gaps", "seen", "end", "tail"]
+        keys += ["gaps", "seen", "last seen", "finished", "end", "tail"]
         print("| way | " + " | ".join(keys) + " |")
         print("|---" * (len(keys) + 1) + "|")
         for name, way in ways.items():

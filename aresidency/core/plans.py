@@ -257,10 +257,19 @@ class SettleRequest:
 class Checkpoint:
     """A long phase pauses here so that the driver can let other work run (a real driver
     continues on a later turn of its event loop; a simulation at once). ``stage`` is
-    ``"begin"`` (between actions being begun: nothing was issued, so a cancellation thrown in
-    here aborts what was begun) or ``"commit"`` (between commits: answer it, never throw)."""
+    ``"begin"`` (between actions being begun) or ``"commit"`` (between commits: answer it,
+    never throw).
+
+    ``issue`` (``"begin"`` only): transfers begun since the last checkpoint, which a driver
+    may start now, while the phase goes on beginning its other actions (their device work
+    then overlaps the rest of the begin stage; the phase's :class:`TransferRequest` lists them
+    again). A cancellation thrown in at a ``"begin"`` checkpoint, or at a
+    :class:`SettleRequest`, aborts the transfers not handed out this way at once; those that
+    were are carried out first (a :class:`TransferRequest` for them, answered as usual), then
+    the cancellation propagates."""
 
     stage: str
+    issue: tuple[CopyTicket, ...] = ()
 
 
 #: Actions begun (or committed) between two checkpoints: a phase's synchronous work stays
@@ -403,6 +412,7 @@ def run_phase(
             targets.setdefault(action.handle, set()).add(action.location)
     failure: ActionFailed | None = None
     tickets: list[tuple[int, CopyTicket]] = []
+    handed_out = 0  # tickets[:handed_out] went out with a checkpoint (the driver may issue them)
     reading: set[tuple[ValueHandle, Location]] = set()  # what this phase's copies read
     for index, action in enumerate(actions):
         try:
@@ -411,25 +421,36 @@ def run_phase(
             failure = ActionFailed(index, action, error)
             break
         except BaseException:
-            # Thrown in at a SettleRequest (cancellation): no device work was started for the
-            # tickets begun so far, so aborting them loses nothing.
-            for _, begun in tickets:
-                state.abort_copy(begun)
+            # Thrown in at a SettleRequest (cancellation).
+            yield from _give_up(state, tickets, handed_out)
             raise
         if ticket is not None:
             tickets.append((index, ticket))
             if ticket.source is not None:
                 reading.add((ticket.handle, ticket.source))
         if index % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1 and index + 1 < len(actions):
+            fresh = tuple(t for _, t in tickets[handed_out:])
+            handed_out = len(tickets)
             try:
-                yield Checkpoint("begin")
+                yield Checkpoint("begin", fresh)
             except BaseException:
-                for _, begun in tickets:  # nothing was issued yet: aborting loses nothing
-                    state.abort_copy(begun)
+                yield from _give_up(state, tickets, handed_out)
                 raise
     failure = yield from _carry_out(state, tickets, failure)
     if failure is not None:
         raise failure
+
+
+def _give_up(
+    state: ResidencyState, tickets: list[tuple[int, CopyTicket]], handed_out: int
+) -> Generator[PhaseRequest, Any, None]:
+    """A cancellation was thrown in while actions were being begun: the tickets no checkpoint
+    handed out have no device work and are aborted now; those handed out are carried out
+    (committed if their transfer succeeded, as a lease may read them; aborted otherwise)."""
+    for _, begun in tickets[handed_out:]:
+        state.abort_copy(begun)
+    if handed_out:
+        yield from _carry_out(state, tickets[:handed_out], None)
 
 
 def _carry_out(

@@ -9,19 +9,26 @@ carry out their actions through it, so cancellation is handled here and nowhere 
 A run is a synchronous state machine with a thin async wrapper (trio's ``*_nowait`` style):
 
 * :meth:`PhaseRun.start` advances the phase now: every action begins (charging its
-  destination) and every copy is enqueued before it returns; the host waits for nothing;
-* completions arrive as callbacks on the loop (the reaper's) and advance it further; a move
-  commits only once its source's readers completed; a failed copy is aborted only once nothing
-  uses, holds or reads its destination any more;
+  destination) and every copy is enqueued before it returns (a long phase: the copies begun
+  before each checkpoint start there, so the device works while the rest are being begun, and
+  the rest follow on later turns of the loop); the host waits for nothing;
+* copies go to the backend ``ISSUE_BATCH`` at a time (:meth:`Backend.copy_many`): those it
+  issues on one stream share one completion event, watched once;
+* completions arrive as callbacks on the loop (the reaper's) and advance it further: a copy
+  that completed commits at once, with the others of its batch, while later batches are in
+  flight (a move only when no other copy of the phase reads its source); a move commits only
+  once its source's readers completed; a failed copy is aborted only once nothing uses, holds
+  or reads its destination any more;
 * :meth:`PhaseRun.wait` parks the calling task until the run finished and raises its error.
 
-Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): a run waiting to
-release a value gives up before anything changed; a run with transfers in flight cancels each
-one whose destination nobody has leased or held yet (it stops issuing chunks; its enqueued
-device work completes; then it is aborted), and lets the others complete and commit, because a
-lease entered on an incoming copy is reading it. Either way the run ends with every begun
-transfer committed or aborted, and the awaiting task then sees its cancellation: nothing is
-left incoming, charged or protected by a cancelled operation.
+Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): every transfer
+in flight whose destination nobody has leased or held yet is cancelled (it stops issuing
+chunks; its enqueued device work completes; then it is aborted); the others complete and
+commit, because a lease entered on an incoming copy is reading it. A run still beginning its
+actions (or waiting to release a value) also gives up beginning: what it began but did not
+issue is aborted at once. Either way the run ends with every begun transfer committed or
+aborted, and the awaiting task then sees its cancellation: nothing is left incoming, charged
+or protected by a cancelled operation.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class PhaseRun:
         self._errors: dict[int, BaseException | None] = {}
         self._blocking: set[int] = set()  # completed tickets that may not commit yet
         self._ready: list[CopyTicket] = []  # completed, may commit before the others complete
+        self._known: set[int] = set()  # tickets handed to _issue_tickets (early or not)
         self._reads: dict[tuple[Any, Any], int] = {}
         self._unlisten: Callable[[], None] | None = None
         self._done: anyio.Event | None = None
@@ -151,7 +159,10 @@ class PhaseRun:
             throw = None
             self._request = request
             if isinstance(request, Checkpoint):
-                # A long phase: continue on a later turn of the loop, so other work runs.
+                # A long phase: continue on a later turn of the loop, so other work runs; the
+                # transfers begun so far start now, while the rest are being begun.
+                if request.issue:
+                    self._issue_tickets(request.issue)
                 self._rt.bridge.call_soon(self._resume)
                 return
             if isinstance(request, SettleRequest):
@@ -181,23 +192,29 @@ class PhaseRun:
             self._advance(None)
 
     def _issue(self, request: TransferRequest) -> None:
-        """Start the transfers of ``request``: every ticket is open from now on; copies are
-        enqueued ``CHECKPOINT_EVERY`` at a time, each batch on its own turn of the loop (a
-        phase of thousands of copies never holds the loop for long); loads go to a worker
-        thread."""
-        self._errors = {}
-        self._blocking = set()
-        self._ready = []
-        self._reads = {}  # this request's copies per source: a move waits for no more reads
-        for ticket in request.tickets:
-            self._open[ticket.ticket_id] = ticket
-            key = (ticket.handle, ticket.source)
-            self._reads[key] = self._reads.get(key, 0) + 1
-        self._issue_from(request, 0)
+        """Start the transfers of ``request`` that a checkpoint did not start already; answer
+        at once if every transfer of the request has completed meanwhile."""
+        fresh = tuple(t for t in request.tickets if t.ticket_id not in self._known)
+        if fresh:
+            self._issue_tickets(fresh)
+        elif not self._open:
+            self._poll_commit()
+            return
+        self._commit_ready()
 
-    def _issue_from(self, request: TransferRequest, start: int) -> None:
+    def _issue_tickets(self, tickets: tuple[CopyTicket, ...]) -> None:
+        """Every ticket is open from now on; copies are enqueued ``ISSUE_BATCH`` at a time,
+        for at most ``ISSUE_SLICE_S`` per turn of the loop (a phase of thousands of copies
+        never holds the loop for long); loads go to a worker thread."""
+        for ticket in tickets:
+            self._known.add(ticket.ticket_id)
+            self._open[ticket.ticket_id] = ticket
+            key = (ticket.handle, ticket.source)  # the phase's copies per source
+            self._reads[key] = self._reads.get(key, 0) + 1
+        self._issue_from(tickets, 0)
+
+    def _issue_from(self, tickets: tuple[CopyTicket, ...], start: int) -> None:
         rt = self._rt
-        tickets = request.tickets
         # Issue for at most ISSUE_SLICE_S of host time per turn of the loop (a CUDA copy is
         # enqueued in tens of microseconds; the simulation's take longer), ISSUE_BATCH copies
         # to the backend at a time.
@@ -226,7 +243,7 @@ class PhaseRun:
             if batch:
                 self._copy(batch)
         if stop < len(tickets) and not self.finished:
-            rt.bridge.call_soon(self._issue_from, request, stop)
+            rt.bridge.call_soon(self._issue_from, tickets, stop)
 
     def _copy(self, tickets: list[CopyTicket]) -> None:
         """Enqueue the copies of begun tickets (one :meth:`Backend.copy_many`), record each
@@ -329,7 +346,12 @@ class PhaseRun:
         """Commit the copies that completed and may commit alone (one answer for all of
         them), while the rest of the request's transfers are still in flight: when the last
         one completes, only its own commits are left to do."""
-        if self.finished or not self._ready or not self._open:
+        if (
+            self.finished
+            or not self._ready
+            or not self._open
+            or not isinstance(self._request, TransferRequest)  # still beginning actions
+        ):
             return
         ready, self._ready = self._ready, []
         for ticket in ready:
@@ -444,15 +466,19 @@ class PhaseRun:
         if self.finished or self.cancel_requested:
             return
         self.cancel_requested = True
+        self._cancel_transfers()
         request = self._request
         if isinstance(request, SettleRequest) or (
             isinstance(request, Checkpoint) and request.stage == "begin"
         ):
-            # Nothing issued yet: give up now (the generator aborts what it began).
+            # Still beginning actions: give up now. The generator aborts what it began and
+            # carries out (cancelled above) what a checkpoint had handed out already.
             self._unlisten_now()
             self._request = None  # a pending resume of the checkpoint does nothing
             self._advance(None, throw=PhaseCancelledError(f"{self.phase} was cancelled"))
-            return
+
+    def _cancel_transfers(self) -> None:
+        """Cancel every open transfer whose destination no lease or hold reads."""
         state = self._rt.state
         for ticket_id, ticket in list(self._open.items()):
             transfer = self._transfers.get(ticket_id)

@@ -18,7 +18,8 @@ from aresidency import (
     ResidencyPlan,
     ResidencyPlanExecutionError,
 )
-from aresidency.backends import HostEvent, SimBackend
+from aresidency.backends import HostEvent, SimBackend, Transfer
+from aresidency.core.plans import CHECKPOINT_EVERY
 from aresidency.runtime import driver
 
 pytestmark = pytest.mark.anyio
@@ -99,12 +100,26 @@ async def cancel_after(turns: int) -> bool:
         handles = register_all(m)
         issued: list[int] = []
         copy_many = m.backend.copy_many
+        free = m.backend.free
+        into: dict[int, Transfer] = {}  # destination storage -> its transfer
+        early_frees: list[str] = []
 
         def counting(requests: list[object]) -> list[object]:
             issued.append(len(requests))
-            return copy_many(requests)  # type: ignore[arg-type]
+            out = copy_many(requests)  # type: ignore[arg-type]
+            for transfer in out:
+                if isinstance(transfer, Transfer):
+                    into[transfer.tensor.untyped_storage().data_ptr()] = transfer
+            return out  # type: ignore[return-value]
+
+        def checked_free(tensor: torch.Tensor, location: object) -> None:
+            transfer = into.get(tensor.untyped_storage().data_ptr())
+            if transfer is not None and not transfer.query():
+                early_frees.append(f"{transfer!r} freed while its copy ran")
+            free(tensor, location)  # type: ignore[arg-type]
 
         m.backend.copy_many = counting  # type: ignore[method-assign]
+        m.backend.free = checked_free  # type: ignore[method-assign]
         cancel = anyio.CancelScope()
         plan = ResidencyPlan(enter=[Materialize(h, "cuda:0") for h in handles])
 
@@ -121,6 +136,7 @@ async def cancel_after(turns: int) -> bool:
         snap = m.snapshot()
         assert all([str(x) for x in snap.value(h).locations] == ["pageable-host"] for h in handles)
         assert snap.location("cuda:0").charged_bytes == 0
+        assert not early_frees, early_frees
         m.state.check_invariants()
         await m.execute(plan)  # the manager goes on: every value arrives exactly
         for i, h in enumerate(handles):
@@ -237,3 +253,64 @@ async def test_a_move_and_a_copy_of_one_source_in_one_phase_both_land() -> None:
                 async with m.acquire(h, where) as lease:
                     assert torch.equal(lease.tensor, tensor(seed))
             m.state.check_invariants()
+
+
+async def test_a_long_phase_starts_copying_before_its_last_action_is_begun() -> None:
+    """The transfers begun before a checkpoint are issued there: the device works while the
+    rest of the phase is being begun."""
+    async with ResidencyManager(backend="sim") as m:
+        handles = register_all(m)
+        begun_at_first_issue: list[int] = []
+        copy_many = m.backend.copy_many
+
+        def first_issue(requests: list[object]) -> list[object]:
+            if not begun_at_first_issue:
+                kinds = [t.kind for t in m.trace().transitions]
+                begun_at_first_issue.append(kinds.count("copy_begin"))
+            return copy_many(requests)  # type: ignore[arg-type,return-value]
+
+        m.backend.copy_many = first_issue  # type: ignore[method-assign]
+        await m.execute(ResidencyPlan(enter=[Materialize(h, "cuda:0") for h in handles]))
+        assert begun_at_first_issue == [CHECKPOINT_EVERY]
+        assert states(m, handles, "cuda:0") == ["resident"] * N
+
+
+async def test_a_lease_on_an_early_copy_keeps_it_when_the_phase_is_cancelled_while_beginning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(driver, "ISSUE_SLICE_S", 0.0)
+    async with ResidencyManager(backend=SimBackend(copy_gbps=0.02)) as m:
+        handles = register_all(m)
+        plan = ResidencyPlan(enter=[Materialize(h, "cuda:0") for h in handles])
+        cancel = anyio.CancelScope()
+        seen: list[torch.Tensor] = []
+
+        ended = anyio.Event()
+
+        async def execute() -> None:
+            try:
+                with cancel:
+                    await m.execute(plan)
+            finally:
+                ended.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(execute)
+            with anyio.fail_after(5):  # the first checkpoint handed out the first copies
+                while states(m, handles[:1], "cuda:0") != ["incoming"]:
+                    await anyio.lowlevel.checkpoint()
+            assert "absent" in states(m, handles, "cuda:0"), "still beginning actions"
+            stream = m.backend.current_stream("cuda:0")
+            async with m.acquire(handles[0], "cuda:0", stream=stream) as lease:
+                view = lease.tensor
+                # The reader runs on the lease's stream, after the copy (as a kernel would).
+                m.backend.run_in_stream_order(stream, lambda: seen.append(view.clone()))
+                cancel.cancel()  # the plan goes away while the lease reads its first copy
+                with anyio.fail_after(5):
+                    await ended.wait()  # its cancellation settled with the lease held
+        await m.backend.wait(m.backend.record_event(stream))
+        assert torch.equal(seen[0], tensor(0))
+        where = states(m, handles, "cuda:0")
+        assert where[0] == "resident", "the leased copy arrived and stayed"
+        assert set(where[1:]) == {"absent"}
+        m.state.check_invariants()
