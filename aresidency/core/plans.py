@@ -275,6 +275,9 @@ class Checkpoint:
 #: Actions begun (or committed) between two checkpoints: a phase's synchronous work stays
 #: well under a millisecond at a time, whatever its length.
 CHECKPOINT_EVERY = 16
+#: A long phase's first checkpoint comes after this many actions, so that its first copies
+#: start (:attr:`Checkpoint.issue`) while the rest of its first actions are being begun.
+FIRST_HAND_OUT = 4
 
 PhaseRequest: TypeAlias = TransferRequest | SettleRequest | Checkpoint
 
@@ -428,7 +431,8 @@ def run_phase(
             tickets.append((index, ticket))
             if ticket.source is not None:
                 reading.add((ticket.handle, ticket.source))
-        if index % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1 and index + 1 < len(actions):
+        at_checkpoint = index % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1
+        if (at_checkpoint or index == FIRST_HAND_OUT - 1) and index + 1 < len(actions):
             fresh = tuple(t for _, t in tickets[handed_out:])
             handed_out = len(tickets)
             try:
