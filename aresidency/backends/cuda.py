@@ -710,8 +710,8 @@ class CudaBackend(Backend):
                 transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
                 out[i] = transfer
                 try:
-                    for event in device_waits:
-                        stream.wait_event(event)
+                    for waited in device_waits:
+                        stream.wait_event(waited)
                     dst.copy_(src, non_blocking=True)
                     if fail:
                         poison_(dst)
@@ -722,7 +722,12 @@ class CudaBackend(Backend):
                 total += nbytes
             if not issued:
                 return
-            event = self._record(stream, self._expect(stream, total, _LINK_BYTES_PER_S))
+            try:
+                event = self._record(stream, self._expect(stream, total, _LINK_BYTES_PER_S))
+            except BaseException as error:  # no event to wait for: each copy failed with it
+                for transfer in issued:
+                    transfer._finish_issue(HostEvent(done=True, label="failed"), error)
+                return
         for transfer in issued:
             transfer._finish_issue(event)
 

@@ -749,3 +749,28 @@ async def test_copy_many_issues_pinned_copies_together_and_each_fails_alone(
         await result.wait()
         assert _same_bits(result.tensor.cpu(), request.src)
         backend.free(result.tensor, _loc("cuda:0"))
+
+
+async def test_copy_many_fails_each_copy_of_a_group_whose_event_cannot_be_recorded(
+    backend: CudaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recording the group's event fails (a driver error): every copy of the group completes
+    with that error, and the backend goes on."""
+    pinned = [backend.place(_pattern(1024, torch.float32), _loc("pinned-host")) for _ in range(3)]
+    requests = [CopyRequest(t, _loc("pinned-host"), _loc("cuda:0")) for t in pinned]
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("event record failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backend, "_record", broken)
+        out = backend.copy_many(requests)
+    for transfer in out:
+        assert isinstance(transfer, Transfer)
+        with pytest.raises(RuntimeError, match="event record failed"):
+            await transfer.wait()
+    torch.cuda.synchronize()  # the copies themselves were enqueued: let them finish
+    again = backend.copy_many(requests[:1])[0]
+    assert isinstance(again, Transfer)
+    await again.wait()
+    assert _same_bits(again.tensor.cpu(), pinned[0])
