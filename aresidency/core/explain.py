@@ -2,8 +2,10 @@
 
 The simulation drives the same phase runner as execution (:func:`~aresidency.core.plans.run_phase`)
 with a driver that assumes every transfer succeeds and every pending consumer event completes,
-so it commits the same transitions in the same order: the peak it predicts at each location is
-the peak execution charges on a quiet manager (a property test compares them).
+so it commits the same transitions (a phase's commits in action order, where execution commits
+them as they complete, after every action of the phase began either way): the peak it predicts
+at each location is the peak execution charges on a quiet manager (a property test compares
+them).
 
 Cost: a partial copy of the state (the plan's own values and the ledgers) and one pass over the
 actions; a :class:`_PeakWatcher` reads each ledger's breakdown (incoming, outgoing, temporary

@@ -4,8 +4,10 @@ One function decides, another does: :func:`run_phase` is a generator that applie
 actions to a :class:`ResidencyState` and *yields* the device work it needs (transfers to carry
 out, materializations whose pending events must be reaped first). ``explain`` drives it with a
 simulated driver on a copy of the state; the runtime drives it with real transfers on the live
-state. Both therefore commit the same transitions in the same order, and the peak that
-``explain`` predicts is the peak execution charges (a property test checks it).
+state. Both therefore commit the same transitions (execution commits a phase's copies in the
+order they complete, ``explain`` in action order), and the peak that ``explain`` predicts is
+the peak execution charges: a commit never charges anything, so the peak is reached while the
+actions begin, in the same order in both (a property test checks it).
 
 Order inside a phase (and so what the peak counts):
 
@@ -13,9 +15,12 @@ Order inside a phase (and so what the peak counts):
    events are reaped); a copy charges its destination now; a rebuild from a source charges its
    destination and, when that is not the value's ``source_location``, the source location too
    (the temporary reconstruction charge);
-2. the phase's transfers run together (overlapping on the copy streams), then commit in action
-   order: a move frees its source only now, so source and destination are charged together
-   while the transfer is in flight; a rebuild frees its temporary charge now.
+2. the phase's transfers run together (overlapping on the copy streams; a driver may start
+   those begun before a checkpoint while the rest are being begun), then commit, each once
+   every action began and its transfer completed (a driver answers :class:`CommitNow` for
+   the ones that may go first): a move frees its source only now, so source and destination
+   are charged together while the transfer is in flight; a rebuild frees its temporary charge
+   now.
 
 A scope runs ``reclaim``, admits ``reserve``, runs ``enter``, runs the body, ends the
 reservations, runs ``exit``. ``execute`` does the same with an empty body.
