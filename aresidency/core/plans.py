@@ -428,6 +428,9 @@ def run_phase(
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break
+        except GeneratorExit:
+            _abandon(state, tickets)
+            raise
         except BaseException:
             # Thrown in at a SettleRequest (cancellation).
             yield from _give_up(state, tickets, handed_out)
@@ -442,12 +445,23 @@ def run_phase(
             handed_out = len(tickets)
             try:
                 yield Checkpoint("begin", fresh)
+            except GeneratorExit:
+                _abandon(state, tickets)
+                raise
             except BaseException:
                 yield from _give_up(state, tickets, handed_out)
                 raise
     failure = yield from _carry_out(state, tickets, failure)
     if failure is not None:
         raise failure
+
+
+def _abandon(state: ResidencyState, tickets: list[tuple[int, CopyTicket]]) -> None:
+    """The runner was closed unfinished (a simulation stopped part-way, as admission's sliced
+    ``explain`` does when the state changed): its driver issued nothing it will wait for, so
+    every begun ticket is aborted at once (a closed generator may not yield again)."""
+    for _, begun in tickets:
+        state.abort_copy(begun)
 
 
 def _give_up(

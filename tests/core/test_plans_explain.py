@@ -588,3 +588,21 @@ def test_explain_predicts_exactly_the_peaks_that_execution_charges(scenario):
                 action,
                 explanation,
             )
+
+
+def test_a_phase_closed_at_a_checkpoint_that_handed_out_copies_aborts_them_quietly():
+    """A simulation may stop a phase part-way (admission's sliced ``explain`` starts again
+    when the state changed): closing the runner where a checkpoint handed out copies aborts
+    everything it began and raises nothing (a closed generator may not yield again)."""
+    from aresidency.core.plans import Checkpoint
+
+    state = make_state()
+    handles = [state.register(name=f"v{i}", charge_bytes=512, location=PAGEABLE) for i in range(8)]
+    gen = run_phase(state, "enter", [Materialize(h, CUDA0) for h in handles])
+    request = next(gen)
+    assert isinstance(request, Checkpoint) and request.stage == "begin" and request.issue
+    assert len(state.open_tickets()) == len(request.issue)
+    gen.close()  # raised "generator ignored GeneratorExit" when it carried the copies out
+    assert state.open_tickets() == []
+    assert take_snapshot(state).location(CUDA0).charged_bytes == 0
+    state.check_invariants()

@@ -112,7 +112,18 @@ class Chaos:
         h = rng.choice(self.handles)
         where = rng.choice(self.locations)
         kind = rng.choice(
-            ["move", "move", "materialize", "release", "read", "read", "write", "scope", "nowait"]
+            [
+                "move",
+                "move",
+                "materialize",
+                "release",
+                "read",
+                "read",
+                "write",
+                "scope",
+                "nowait",
+                "bulk",
+            ]
         )
         if kind == "move":
             await m.move(h, where)
@@ -168,6 +179,16 @@ class Chaos:
                 if rng.random() < 0.1:
                     raise BodyError("a failing scope body")
                 await anyio.lowlevel.checkpoint()
+        elif kind == "bulk":
+            # A phase of several values (its copies batched, the first ones issued before the
+            # last action began, each committed as it lands): cancelled, timed out or failed
+            # like any other operation.
+            chosen = rng.sample(self.handles, rng.randint(5, min(8, len(self.handles))))
+            actions: list[Materialize | Move] = [
+                (Move if rng.random() < 0.5 else Materialize)(other, rng.choice(self.locations))
+                for other in chosen
+            ]
+            await m.execute(ResidencyPlan(enter=actions))
         elif kind == "nowait":
             pending = m.materialize_nowait(h, where)
             if rng.random() < 0.5:
