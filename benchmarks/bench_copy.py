@@ -548,14 +548,18 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
     waiters: list[CudaBackend] = []
     choices: list[tuple[str, Any]] = [
         (
-            "hybrid (default: hostfunc + 40 us polls from 8% + 60 us before the predicted end)",
+            "hybrid (default: the loop's timed polls from 2% + 40 us before the predicted "
+            "end, every 20 us; hostfunc when they miss)",
             "hybrid",
         ),
         (
-            "hybrid, 75 us polls from 15% + 100 us before (the previous default)",
-            EventWaiter("hybrid", hybrid_poll_s=75e-6, lead_fraction=0.15, lead_s=100e-6),
+            "hybrid, the thread's 40 us polls from 8% + 60 us before (the previous default)",
+            EventWaiter("hybrid", loop_timer=False),
         ),
-        ("hybrid, 20 us polls", EventWaiter("hybrid", hybrid_poll_s=20e-6)),
+        (
+            "hybrid, the loop's timed polls every 40 us",
+            EventWaiter("hybrid", timer_poll_s=40e-6),
+        ),
         ("hostfunc only", "hostfunc"),
         ("poll thread (50 us .. 1 ms backoff)", "poll"),
         ("blocking-sync thread", "blocking"),

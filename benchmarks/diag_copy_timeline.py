@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aresidency import Materialize, ReplicaMode, ResidencyManager, ResidencyPlan
-from aresidency.backends import CudaBackend
+from aresidency.backends import CudaBackend, EventWaiter
 from aresidency.backends import cuda as cuda_module
 from aresidency.core.locations import Location
 from aresidency.core.sizes import parse_nbytes
@@ -147,7 +147,10 @@ async def main(args: argparse.Namespace) -> None:
     dev = Location.parse("cuda:0")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    async with ResidencyManager(backend=CudaBackend(waiter=args.waiter)) as m:
+    waiter: Any = args.waiter
+    if waiter == "hybrid-thread":  # the hybrid strategy with the thread's polls, not the loop's
+        waiter = EventWaiter("hybrid", loop_timer=False)
+    async with ResidencyManager(backend=CudaBackend(waiter=waiter)) as m:
         rec = Recorder(m)
         host = Location.parse("pinned-host")
         srcs = [torch.empty(nbytes // 4).pin_memory() for _ in range(args.count)]
@@ -208,7 +211,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="4MiB")
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--waiter", default="auto", help="the CUDA backend's waiting strategy")
+    parser.add_argument(
+        "--waiter", default="auto", help="the CUDA backend's waiting strategy (or hybrid-thread)"
+    )
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval, seconds")
     return parser.parse_args(argv)
 

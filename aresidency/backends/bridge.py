@@ -81,6 +81,31 @@ class LoopBridge:
     def on_loop(self) -> bool:
         return threading.get_ident() == self.thread
 
+    # Two bridges to one loop are equal (a waiter keeps one poller per loop, not per bridge).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoopBridge) and other._loop is self._loop
+
+    def __hash__(self) -> int:
+        return id(self._loop)
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> bool:
+        """Run ``callback()`` on the loop whenever ``fd`` is readable (the loop's own
+        ``add_reader``: asyncio's selector loops and uvloop). Loop thread only. False, doing
+        nothing, where the loop cannot watch a file descriptor with a callback (trio,
+        asyncio's proactor loop)."""
+        if self.library != "asyncio":
+            return False
+        try:
+            self._loop.add_reader(fd, callback)
+        except NotImplementedError:
+            return False
+        return True
+
+    def remove_reader(self, fd: int) -> None:
+        """Undo :meth:`add_reader` (loop thread only; nothing if the loop is closed)."""
+        if self.library == "asyncio" and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop soon; any thread; never waits. Raises
         :class:`LoopClosedError` when the loop has finished."""

@@ -4,7 +4,9 @@ resolve awaited events without blocking the loop. CPU tests use stand-in events.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
+import select
 import threading
 import time
 from typing import Any
@@ -15,7 +17,10 @@ import pytest
 
 from aresidency.backends import cudadriver
 from aresidency.backends import waiter as waiter_module
+from aresidency.backends.base import BackendClosedError
+from aresidency.backends.bridge import LoopBridge
 from aresidency.backends.events import HostEvent
+from aresidency.backends.looptimer import Timerfd
 from aresidency.backends.sim import SimBackend
 from aresidency.backends.waiter import STRATEGIES, EventWaiter, hostfunc_available
 
@@ -271,7 +276,7 @@ async def test_notified_strategies_resolve_armed_and_unarmed_events(
 async def test_hybrid_polls_briefly_after_a_wait_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.2)
+    waiter = EventWaiter("hybrid", window_s=0.2, loop_timer=False)
     waiter.start()
     try:
         event = ArmableEvent(0.05, driver)
@@ -296,7 +301,7 @@ async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
     driver = FakeDriver()
     driver.notify_lag = 0.010
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
+    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0, loop_timer=False)
     waiter.start()
     try:
         wakeups = []
@@ -327,7 +332,7 @@ async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
     still wakes the task, and the prediction follows the shorter waits."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0)
+    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=1.0, loop_timer=False)
     waiter.start()
     try:
         for delay in (0.08, 0.08, 0.01, 0.01):
@@ -351,7 +356,9 @@ async def test_hybrid_enqueues_no_notification_for_waits_its_polls_catch(
     callback thread and a wake-up)."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.1, lazy_arm_s=0.05, safety_timeout_s=1.0)
+    waiter = EventWaiter(
+        "hybrid", window_s=0.1, lazy_arm_s=0.05, safety_timeout_s=1.0, loop_timer=False
+    )
     waiter.start()
     try:
         for _ in range(8):
@@ -374,7 +381,9 @@ async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes
     safety sweep."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.004, lazy_arm_s=0.05, safety_timeout_s=5.0)
+    waiter = EventWaiter(
+        "hybrid", window_s=0.004, lazy_arm_s=0.05, safety_timeout_s=5.0, loop_timer=False
+    )
     waiter.start()
     try:
         for delay in (0.02, 0.02, 0.3):
@@ -393,7 +402,7 @@ async def test_an_unarmed_wait_its_polls_miss_is_notified_when_its_window_closes
 async def test_a_failing_driver_call_degrades_to_polling(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid")
+    waiter = EventWaiter("hybrid", loop_timer=False)
     waiter.start()
 
     def broken(stream: int, fn: int, sem: int) -> int:
@@ -580,7 +589,7 @@ async def test_a_burst_of_hybrid_waits_wakes_the_thread_once_not_per_wait(
             return int(real_libc.sem_post(sem))
 
     driver.libc = CountingLibc()  # type: ignore[assignment]
-    waiter = EventWaiter("hybrid")
+    waiter = EventWaiter("hybrid", loop_timer=False)
     waiter.start()
     try:
         events = []
@@ -594,5 +603,271 @@ async def test_a_burst_of_hybrid_waits_wakes_the_thread_once_not_per_wait(
                     waits.start_soon(waiter.wait, event)
         assert waiter.pending_count() == 0
         assert len(posts) <= 4, f"{len(posts)} wake-ups of the thread for 32 waits"
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+# ------------------------------------------------- the loop's timed polls (hybrid, asyncio)
+
+# The loop's own timer exists only where the loop watches file descriptors with callbacks:
+# asyncio and uvloop. On trio the same waits go to the thread (the test after these).
+ASYNCIO_LOOPS = [pytest.param(("asyncio", {}), id="asyncio")]
+if importlib.util.find_spec("uvloop") is not None:
+    import uvloop
+
+    ASYNCIO_LOOPS.append(
+        pytest.param(("asyncio", {"loop_factory": uvloop.new_event_loop}), id="uvloop")
+    )
+TRIO_LOOP = [pytest.param(("trio", {}), id="trio")]
+
+
+class QueriedEvent(ArmableEvent):
+    """An armable fake event that notes when each query came (``time.monotonic``)."""
+
+    def __init__(self, delay: float, driver: FakeDriver, notified: bool = True) -> None:
+        super().__init__(delay, driver)
+        self.started = time.monotonic()
+        self.queries: list[float] = []
+        self.threads: list[int] = []  # who made each query
+        if not notified:  # its notification waits on an event that never completes
+            driver.events[self.cuda_event] = FakeEvent(3600.0)
+
+    def query(self) -> bool:
+        self.queries.append(time.monotonic())
+        self.threads.append(threading.get_ident())
+        return super().query()
+
+
+def test_a_timerfd_becomes_readable_at_the_monotonic_time_it_was_armed_for() -> None:
+    timer = Timerfd.create()
+    if timer is None:
+        pytest.skip("no timerfd on this system")
+    try:
+        at = time.monotonic() + 0.05
+        timer.arm(at)
+        assert select.select([timer.fd], [], [], 0)[0] == []  # not yet
+        assert select.select([timer.fd], [], [], 5.0)[0] == [timer.fd]
+        assert time.monotonic() >= at
+        timer.clear()
+        assert select.select([timer.fd], [], [], 0)[0] == []  # consumed
+        timer.arm(time.monotonic() - 1.0)  # in the past: at once
+        assert select.select([timer.fd], [], [], 5.0)[0] == [timer.fd]
+    finally:
+        timer.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_hybrid_waits_on_an_asyncio_loop_are_polled_by_the_loop_not_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waits of 30 ms, predicted within ``lazy_arm_s`` (so no host function is enqueued for
+    them), whose notifications would never come: the loop's timed polls see each one and the
+    waiter thread is never woken."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=1.0, lazy_arm_s=1.0, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        for _ in range(5):
+            event = QueriedEvent(0.03, driver, notified=False)
+            waiter.arm(event, FakeStream(21))
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
+        assert waiter.timer_hits == 5
+        assert waiter.wakeups == 0 and waiter.poll_hits == 0 and driver.launched == 0
+        assert len(waiter._durations[(0, 21)]) == 5  # each wait feeds the prediction
+        # One poller for the loop, though every wait() made a bridge of its own.
+        assert len(waiter._loop_timers) == 1
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_timed_polls_begin_near_a_streams_predicted_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the first waits of a stream, the loop does not query a 60 ms wait's event until
+    shortly before its predicted end (2% + 40 us of lead), and then only a few dozen times."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=1.0, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        events = []
+        for _ in range(5):
+            event = QueriedEvent(0.06, driver, notified=False)
+            waiter.arm(event, FakeStream(22))
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
+            events.append(event)
+        for event in events[1:]:
+            # wait() and watch() query once as the wait begins; the polls come near the end.
+            polls = [t - event.started for t in event.queries]
+            assert not [t for t in polls if 0.005 < t < 0.05], polls
+            assert len(polls) < 100, len(polls)  # 20 us polls from the start: ~3,000
+        first = [t - events[0].started for t in events[0].queries]
+        assert [t for t in first if 0.005 < t < 0.05]  # no history: polled from the start,
+        assert len(first) < 150, len(first)  # less and less often
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_a_wait_the_loops_polls_miss_goes_to_the_threads_notification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 150 ms wait whose 4 ms window of polls ends first: handed to the thread with its
+    host function enqueued at once, which wakes it; the thread does not poll it."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        event = QueriedEvent(0.15, driver)
+        waiter.arm(event, FakeStream(23))
+        with anyio.fail_after(5.0):
+            await waiter.wait(event)
+        assert driver.launched == 1 and waiter.timer_hits == 0 and waiter.poll_hits == 0
+        # The thread noted the whole wait, from its start on the loop (not from the hand-over).
+        assert waiter._durations[(0, 23)][-1] >= 0.14
+        loop = threading.get_ident()
+        on_loop = [t for t, who in zip(event.queries, event.threads) if who == loop]
+        assert max(on_loop) - event.started < 0.1  # the loop stopped polling at the hand-over
+        # and the thread never polled it: a few queries at the hand-over and the notification
+        # (polls for a 4 ms window every 40 us would be ~100)
+        assert len(event.queries) - len(on_loop) < 10, len(event.queries) - len(on_loop)
+        assert event.query()
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_a_wait_far_shorter_than_predicted_is_woken_by_its_notification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's waits of 60 ms, then one of 5 ms: predicted beyond ``lazy_arm_s``, it has
+    its notification enqueued besides the loop's polls, and the notification wakes it long
+    before the polls would; the polls' entry then goes quietly, calling nobody twice."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=1.0, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        for _ in range(3):
+            event = QueriedEvent(0.06, driver)
+            waiter.arm(event, FakeStream(28))
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
+        hits, launched, calls = waiter.timer_hits, driver.launched, []
+        short = QueriedEvent(0.005, driver)
+        waiter.arm(short, FakeStream(28))
+        waiter.watch(short, LoopBridge.current(), calls.append)
+        await _until(lambda: calls)
+        assert calls == [None] and driver.launched == launched + 1
+        loop = threading.get_ident()
+        polls = [t - short.started for t, w in zip(short.queries, short.threads) if w == loop]
+        assert not [t for t in polls if t > 0.002]  # no poll of the loop's came before it
+        (poller,) = waiter._loop_timers.values()
+        assert poller is not None
+        await _until(lambda: not poller.entries)  # its polls began, found it done, dropped it
+        assert calls == [None] and waiter.timer_hits == hits
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_a_wait_far_longer_than_predicted_costs_few_polls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's waits of 10 ms, then one of 300 ms: its polls grow apart (a tenth of how
+    late it is), so the long wait is queried tens of times, not every 20 us (15,000)."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=2.0, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        for delay in (0.01, 0.01, 0.01, 0.3):
+            event = QueriedEvent(delay, driver, notified=False)
+            waiter.arm(event, FakeStream(24))
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
+        assert waiter.timer_hits == 4
+        assert len(event.queries) < 200, len(event.queries)
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_closing_the_waiter_fails_timed_waits_and_frees_the_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=100.0)
+    waiter.start()
+    event = QueriedEvent(3600.0, driver, notified=False)
+    waiter.arm(event, FakeStream(25))
+    failed = anyio.Event()
+
+    async def wait() -> None:
+        with pytest.raises(BackendClosedError, match="closed"):
+            await waiter.wait(event)
+        failed.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await _until(lambda: any(p is not None and p.entries for p in waiter._loop_timers.values()))
+        (poller,) = waiter._loop_timers.values()
+        await anyio.to_thread.run_sync(waiter.close)
+        await _until(failed.is_set)
+    assert poller is not None and poller.closed and poller.timer.fd == -1
+    assert driver.launched == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_a_cancelled_timed_wait_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The awaiting task goes away: its entry stays only until the event completes (then
+    its callback finds nobody waiting), and later waits are served as before."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=1.0)
+    waiter.start()
+    try:
+        event = QueriedEvent(0.05, driver, notified=False)
+        waiter.arm(event, FakeStream(26))
+        with anyio.move_on_after(0.01) as scope:
+            await waiter.wait(event)
+        assert scope.cancelled_caught
+        (poller,) = waiter._loop_timers.values()
+        assert poller is not None
+        await _until(lambda: not poller.entries)  # polled until it completed
+        assert waiter.timer_hits == 1
+        later = QueriedEvent(0.02, driver, notified=False)
+        waiter.arm(later, FakeStream(26))
+        with anyio.fail_after(5.0):
+            await waiter.wait(later)
+        assert waiter.timer_hits == 2 and not poller.entries
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+@pytest.mark.parametrize("anyio_backend", TRIO_LOOP)
+async def test_on_trio_hybrid_waits_are_polled_by_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", window_s=1.0, safety_timeout_s=10.0)
+    waiter.start()
+    try:
+        for _ in range(3):
+            event = QueriedEvent(0.03, driver, notified=False)
+            waiter.arm(event, FakeStream(27))
+            with anyio.fail_after(5.0):
+                await waiter.wait(event)
+        assert waiter.timer_hits == 0 and waiter.poll_hits == 3
+        assert list(waiter._loop_timers.values()) == [None]  # trio has no timer poller
     finally:
         await anyio.to_thread.run_sync(waiter.close)

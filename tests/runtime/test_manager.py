@@ -269,6 +269,9 @@ async def test_snapshot_and_trace_report_state_and_overwrites() -> None:
         assert not m.trace().enabled and m.trace().transitions == ()
 
 
+# The comparison snapshots (``m.snapshot()`` of 3,000 values, synchronous by design) take over
+# 100 ms on a slow 2-core machine: the guard would flag the test's own check, not the product.
+@pytest.mark.allow_loop_stall
 async def test_snapshot_async_never_blocks_the_loop_and_equals_snapshot() -> None:
     """The first snapshot of many values builds every record; ``snapshot_async`` builds them in
     slices, letting the loop run between them (a ticker task keeps running), and its snapshot
