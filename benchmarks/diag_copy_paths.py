@@ -103,6 +103,40 @@ def main() -> None:
                 f"pinned->pageable 1 GB {label:20s} threads {threads:2d}: fresh {gbps(N, fresh)}"
                 f"  faulted {gbps(N, warm)}"
             )
+    # 1b. the host side of both staging lanes at once: pageable -> pinned (host-to-device) and
+    # pinned -> pageable (device-to-host), into memory already faulted in, N threads each; the
+    # ceiling of "both directions, pageable" whatever the link does
+    up_src = fresh_malloc(N)
+    up_src.fill_(3)
+    up_dst = torch.empty(N, dtype=torch.uint8, pin_memory=True)
+    down_dst = fresh_malloc(N)
+    down_dst.fill_(0)
+    both = concurrent.futures.ThreadPoolExecutor(2)
+
+    def copy_with(dst: torch.Tensor, source: torch.Tensor, threads: int) -> None:
+        step = -(-N // threads)
+        futs = [
+            pool.submit(dst[i : i + step].copy_, source[i : i + step]) for i in range(0, N, step)
+        ]
+        for f in futs:
+            f.result()
+
+    for threads in (4, 8):
+        t = timed(lambda threads=threads: copy_with(up_dst, up_src, threads), 3)
+        print(f"pageable->pinned 1 GB faulted, threads {threads:2d}: {gbps(N, t)}")
+
+        def at_once(threads: int = threads) -> None:
+            a = both.submit(copy_with, up_dst, up_src, threads)
+            b = both.submit(copy_with, down_dst, src, threads)
+            a.result()
+            b.result()
+
+        t = timed(at_once, 3)
+        print(
+            f"both at once, 1 GB each way, faulted, threads {threads:2d} each: "
+            f"{gbps(2 * N, t)} total"
+        )
+
     # 2. allocation cost alone
     for label, make in (
         ("malloc", fresh_malloc),

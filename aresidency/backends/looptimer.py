@@ -95,7 +95,15 @@ class Timerfd:
             return None
 
     def arm(self, at: float) -> None:
-        at = max(at, 1e-9)  # zero would disarm it
+        """Fire at ``at``; also consumes an expiry not read yet (setting a timer resets its
+        count), so the descriptor is readable again only once ``at`` has come."""
+        self._set(max(at, 1e-9))  # zero would disarm it
+
+    def disarm(self) -> None:
+        """Stop the timer and consume an expiry not read yet."""
+        self._set(0.0)
+
+    def _set(self, at: float) -> None:
         self._spec.it_value.tv_sec = int(at)
         self._spec.it_value.tv_nsec = int((at - int(at)) * 1e9)
         if self._libc.timerfd_settime(self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None):
@@ -149,7 +157,7 @@ class _TimedWait:
     ) -> None:
         self.event = event
         self.callback = callback
-        self.key = key  # the origin stream: its waits' durations feed the prediction
+        self.key = key  # the origin stream: its waits' durations feed the prediction (None: not)
         self.started = started  # time.monotonic() when the wait began
         self.poll_from = poll_from  # the first poll (the predicted completion, less a lead)
         self.deadline = deadline  # polls end here; then the waiter thread's notification
@@ -222,8 +230,8 @@ class LoopTimerPoller:
 
     def _fired(self) -> None:
         """The timer fired (the loop's reader callback): query every entry; resolve the
-        completed ones, hand the ones past their deadline to the waiter thread, re-arm."""
-        self.timer.clear()
+        completed ones, hand the ones past their deadline to the waiter thread, re-arm (or
+        disarm: either consumes the expiry, one system call per poll)."""
         self.armed_for = float("inf")
         if self.closed:
             return
@@ -237,7 +245,8 @@ class LoopTimerPoller:
             elif wait.event.query():
                 if not (wait.notified and getattr(wait.callback, "done", False)):
                     waiter.timer_hits += 1  # seen first here, not by its notification
-                    waiter._record_wait(wait.key, now - wait.started)
+                    if wait.key is not None:
+                        waiter._record_wait(wait.key, now - wait.started)
                 done.append((wait.callback, None))
             elif now >= wait.deadline:
                 if not wait.notified:  # else the thread has it already
@@ -253,6 +262,8 @@ class LoopTimerPoller:
         del entries
         if self.entries:
             self._arm(min(w.next_poll(now, self.poll_s) for w in self.entries))
+        else:
+            self.timer.disarm()
         for callback, error in done:  # last: a callback may add a wait (it arms as needed)
             callback(error)
 

@@ -30,7 +30,7 @@ class _Waiter(Protocol):
     _closed: bool
     loop_hits: int
 
-    def _watch_thread(self, event: Any, bridge: LoopBridge, callback: Callback) -> None: ...
+    def _watch_late(self, event: Any, bridge: LoopBridge, callback: Callback) -> None: ...
 
 
 class EventNotes:
@@ -73,7 +73,8 @@ def next_record() -> int:
 class LoopPoller:
     """Events due within ``loop_poll_s``, queried on their loop once per loop iteration (a
     callback that reschedules itself while any remain). One per loop; loop thread only.
-    An event still pending at its deadline goes to the waiter thread."""
+    An event still pending at its deadline goes on being watched by the loop's timed polls
+    where it has them, else by the waiter thread."""
 
     __slots__ = ("bridge", "entries", "scheduled", "waiter")
 
@@ -101,7 +102,7 @@ class LoopPoller:
                 self.waiter.loop_hits += 1
                 callback(None)
             elif now >= deadline:
-                self.waiter._watch_thread(event, self.bridge, callback)
+                self.waiter._watch_late(event, self.bridge, callback)
             else:
                 self.entries.append((event, callback, deadline))
         if self.entries and not self.scheduled:

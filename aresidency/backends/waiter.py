@@ -69,10 +69,17 @@ Short copies on the loop
     Whatever the strategy, an event the backend expects to complete within ``loop_poll_s``
     (250 us: a copy of known size on a copy stream, whose completion time it estimates from
     the bytes queued on that stream), awaited from the loop's own thread, is queried by the
-    loop once per iteration until shortly after its expected completion, and handed to the
-    thread only if it is late. Every such event of a loop is queried by one callback. On an
-    H200 a 4 KiB copy is seen 25 us after it was issued this way (19 us by a thread spinning
-    on ``query()``), where a hop from any other thread to an asyncio loop costs 50-100 us.
+    loop once per iteration until shortly after its expected completion; a late one goes on
+    to the loop's timed polls where it has them (hybrid), else to the thread. Every such event
+    of a loop is queried by one callback. On an H200 a 4 KiB copy is seen 25 us after it was
+    issued this way (19 us by a thread spinning on ``query()``), where a hop from any other
+    thread to an asyncio loop costs 50-100 us.
+
+Why this module is long: the four strategies share one thread's state (the awaited events
+under one lock, the notify streams, the semaphore its sleeps wait on), and choosing between
+the loop's polls and that thread needs both sides; what stands apart already lives apart (the
+prediction in ``prediction``, the loop's polls in ``polling`` and ``looptimer``, the driver
+calls in ``cudadriver``).
 
 Reference figures for an H200 (docs/performance.md): polling with ``asyncio.sleep(0)`` burns
 a core; polling every 100 us costs about 6% of a core and adds about 0.1 ms; a thread blocked
@@ -102,6 +109,7 @@ from .polling import (
     set_timer_slack,
     spin_wait,
 )
+from .prediction import WaitPredictor
 
 __all__ = [
     "STRATEGIES",
@@ -148,9 +156,6 @@ class _Pending:
         return (1, 0, 0)
 
 
-_HISTORY: Final = 8  # waits remembered per origin stream (hybrid prediction)
-
-
 class EventWaiter:
     """Parks tasks until CUDA events complete; one background thread, see the module docstring.
 
@@ -192,22 +197,23 @@ class EventWaiter:
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
         self.hybrid_poll_s = hybrid_poll_s
-        self.lead_fraction = lead_fraction
-        self.lead_s = lead_s
         self.window_s = window_s
+        self.predictor = WaitPredictor(
+            lead_fraction=lead_fraction,
+            lead_s=lead_s,
+            timer_lead_fraction=timer_lead_fraction,
+            timer_lead_s=timer_lead_s,
+            window_s=window_s,
+        )
         self.lazy_arm_s = lazy_arm_s
         self.loop_poll_s = loop_poll_s
         self.loop_timer = loop_timer
         self.timer_poll_s = timer_poll_s
-        self.timer_lead_fraction = timer_lead_fraction
-        self.timer_lead_s = timer_lead_s
         self._loop_pollers: dict[LoopBridge, LoopPoller] = {}
         # hybrid: per loop, its timer poller (None: that loop cannot have one)
         self._loop_timers: dict[LoopBridge, LoopTimerPoller | None] = {}
         self.loop_hits = 0  # completions seen by polling on the loop, once per iteration
         self.timer_hits = 0  # hybrid: completions seen by the loop's timed polls
-        # hybrid: origin stream -> the durations of its last waits, newest last (under _cond)
-        self._durations: dict[Any, list[float]] = {}
         # hostfunc: a sweep happens at least this often while something is awaited, so a
         # notification that never comes (an event not armed in time) delays, never hangs.
         self.safety_timeout_s = safety_timeout_s
@@ -334,7 +340,7 @@ class EventWaiter:
                     deadline = min(now + self.loop_poll_s, max(expected_at, now) + 50e-6)
                     self._loop_poller(bridge).add(event, callback, deadline)
                     return
-        if self.strategy == "hybrid" and self.loop_timer and bridge.on_loop():
+        if self._timed_on(bridge):
             poller = self._loop_timer_of(bridge)
             if poller is not None:
                 self._watch_timed(event, bridge, callback, poller)
@@ -352,6 +358,21 @@ class EventWaiter:
             self._loop_timers[bridge] = LoopTimerPoller.create(self, bridge, self.timer_poll_s)
         return self._loop_timers[bridge]
 
+    def _watch_late(self, event: Any, bridge: LoopBridge, callback: Callback) -> None:
+        """An event polled once per loop iteration is late (the loop's thread): the loop's
+        timed polls go on from now where it has them (not feeding the prediction: the wait's
+        start is not known), else the thread watches it."""
+        poller = self._loop_timer_of(bridge) if self._timed_on(bridge) else None
+        if poller is None:
+            self._watch_thread(event, bridge, callback)
+            return
+        now = time.monotonic()
+        poller.add(event, callback, None, now, now, now + self.window_s)
+
+    def _timed_on(self, bridge: LoopBridge) -> bool:
+        """Whether waits on ``bridge``'s loop may be polled by that loop (calling thread)."""
+        return self.strategy == "hybrid" and self.loop_timer and bridge.on_loop()
+
     def _watch_timed(
         self, event: Any, bridge: LoopBridge, callback: Callback, poller: LoopTimerPoller
     ) -> None:
@@ -360,7 +381,7 @@ class EventWaiter:
         notification (see :mod:`~aresidency.backends.looptimer`)."""
         now = time.monotonic()
         notes, key = self._origin_of(event)
-        predicted = self._prediction(notes, key, now, self._timer_lead, self._estimate_lead)
+        predicted = self._delay(notes, key, now, timer=True)
         poll_from = now + predicted
         notified = predicted > self.lazy_arm_s
         if notified:
@@ -385,26 +406,6 @@ class EventWaiter:
             )
         return notes, key
 
-    def _prediction(
-        self,
-        notes: EventNotes | None,
-        key: Any,
-        now: float,
-        lead: Callable[[float], float],
-        estimate_lead: Callable[[float], float] | None = None,
-    ) -> float:
-        """Hybrid: seconds from ``now`` until polling should begin, ``lead`` before the
-        predicted completion (``estimate_lead`` when the backend estimated it; 0 without a
-        prediction)."""
-        expected_at = notes.expected_at if notes is not None else None
-        if expected_at is not None and self.strategy == "hybrid":
-            # The backend's estimate (a copy of known size) beats the stream's history,
-            # which mixes copies of every size.
-            remaining = max(expected_at - now, 0.0)
-            return max(remaining - (estimate_lead or lead)(remaining), 0.0)
-        with self._cond:
-            return self._predicted_wait(key, lead)
-
     def _watch_thread(
         self,
         event: Any,
@@ -424,7 +425,7 @@ class EventWaiter:
         entry = _Pending(event, bridge, callback, key, now if started is None else started, now)
         if notes is not None and notes.origin is not None:
             entry.seq = notes.seq
-        predicted = float("inf") if notify_only else self._prediction(notes, key, now, self._lead)
+        predicted = float("inf") if notify_only else self._delay(notes, key, now, timer=False)
         entry.poll_from = now + predicted
         if self.strategy in ("hybrid", "hostfunc") and not (notes is not None and notes.armed):
             if self.strategy == "hybrid" and 0 < predicted <= self.lazy_arm_s:
@@ -480,41 +481,16 @@ class EventWaiter:
         with self._cond:
             return len(self._pending)
 
-    def _predicted_wait(self, key: Any, lead: Callable[[float], float] | None = None) -> float:
-        """Hybrid: seconds from the start of a wait on ``key``'s stream until polling should
-        begin, ``lead`` (the thread's by default) before the shortest of its recent waits (0
-        without history). Caller holds ``_cond``."""
-        history = self._durations.get(key)
-        if not history or self.strategy != "hybrid":
-            return 0.0
-        shortest = min(history)
-        return max(shortest - (lead or self._lead)(shortest), 0.0)
-
     def _record_wait(self, key: Any, seconds: float) -> None:
-        """A wait on ``key``'s stream took ``seconds`` (from its start to seen complete)."""
-        with self._cond:
-            self._note_wait(key, seconds)
+        """A wait on ``key``'s stream took ``seconds`` (the loop's timed polls report here)."""
+        self.predictor.record(key, seconds)
 
-    def _note_wait(self, key: Any, seconds: float) -> None:
-        """:meth:`_record_wait`; caller holds ``_cond``."""
-        history = self._durations.setdefault(key, [])
-        history.append(seconds)
-        del history[:-_HISTORY]
-
-    def _lead(self, wait: float) -> float:
-        """How long before a predicted completion the thread's polling starts."""
-        return min(self.lead_fraction * wait + self.lead_s, self.window_s)
-
-    def _estimate_lead(self, wait: float) -> float:
-        """The loop's lead before the backend's estimate of a copy's end: the estimate
-        assumes 50 GB/s where the link reaches 55, so a copy may end a tenth sooner; the
-        polls, which grow apart, then cost little more than the history's shorter lead."""
-        return max(self._timer_lead(wait), 0.15 * wait)
-
-    def _timer_lead(self, wait: float) -> float:
-        """How long before a predicted completion the loop's timed polls start: shorter than
-        the thread's, since no hand-over to the loop follows them."""
-        return min(self.timer_lead_fraction * wait + self.timer_lead_s, self.window_s)
+    def _delay(self, notes: EventNotes | None, key: Any, now: float, *, timer: bool) -> float:
+        """Hybrid: seconds from ``now`` until a wait's polls begin (see
+        :class:`~aresidency.backends.prediction.WaitPredictor`); 0 for the other strategies."""
+        if self.strategy != "hybrid":
+            return 0.0
+        return self.predictor.delay(notes, key, now, timer=timer)
 
     def _sweep(self) -> int:
         """Resolve the entries whose event completed; returns how many. Waiter thread only.
@@ -539,8 +515,8 @@ class EventWaiter:
         now = time.monotonic()
         with self._cond:
             self._pending = [p for p in self._pending if id(p) not in finished]
-            for p in done:
-                self._note_wait(p.key, now - p.added)
+        for p in done:
+            self.predictor.record(p.key, now - p.added)
         by_loop: dict[LoopBridge, list[Callback]] = {}
         for p in done:
             by_loop.setdefault(p.bridge, []).append(p.callback)

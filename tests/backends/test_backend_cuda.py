@@ -452,10 +452,10 @@ async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
             assert event.query()
         waiter = b.waiter
         if LoopBridge.current().library == "asyncio":
-            assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter._durations)
+            assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter.predictor)
             assert waiter.poll_hits == 0
         else:
-            assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter._durations)
+            assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter.predictor)
             assert waiter.timer_hits == 0
         assert waiter.degraded is None
     finally:

@@ -319,7 +319,7 @@ async def test_hybrid_polls_where_a_streams_waits_are_predicted_to_end(
         # A poll every 75 us across the whole 50 ms would be ~600 wake-ups per wait; a 4 ms
         # window at most ~55 (fewer where the sleep overshoots).
         assert max(wakeups[2:]) < 120, wakeups
-        history = waiter._durations[(0, 11)]
+        history = waiter.predictor.history((0, 11))
         assert len(history) == 6 and min(history[1:]) < history[0]  # seen before the late post
     finally:
         await anyio.to_thread.run_sync(waiter.close)
@@ -342,8 +342,7 @@ async def test_a_wait_shorter_than_predicted_is_woken_by_its_notification(
             with anyio.fail_after(5.0):
                 await waiter.wait(event)
             assert time.perf_counter() - start < delay + 0.5  # never the 1 s safety sweep
-        with waiter._cond:
-            assert waiter._predicted_wait((0, 12)) < 0.05  # was ~0.07 after the 80 ms waits
+        assert waiter.predictor.from_history((0, 12)) < 0.05  # was ~0.07 after the 80 ms waits
     finally:
         await anyio.to_thread.run_sync(waiter.close)
 
@@ -652,6 +651,12 @@ def test_a_timerfd_becomes_readable_at_the_monotonic_time_it_was_armed_for() -> 
         assert select.select([timer.fd], [], [], 0)[0] == []  # consumed
         timer.arm(time.monotonic() - 1.0)  # in the past: at once
         assert select.select([timer.fd], [], [], 5.0)[0] == [timer.fd]
+        timer.arm(time.monotonic() + 60.0)  # setting it again consumes the unread expiry
+        assert select.select([timer.fd], [], [], 0)[0] == []
+        timer.arm(time.monotonic() - 1.0)
+        assert select.select([timer.fd], [], [], 5.0)[0] == [timer.fd]
+        timer.disarm()  # so does stopping it
+        assert select.select([timer.fd], [], [], 0.05)[0] == []
     finally:
         timer.close()
 
@@ -675,7 +680,7 @@ async def test_hybrid_waits_on_an_asyncio_loop_are_polled_by_the_loop_not_the_th
                 await waiter.wait(event)
         assert waiter.timer_hits == 5
         assert waiter.wakeups == 0 and waiter.poll_hits == 0 and driver.launched == 0
-        assert len(waiter._durations[(0, 21)]) == 5  # each wait feeds the prediction
+        assert len(waiter.predictor.history((0, 21))) == 5  # each wait feeds the prediction
         # One poller for the loop, though every wait() made a bridge of its own.
         assert len(waiter._loop_timers) == 1
     finally:
@@ -729,7 +734,7 @@ async def test_a_wait_the_loops_polls_miss_goes_to_the_threads_notification(
             await waiter.wait(event)
         assert driver.launched == 1 and waiter.timer_hits == 0 and waiter.poll_hits == 0
         # The thread noted the whole wait, from its start on the loop (not from the hand-over).
-        assert waiter._durations[(0, 23)][-1] >= 0.14
+        assert waiter.predictor.history((0, 23))[-1] >= 0.14
         loop = threading.get_ident()
         on_loop = [t for t, who in zip(event.queries, event.threads) if who == loop]
         assert max(on_loop) - event.started < 0.1  # the loop stopped polling at the hand-over
@@ -867,7 +872,8 @@ async def test_on_trio_hybrid_waits_are_polled_by_the_thread(
             waiter.arm(event, FakeStream(27))
             with anyio.fail_after(5.0):
                 await waiter.wait(event)
-        assert waiter.timer_hits == 0 and waiter.poll_hits == 3
+        # the thread's polls (a sweep woken by a post meanwhile counts as no poll hit)
+        assert waiter.timer_hits == 0 and waiter.poll_hits >= 1
         assert list(waiter._loop_timers.values()) == [None]  # trio has no timer poller
     finally:
         await anyio.to_thread.run_sync(waiter.close)
