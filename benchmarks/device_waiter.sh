@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/device_waiter.sh        # from the repository root, on the GPU machine
 #
-# SKIP_TESTS=1 leaves the tests out; ROUNDS sets the timeline's alternations (default 2).
+# SKIP_TESTS=1 leaves the tests out; ROUNDS sets the timeline's alternations (default 2);
+# WITH_COPY=1 adds the whole bench_copy table and diag_copy_paths (the host's memcpy ceilings).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -30,6 +31,13 @@ for i in $(seq "${ROUNDS:-2}"); do
     tail -n 6 "$OUT/timeline.log"
   done
 done
+if [ -n "${WITH_COPY:-}" ]; then  # the whole copy table and the host's memcpy ceilings too
+  timeout 300 python3 benchmarks/bench_copy.py --json "$OUT/bench_copy.json" \
+    --markdown "$OUT/bench_copy.md" > "$OUT/bench_copy.log" 2>&1
+  echo "== bench_copy rc=$?"; sed -n '/^### Copies/,/^### Waking/p' "$OUT/bench_copy.md"
+  timeout 150 python3 benchmarks/diag_copy_paths.py > "$OUT/diag_copy_paths.log" 2>&1
+  echo "== diag_copy_paths rc=$?"; grep -E "pageable|both|cpus" "$OUT/diag_copy_paths.log"
+fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== summary: pytest -m 'cuda or cuda2' tests/backends tests/runtime"
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -n 1
