@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,6 +23,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 __all__ = ["LoopBridge", "LoopClosedError"]
+
+_log = logging.getLogger("aresidency")
 
 
 class LoopClosedError(RuntimeError):
@@ -89,12 +92,27 @@ class LoopBridge:
         return id(self._loop)
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> bool:
-        """Run ``callback()`` on the loop whenever ``fd`` is readable (the loop's own
-        ``add_reader``: asyncio's selector loops and uvloop). Loop thread only. False, doing
-        nothing, where the loop cannot watch a file descriptor with a callback (trio,
-        asyncio's proactor loop)."""
-        if self.library != "asyncio":
-            return False
+        """Run ``callback()`` on the loop whenever ``fd`` is readable: the loop's own
+        ``add_reader`` (asyncio's selector loops, uvloop), or on trio a system task in
+        ``wait_readable``. ``callback`` must make ``fd`` unreadable (consume what it reads), or
+        it is called again at once. Loop thread only. False, doing nothing, where the loop
+        cannot watch a file descriptor (asyncio's proactor loop)."""
+        if self.library == "trio":
+            import trio
+
+            async def watch() -> None:
+                while True:
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except (trio.ClosedResourceError, OSError):
+                        return  # remove_reader: the descriptor is closing
+                    try:
+                        callback()
+                    except Exception:  # a system task that raises would end the whole run
+                        _log.exception("a reader callback on the trio loop failed")
+
+            trio.lowlevel.spawn_system_task(watch, name=f"aresidency reader fd={fd}")
+            return True
         try:
             self._loop.add_reader(fd, callback)
         except NotImplementedError:
@@ -102,8 +120,13 @@ class LoopBridge:
         return True
 
     def remove_reader(self, fd: int) -> None:
-        """Undo :meth:`add_reader` (loop thread only; nothing if the loop is closed)."""
-        if self.library == "asyncio" and not self._loop.is_closed():
+        """Undo :meth:`add_reader`, before ``fd`` is closed (loop thread only; nothing if the
+        loop is closed)."""
+        if self.library == "trio":
+            import trio
+
+            trio.lowlevel.notify_closing(fd)  # the watching task's wait ends, and so does it
+        elif not self._loop.is_closed():
             self._loop.remove_reader(fd)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -17,9 +17,10 @@ tenth of that, at least ``poll_s``), so a misprediction costs a few dozen polls,
 20 us; an event still pending when its window closes goes to the waiter thread, whose host
 function notification then wakes it (see :mod:`~aresidency.backends.waiter`).
 
-Linux only (``timerfd_create``), and only where the loop can watch a file descriptor with a
-callback (asyncio's selector loops, uvloop); elsewhere (trio) :meth:`LoopTimerPoller.create`
-returns None and the waiter's thread polls.
+Linux only (``timerfd_create``), on loops that can watch a file descriptor (asyncio's
+selector loops and uvloop with a reader callback, trio with a system task in
+``wait_readable``); elsewhere :meth:`LoopTimerPoller.create` returns None and the waiter's
+thread polls.
 """
 
 from __future__ import annotations
@@ -264,8 +265,14 @@ class LoopTimerPoller:
             self._arm(min(w.next_poll(now, self.poll_s) for w in self.entries))
         else:
             self.timer.disarm()
+        failure: Exception | None = None
         for callback, error in done:  # last: a callback may add a wait (it arms as needed)
-            callback(error)
+            try:
+                callback(error)
+            except Exception as exc:  # every other waiter is still called back
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         """Fail the waits left with the waiter's closed error and free the timer (loop

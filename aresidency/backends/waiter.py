@@ -31,14 +31,15 @@ calls back.) The waiter owns one background thread and one of four strategies:
       asyncio), 7-9% of a core for 20 ms waits and 16-18% for back-to-back 2 ms waits, where
       every strategy that wakes the loop from another thread costs 13-18%.
 
-      **On asyncio and uvloop the polls are the loop's own** (Linux): a wait that begins on
+      **On the event loop's own thread the polls are the loop's** (Linux): a wait that begins on
       the loop's thread is polled by that loop, woken by a ``timerfd`` at the predicted end
       less a shorter lead (``timer_lead_fraction`` 2% + ``timer_lead_s`` 40 us), every
       ``timer_poll_s`` (20 us) and then less often the later it is, for ``window_s``; only
       a wait still pending then goes to the thread, with its notification enqueued at once
       (:mod:`~aresidency.backends.looptimer`). No thread hop, no hand-over of the
       interpreter lock: on the H200 the task resumed 18-22 us after the event instead of
-      76-120 us. ``loop_timer=False`` keeps the thread's polls; trio always has them.
+      76-120 us. Trio's loop polls the same way (a system task waits on the timer).
+      ``loop_timer=False`` keeps the thread's polls.
   ``"hostfunc"``
       Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
       stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the

@@ -435,8 +435,7 @@ async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
 async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end() -> None:
     """Back-to-back waits of a few ms on one stream: after the first, the hybrid waiter
     predicts their end, polls there and enqueues no notification for the waits it catches.
-    On asyncio and uvloop the loop itself polls, woken by its timer (the waiter thread's polls
-    see none of them); on trio the thread polls."""
+    The loop itself polls, woken by its timer: the waiter thread's polls see none of them."""
     if not hostfunc_available():
         pytest.skip("cuLaunchHostFunc is unavailable")
     b = CudaBackend(waiter="hybrid", staging_chunk_bytes=CHUNK, staging_buffers=1)
@@ -451,12 +450,8 @@ async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
                 await b.wait_event(event)
             assert event.query()
         waiter = b.waiter
-        if LoopBridge.current().library == "asyncio":
-            assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter.predictor)
-            assert waiter.poll_hits == 0
-        else:
-            assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter.predictor)
-            assert waiter.timer_hits == 0
+        assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter.predictor)
+        assert waiter.poll_hits == 0
         assert waiter.degraded is None
     finally:
         await b.aclose()
