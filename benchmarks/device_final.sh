@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The CUDA tests in one call with only two logs in $OUT: the whole suite on asyncio, then the
+# backend's and the runtime's tests on trio.   bash benchmarks/device_final.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheel install failed"
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+run() {  # $1 log name, $2 timeout, $3 -k expression, then the test paths
+  local log=$1 limit=$2 k=$3
+  shift 3
+  timeout -s INT -k 20 "$limit" python3 -m pytest "$@" -v -rfE --tb=short -p no:cacheprovider \
+    -p no:asyncio -p aresidency.testing.plugin -m "cuda or cuda2" -k "$k" --timeout=60 \
+    -o faulthandler_timeout=45 > "$OUT/$log" 2>&1
+  echo "== $log rc=$?"
+  grep -E "^(FAILED|ERROR)" "$OUT/$log" | head -n 20
+  tail -n 1 "$OUT/$log"
+}
+run pytest_asyncio.log "${ASYNCIO_TIMEOUT:-300}" "not uvloop and not trio" tests
+run pytest_trio.log "${TRIO_TIMEOUT:-100}" "trio" tests/backends tests/runtime
