@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the event waiter: the backend's and the runtime's CUDA tests on every
 # loop, the wake-up rows of bench_copy (asyncio, then uvloop), and the burst timeline with the
-# loop's timed polls against the thread's, alternating. Logs land in $OUT.
+# loop's timed polls (loop_timer=True) against the thread's (the default), alternating. Logs
+# land in $OUT.
 #
 #   bash benchmarks/device_waiter.sh        # from the repository root, on the GPU machine
 #
@@ -24,7 +25,7 @@ for loop in "" --uvloop; do
   grep -E "aresidency waiter|idle loop" "$OUT/wake${loop:+_uvloop}.log"
 done
 for i in $(seq "${ROUNDS:-2}"); do
-  for w in auto hybrid-thread; do
+  for w in hybrid-timer auto; do
     timeout 60 python3 benchmarks/diag_copy_timeline.py --waiter "$w" --rounds 5 \
       >> "$OUT/timeline.log" 2>&1
     echo "== diag_copy_timeline --waiter $w (round $i) rc=$?"

@@ -148,8 +148,8 @@ async def main(args: argparse.Namespace) -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     waiter: Any = args.waiter
-    if waiter == "hybrid-thread":  # the hybrid strategy with the thread's polls, not the loop's
-        waiter = EventWaiter("hybrid", loop_timer=False)
+    if waiter == "hybrid-timer":  # the hybrid strategy with the loop's timed polls
+        waiter = EventWaiter("hybrid", loop_timer=True)
     async with ResidencyManager(backend=CudaBackend(waiter=waiter)) as m:
         rec = Recorder(m)
         host = Location.parse("pinned-host")
@@ -212,7 +212,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
-        "--waiter", default="auto", help="the CUDA backend's waiting strategy (or hybrid-thread)"
+        "--waiter", default="auto", help="the CUDA backend's waiting strategy (or hybrid-timer)"
     )
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval, seconds")
     return parser.parse_args(argv)

@@ -784,6 +784,9 @@ class CudaBackend(Backend):
         if event is None:
             event = cuda_event()
         event.record(stream)
+        notes = getattr(event, "_aresidency", None)
+        if notes is not None:  # recorded again: a notification armed before is for the old one
+            notes.armed = False
         recorded: DeviceEvent = event
         return recorded
 

@@ -241,25 +241,28 @@ class LoopTimerPoller:
         entries, self.entries = self.entries, []
         done: list[tuple[Callback, BaseException | None]] = []
         for wait in entries:
-            if waiter._closed:
-                done.append((wait.callback, closed_error()))
-            elif wait.event.query():
-                if not (wait.notified and getattr(wait.callback, "done", False)):
-                    waiter.timer_hits += 1  # seen first here, not by its notification
-                    if wait.key is not None:
-                        waiter._record_wait(wait.key, now - wait.started)
-                done.append((wait.callback, None))
-            elif now >= wait.deadline:
-                if not wait.notified:  # else the thread has it already
-                    waiter._watch_thread(
-                        wait.event,
-                        self.bridge,
-                        wait.callback,
-                        started=wait.started,
-                        notify_only=True,
-                    )
-            else:
-                self.entries.append(wait)
+            try:
+                if waiter._closed:
+                    done.append((wait.callback, closed_error()))
+                elif wait.event.query():
+                    if not (wait.notified and getattr(wait.callback, "done", False)):
+                        waiter.timer_hits += 1  # seen first here, not by its notification
+                        if wait.key is not None:
+                            waiter._record_wait(wait.key, now - wait.started)
+                    done.append((wait.callback, None))
+                elif now >= wait.deadline:
+                    if not wait.notified:  # else the thread has it already
+                        waiter._watch_thread(
+                            wait.event,
+                            self.bridge,
+                            wait.callback,
+                            started=wait.started,
+                            notify_only=True,
+                        )
+                else:
+                    self.entries.append(wait)
+            except Exception as exc:  # a query that raises ends that wait with the error,
+                done.append((wait.callback, exc))  # not the poll (the others stay watched)
         del entries
         if self.entries:
             self._arm(min(w.next_poll(now, self.poll_s) for w in self.entries))

@@ -31,15 +31,22 @@ calls back.) The waiter owns one background thread and one of four strategies:
       asyncio), 7-9% of a core for 20 ms waits and 16-18% for back-to-back 2 ms waits, where
       every strategy that wakes the loop from another thread costs 13-18%.
 
-      **On the event loop's own thread the polls are the loop's** (Linux): a wait that begins on
-      the loop's thread is polled by that loop, woken by a ``timerfd`` at the predicted end
-      less a shorter lead (``timer_lead_fraction`` 2% + ``timer_lead_s`` 40 us), every
-      ``timer_poll_s`` (20 us) and then less often the later it is, for ``window_s``; only
-      a wait still pending then goes to the thread, with its notification enqueued at once
-      (:mod:`~aresidency.backends.looptimer`). No thread hop, no hand-over of the
-      interpreter lock: on the H200 the task resumed 18-22 us after the event instead of
-      76-120 us. Trio's loop polls the same way (a system task waits on the timer).
-      ``loop_timer=False`` keeps the thread's polls.
+      **With** ``loop_timer=True`` **the polls are the event loop's own** (Linux): a wait
+      that begins on the loop's thread is polled by that loop, woken by a ``timerfd`` at the
+      predicted end less a shorter lead (``timer_lead_fraction`` 2% + ``timer_lead_s`` 40
+      us), every ``timer_poll_s`` (20 us) and then less often the later it is, for
+      ``window_s``; a wait predicted beyond ``lazy_arm_s`` has its notification enqueued too
+      (it may end early), and one still pending when its polls end goes to the thread, with
+      its notification enqueued at once (:mod:`~aresidency.backends.looptimer`). No thread
+      hop, no hand-over of the interpreter lock: on the H200 the task resumed 34-37 us after
+      the event instead of 105-138 us, for 3-6% of a core above the harness's own instead
+      of 11-12%. Trio's loop polls the same way (a system task waits on the timer). It is
+      not the default yet: a run of the whole CUDA suite with it hung once in a streaming
+      test of pageable weights (a wait that was never called back), before two causes of
+      lost wake-ups that a CPU stress test then found were mended (a thread asleep with no
+      timeout was not woken for a wait that relied on a notification, and an event recorded
+      again kept the notes of its earlier recording). Until a GPU run passes with it, the
+      thread polls by default.
   ``"hostfunc"``
       Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
       stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the
@@ -185,7 +192,7 @@ class EventWaiter:
         safety_timeout_s: float = 0.05,
         lazy_arm_s: float = 3e-3,
         loop_poll_s: float = 250e-6,
-        loop_timer: bool = True,
+        loop_timer: bool = False,
         timer_poll_s: float = 20e-6,
         timer_lead_fraction: float = 0.02,
         timer_lead_s: float = 40e-6,
@@ -270,6 +277,7 @@ class EventWaiter:
         if notes is None:
             return
         notes.expected_at = expected_at
+        notes.armed = False  # a new recording: a notification enqueued for an earlier one is spent
         if stream is not None:
             notes.origin = (int(stream.device_index), int(stream.cuda_stream))
             notes.seq = next_record()
@@ -440,9 +448,12 @@ class EventWaiter:
             self._pending.append(entry)
             self._cond.notify()
             # The hybrid thread sleeps until its next poll (computed under this lock): wake it
-            # only if this wait wants polling sooner (a burst of copies posts once, not once
-            # per copy; an armed wait is woken by its notification anyway).
-            reschedule = entry.poll_from < self._wake_at
+            # only if this wait wants polling sooner, or if it sleeps with no timeout at all (a
+            # burst of copies posts once, not once per copy). A wait whose notification is
+            # enqueued would be woken by it, but one that the event's notes wrongly call armed
+            # (an event recorded again by someone else) would then wait forever: now it gets
+            # the thread's safety sweeps at least.
+            reschedule = entry.poll_from < self._wake_at or self._wake_at == float("inf")
         if (
             reschedule
             and self.strategy == "hybrid"

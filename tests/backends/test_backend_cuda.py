@@ -16,6 +16,7 @@ from aresidency.backends import (
     STRATEGIES,
     CopyRequest,
     CudaBackend,
+    EventWaiter,
     Transfer,
     TransferCancelledError,
     hostfunc_available,
@@ -432,13 +433,20 @@ async def test_waiting_for_an_event_parks_the_task_without_blocking_the_loop(
     assert ticks >= 10, "the loop kept running while the task waited"
 
 
-async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end() -> None:
+@pytest.mark.parametrize("loop_timer", [False, True], ids=["thread polls", "loop timer"])
+async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
+    loop_timer: bool,
+) -> None:
     """Back-to-back waits of a few ms on one stream: after the first, the hybrid waiter
-    predicts their end, polls there and enqueues no notification for the waits it catches.
-    The loop itself polls, woken by its timer: the waiter thread's polls see none of them."""
+    predicts their end, polls there and enqueues no notification for the waits it catches:
+    the thread's polls, or with ``loop_timer`` the loop's own (the thread's see none)."""
     if not hostfunc_available():
         pytest.skip("cuLaunchHostFunc is unavailable")
-    b = CudaBackend(waiter="hybrid", staging_chunk_bytes=CHUNK, staging_buffers=1)
+    b = CudaBackend(
+        waiter=EventWaiter("hybrid", loop_timer=loop_timer),
+        staging_chunk_bytes=CHUNK,
+        staging_buffers=1,
+    )
     b.start()
     try:
         stream = torch.cuda.Stream()
@@ -450,8 +458,12 @@ async def test_hybrid_catches_regular_waits_by_polling_near_their_predicted_end(
                 await b.wait_event(event)
             assert event.query()
         waiter = b.waiter
-        assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter.predictor)
-        assert waiter.poll_hits == 0
+        if loop_timer:
+            assert waiter.timer_hits >= 6, (waiter.timer_hits, waiter.predictor)
+            assert waiter.poll_hits == 0
+        else:
+            assert waiter.poll_hits >= 6, (waiter.poll_hits, waiter.predictor)
+            assert waiter.timer_hits == 0
         assert waiter.degraded is None
     finally:
         await b.aclose()

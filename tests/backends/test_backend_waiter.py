@@ -20,6 +20,7 @@ from aresidency.backends.base import BackendClosedError
 from aresidency.backends.bridge import LoopBridge
 from aresidency.backends.events import HostEvent
 from aresidency.backends.looptimer import Timerfd
+from aresidency.backends.polling import EventNotes
 from aresidency.backends.sim import SimBackend
 from aresidency.backends.waiter import STRATEGIES, EventWaiter, hostfunc_available
 
@@ -660,7 +661,9 @@ async def test_hybrid_waits_on_the_loops_thread_are_polled_by_the_loop_not_the_t
     waiter thread is never woken."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=1.0, lazy_arm_s=1.0, safety_timeout_s=10.0)
+    waiter = EventWaiter(
+        "hybrid", loop_timer=True, window_s=1.0, lazy_arm_s=1.0, safety_timeout_s=10.0
+    )
     waiter.start()
     try:
         for _ in range(5):
@@ -684,7 +687,7 @@ async def test_timed_polls_begin_near_a_streams_predicted_end(
     shortly before its predicted end (2% + 40 us of lead), and then only a few dozen times."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=1.0, safety_timeout_s=10.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=1.0, safety_timeout_s=10.0)
     waiter.start()
     try:
         events = []
@@ -713,7 +716,7 @@ async def test_a_wait_the_loops_polls_miss_goes_to_the_threads_notification(
     host function enqueued at once, which wakes it; the thread does not poll it."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=0.004, safety_timeout_s=10.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=0.004, safety_timeout_s=10.0)
     waiter.start()
     try:
         event = QueriedEvent(0.15, driver)
@@ -742,7 +745,7 @@ async def test_a_wait_far_shorter_than_predicted_is_woken_by_its_notification(
     before the polls would; the polls' entry then goes quietly, calling nobody twice."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=1.0, safety_timeout_s=10.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=1.0, safety_timeout_s=10.0)
     waiter.start()
     try:
         for _ in range(3):
@@ -774,7 +777,7 @@ async def test_a_wait_far_longer_than_predicted_costs_few_polls(
     late it is), so the long wait is queried tens of times, not every 20 us (15,000)."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=2.0, safety_timeout_s=10.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=2.0, safety_timeout_s=10.0)
     waiter.start()
     try:
         for delay in (0.01, 0.01, 0.01, 0.3):
@@ -793,7 +796,7 @@ async def test_closing_the_waiter_fails_timed_waits_and_frees_the_timer(
 ) -> None:
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=100.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=100.0)
     waiter.start()
     event = QueriedEvent(3600.0, driver, notified=False)
     waiter.arm(event, FakeStream(25))
@@ -821,7 +824,7 @@ async def test_a_cancelled_timed_wait_leaves_nothing_behind(
     its callback finds nobody waiting), and later waits are served as before."""
     driver = FakeDriver()
     monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
-    waiter = EventWaiter("hybrid", window_s=1.0)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=1.0, safety_timeout_s=10.0)
     waiter.start()
     try:
         event = QueriedEvent(0.05, driver, notified=False)
@@ -833,10 +836,82 @@ async def test_a_cancelled_timed_wait_leaves_nothing_behind(
         assert poller is not None
         await _until(lambda: not poller.entries)  # polled until it completed
         assert waiter.timer_hits == 1
-        later = QueriedEvent(0.02, driver, notified=False)
+        later = QueriedEvent(0.05, driver, notified=False)  # as predicted: the polls see it
         waiter.arm(later, FakeStream(26))
         with anyio.fail_after(5.0):
             await waiter.wait(later)
         assert waiter.timer_hits == 2 and not poller.entries
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+async def test_a_wait_whose_notes_say_armed_wrongly_is_still_resolved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An event whose notes say its notification is enqueued, though none will come (it was
+    recorded again by someone else after an earlier wait): the loop's polls miss it (a 4 ms
+    window, a 300 ms event) and hand it to the thread, asleep with nothing to do; the thread
+    must wake and sweep, not sleep until a notification that never comes."""
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=0.004, safety_timeout_s=0.05)
+    waiter.start()
+    try:
+        await _until(lambda: waiter._wake_at == float("inf"))  # asleep, no timeout
+        event = QueriedEvent(0.3, driver, notified=False)
+        notes = EventNotes.of(event)
+        assert notes is not None
+        notes.origin, notes.armed = (0, 29), True
+        with anyio.fail_after(5.0):
+            await waiter.wait(event)
+        assert driver.launched == 0  # resolved by a sweep, not by a notification
+    finally:
+        await anyio.to_thread.run_sync(waiter.close)
+
+
+def test_recording_an_event_again_makes_its_next_wait_enqueue_a_notification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid")
+    event = ArmableEvent(0.0, driver)
+    waiter.arm(event, FakeStream(30))
+    notes = EventNotes.of(event)
+    assert notes is not None
+    notes.armed = True  # as after a wait that enqueued its notification
+    waiter.arm(event, FakeStream(30))  # recorded again
+    assert not notes.armed
+    waiter.close()
+
+
+class RaisingEvent(QueriedEvent):
+    """A query that raises, as a CUDA error would make it."""
+
+    def query(self) -> bool:
+        super().query()
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_a_timed_wait_whose_query_raises_ends_with_that_error_and_spares_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
+    waiter = EventWaiter("hybrid", loop_timer=True, window_s=1.0)
+    waiter.start()
+    try:
+        good = QueriedEvent(0.03, driver, notified=False)
+        bad = RaisingEvent(0.03, driver, notified=False)
+        outcomes: list[BaseException | None] = []
+        bridge = LoopBridge.current()
+        waiter.watch(good, bridge, outcomes.append)
+        bad.query = lambda: False  # type: ignore[method-assign]  # pending while watched
+        waiter.watch(bad, bridge, outcomes.append)
+        del bad.query  # from now on its queries raise
+        await _until(lambda: len(outcomes) == 2)
+        errors = [o for o in outcomes if o is not None]
+        assert len(errors) == 1 and "illegal memory access" in str(errors[0])
+        assert None in outcomes  # the other wait was still polled and resolved
     finally:
         await anyio.to_thread.run_sync(waiter.close)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from aresidency import ResidencyManager
+from aresidency.backends import CudaBackend, EventWaiter
 from aresidency.integrations import stream_module
 
 from ._models import Net
@@ -48,8 +50,29 @@ def gpu_reference(model: nn.Module, *args: object) -> tuple[torch.Tensor, int]:
     return out, activations
 
 
+def describe_waits(waiter: EventWaiter) -> str:
+    """What the event waiter still watches (for a call that never ended)."""
+    lines = [repr(waiter)]
+    with waiter._cond:
+        pending = list(waiter._pending)
+    for p in pending:
+        lines.append(f"  thread: key={p.key} seq={p.seq} armed={p.armed} done={p.event.query()}")
+    for poller in waiter._loop_timers.values():
+        if poller is not None:
+            lines.append(f"  {poller!r} armed_for={poller.armed_for}")
+            for w in poller.entries:
+                lines.append(
+                    f"    key={w.key} notified={w.notified} done={w.event.query()} "
+                    f"poll_from={w.poll_from:.4f} deadline={w.deadline:.4f}"
+                )
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("loop_timer", [False, True], ids=["thread polls", "loop timer"])
 @pytest.mark.parametrize("host", ["pinned-host", "pageable-host"])
-async def test_sequential_is_bit_identical_and_within_budget_on_the_gpu(host: str) -> None:
+async def test_sequential_is_bit_identical_and_within_budget_on_the_gpu(
+    host: str, loop_timer: bool
+) -> None:
     d, n = 2048, 12
     model = linear_stack(d, n)
     x = torch.randn(512, d, dtype=torch.bfloat16, device="cuda:0")
@@ -57,7 +80,9 @@ async def test_sequential_is_bit_identical_and_within_budget_on_the_gpu(host: st
     block = d * d * 2 + 512 * ((d * 2 + 511) // 512)
     budget = 3 * block
     before = torch.cuda.memory_allocated()
-    async with ResidencyManager(budgets={"cuda:0": budget}, backend="cuda") as m:
+    waiter = EventWaiter("hybrid", loop_timer=loop_timer)
+    backend = CudaBackend(waiter=waiter)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
         streamed = stream_module(m, model, "cuda:0", prefetch=2, host=host)  # type: ignore[arg-type]
         assert streamed.block_bytes == [block] * n
         for _ in range(2):
@@ -65,7 +90,11 @@ async def test_sequential_is_bit_identical_and_within_budget_on_the_gpu(host: st
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             with torch.no_grad():
-                y = await streamed(x)
+                # A call takes well under a second: one that does not end is a lost wake-up,
+                # reported with what the waiter still watches.
+                with anyio.move_on_after(30.0) as late:
+                    y = await streamed(x)
+                assert not late.cancelled_caught, describe_waits(waiter)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             assert torch.equal(y, expected)
