@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -47,6 +47,9 @@ from .bridge import LoopBridge
 from .events import OnceCallbacks
 from .memory import POISON_BYTE, as_bytes, is_poisoned, poison_
 from .simstreams import SimDeviceStreams, SimEvent, SimStream
+
+if TYPE_CHECKING:
+    from .waiter import EventWaiter
 
 __all__ = [
     "POISON_BYTE",
@@ -78,7 +81,11 @@ class SimBackend(Backend):
     memcpy). ``chunk_bytes`` is the chunk size of pageable copies (cancellation stops between
     chunks). ``staging_nbytes`` is what :meth:`staging_nbytes` reports: 0 by default, so that
     small test budgets are not consumed; pass a size to exercise the runtime's staging
-    reservation.
+    reservation. ``waiter``: the CUDA backend's
+    :class:`~aresidency.backends.waiter.EventWaiter`, built with a
+    :class:`~aresidency.backends.simdriver.SimNotifyDriver`, through which the simulated device
+    events are then awaited (so the waiter's logic runs under the simulation's tests); without
+    one they call back from the thread that completes them.
 
     State: the streams of every device, ``_owned`` (storage data pointer -> the location of
     memory this backend handed out), ``_host_waits`` (completions still to deliver),
@@ -97,6 +104,7 @@ class SimBackend(Backend):
         chunk_bytes: int = 1 << 20,
         staging_nbytes: int = 0,
         faults: FaultInjector | None = None,
+        waiter: EventWaiter | None = None,
     ) -> None:
         if num_devices < 0:
             raise ValueError(f"num_devices must be >= 0, got {num_devices}")
@@ -109,6 +117,8 @@ class SimBackend(Backend):
         self.chunk_bytes = chunk_bytes
         self._staging_nbytes = staging_nbytes
         self.faults = faults if faults is not None else FaultInjector()
+        self.waiter = waiter
+        self._busy_until: dict[int, float] = {}  # with a waiter: stream -> expected idle time
         label = "sim"
         self._devices = [
             SimDeviceStreams(*(SimStream(label, i, k) for k in ("compute", "h2d", "d2h", "peer")))
@@ -162,8 +172,11 @@ class SimBackend(Backend):
     # -------------------------------------------------------------- lifecycle
 
     def start(self, bridge: LoopBridge | None = None) -> None:
-        """Nothing to create: stream workers start on their first work. On the loop."""
+        """Nothing to create: stream workers start on their first work (and the waiter's
+        thread, with a waiter). On the loop."""
         super().start(bridge)
+        if self.waiter is not None:
+            self.waiter.start()
         self._started = True
 
     async def aclose(self) -> None:
@@ -177,6 +190,8 @@ class SimBackend(Backend):
         streams = self._all_streams()
 
         def close_all() -> None:
+            if self.waiter is not None:
+                self.waiter.close()
             for stream in streams:
                 stream.close()
 
@@ -314,7 +329,39 @@ class SimBackend(Backend):
             return SimEvent(done=True, label="host")
         if not isinstance(stream, SimStream):
             raise TypeError(f"the simulated backend records on SimStreams, got {stream!r}")
-        return stream.record_event()
+        return self._recorded(stream)
+
+    def _recorded(self, stream: SimStream, nbytes: int | None = None) -> SimEvent:
+        """An event recorded on ``stream`` now, noted by the waiter if there is one (its origin
+        stream and record order, and for a copy of ``nbytes`` when it should complete, as the
+        CUDA backend notes them: from the bytes queued on the stream at ``copy_gbps``, or 20
+        GB/s, an estimate that is often wrong here, which the waiter must survive)."""
+        event = stream.record_event()
+        if self.waiter is not None:
+            expected_at = None
+            if nbytes is not None:
+                now = time.monotonic()
+                rate = (self.copy_gbps or 20.0) * 1e9
+                key = id(stream)
+                expected_at = max(now, self._busy_until.get(key, 0.0)) + 10e-6 + nbytes / rate
+                self._busy_until[key] = expected_at
+            origin = stream if stream.device_index is not None else None
+            self.waiter.arm(event, origin, expected_at)
+        return event
+
+    def notify(self, waitable: DeviceEvent | Transfer, callback: CompletionCallback) -> None:
+        """See :meth:`Backend.notify`; with a waiter, simulated device events are awaited
+        through it (as the CUDA backend's events are), host events as ever."""
+        if (
+            self.waiter is not None
+            and isinstance(waitable, SimEvent)
+            and not waitable.query()
+            and not self._closed
+            and self._bridge is not None
+        ):
+            self.waiter.watch(waitable, self._bridge, callback)
+            return
+        super().notify(waitable, callback)
 
     def stream_wait(self, stream: Any, event: DeviceEvent) -> None:
         """Later work on ``stream`` waits for ``event``; the host does not wait."""
@@ -353,7 +400,7 @@ class SimBackend(Backend):
         source device's ``compute`` stream. Pageable copies run in ``chunk_bytes`` chunks.
         Raises ``torch.OutOfMemoryError`` for an injected allocation failure."""
         transfer, stream = self._enqueue_copy(src, src_location, dst_location, wait_events)
-        transfer._finish_issue(stream.record_event())
+        transfer._finish_issue(self._recorded(stream, transfer.nbytes))
         return transfer
 
     def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
@@ -366,7 +413,7 @@ class SimBackend(Backend):
 
         def close_group() -> None:
             if group_stream is not None and group:
-                event = group_stream.record_event()
+                event = self._recorded(group_stream, sum(t.nbytes for t in group))
                 for transfer in group:
                     transfer._finish_issue(event)
                 group.clear()

@@ -11,6 +11,7 @@ import functools
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,13 +22,32 @@ __all__ = ["SimDeviceStreams", "SimEvent", "SimStream"]
 
 
 class SimEvent(HostEvent):
-    """A SIMULATED CUDA event: complete once its stream's worker reached it."""
+    """A SIMULATED CUDA event: complete once its stream's worker reached it.
 
-    __slots__ = ()
+    ``cuda_event`` is a number standing in for the driver's event handle, by which
+    :meth:`by_handle` finds the event again (what a simulated driver call receives)."""
+
+    __slots__ = ("_aresidency", "cuda_event")
+
+    _handles = itertools.count(1)
+    _live: weakref.WeakValueDictionary[int, SimEvent] = weakref.WeakValueDictionary()
+
+    def __init__(self, *, done: bool = False, label: str = "") -> None:
+        super().__init__(done=done, label=label)
+        self.cuda_event = next(SimEvent._handles)
+        SimEvent._live[self.cuda_event] = self
+
+    @classmethod
+    def by_handle(cls, handle: int) -> SimEvent | None:
+        """The live event with that handle (None once it was freed)."""
+        return cls._live.get(handle)
 
 
 class _StreamClosed(Exception):
     pass
+
+
+_stream_handles = itertools.count(1)
 
 
 class SimStream:
@@ -50,6 +70,7 @@ class SimStream:
         self._running = False
         self._thread: threading.Thread | None = None
         self._seq = itertools.count(1)
+        self.cuda_stream = next(_stream_handles)  # stands in for the driver's stream handle
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Enqueue ``fn`` to run on the stream's worker thread after everything before it.

@@ -177,6 +177,9 @@ class EventWaiter:
     Invariants: an entry leaves ``_pending`` only when its event has completed (its callback
     then runs on its loop with ``None``) or when the waiter closes (its callback then gets a
     ``BackendClosedError``); every event armed posts the semaphore once after it completes.
+
+    ``driver``: what enqueues the notifications (the CUDA driver by default;
+    :class:`~aresidency.backends.simdriver.SimNotifyDriver` for simulated events).
     """
 
     def __init__(
@@ -196,9 +199,10 @@ class EventWaiter:
         timer_poll_s: float = 20e-6,
         timer_lead_fraction: float = 0.02,
         timer_lead_s: float = 40e-6,
+        driver: Any = None,
     ) -> None:
         if strategy == "auto":
-            strategy = "hybrid" if hostfunc_available() else "poll"
+            strategy = "hybrid" if driver is not None or hostfunc_available() else "poll"
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown waiting strategy {strategy!r}: expected one of {STRATEGIES}")
         self.strategy = strategy
@@ -233,13 +237,14 @@ class EventWaiter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._notify: dict[tuple[int, int | None], int] = {}
-        self._driver: CudaDriver | None = None
+        self._driver: CudaDriver | None = driver
         self._sem: ctypes.Array[ctypes.c_char] | None = None
         self.wakeups = 0  # times the thread woke up (diagnostics, benchmarks)
         self.poll_hits = 0  # hybrid: completions first seen by a poll, not a notification
         self.degraded: str | None = None  # why hostfunc fell back to polling, if it did
         if strategy in ("hybrid", "hostfunc"):
-            self._driver = cuda_driver()
+            if self._driver is None:
+                self._driver = cuda_driver()
             self._sem = self._driver.new_semaphore()
 
     @property
