@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import os
 import statistics
 import sys
 import threading
@@ -43,25 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_copy import sleep_cycles_for, thread_cpu
 
 from aresidency.backends import CudaBackend
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-class _Itimerspec(ctypes.Structure):
-    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
-
-
-_libc.timerfd_create.restype = ctypes.c_int
-_libc.timerfd_settime.argtypes = [
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.POINTER(_Itimerspec),
-    ctypes.c_void_p,
-]
+from aresidency.backends.looptimer import Timerfd
 
 
 class LoopTimer:
@@ -69,30 +50,24 @@ class LoopTimer:
     ``on_fire()`` on the loop at ``at``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_fire: Callable[[], None]) -> None:
+        timer = Timerfd.create()
+        if timer is None:
+            raise OSError("no timerfd on this system")
         self.loop = loop
-        self.fd = _libc.timerfd_create(1, os.O_NONBLOCK | os.O_CLOEXEC)  # CLOCK_MONOTONIC
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "timerfd_create")
-        self.spec = _Itimerspec()
+        self.timer = timer
         self.on_fire = on_fire
-        loop.add_reader(self.fd, self._fired)
+        loop.add_reader(timer.fd, self._fired)
 
     def arm(self, at: float) -> None:
-        at = max(at, 1e-6)
-        self.spec.it_value.tv_sec = int(at)
-        self.spec.it_value.tv_nsec = int((at - int(at)) * 1e9)
-        _libc.timerfd_settime(self.fd, 1, ctypes.byref(self.spec), None)  # TFD_TIMER_ABSTIME
+        self.timer.arm(at)
 
     def _fired(self) -> None:
-        try:
-            os.read(self.fd, 8)
-        except BlockingIOError:
-            return
+        self.timer.clear()
         self.on_fire()
 
     def close(self) -> None:
-        self.loop.remove_reader(self.fd)
-        os.close(self.fd)
+        self.loop.remove_reader(self.timer.fd)
+        self.timer.close()
 
 
 class LoopTimerWaiter:
@@ -260,7 +235,7 @@ if __name__ == "__main__":
     parser.add_argument("--waits", type=int, default=200)
     parser.add_argument("--waiter", default="auto")
     args = parser.parse_args()
-    _libc.prctl(29, ctypes.c_ulong(1000), 0, 0, 0)  # the loop thread's timer slack: 1 us
+    ctypes.CDLL(None).prctl(29, ctypes.c_ulong(1000), 0, 0, 0)  # the loop thread's slack: 1 us
     print(f"loop={'uvloop' if args.uvloop else 'asyncio'} torch={torch.__version__}")
     if args.uvloop:
         import uvloop

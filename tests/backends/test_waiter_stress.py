@@ -7,20 +7,17 @@ the backend, cancelled waits and waits from other threads."""
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import random
 import threading
 import time
-from typing import Any
 
 import anyio
 import pytest
 
-from aresidency.backends import cudadriver
-from aresidency.backends import waiter as waiter_module
 from aresidency.backends.bridge import LoopBridge
 from aresidency.backends.polling import EventNotes
+from aresidency.backends.simdriver import SimNotifyDriver
 from aresidency.backends.waiter import EventWaiter
 
 pytestmark = pytest.mark.anyio
@@ -65,49 +62,31 @@ class VirtualEvent:
             time.sleep(max(self.done_at - time.monotonic(), 0.0) + 1e-5)
 
 
-class VirtualDriver:
-    """The driver calls the waiter makes: a notify stream's wait captures the event's latest
-    recording (CUDA semantics); its host function posts the semaphore once that completed,
-    a little late, from another thread (the driver's callback thread)."""
+class VirtualDriver(SimNotifyDriver):
+    """The simulated driver calls of the waiter, for virtual events: a notify stream's wait
+    captures the event's latest recording (CUDA semantics); its host function posts the
+    semaphore once that completed, a little late, from another thread (the driver's callback
+    thread)."""
 
     def __init__(self, rng: random.Random) -> None:
-        self.libc = cudadriver.load_libc()
-        self.sem_post_ptr = ctypes.cast(self.libc.sem_post, ctypes.c_void_p).value
+        super().__init__()
         self.events: dict[int, VirtualEvent] = {}
-        self.waiting: dict[int, float] = {}
-        self.streams = itertools.count(1000)
-        self.cuda = self
+        self.until: dict[int, float] = {}
         self.rng = rng
-        self.launched = 0
-        self.lock = threading.Lock()
-
-    def new_semaphore(self) -> Any:
-        return cudadriver.CudaDriver.new_semaphore(self)  # type: ignore[arg-type]
-
-    def create_stream(self, device: int) -> int:
-        return next(self.streams)
-
-    def destroy_stream(self, device: int, stream: int) -> None:
-        pass
-
-    def call_in(self, device: int, fn: Any, what: str) -> None:
-        code = fn()
-        if code != 0:
-            raise RuntimeError(f"{what} failed with CUresult {code}")
 
     def cuStreamWaitEvent(self, stream: int, handle: int, flags: int) -> int:
-        self.waiting[stream] = self.events[handle].done_at
+        self.until[stream] = self.events[handle].done_at
         return 0
 
-    def cuLaunchHostFunc(self, stream: int, fn: int, sem: int) -> int:
-        at = self.waiting[stream]
-        with self.lock:
+    def cuLaunchHostFunc(self, stream: int, fn: int | None, data: int) -> int:
+        at = self.until[stream]
+        with self._lock:
             self.launched += 1
             lag = self.rng.uniform(0.0, 0.0005)
 
         def post() -> None:
             time.sleep(max(at - time.monotonic(), 0.0) + lag)
-            self.libc.sem_post(sem)
+            self.libc.sem_post(data)
 
         threading.Thread(target=post, daemon=True).start()
         return 0
@@ -119,13 +98,17 @@ DURATIONS = (0.0001, 0.0005, 0.002, 0.004, 0.012, 0.03)
 @pytest.mark.parametrize("loop_timer", [True, False], ids=["loop timer", "thread polls"])
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_every_wait_of_a_random_mix_ends_once_after_its_event(
-    loop_timer: bool, seed: int, monkeypatch: pytest.MonkeyPatch
+    loop_timer: bool, seed: int
 ) -> None:
     rng = random.Random(seed)
     driver = VirtualDriver(rng)
-    monkeypatch.setattr(waiter_module, "cuda_driver", lambda: driver)
     waiter = EventWaiter(
-        "hybrid", loop_timer=loop_timer, window_s=0.004, safety_timeout_s=0.05, lazy_arm_s=0.003
+        "hybrid",
+        loop_timer=loop_timer,
+        window_s=0.004,
+        safety_timeout_s=0.05,
+        lazy_arm_s=0.003,
+        driver=driver,
     )
     waiter.start()
     streams = [VirtualStream(h) for h in (11, 12, 13)]
