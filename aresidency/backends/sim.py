@@ -37,6 +37,7 @@ from ..core.errors import format_bytes
 from ..core.locations import Location, LocationLike
 from .base import (
     Backend,
+    BackendClosedError,
     CompletionCallback,
     CopyRequest,
     DeviceEvent,
@@ -119,6 +120,8 @@ class SimBackend(Backend):
         self.faults = faults if faults is not None else FaultInjector()
         self.waiter = waiter
         self._busy_until: dict[int, float] = {}  # with a waiter: stream -> expected idle time
+        self._unissued: set[Transfer] = set()  # with a waiter: pageable copies issued later
+        self.issued_late = 0  # how many were (tests)
         label = "sim"
         self._devices = [
             SimDeviceStreams(*(SimStream(label, i, k) for k in ("compute", "h2d", "d2h", "peer")))
@@ -187,6 +190,13 @@ class SimBackend(Backend):
             return
         self._closed = True
         self._close_waits()
+        with self._lock:
+            unissued, self._unissued = list(self._unissued), set()
+        for transfer in unissued:  # never issued now: they fail, as their watchers learn
+            transfer._finish_issue(
+                SimEvent(done=True, label="closed"),
+                BackendClosedError("the simulated backend closed before the copy was issued"),
+            )
         streams = self._all_streams()
 
         def close_all() -> None:
@@ -400,8 +410,31 @@ class SimBackend(Backend):
         source device's ``compute`` stream. Pageable copies run in ``chunk_bytes`` chunks.
         Raises ``torch.OutOfMemoryError`` for an injected allocation failure."""
         transfer, stream = self._enqueue_copy(src, src_location, dst_location, wait_events)
-        transfer._finish_issue(self._recorded(stream, transfer.nbytes))
+        if self._issues_late(transfer):
+            self._issue_later(transfer, stream)
+        else:
+            transfer._finish_issue(self._recorded(stream, transfer.nbytes))
         return transfer
+
+    def _issues_late(self, transfer: Transfer) -> bool:
+        """With a waiter, a pageable copy is issued by its stream's worker once its chunks are
+        enqueued, as the CUDA backend's staging lane issues one: its transfer's completion is
+        then watched from that thread, not the loop."""
+        return self.waiter is not None and transfer.route.endswith("staged")
+
+    def _issue_later(self, transfer: Transfer, stream: SimStream) -> None:
+        with self._lock:
+            self._unissued.add(transfer)
+
+        def issue() -> None:  # the stream's worker thread
+            with self._lock:
+                if transfer not in self._unissued:
+                    return  # the backend closed first
+                self._unissued.discard(transfer)
+                self.issued_late += 1
+            transfer._finish_issue(self._recorded(stream, transfer.nbytes))
+
+        stream.submit(issue)
 
     def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
         """See :meth:`Backend.copy_many`: each copy is enqueued as :meth:`copy` does, and the
@@ -423,6 +456,12 @@ class SimBackend(Backend):
                 transfer, stream = self._enqueue_copy(*request)
             except BaseException as error:  # that request fails alone, as copy would raise
                 out.append(error)
+                continue
+            if self._issues_late(transfer):
+                close_group()
+                group_stream = None
+                self._issue_later(transfer, stream)
+                out.append(transfer)
                 continue
             if stream is not group_stream:
                 close_group()
@@ -464,7 +503,7 @@ class SimBackend(Backend):
         )
         chunk = self.chunk_bytes if staged else max(nbytes, 1)
         offsets = list(range(0, nbytes, chunk))
-        route = f"simulated {stream.kind}, {len(offsets)} chunk(s)"
+        route = f"simulated {stream.kind}, {len(offsets)} chunk(s)" + (", staged" if staged else "")
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)
         copy = _SimCopy(transfer)
         for event in wait_events:

@@ -59,6 +59,7 @@ async def test_random_tasks_through_the_waiter_end_and_leave_nothing_behind(
     # The waits went through the waiter: seen by its polls or its notifications.
     assert waiter.timer_hits + waiter.poll_hits + waiter.loop_hits + waiter.wakeups > 0
     assert (waiter.timer_hits > 0) == loop_timer
+    assert backend.issued_late > 0  # pageable copies issued by a worker, watched from there
     assert waiter.pending_count() == 0
 
 
@@ -80,4 +81,5 @@ async def test_streaming_through_the_waiter_is_bit_identical(host: str, loop_tim
             await streamed.drain()
             await streamed.aclose()
             assert m.snapshot().location("cuda:0").used_bytes == 0
+    assert (backend.issued_late > 0) == (host == "pageable-host")
     assert waiter.pending_count() == 0
