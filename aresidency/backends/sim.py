@@ -16,8 +16,15 @@ the semantics of the CUDA one, so that the whole runtime runs and is tested on a
   floating and complex dtypes, the byte 0xA5 otherwise. A read that is not ordered after the
   copy that fills a tensor, or that runs after the tensor was released, sees the poison.
 * event completion wakes the event loop with ``loop.call_soon_threadsafe``; nothing polls.
+  With ``waiter=`` the device events are awaited through the CUDA backend's event waiter
+  instead (its driver simulated by :mod:`~aresidency.backends.simdriver`), with copy estimates
+  as that backend makes them and pageable copies issued by a worker, as its staging lane does.
 * fault injection (:class:`~aresidency.backends.base.FaultInjector`) behaves as in the CUDA
   backend.
+
+Why this module is long: it is one backend, the simulated twin of ``cuda``, and its routes
+share the state they simulate (the streams, the memory counted per device, the poison); the
+streams and events themselves live in ``simstreams``.
 """
 
 from __future__ import annotations

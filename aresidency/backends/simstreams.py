@@ -25,17 +25,22 @@ class SimEvent(HostEvent):
     """A SIMULATED CUDA event: complete once its stream's worker reached it.
 
     ``cuda_event`` is a number standing in for the driver's event handle, by which
-    :meth:`by_handle` finds the event again (what a simulated driver call receives)."""
+    :meth:`by_handle` finds the event again (what a simulated driver call receives); it is
+    given on first use, so events nobody hands to a driver cost nothing for it."""
 
-    __slots__ = ("_aresidency", "cuda_event")
+    __slots__ = ("_aresidency", "_handle")
 
     _handles = itertools.count(1)
     _live: weakref.WeakValueDictionary[int, SimEvent] = weakref.WeakValueDictionary()
 
-    def __init__(self, *, done: bool = False, label: str = "") -> None:
-        super().__init__(done=done, label=label)
-        self.cuda_event = next(SimEvent._handles)
-        SimEvent._live[self.cuda_event] = self
+    @property
+    def cuda_event(self) -> int:
+        try:
+            return self._handle
+        except AttributeError:
+            self._handle: int = next(SimEvent._handles)
+            SimEvent._live[self._handle] = self
+            return self._handle
 
     @classmethod
     def by_handle(cls, handle: int) -> SimEvent | None:
