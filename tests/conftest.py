@@ -9,10 +9,13 @@ none needs to today."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+
+from aresidency.backends.waiter import EventWaiter
 
 try:
     import uvloop
@@ -50,3 +53,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip1)
         if item.get_closest_marker("cuda2") is not None and count < 2:
             item.add_marker(skip2)
+
+
+@pytest.fixture(autouse=True)
+def _loop_timer_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``ARESIDENCY_TEST_LOOP_TIMER=1`` every event waiter the tests make (the CUDA
+    backend's included) has the loop's timed polls unless the test says otherwise: the whole
+    CUDA suite can run with them before they become the default."""
+    if os.environ.get("ARESIDENCY_TEST_LOOP_TIMER") != "1":
+        return
+    init = EventWaiter.__init__
+
+    def with_loop_timer(self: EventWaiter, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("loop_timer", True)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(EventWaiter, "__init__", with_loop_timer)
