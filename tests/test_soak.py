@@ -11,6 +11,7 @@ stall."""
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 
 import pytest
@@ -62,6 +63,6 @@ async def test_churn_keeps_every_structure_and_the_heap_flat() -> None:
         # 100 bytes x 300 operations to every round. A table that resizes once is no leak (on
         # trio the heap has been seen to step up by about 150 KB in one round and stay flat):
         # the growth counted leaves out the largest single step.
-        steps = [after - before for before, after in zip(heap[1:], heap[2:])]
+        steps = [after - before for before, after in itertools.pairwise(heap[1:])]
         growth = sum(steps) - max(steps)
         assert growth < 64 * 1024, heap

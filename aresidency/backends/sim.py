@@ -125,6 +125,8 @@ class SimBackend(Backend):
         self.chunk_bytes = chunk_bytes
         self._staging_nbytes = staging_nbytes
         self.faults = faults if faults is not None else FaultInjector()
+        if waiter is not None:
+            _check_waiter(waiter)
         self.waiter = waiter
         self._busy_until: dict[int, float] = {}  # with a waiter: stream -> expected idle time
         self._unissued: set[Transfer] = set()  # with a waiter: pageable copies issued later
@@ -605,4 +607,24 @@ class SimBackend(Backend):
             f"<SimBackend SIMULATION of {self.num_devices} cuda device(s) in host memory "
             f"{state} copy_gbps={self.copy_gbps} chunk={format_bytes(self.chunk_bytes)} "
             f"allocations={count}>"
+        )
+
+
+def _check_waiter(waiter: object) -> None:
+    """A waiter the simulation can use: one whose notifications a simulated driver posts
+    (the real driver would be handed simulated events), or one that polls."""
+    from .simdriver import SimNotifyDriver
+    from .waiter import EventWaiter
+
+    if not isinstance(waiter, EventWaiter):
+        raise TypeError(f"waiter must be an EventWaiter, got {waiter!r}")
+    if waiter.strategy == "blocking":
+        raise ValueError(
+            "the simulation's events cannot be synchronized on: use a waiter that polls or is "
+            "notified (EventWaiter('hybrid', driver=SimNotifyDriver()))"
+        )
+    if waiter.strategy in ("hybrid", "hostfunc") and not isinstance(waiter.driver, SimNotifyDriver):
+        raise ValueError(
+            f"a {waiter.strategy!r} waiter on the simulation needs driver=SimNotifyDriver() "
+            "(aresidency.backends.simdriver): the CUDA driver cannot notify simulated events"
         )

@@ -205,6 +205,16 @@ class EventWaiter:
             strategy = "hybrid" if driver is not None or hostfunc_available() else "poll"
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown waiting strategy {strategy!r}: expected one of {STRATEGIES}")
+        if not timer_poll_s > 0:
+            raise ValueError(
+                f"timer_poll_s must be a positive number of seconds, got {timer_poll_s!r}"
+            )
+        for name, lead in (
+            ("timer_lead_fraction", timer_lead_fraction),
+            ("timer_lead_s", timer_lead_s),
+        ):
+            if not lead >= 0:
+                raise ValueError(f"{name} must be >= 0, got {lead!r}")
         self.strategy = strategy
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
@@ -246,6 +256,11 @@ class EventWaiter:
             if self._driver is None:
                 self._driver = cuda_driver()
             self._sem = self._driver.new_semaphore()
+
+    @property
+    def driver(self) -> Any:
+        """What enqueues the notifications (None for the strategies that need none)."""
+        return self._driver
 
     @property
     def blocking_events(self) -> bool:

@@ -13,6 +13,7 @@ from _chaos import Chaos
 
 from aresidency import ResidencyManager
 from aresidency.backends import SimBackend
+from aresidency.backends.cudadriver import CudaDriver, load_libc
 from aresidency.backends.simdriver import SimNotifyDriver
 from aresidency.backends.waiter import EventWaiter
 from aresidency.integrations import stream_module
@@ -83,3 +84,32 @@ async def test_streaming_through_the_waiter_is_bit_identical(host: str, loop_tim
             assert m.snapshot().location("cuda:0").used_bytes == 0
     assert (backend.issued_late > 0) == (host == "pageable-host")
     assert waiter.pending_count() == 0
+
+
+class OtherDriver:
+    """A driver that is not the simulated one (as the CUDA driver would be)."""
+
+    def __init__(self) -> None:
+        self.libc = load_libc()
+
+    new_semaphore = CudaDriver.new_semaphore
+
+
+def test_the_simulation_refuses_a_waiter_it_cannot_serve() -> None:
+    with pytest.raises(TypeError, match="EventWaiter"):
+        SimBackend(waiter="hybrid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot be synchronized"):
+        SimBackend(waiter=EventWaiter("blocking"))
+    with pytest.raises(ValueError, match="SimNotifyDriver"):
+        SimBackend(waiter=EventWaiter("hostfunc", driver=OtherDriver()))
+    polling = EventWaiter("poll")
+    assert SimBackend(waiter=polling).waiter is polling  # a polling waiter needs no driver
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"timer_poll_s": 0.0}, {"timer_poll_s": float("nan")}, {"timer_lead_s": -1e-6}],
+)
+def test_the_waiter_refuses_bad_timer_settings(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EventWaiter("poll", **bad)  # type: ignore[arg-type]
