@@ -4,6 +4,7 @@
 # in .whl/ to run them on trio too).   bash benchmarks/device_final.sh
 # LOOP_TIMER=1: every event waiter the tests make polls on the loop (EventWaiter(loop_timer=True))
 # unless a test says otherwise (tests/conftest.py), so the whole suite runs with them.
+# ONLY_ASYNCIO=1 leaves out the uvloop part; ASYNCIO_TIMEOUT and UVLOOP_TIMEOUT bound each part.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -19,10 +20,10 @@ run() {  # $1 log name, $2 timeout, $3 -k expression, then the test paths
   shift 3
   timeout -s INT -k 20 "$limit" python3 -m pytest "$@" -v -rfE --tb=short -p no:cacheprovider \
     -p no:asyncio -p aresidency.testing.plugin -m "cuda or cuda2" -k "$k" --timeout=60 \
-    -o faulthandler_timeout=45 > "$OUT/$log" 2>&1
+    -o faulthandler_timeout=45 --durations=15 > "$OUT/$log" 2>&1
   echo "== $log rc=$?"
   grep -E "^(FAILED|ERROR)" "$OUT/$log" | head -n 20
   tail -n 1 "$OUT/$log"
 }
 run pytest_asyncio.log "${ASYNCIO_TIMEOUT:-300}" "not uvloop and not trio" tests
-run pytest_uvloop.log "${UVLOOP_TIMEOUT:-100}" "uvloop" tests/backends tests/runtime
+[ -n "${ONLY_ASYNCIO:-}" ] || run pytest_uvloop.log "${UVLOOP_TIMEOUT:-100}" "uvloop" tests/backends tests/runtime
