@@ -11,6 +11,7 @@ materialization (:func:`add_owners`) and a dump can list them.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -34,12 +35,21 @@ NO_TASK = "(no task: a loop callback)"
 
 
 def current_owner() -> str:
-    """The name of the task running now (anyio's), or :data:`NO_TASK` in a loop callback.
-    About a microsecond: cheap enough for every lease."""
+    """The name of the task running now, or :data:`NO_TASK` in a loop callback (a copy's
+    completion enters leases from one). About a microsecond: cheap enough for every lease.
+
+    On asyncio it asks asyncio itself: within a callback there is no current task, and
+    ``anyio.get_current_task()`` then raises ``RuntimeError`` in recent anyio releases but
+    ``TypeError`` in earlier 4.x ones (it builds the task's info from ``None``), which once
+    escaped into the copy's completion and left a streamed call waiting forever."""
     try:
-        return anyio.get_current_task().name or NO_TASK
-    except RuntimeError:  # no current task (asyncio callbacks), or no loop at all
-        return NO_TASK
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop running here: trio, or no loop at all
+        try:
+            return anyio.get_current_task().name or NO_TASK
+        except RuntimeError:
+            return NO_TASK
+    return NO_TASK if task is None else task.get_name() or NO_TASK
 
 
 class LeaseOwners:
@@ -199,13 +209,14 @@ class Lease:
             raise RuntimeError("a lease is single use; call manager.acquire again")
         rt = self._rt
         rt.check_thread()
+        owner = current_owner()  # before the state changes: nothing after it may fail
         try:
             rt.state.lease(self.handle, self.location, self.mode)
         except ResidencyInUseError as error:
             add_owners(rt, error)
             raise
-        self.owner = current_owner()
-        lease_owners(rt).add(self.handle, self.location, self._kind, self.owner)
+        self.owner = owner
+        lease_owners(rt).add(self.handle, self.location, self._kind, owner)
         self.status = "entering"
         rt.settle()  # a write lease may have invalidated other replicas
         return rt.payloads.get(self.handle, self.location)
@@ -395,9 +406,10 @@ class Hold:
         self._rt = runtime
         self.handle = handle
         self.location = location
+        owner = current_owner()  # before the state changes: nothing after it may fail
         runtime.state.hold(handle, location)
-        self.owner = current_owner()
-        lease_owners(runtime).add(handle, location, "hold", self.owner)
+        self.owner = owner
+        lease_owners(runtime).add(handle, location, "hold", owner)
         self.active = True
         runtime.settle()
 

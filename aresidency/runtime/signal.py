@@ -15,12 +15,15 @@ The runtime notifies once per batch of committed transitions, not once per trans
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
 import anyio
 
 __all__ = ["ChangeSignal", "ManagerClosedError"]
+
+_log = logging.getLogger("aresidency")
 
 
 class ManagerClosedError(RuntimeError):
@@ -72,7 +75,13 @@ class ChangeSignal:
                 if event is not None:
                     event.set()
                 for callback in list(self._listeners.values()):
-                    callback()
+                    try:
+                        callback()
+                    except Exception:
+                        # A listener must not raise; one that does must not leave the caller
+                        # (a phase run committing, a reap) half done, which would leave every
+                        # task waiting on it parked forever. Logged; the others still run.
+                        _log.exception("a listener of the manager's change signal raised")
                 if not self._again:
                     return
         finally:

@@ -312,7 +312,7 @@ class CallPipeline:
             lease.enter_nowait()
         except LeaseWouldWait:
             return False
-        except ResidencyError as error:
+        except Exception as error:  # a ResidencyError, or a fault of ours: the consumer raises it
             self._fail(slot, error)
             return True
         slot.lease = lease
@@ -560,6 +560,10 @@ class CallPipeline:
                     pending.cancel()
                     streamed.settle_later(pending)
                     pending.add_done_callback(self._release_if_arrived(index))
+            elif slot.state == "failed" and not kept:
+                # Its lease could not be entered (its copy may have landed, or it was there
+                # already): its replica goes like any other (nothing, if none came).
+                streamed.release_replica(index, slot.pending)
             slot.state = "idle"
             slot.flag.clear()
 
