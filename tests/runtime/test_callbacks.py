@@ -133,9 +133,12 @@ async def test_a_streamed_call_whose_lease_entry_fails_raises_that_error(
             raise KeyError("no owner today")
 
         monkeypatch.setattr(leases, "current_owner", broken_owner)
-        with anyio.fail_after(30), pytest.raises(KeyError, match="no owner today"):
-            with torch.no_grad():
-                await streamed(x)
+        with (
+            anyio.fail_after(30),
+            pytest.raises(KeyError, match="no owner today"),
+            torch.no_grad(),
+        ):
+            await streamed(x)
         monkeypatch.undo()
         await streamed.drain()
         assert m.snapshot().location("cuda:0").used_bytes == 0  # the failed block's too
