@@ -2,8 +2,9 @@
 # The CUDA tests in one call with only two logs in $OUT: the whole suite on asyncio, then the
 # backend's and the runtime's tests on uvloop (the device's image has no trio: carry its wheels
 # in .whl/ to run them on trio too).   bash benchmarks/device_final.sh
-# LOOP_TIMER=1: every event waiter the tests make polls on the loop (EventWaiter(loop_timer=True))
-# unless a test says otherwise (tests/conftest.py), so the whole suite runs with them.
+# THREAD_POLLS=1: every event waiter the tests make leaves its polls to its thread
+# (EventWaiter(loop_timer=False)) unless a test says otherwise (tests/conftest.py), so the
+# whole suite runs that way too (the loop's own polls are the default).
 # ONLY_ASYNCIO=1 leaves out the uvloop part; ASYNCIO_TIMEOUT and UVLOOP_TIMEOUT bound each part.
 set -u
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-[ -n "${LOOP_TIMER:-}" ] && export ARESIDENCY_TEST_LOOP_TIMER=1
+[ -n "${THREAD_POLLS:-}" ] && export ARESIDENCY_TEST_LOOP_TIMER=0
 run() {  # $1 log name, $2 timeout, $3 -k expression, then the test paths
   local log=$1 limit=$2 k=$3
   shift 3

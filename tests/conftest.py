@@ -57,15 +57,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _loop_timer_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``ARESIDENCY_TEST_LOOP_TIMER=1`` every event waiter the tests make (the CUDA
-    backend's included) has the loop's timed polls unless the test says otherwise: the whole
-    CUDA suite can run with them before they become the default."""
-    if os.environ.get("ARESIDENCY_TEST_LOOP_TIMER") != "1":
+    """``ARESIDENCY_TEST_LOOP_TIMER=0`` (or ``1``) sets ``loop_timer`` for every event waiter
+    the tests make (the CUDA backend's included) unless the test says otherwise: the whole
+    CUDA suite can run with the thread's polls as well as with the loop's (the default)."""
+    setting = os.environ.get("ARESIDENCY_TEST_LOOP_TIMER")
+    if setting not in ("0", "1"):
         return
     init = EventWaiter.__init__
 
     def with_loop_timer(self: EventWaiter, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("loop_timer", True)
+        kwargs.setdefault("loop_timer", setting == "1")
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(EventWaiter, "__init__", with_loop_timer)

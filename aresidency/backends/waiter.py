@@ -31,22 +31,19 @@ calls back.) The waiter owns one background thread and one of four strategies:
       asyncio), 7-9% of a core for 20 ms waits and 16-18% for back-to-back 2 ms waits, where
       every strategy that wakes the loop from another thread costs 13-18%.
 
-      **With** ``loop_timer=True`` **the polls are the event loop's own** (Linux): a wait
-      that begins on the loop's thread is polled by that loop, woken by a ``timerfd`` at the
-      predicted end less a shorter lead (``timer_lead_fraction`` 2% + ``timer_lead_s`` 40
+      **By default (``loop_timer=True``) the polls are the event loop's own** (Linux): a
+      wait that begins on the loop's thread is polled by that loop, woken by a ``timerfd`` at
+      the predicted end less a shorter lead (``timer_lead_fraction`` 2% + ``timer_lead_s`` 40
       us), every ``timer_poll_s`` (20 us) and then less often the later it is, for
       ``window_s``; a wait predicted beyond ``lazy_arm_s`` has its notification enqueued too
       (it may end early), and one still pending when its polls end goes to the thread, with
       its notification enqueued at once (:mod:`~aresidency.backends.looptimer`). No thread
       hop, no hand-over of the interpreter lock: on the H200 the task resumed 34-37 us after
       the event instead of 105-138 us, for 3-6% of a core above the harness's own instead
-      of 11-12%. Trio's loop polls the same way (a system task waits on the timer). It is
-      not the default yet: a run of the whole CUDA suite with it hung once in a streaming
-      test of pageable weights (a wait that was never called back), before two causes of
-      lost wake-ups that a CPU stress test then found were mended (a thread asleep with no
-      timeout was not woken for a wait that relied on a notification, and an event recorded
-      again kept the notes of its earlier recording). Until a GPU run passes with it, the
-      thread polls by default.
+      of 11-12%. Trio's loop polls the same way (a system task waits on the timer). Waits
+      begun on other threads, and loops that cannot watch a file descriptor (asyncio's
+      proactor loop), are polled by the thread as described above; ``loop_timer=False``
+      gives every wait to the thread.
   ``"hostfunc"``
       Right after an event is recorded on a stream, :meth:`EventWaiter.arm` makes a *notify
       stream* (one per origin stream, created with ``CU_STREAM_NON_BLOCKING``) wait for the
@@ -195,7 +192,7 @@ class EventWaiter:
         safety_timeout_s: float = 0.05,
         lazy_arm_s: float = 3e-3,
         loop_poll_s: float = 250e-6,
-        loop_timer: bool = False,
+        loop_timer: bool = True,
         timer_poll_s: float = 20e-6,
         timer_lead_fraction: float = 0.02,
         timer_lead_s: float = 40e-6,

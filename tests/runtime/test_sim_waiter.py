@@ -113,3 +113,20 @@ def test_the_simulation_refuses_a_waiter_it_cannot_serve() -> None:
 def test_the_waiter_refuses_bad_timer_settings(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         EventWaiter("poll", **bad)  # type: ignore[arg-type]
+
+
+async def test_the_default_waiter_polls_on_the_loop() -> None:
+    """Without ``loop_timer``, waits begun on the loop are polled by the loop's own timer (the
+    default since the CUDA suite passed with it); the thread polls only what it is given."""
+    waiter = EventWaiter("hybrid", driver=SimNotifyDriver(), safety_timeout_s=30.0)
+    backend = SimBackend(waiter=waiter, copy_gbps=0.05)
+    with anyio.fail_after(60):
+        async with ResidencyManager(backend=backend) as m:
+            handles = [m.register(torch.arange(2048.0) + i, name=f"v{i}") for i in range(8)]
+            for h in handles:
+                await m.materialize(h, "cuda:0")
+            stream = backend.current_stream("cuda:0")
+            for _ in range(4):
+                await backend.wait(backend.record_event(stream))
+    assert waiter.timer_hits > 0
+    assert waiter.pending_count() == 0
