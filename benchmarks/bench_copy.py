@@ -563,17 +563,17 @@ async def bench_wakeup(rows: list[dict[str, Any]], waits: int) -> None:
     waiters: list[CudaBackend] = []
     choices: list[tuple[str, Any]] = [
         (
-            "hybrid (default: hostfunc + the thread's 40 us polls from 8% + 60 us before the "
-            "predicted end)",
+            "hybrid (default: the loop's timed polls from 2% + 40 us before the predicted end, "
+            "every 20 us; hostfunc fallback)",
             "hybrid",
         ),
         (
-            "hybrid, loop_timer=True: the loop's timed polls from 2% + 40 us before, every 20 us",
-            EventWaiter("hybrid", loop_timer=True),
+            "hybrid, loop_timer=False: the thread's 40 us polls from 8% + 60 us before",
+            EventWaiter("hybrid", loop_timer=False),
         ),
         (
-            "hybrid, loop_timer=True, the loop's timed polls every 40 us",
-            EventWaiter("hybrid", loop_timer=True, timer_poll_s=40e-6),
+            "hybrid, the loop's timed polls every 40 us",
+            EventWaiter("hybrid", timer_poll_s=40e-6),
         ),
         ("hostfunc only", "hostfunc"),
         ("poll thread (50 us .. 1 ms backoff)", "poll"),
