@@ -21,6 +21,6 @@ else
   variant --host pageable-host
   variant --host pageable-host --first-hand-out 16
   variant --host pageable-host --first-hand-out 100000 --checkpoint-every 100000
-  variant --host pageable-host --loop-timer
+  variant --host pageable-host --thread-polls
   variant --host pinned-host
 fi

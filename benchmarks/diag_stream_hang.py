@@ -106,7 +106,7 @@ async def main(args: argparse.Namespace) -> None:
     model = linear_stack(d, n)
     x = torch.randn(512, d, dtype=torch.bfloat16, device="cuda:0")
     block = d * d * 2 + 512 * ((d * 2 + 511) // 512)
-    waiter = EventWaiter("hybrid", loop_timer=args.loop_timer)
+    waiter = EventWaiter("hybrid", loop_timer=not args.thread_polls)
     loop = asyncio.get_running_loop()
     async with ResidencyManager(
         budgets={"cuda:0": 3 * block}, backend=CudaBackend(waiter=waiter)
@@ -133,7 +133,7 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="pageable-host")
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--stall", type=float, default=10.0)
-    parser.add_argument("--loop-timer", action="store_true")
+    parser.add_argument("--thread-polls", action="store_true", help="EventWaiter(loop_timer=False)")
     parser.add_argument("--first-hand-out", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
     args = parser.parse_args()
@@ -143,7 +143,7 @@ if __name__ == "__main__":
         plans.CHECKPOINT_EVERY = args.checkpoint_every
     print(
         f"FIRST_HAND_OUT={plans.FIRST_HAND_OUT} CHECKPOINT_EVERY={plans.CHECKPOINT_EVERY} "
-        f"host={args.host} loop_timer={args.loop_timer}",
+        f"host={args.host} loop_timer={not args.thread_polls}",
         flush=True,
     )
     anyio.run(main, args)
