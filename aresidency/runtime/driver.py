@@ -34,6 +34,7 @@ or protected by a cancelled operation.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,19 @@ ISSUE_SLICE_S = 0.0005
 #: Copies handed to the backend at once (:meth:`Backend.copy_many`): those it issues
 #: together share one completion event, so they complete together too.
 ISSUE_BATCH = 16
+
+
+_log = logging.getLogger("aresidency")
+
+
+def _call_done_callback(callback: Callable[[PhaseRun], None], run: PhaseRun) -> None:
+    """Run one done callback of ``run``; one that raises is logged, as ``concurrent.futures``
+    does, and never keeps the others (a streamed call's pipeline among them) from running nor
+    escapes into the completion that finished the run."""
+    try:
+        callback(run)
+    except Exception:
+        _log.exception("a done callback of %r raised", run)
 
 
 class PhaseRun:
@@ -408,7 +422,7 @@ class PhaseRun:
             self._done.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback(self)
+            _call_done_callback(callback, self)
 
     # ------------------------------------------------------------------ loads
 
@@ -498,7 +512,7 @@ class PhaseRun:
     def add_done_callback(self, callback: Callable[[PhaseRun], None]) -> None:
         """Call ``callback(run)`` on the loop when the run finished (now if it has)."""
         if self.finished:
-            callback(self)
+            _call_done_callback(callback, self)
         else:
             self._callbacks.append(callback)
 

@@ -50,7 +50,8 @@ class PendingOperation:
         return error
 
     def add_done_callback(self, callback: Callable[[PendingOperation], None]) -> None:
-        """Call ``callback(self)`` on the loop when done (now, if it is)."""
+        """Call ``callback(self)`` on the loop when done (now, if it is). A callback that
+        raises is logged (logger ``aresidency``) and the other callbacks still run."""
         self._run.add_done_callback(lambda _run: callback(self))
 
     async def wait(self) -> None:

@@ -147,3 +147,32 @@ async def test_a_streamed_call_whose_lease_entry_fails_raises_that_error(
         await streamed.drain()
         assert m.snapshot().location("cuda:0").used_bytes == 0
         await streamed.aclose()
+
+
+async def test_a_done_callback_that_raises_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operation's done callbacks are the user's as well as the runtime's (a streamed
+    call's pipeline waits on one): one that raises must not keep the others from running."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(torch.arange(64.0), name="w")
+        operation = m.materialize_nowait(h, "cuda:0")
+        seen: list[str] = []
+
+        def broken(_op: object) -> None:
+            seen.append("broken")
+            raise ValueError("a user's callback")
+
+        operation.add_done_callback(broken)
+        operation.add_done_callback(lambda _op: seen.append("after"))
+        with caplog.at_level(logging.ERROR, logger="aresidency"), anyio.fail_after(10):
+            await operation
+        assert seen == ["broken", "after"]
+        # Added once done: called at once, and its error logged, not raised.
+        operation.add_done_callback(broken)
+        assert seen == ["broken", "after", "broken"]
+        raised = [r for r in caplog.records if "done callback" in r.getMessage()]
+        assert len(raised) == 2
+        with anyio.fail_after(10):
+            await m.move(h, "pinned-host")  # the manager goes on as before
+        assert {str(r.location) for r in m.snapshot().values[h].materializations} == {"pinned-host"}
