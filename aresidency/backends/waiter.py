@@ -543,7 +543,14 @@ class EventWaiter:
         finished = {id(p) for p in done}
         now = time.monotonic()
         with self._cond:
+            # Only the entries still pending are this sweep's to call back: between the
+            # snapshot and now, the watcher's own second query (see :meth:`_watch_thread`)
+            # may have taken one out and called it back itself.
+            still = {id(p) for p in self._pending}
+            done = [p for p in done if id(p) in still]
             self._pending = [p for p in self._pending if id(p) not in finished]
+        if not done:
+            return 0
         for p in done:
             self.predictor.record(p.key, now - p.added)
         by_loop: dict[LoopBridge, list[Callback]] = {}

@@ -533,6 +533,9 @@ class RecordingBridge:
     def call_soon_quietly(self, fn: Any, *args: Any) -> None:
         self.batches.append((fn, args))
 
+    def on_loop(self) -> bool:
+        return False  # a loop of its own: watch() takes the thread's path
+
 
 def test_a_sweep_queries_each_stream_oldest_first_and_stops_at_its_first_pending_event() -> None:
     """Events of one stream complete in record order: a sweep that finds a stream's oldest
@@ -915,3 +918,49 @@ async def test_a_timed_wait_whose_query_raises_ends_with_that_error_and_spares_t
         assert None in outcomes  # the other wait was still polled and resolved
     finally:
         await anyio.to_thread.run_sync(waiter.close)
+
+
+def test_a_wait_whose_event_completes_as_it_is_watched_is_called_back_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race a stress run on CI once hit: a sweep took its snapshot with the new entry in
+    it and found the event complete, and the watcher's own second query found it complete
+    too and called back, before the sweep took the entry out: the sweep called back again.
+    Here the two threads are stepped through that order exactly."""
+    waiter = EventWaiter("poll")
+    monkeypatch.setattr(waiter, "start", lambda: None)  # the test runs the sweep itself
+    watcher = threading.get_ident()
+    appended, in_sweep, gate = threading.Event(), threading.Event(), threading.Event()
+
+    class RacingEvent:
+        def __init__(self) -> None:
+            self.watcher_queries = 0
+
+        def query(self) -> bool:
+            if threading.get_ident() != watcher:  # the sweep: complete, but held there
+                in_sweep.set()
+                assert gate.wait(5.0)
+                return True
+            self.watcher_queries += 1
+            if self.watcher_queries == 1:  # watch()'s first query: still pending
+                return False
+            appended.set()  # the second one, after the entry was appended
+            assert in_sweep.wait(5.0)
+            return True
+
+    def sweep() -> None:
+        assert appended.wait(5.0)
+        waiter._sweep()
+
+    bridge = RecordingBridge()
+    calls: list[BaseException | None] = []
+    sweeper = threading.Thread(target=sweep, daemon=True)
+    sweeper.start()
+    waiter.watch(RacingEvent(), bridge, calls.append)  # type: ignore[arg-type]
+    gate.set()
+    sweeper.join(5.0)
+    assert not sweeper.is_alive()
+    for fn, args in bridge.batches:
+        fn(*args)
+    assert calls == [None], f"called back {len(calls)} times"
+    assert waiter.pending_count() == 0
