@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from .bridge import LoopBridge
 __all__ = ["EventNotes", "LoopPoller", "closed_error", "set_timer_slack", "spin_wait"]
 
 Callback = Callable[[BaseException | None], None]
+
+_log = logging.getLogger("aresidency")
 
 
 class _Waiter(Protocol):
@@ -91,23 +94,36 @@ class LoopPoller:
             self.bridge.call_soon_quietly(self.tick)
 
     def tick(self) -> None:
+        """Query every entry once: call back the completed ones, hand on the late ones, keep
+        the others. A query that raises ends that wait with its error; a callback that raises
+        is logged (logger ``aresidency``) and does not cost the other waits theirs (raised
+        here it would end a trio run: this runs through ``run_sync_soon``)."""
         self.scheduled = False
         entries, self.entries = self.entries, []
         closed = self.waiter._closed
         now = time.monotonic()
+        done: list[tuple[Callback, BaseException | None]] = []
         for event, callback, deadline in entries:
-            if closed:
-                callback(closed_error())
-            elif event.query():
-                self.waiter.loop_hits += 1
-                callback(None)
-            elif now >= deadline:
-                self.waiter._watch_late(event, self.bridge, callback)
-            else:
-                self.entries.append((event, callback, deadline))
+            try:
+                if closed:
+                    done.append((callback, closed_error()))
+                elif event.query():
+                    self.waiter.loop_hits += 1
+                    done.append((callback, None))
+                elif now >= deadline:
+                    self.waiter._watch_late(event, self.bridge, callback)
+                else:
+                    self.entries.append((event, callback, deadline))
+            except Exception as exc:
+                done.append((callback, exc))
         if self.entries and not self.scheduled:
             self.scheduled = True
             self.bridge.call_soon_quietly(self.tick)
+        for callback, error in done:  # last: a callback may add a wait (it schedules a tick)
+            try:
+                callback(error)
+            except Exception:
+                _log.exception("a callback of a wait polled on the loop raised")
 
 
 def set_timer_slack(nanoseconds: int = 1000) -> None:

@@ -964,3 +964,58 @@ def test_a_wait_whose_event_completes_as_it_is_watched_is_called_back_once(
         fn(*args)
     assert calls == [None], f"called back {len(calls)} times"
     assert waiter.pending_count() == 0
+
+
+async def test_a_wait_polled_on_the_loop_is_not_lost_to_another_waits_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three waits polled on the loop in one tick: one's query raises (that wait gets the
+    error), one's callback raises (logged); the third is still called back, and later waits
+    are still polled."""
+    waiter = EventWaiter("poll", loop_poll_s=10.0)
+
+    class BrokenEvent(ManualEvent):
+        """Pending when watched; its next query (the loop's poll) raises."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            if self.queries > 1:
+                raise RuntimeError("the device is gone")
+            return False
+
+    broken, raising, plain = BrokenEvent(), ManualEvent(), ManualEvent()
+    for event in (broken, raising, plain):
+        waiter.arm(event, None, expected_at=time.monotonic() + 5.0)
+    bridge = LoopBridge.current()
+    results: dict[str, BaseException | None] = {}
+
+    def explode(_error: BaseException | None) -> None:
+        results["raising"] = _error
+        raise ValueError("a callback's own bug")
+
+    waiter.watch(broken, bridge, lambda error: results.__setitem__("broken", error))
+    waiter.watch(raising, bridge, explode)
+    waiter.watch(plain, bridge, lambda error: results.__setitem__("plain", error))
+    raising.done = plain.done = True
+    with caplog.at_level("ERROR", logger="aresidency"):
+        await _until(lambda: len(results) == 3)
+    assert isinstance(results["broken"], RuntimeError)
+    assert results["raising"] is None and results["plain"] is None
+    assert "a callback of a wait polled on the loop raised" in caplog.text
+    later = ManualEvent()
+    waiter.arm(later, None, expected_at=time.monotonic() + 5.0)
+    finished = anyio.Event()
+
+    async def wait_later() -> None:
+        await waiter.wait(later)
+        finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait_later)
+        later.done = True
+        await _until(finished.is_set)
+    assert waiter._thread is None, "every wait was the loop's"
