@@ -8,10 +8,13 @@ loop through a :class:`~aresidency.backends.bridge.LoopBridge`, so nothing polls
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 __all__ = ["HostEvent", "OnceCallbacks"]
+
+_log = logging.getLogger("aresidency")
 
 
 class HostEvent:
@@ -19,7 +22,8 @@ class HostEvent:
 
     State: ``_done`` (set once, under ``_lock``) and ``_callbacks`` (run once, in the thread
     that sets the flag, outside the lock). Invariant: every callback added before or after
-    :meth:`set` runs exactly once.
+    :meth:`set` runs exactly once; one that raises during :meth:`set` is logged (logger
+    ``aresidency``) and the others still run.
     """
 
     __slots__ = ("__weakref__", "_callbacks", "_done", "_lock", "label")
@@ -42,7 +46,10 @@ class HostEvent:
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # the setter (a lane, a stream's thread) is not the culprit,
+                _log.exception("a callback of %r raised", self)  # and the rest still run
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the event is set: now, in this thread, if it already is."""

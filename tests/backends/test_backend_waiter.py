@@ -55,6 +55,24 @@ def test_host_event_runs_each_callback_once() -> None:
     assert event.query() and event.wait_blocking(0)
 
 
+def test_a_host_event_callback_that_raises_does_not_cost_the_others_theirs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    event = HostEvent(label="lane")
+    calls: list[str] = []
+
+    def broken() -> None:
+        raise ValueError("a callback's own bug")
+
+    event.add_done_callback(lambda: calls.append("first"))
+    event.add_done_callback(broken)
+    event.add_done_callback(lambda: calls.append("last"))
+    with caplog.at_level("ERROR", logger="aresidency"):
+        event.set()  # the setter (a staging lane's thread) is not interrupted
+    assert calls == ["first", "last"]
+    assert "a callback of" in caplog.text and "a callback's own bug" in caplog.text
+
+
 def test_host_event_wait_blocking_times_out() -> None:
     assert not HostEvent().wait_blocking(0.01)
 
