@@ -246,6 +246,15 @@ class ResidencyBudgetError(ResidencyError):
         return max(0, self.new_peak_bytes - self.budget_bytes)
 
     def _message(self) -> str:
+        if self.kind == "budget":
+            return (
+                f"a new budget of {format_bytes(self.budget_bytes)} at {self.location} is below "
+                f"what is already charged there: used {format_bytes(self.used_bytes)} + "
+                f"reserved {format_bytes(self.reserved_bytes)} = "
+                f"{format_bytes(self.current_bytes)}; free "
+                f"{format_bytes(max(0, self.current_bytes - (self.budget_bytes or 0)))} there "
+                "first (release or move values, end reservations), or set a larger budget"
+            )
         what = f" ({self.what})" if self.what else ""
         # The simulation's note comes last: the live check's message is then a prefix of the
         # simulated one (an explanation's reason reads as the execution error would).

@@ -337,7 +337,7 @@ class ResidencyState:
                 entry.used_bytes,
                 entry.reserved_bytes,
                 0,
-                what="the new budget (it is below what is already charged)",
+                what="the new budget",
                 kind="budget",
                 in_simulation=self.in_simulation,
             )

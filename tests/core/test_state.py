@@ -135,7 +135,12 @@ def test_admission_is_exactly_the_guide_formula(budget, used, reserved, requeste
 def test_set_budget_below_the_current_charge_is_refused_and_none_clears_it():
     state = make_state({CUDA0: 4096})
     state.register(name="a", charge_bytes=2048, location=CUDA0)
-    assert_refused(state, lambda: state.set_budget(CUDA0, 2047), ResidencyBudgetError)
+    error = assert_refused(state, lambda: state.set_budget(CUDA0, 2047), ResidencyBudgetError).value
+    assert error.kind == "budget" and error.budget_bytes == 2047
+    assert str(error).startswith(
+        "a new budget of 2047 B (2.0 KiB) at cuda:0 is below what is already charged there: "
+        "used 2048 B (2.0 KiB) + reserved 0 B = 2048 B (2.0 KiB); free 1 B there first"
+    ), str(error)
     state.set_budget(CUDA0, 2048)
     state.set_budget(CUDA0, None)
     state.register(name="b", charge_bytes=1 << 40, location=CUDA0)

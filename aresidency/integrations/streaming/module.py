@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -36,6 +38,12 @@ from .ring import IdleRing, RingCall
 from .runners import ThreadedRunner, run_sequential
 
 __all__ = ["HostKind", "StreamedModule", "stream_module"]
+
+#: The streamed modules of each manager: a call waiting for room asks the idle ones at its
+#: device for what they keep between calls (see :meth:`StreamedModule.ask_others_for_room`).
+_by_manager: weakref.WeakKeyDictionary[ResidencyManager, weakref.WeakSet[StreamedModule]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 HostKind = Literal["pinned-host", "pageable-host"]
@@ -113,6 +121,8 @@ class StreamedModule:
                 f"on {type(backend).__name__}"
             )
         self.ring = can_ring if ring is None else ring
+        if blocks is not None:
+            blocks = _check_blocks(module, blocks)
         self.blocks = list(find_blocks(module) if blocks is None else blocks)
         if not self.blocks:
             raise ValueError("no blocks to stream: the module has no children")
@@ -164,6 +174,7 @@ class StreamedModule:
         except BaseException:
             self._unregister_now()
             raise
+        _by_manager.setdefault(manager, weakref.WeakSet()).add(self)
 
     # -- set-up
 
@@ -212,6 +223,7 @@ class StreamedModule:
             assert group.handle is not None
             group.charge_bytes = snap.value(group.handle).charge_bytes
         self._largest = max((g.charge_bytes for g in self._groups), default=0)
+        self._note_weights()
 
     def _register_groups(self, opened: Checkpoint | None, copied: Callable[[int], None]) -> None:
         """Register every group: as a source reading ``opened``, or packed into the host
@@ -272,12 +284,20 @@ class StreamedModule:
         if record.budget_bytes is None:
             return
         need = self._largest + self.resident_bytes
-        # Our own finished calls' rings leave (or are taken over) once the device passed them.
-        reserved = record.reserved_bytes - self._idle_ring_bytes()
+        # Finished calls' rings (ours, or another streamed module's at this device) leave,
+        # or are taken over, once the device passed them: not in the way for long.
+        idle = sum(
+            other._idle_ring_bytes()
+            for other in list(_by_manager.get(self.manager, ()))
+            if other.device == self.device
+        )
+        reserved = record.reserved_bytes - idle
         if need > record.budget_bytes - reserved:
             largest = self._largest
+            block = max(self._groups, key=lambda g: g.charge_bytes, default=None)
+            which = f"{self.block_label(block)}, " if block is not None else ""
             raise ValueError(
-                f"{self.name}: the largest block ({largest} B) plus the tensors outside the "
+                f"{self.name}: the largest block ({which}{largest} B) plus the tensors outside the "
                 f"blocks ({self.resident_bytes} B) need {need} B at {self.device}, more than its "
                 f"budget ({record.budget_bytes} B) less its reservations "
                 f"({reserved} B); streaming could never run"
@@ -316,6 +336,85 @@ class StreamedModule:
                     own.copy_(view)
                     entry.tensor.data = own
                 group.host_flat = None
+
+    def block_label(self, group: TensorGroup) -> str:
+        """``group``'s block as the module names it (``layers.3``), for messages."""
+        if group.index < len(self.blocks):
+            block = self.blocks[group.index]
+            for name, sub in self.module.named_modules():
+                if sub is block:
+                    return name or type(block).__name__
+        return "the tensors outside the blocks"
+
+    def _note_weights(self) -> None:
+        """Remember each host tensor's memory and version (see :meth:`_changed_groups`)."""
+        for group in self._registered:
+            if group.host_flat is not None:
+                group.seen = [(e.tensor.data_ptr(), e.tensor._version) for e in group.entries]
+
+    def _changed_groups(self) -> list[TensorGroup]:
+        """The groups whose tensors were written in place since they were noted (a
+        ``load_state_dict``, a ``copy_`` under ``no_grad``): their device replicas are stale.
+        ``ValueError`` if a tensor was replaced instead (``load_state_dict(assign=True)``,
+        ``.half()``, ``.to(...)``, a new ``Parameter``): the streamed weights are the ones
+        registered, so the call would not run the module's."""
+        changed = []
+        for group in self._registered:
+            seen = group.seen
+            if seen is None:
+                continue
+            stale = False
+            for entry, (ptr, version) in zip(group.entries, seen):
+                tensor = entry.tensor
+                replaced = any(d.get(attr) is not tensor for d, attr in entry.slots)
+                if replaced or tensor.data_ptr() != ptr or tensor.dtype != entry.dtype:
+                    raise ValueError(
+                        f"{self.name}: {entry.names[0]} was replaced since stream_module "
+                        "(load_state_dict(assign=True), .to(), .half() or a new Parameter): "
+                        "a streamed module runs the tensors it registered; aclose() it and "
+                        "stream the module again, or change weights in place "
+                        "(load_state_dict without assign, copy_ under no_grad)"
+                    )
+                stale = stale or tensor._version != version
+            if stale:
+                changed.append(group)
+        return changed
+
+    async def _refresh(self, changed: list[TensorGroup]) -> None:
+        """Weights written in place: once nothing reads the host copies (the releases and
+        copies of earlier calls settled), bring the packed host copies up to date (a tensor
+        tied across groups lives in one of them) and drop the stale device replicas; the call
+        copies those groups again."""
+        await self.drain()
+        with torch.no_grad():
+            for group in changed:
+                assert group.host_flat is not None
+                for entry, view in zip(group.entries, group.views(group.host_flat)):
+                    if entry.tensor.data_ptr() != view.data_ptr():
+                        view.copy_(entry.tensor.detach())
+                group.seen = [(e.tensor.data_ptr(), e.tensor._version) for e in group.entries]
+                self.kept.discard(group.index)
+                self.release_replica(group.index)
+
+    def ask_others_for_room(self) -> bool:
+        """A call of ours waits for room at our device: the other streamed modules of the
+        manager that are idle there give up what they keep between calls (a cache, which
+        yields to a call that needs the room; their next call plans again). Returns whether
+        any did: the caller tries again before it waits (a release with no readers left
+        commits at once, and no later change would wake it)."""
+        yielded = False
+        for other in list(_by_manager.get(self.manager, ())):
+            if other is not self and other.device == self.device:
+                yielded = other._yield_kept() or yielded
+        return yielded
+
+    def _yield_kept(self) -> bool:
+        if self._closed or self.current_call is not None or not self.kept:
+            return False
+        kept, self.kept = self.kept, set()
+        for index in sorted(kept):
+            self.release_replica(index)
+        return True
 
     # -- residency between calls ("budgets that remember")
 
@@ -520,15 +619,23 @@ class StreamedModule:
 
     @staticmethod
     def _check_inference(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Refuse a call in grad mode with an input that requires grad, wherever it sits in
+        the arguments (in a dict, list, tuple, dataclass...): autograd would keep each block's
+        weights past their release, and the gradients would be wrong."""
         if not torch.is_grad_enabled():
             return
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(
-                    "weight streaming is for inference: an input requires grad while grad mode "
-                    "is on, so autograd would keep each block's weights past their release; "
-                    "call under torch.no_grad() or torch.inference_mode()"
-                )
+        budget = [10_000]
+        named = [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
+        for name, value in named:
+            where = _requires_grad_at(value, name, budget)
+            if where is None:
+                continue
+            raise ValueError(
+                f"weight streaming is for inference: the input at {where} requires grad while "
+                "grad mode is on, so autograd would keep each block's weights past their "
+                "release (and its gradients would be wrong); call under torch.no_grad() or "
+                "torch.inference_mode()"
+            )
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module with its blocks' weights streamed through the device budget.
@@ -574,6 +681,9 @@ class StreamedModule:
         self.manager.check_thread()
         self._check_inference(args, kwargs)
         async with self._lock:
+            changed = self._changed_groups()
+            if changed:
+                await self._refresh(changed)
             self._check_budget()
             keep = self._plan_keep()
             dropped, self.kept = self.kept - keep, keep
@@ -626,6 +736,18 @@ class StreamedModule:
         be called afterwards."""
         if self._closed:
             return
+        if not self.manager.running:
+            # The manager closed first (and freed every replica): give the module its own
+            # tensors back; nothing is left to release.
+            self._closed = True
+            self._threaded.close()
+            self._restore_host_tensors()
+            self._registered.clear()
+            self.kept.clear()
+            if self._checkpoint is not None:
+                self._checkpoint.close()
+                self._checkpoint = None
+            return
         async with self._lock:
             self._closed = True
             try:
@@ -656,13 +778,71 @@ class StreamedModule:
         await self.aclose()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("running" if self.current_call else "idle")
+        closed = self._closed or not self.manager.running
+        state = "closed" if closed else ("running" if self.current_call else "idle")
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else self.host
         return (
             f"<StreamedModule {self.name!r} {len(self._groups)} blocks -> {self.device} "
             f"prefetch={self.prefetch} from {where} {state} "
             f"[{len(self.kept)} kept, {len(self.releasing)} releasing]>"
         )
+
+
+def _check_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """``blocks=`` as a list, after checking it: modules of ``module`` (the same one may come
+    twice, for a block run twice), none inside another (a block's tensors are one value: a
+    block nested in another would be streamed twice over, into one buffer)."""
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("blocks= is empty: name the submodules to stream, in call order")
+    names = {id(sub): name or "(the module itself)" for name, sub in module.named_modules()}
+    for i, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"blocks[{i}] is a {type(block).__name__}, not an nn.Module")
+        if id(block) not in names:
+            raise ValueError(
+                f"blocks[{i}] ({type(block).__name__}) is not a submodule of the "
+                f"{type(module).__name__} being streamed"
+            )
+        if block is module:
+            raise ValueError("blocks= names the module itself: name its submodules")
+    distinct = {id(b): b for b in blocks}
+    for outer in distinct.values():
+        for inner in outer.modules():
+            if inner is not outer and id(inner) in distinct:
+                raise ValueError(
+                    f"blocks= names {names[id(inner)]!r} inside {names[id(outer)]!r}: blocks "
+                    "must not nest (stream the outer block, or the blocks inside it)"
+                )
+    return blocks
+
+
+def _requires_grad_at(value: Any, path: str, budget: list[int], depth: int = 0) -> str | None:
+    """Where in ``value`` (tuples, lists, dicts, dataclasses, plain objects such as a Hugging
+    Face cache, nested) a tensor requires grad, as ``args[0]['x']``; ``None`` if nowhere.
+    Looks 8 levels deep and at ``budget[0]`` items at most (a long list of token ids is not
+    walked to its end on every call)."""
+    budget[0] -= 1
+    if isinstance(value, torch.Tensor):
+        return path if value.requires_grad else None
+    if budget[0] <= 0 or depth >= 8 or isinstance(value, (str, bytes, int, float, bool)):
+        return None
+    items: Any
+    if isinstance(value, dict):
+        items = ((f"[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = ((f"[{i}]", item) for i, item in enumerate(value))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f".{f.name}", getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    elif hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+        items = ((f".{key}", item) for key, item in vars(value).items())
+    else:
+        return None
+    for suffix, item in items:
+        found = _requires_grad_at(item, path + suffix, budget, depth + 1)
+        if found is not None or budget[0] <= 0:
+            return found
+    return None
 
 
 def stream_module(

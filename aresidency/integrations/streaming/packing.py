@@ -132,6 +132,9 @@ class TensorGroup:
         self.hold: Hold | None = None
         self.from_source = False
         self.host_flat: torch.Tensor | None = None
+        # (data_ptr, version) of each entry's tensor when last copied into the host flat
+        # buffer (host mode): a changed version means written in place since
+        self.seen: list[tuple[int, int]] | None = None
         self._dtypes = sorted({e.dtype for e in entries}, key=str)
         # (slot dict, attribute, entry index) flattened once: swapping is the per-call hot path.
         self._slots = [(d, attr, i) for i, e in enumerate(entries) for d, attr in e.slots]
@@ -152,6 +155,20 @@ class TensorGroup:
     def swap_in(self, tensors: Sequence[torch.Tensor]) -> None:
         for slots, attr, i in self._slots:
             slots[attr] = tensors[i]
+
+    def swapped_storage(self) -> int | None:
+        """The memory of the tensors swapped in now (a device replica or ring buffer), or
+        ``None`` (nothing swapped in, or no tensors)."""
+        if not self._slots:
+            return None
+        slots, attr, i = self._slots[0]
+        tensor = slots[attr]
+        if tensor is None or tensor is self._originals[i]:
+            return None
+        try:
+            return int(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
 
     def restore(self) -> None:
         originals = self._originals

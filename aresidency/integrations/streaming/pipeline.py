@@ -235,6 +235,10 @@ class CallPipeline:
             if slot.group.index in releasing:
                 return "stop"  # its last release must finish first (_released pumps)
             started = self._start(slot)
+            if started is False and self.streamed.ask_others_for_room():
+                # The other streamed modules idle at this device gave up what they keep
+                # between calls: a release with no readers left has committed already.
+                started = self._start(slot)
             if started is None:
                 return "stop"  # failed: the consumer raises it
             if not started:

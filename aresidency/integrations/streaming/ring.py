@@ -41,6 +41,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from ...backends.events import HostEvent
@@ -236,6 +237,9 @@ class RingCall:
 
     async def _wait_for_room(self, deadline: float | None, group: TensorGroup | None) -> None:
         streamed = self.streamed
+        if streamed.ask_others_for_room():  # their kept blocks leave: try again first
+            await anyio.lowlevel.checkpoint()
+            return
         if deadline is None:
             await self.manager.wait_for_change()
             return

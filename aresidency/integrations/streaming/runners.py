@@ -16,6 +16,7 @@ import anyio
 import anyio.lowlevel
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .packing import TensorGroup
 from .pipeline import CallPipeline, Slot
@@ -27,6 +28,34 @@ if TYPE_CHECKING:
 __all__ = ["ThreadedRunner", "TorchState", "run_sequential"]
 
 T = TypeVar("T")
+
+
+def _storage_of(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # meta, sparse...: shares nothing of ours
+        return None
+
+
+def storage_of(tensors: list[torch.Tensor]) -> int | None:
+    """The memory a group's device tensors are views of (one flat buffer per group)."""
+    return _storage_of(tensors[0]) if tensors else None
+
+
+def owned(output: Any, storage: int | None) -> Any:
+    """``output`` with every tensor in it that is a view of ``storage`` (a group's device
+    replica or ring buffer, released or reused once the block or the call is done) replaced
+    by a copy, as a plain module's output would stay valid; ``output`` itself when none is
+    (the usual case: nothing is rebuilt). Looks through what ``torch.utils._pytree`` knows
+    (tuples, lists, dicts, namedtuples, Hugging Face outputs)."""
+    if storage is None:
+        return output
+    leaves = tree_leaves(output)
+    if not any(isinstance(t, torch.Tensor) and _storage_of(t) == storage for t in leaves):
+        return output
+    return tree_map_only(
+        torch.Tensor, lambda t: t.clone() if _storage_of(t) == storage else t, output
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +115,9 @@ async def run_sequential(
         try:
             if torch_state is not None:
                 with torch_state.enter():
-                    box[0] = block(box[0])
+                    box[0] = owned(block(box[0]), storage_of(tensors))
             else:
-                box[0] = block(box[0])
+                box[0] = owned(block(box[0]), storage_of(tensors))
         except BaseException as error:
             errors.append(error)
         finally:
@@ -262,6 +291,9 @@ class ThreadedRunner:
                 if resident is not None and resident.ready_event is not None:
                     backend.stream_wait(stream, resident.ready_event)
                 output = fn(*args, **kwargs)
+                if resident is not None and resident.tensors is not None:
+                    # (the blocks' outputs were made the caller's own by their hooks)
+                    output = owned(output, storage_of(resident.tensors))
                 return output, self._reader_event(stream)
             finally:
                 self._worker_ident = None
@@ -287,12 +319,18 @@ class ThreadedRunner:
         assert tensors is not None
         group.swap_in(tensors)
 
-    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_hook(self, group: TensorGroup, module: nn.Module, args: Any, output: Any) -> Any:
         # Also called when the block (or its pre-hook) raised: give back only what was taken.
         if self._worker_ident != threading.get_ident():
-            return
+            return None
+        storage = group.swapped_storage()
         group.restore()
         call = self.streamed.current_call
         assert call is not None
-        if group.index in call.taken:
-            call.give_back_threadsafe(group.index, call.reader_event(call.stream, group.index))
+        if group.index not in call.taken:
+            return None
+        # An output that is a view of the block's weights or buffers outlives the replica:
+        # a copy of it (enqueued before the reader event, which then covers the copy too).
+        mine = owned(output, storage)
+        call.give_back_threadsafe(group.index, call.reader_event(call.stream, group.index))
+        return None if mine is output else mine

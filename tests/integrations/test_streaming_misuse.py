@@ -1,0 +1,239 @@
+"""Weight streaming used the way a user may use it without reading every line of the docs, on
+the simulated backend (released device memory is poisoned, so a read after release shows):
+inputs that require grad deep inside the arguments, weights changed or replaced between calls,
+outputs that are views of the weights, blocks that nest, two streamed models sharing a budget,
+a manager closed before the streamed module."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+from aresidency import ResidencyManager
+from aresidency.integrations import stream_module
+
+from ._models import Net
+
+pytestmark = pytest.mark.anyio
+
+RINGS = [pytest.param(None, id="ring"), pytest.param(False, id="no-ring")]
+
+
+def expected(model: nn.Module, *args: object) -> torch.Tensor:
+    with torch.no_grad():
+        out = copy.deepcopy(model)(*args)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+
+
+class DictNet(Net):
+    def forward(self, batch: object) -> torch.Tensor:  # type: ignore[override]
+        x = (
+            batch["x"]
+            if isinstance(batch, dict)
+            else batch[0]
+            if isinstance(batch, list)
+            else batch.x
+        )  # type: ignore[attr-defined,index]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "wrap, where",
+    [
+        (lambda x: {"x": x}, "args[0]['x']"),
+        (lambda x: [x], "args[0][0]"),
+        (lambda x: Inputs(x), "args[0].x"),
+    ],
+    ids=["dict", "list", "dataclass"],
+)
+async def test_an_input_requiring_grad_deep_in_the_arguments_is_refused(
+    wrap: object, where: str
+) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, DictNet(n=2))
+        x = torch.randn(2, 16, requires_grad=True)
+        with pytest.raises(ValueError, match="inference") as caught:
+            await streamed(wrap(x))  # type: ignore[operator]
+        assert where in str(caught.value)
+        with torch.no_grad():
+            y = await streamed(wrap(x))  # type: ignore[operator]
+        assert torch.equal(y, expected(DictNet(n=2), wrap(x.detach())))  # type: ignore[operator]
+        await streamed.aclose()
+
+
+def _budget_keeping_half(streamed: object) -> int:
+    s = streamed
+    return int(s.resident_bytes + 3 * max(s.block_bytes) + sum(s.block_bytes) // 2)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_weights_loaded_in_place_between_calls_are_the_ones_the_next_call_runs(
+    ring: bool | None,
+) -> None:
+    """``load_state_dict`` (in place) after a call that left groups on the device: the next
+    call runs the new weights, not the kept replicas of the old ones."""
+    model, other = Net(seed=0), Net(seed=7)
+    x = torch.randn(4, 16)
+    old, new = expected(model, x), expected(other, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        m.set_budget("cuda:0", _budget_keeping_half(streamed))
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), old)
+        await streamed.drain()
+        assert streamed.kept, "the budget keeps groups between calls"
+        model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), new)
+            assert torch.equal(await streamed(x), new)
+            with torch.no_grad():
+                model.layers[2].mix.mul_(2.0)  # one tensor of one block, in place
+                other.layers[2].mix.mul_(2.0)
+            assert torch.equal(await streamed(x), expected(other, x))
+        await streamed.aclose()
+    assert torch.equal(expected(model, x), expected(other, x))
+
+
+@pytest.mark.parametrize(
+    "replace",
+    [
+        lambda model: model.load_state_dict(Net(seed=3).state_dict(), assign=True),
+        lambda model: model.half(),
+        lambda model: setattr(model.layers[1], "gate", nn.Parameter(torch.zeros(32))),
+    ],
+    ids=["assign", "half", "new-parameter"],
+)
+async def test_weights_replaced_between_calls_are_refused_by_name(replace: object) -> None:
+    model = Net()
+    x = torch.randn(4, 16)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            await streamed(x)
+        replace(model)  # type: ignore[operator]
+        with (
+            pytest.raises(ValueError, match="was replaced since stream_module") as caught,
+            torch.no_grad(),
+        ):
+            await streamed(x)
+        assert "layers." in str(caught.value) or "embed." in str(caught.value)
+        await streamed.aclose()
+
+
+class Aliasing(nn.Module):
+    """Returns views of its weights and buffers besides its output, as a module may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList(AliasBlock() for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.embed(ids)
+        pos = None
+        for layer in self.layers:
+            h, pos = layer(h)
+        return h, self.embed.weight, self.embed.weight[:4].t(), pos
+
+
+class AliasBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("pos", torch.arange(16.0))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.linear(h)), self.pos[:5]
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_outputs_that_are_views_of_the_weights_stay_valid(ring: bool | None) -> None:
+    model = Aliasing()
+    ids = torch.randint(0, 20, (2, 3))
+    with torch.no_grad():
+        want = [t.clone() for t in model(ids)]
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring, keep_resident=False)
+        with torch.no_grad():
+            got = await streamed(ids)
+            await streamed(ids)  # the ring's buffers and the replicas are reused
+        await streamed.drain()  # every device replica released (and poisoned)
+        for have, wanted in zip(got, want):
+            assert torch.equal(have, wanted)
+        await streamed.aclose()
+
+
+async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:
+    model = Net(n=3)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match=r"'layers\.0\.up' inside 'layers\.0'"):
+            stream_module(m, model, blocks=[model.layers[0], model.layers[0].up, model.layers[1]])
+        with pytest.raises(ValueError, match="not a submodule"):
+            stream_module(m, model, blocks=[*model.layers, nn.Linear(2, 2)])
+        with pytest.raises(ValueError, match="blocks= is empty"):
+            stream_module(m, model, blocks=[])
+        with pytest.raises(TypeError, match=r"blocks\[1\] is a str"):
+            stream_module(m, model, blocks=[model.layers[0], "layers.1"])  # type: ignore[list-item]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        # The same block twice (run twice per call) is fine.
+        streamed = stream_module(m, model, blocks=[model.layers[0], model.layers[0]])
+        await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_a_second_streamed_model_takes_the_room_the_first_keeps(ring: bool | None) -> None:
+    """Model A keeps its groups on the device between calls; model B, called next, needs
+    the room: A's kept groups leave for B (they are a cache), and A runs again after."""
+    a, b = Net(seed=0), Net(d=48, seed=1)
+    x = torch.randn(4, 16)
+    want_a, want_b = expected(a, x), expected(b, x)
+    async with ResidencyManager(backend="sim") as m:
+        sa = stream_module(m, a, prefetch=1, ring=ring)
+        sb = stream_module(m, b, prefetch=1, ring=ring)
+        m.set_budget("cuda:0", sa.resident_bytes + sum(sa.block_bytes))  # all of A
+        with torch.no_grad():
+            assert torch.equal(await sa(x), want_a)
+        await sa.drain()
+        assert sa.kept, "A keeps its groups"
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await sb(x), want_b)
+            assert torch.equal(await sa(x), want_a)
+        await sa.aclose()
+        await sb.aclose()
+
+
+async def test_closing_the_manager_first_leaves_the_module_its_own_weights() -> None:
+    model = Net()
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            await streamed(x)
+    assert "closed" in repr(streamed)
+    await streamed.aclose()  # nothing left to release: no error
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    with pytest.raises(RuntimeError, match="closed"):
+        await streamed(x)
+
+
+async def test_a_budget_too_small_names_the_largest_block() -> None:
+    model = Net(n=3)
+    model.layers[1].up = nn.Linear(32, 512)  # the largest block by far
+    model.layers[1].down = nn.Linear(512, 32)
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 48 << 10}) as m:
+        with pytest.raises(ValueError, match=r"the largest block \(layers\.1, "):
+            stream_module(m, model)
