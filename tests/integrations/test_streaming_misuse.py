@@ -237,3 +237,32 @@ async def test_a_budget_too_small_names_the_largest_block() -> None:
     async with ResidencyManager(backend="sim", budgets={"cuda:0": 48 << 10}) as m:
         with pytest.raises(ValueError, match=r"the largest block \(layers\.1, "):
             stream_module(m, model)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])  # the call makes 6 allocations
+async def test_out_of_memory_on_a_prefetch_is_raised_by_the_call(
+    k: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The device's out-of-memory error on the k-th allocation of a call (a prefetch begun
+    from a loop callback, not by the awaiting task): the call raises it, nothing is left
+    charged or in use, nothing escapes into the event loop, and the next call runs."""
+    model = Net()
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 1 << 20}) as m:
+        streamed = stream_module(m, model, prefetch=2, ring=False, keep_resident=False)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+        m.backend.faults.oom_at_allocation = k
+        with (
+            caplog.at_level("ERROR"),
+            torch.no_grad(),
+            pytest.raises(torch.OutOfMemoryError, match="injected allocation failure"),
+        ):
+            await streamed(x)
+        assert "Exception in callback" not in caplog.text
+        await streamed.drain()
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+        await streamed.aclose()

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from ...core.errors import ResidencyBudgetError, ResidencyError
+from ...core.errors import ResidencyBudgetError
 from ...core.values import MaterializationState
 from ...runtime.leases import Lease, LeaseWouldWait
 from ...runtime.pending import PendingOperation
@@ -283,7 +283,9 @@ class CallPipeline:
                 self._fail(slot, error)  # it could never fit
                 return None
             return False
-        except ResidencyError as error:
+        except Exception as error:  # a ResidencyError, or the device's out-of-memory error
+            # Raised here, in a loop callback's pump, it would escape into the event loop and
+            # leave the slot idle: the call raises it when it reaches the block instead.
             self._fail(slot, error)
             return None
         slot.pending = pending
