@@ -266,3 +266,17 @@ async def test_out_of_memory_on_a_prefetch_is_raised_by_the_call(
         with torch.no_grad():
             assert torch.equal(await streamed(x), want)
         await streamed.aclose()
+
+
+async def test_a_module_made_under_inference_mode_streams() -> None:
+    """Its tensors keep no version counter: streaming works, in-place writes are not seen."""
+    with torch.inference_mode():
+        model = Net()
+        x = torch.randn(4, 16)
+        want = model(x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.inference_mode():
+            assert torch.equal(await streamed(x), want)
+            assert torch.equal(await streamed(x), want)
+        await streamed.aclose()

@@ -350,7 +350,7 @@ class StreamedModule:
         """Remember each host tensor's memory and version (see :meth:`_changed_groups`)."""
         for group in self._registered:
             if group.host_flat is not None:
-                group.seen = [(e.tensor.data_ptr(), e.tensor._version) for e in group.entries]
+                group.note()
 
     def _changed_groups(self) -> list[TensorGroup]:
         """The groups whose tensors were written in place since they were noted (a
@@ -360,22 +360,17 @@ class StreamedModule:
         registered, so the call would not run the module's."""
         changed = []
         for group in self._registered:
-            seen = group.seen
-            if seen is None:
+            if group.seen is None:
                 continue
-            stale = False
-            for entry, (ptr, version) in zip(group.entries, seen):
-                tensor = entry.tensor
-                replaced = any(d.get(attr) is not tensor for d, attr in entry.slots)
-                if replaced or tensor.data_ptr() != ptr or tensor.dtype != entry.dtype:
-                    raise ValueError(
-                        f"{self.name}: {entry.names[0]} was replaced since stream_module "
-                        "(load_state_dict(assign=True), .to(), .half() or a new Parameter): "
-                        "a streamed module runs the tensors it registered; aclose() it and "
-                        "stream the module again, or change weights in place "
-                        "(load_state_dict without assign, copy_ under no_grad)"
-                    )
-                stale = stale or tensor._version != version
+            replaced, stale = group.changes()
+            if replaced is not None:
+                raise ValueError(
+                    f"{self.name}: {replaced.names[0]} was replaced since stream_module "
+                    "(load_state_dict(assign=True), .to(), .half() or a new Parameter): "
+                    "a streamed module runs the tensors it registered; aclose() it and "
+                    "stream the module again, or change weights in place "
+                    "(load_state_dict without assign, copy_ under no_grad)"
+                )
             if stale:
                 changed.append(group)
         return changed
@@ -392,7 +387,7 @@ class StreamedModule:
                 for entry, view in zip(group.entries, group.views(group.host_flat)):
                     if entry.tensor.data_ptr() != view.data_ptr():
                         view.copy_(entry.tensor.detach())
-                group.seen = [(e.tensor.data_ptr(), e.tensor._version) for e in group.entries]
+                group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
 

@@ -32,6 +32,14 @@ __all__ = [
 ALIGN: Final = 512
 
 
+def _version_of(tensor: torch.Tensor) -> int:
+    """``tensor._version``, or -1 for an inference tensor (it keeps no version counter)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1
+
+
 def _align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -155,6 +163,29 @@ class TensorGroup:
     def swap_in(self, tensors: Sequence[torch.Tensor]) -> None:
         for slots, attr, i in self._slots:
             slots[attr] = tensors[i]
+
+    def note(self) -> None:
+        """Remember each tensor's memory and version, for :meth:`changes` (a tensor made under
+        ``torch.inference_mode()`` has no version counter: -1, its writes are not seen)."""
+        self.seen = [(t.data_ptr(), _version_of(t)) for t in self._originals]
+
+    def changes(self) -> tuple[PackedTensor | None, bool]:
+        """Since :meth:`note`: the first entry whose tensor was replaced (its module holds
+        another tensor in its place, or it has other memory now), and whether any was
+        written in place (its version moved). Runs at every call: one pass, no allocation."""
+        originals = self._originals
+        for slots, attr, i in self._slots:
+            if slots.get(attr) is not originals[i]:
+                return self.entries[i], False
+        assert self.seen is not None
+        stale = False
+        for i, (ptr, version) in enumerate(self.seen):
+            tensor = originals[i]
+            if tensor.data_ptr() != ptr:
+                return self.entries[i], False
+            if version >= 0 and tensor._version != version:
+                stale = True
+        return None, stale
 
     def swapped_storage(self) -> int | None:
         """The memory of the tensors swapped in now (a device replica or ring buffer), or
