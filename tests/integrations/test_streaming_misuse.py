@@ -280,3 +280,47 @@ async def test_a_module_made_under_inference_mode_streams() -> None:
             assert torch.equal(await streamed(x), want)
             assert torch.equal(await streamed(x), want)
         await streamed.aclose()
+
+
+async def test_a_streamed_model_can_be_copied_and_saved() -> None:
+    """``copy.deepcopy`` and ``torch.save`` of a module while it is streamed: the copies are
+    plain modules (their hooks do nothing) that compute what the original does. (A block
+    that mixes dtypes cannot be saved whole: torch refuses to save views of one buffer as
+    different types; see docs/streaming.md.)"""
+    import io
+
+    model, single = Net(), Plain()
+    x = torch.randn(4, 16)
+    want, want_single = expected(model, x), expected(single, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        streamed_single = stream_module(m, single)
+        with torch.no_grad():
+            await streamed(x)
+            await streamed_single(x)
+        twin = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(single, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        with torch.no_grad():
+            assert torch.equal(twin(x), want)
+            assert torch.equal(loaded(x), want_single)
+            assert torch.equal(await streamed(x), want)
+            assert torch.equal(await streamed_single(x), want_single)
+        await streamed.aclose()
+        await streamed_single.aclose()
+
+
+class Plain(nn.Module):
+    """Blocks of one dtype, run by the model's own forward (so it has streaming hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x

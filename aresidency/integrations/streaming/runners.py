@@ -153,6 +153,36 @@ async def run_sequential(
     return box[0]
 
 
+def _inert(*_args: Any) -> None:
+    """What a streaming hook becomes in a copy of the module: nothing (the copy is not
+    streamed)."""
+    return None
+
+
+class _Hook:
+    """A block's streaming hook. A copy of the module (``copy.deepcopy``, ``torch.save`` and
+    ``torch.load``) gets an inert hook in its place, not a copy of the streaming machinery
+    (its locks cannot be copied or pickled), so a streamed model can be copied and saved."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _inert
+
+
 class ThreadedRunner:
     """Runs a module's own forward in one worker thread; forward hooks on its blocks take each
     block's weights from the call's pipeline and hand them back (see the pipeline module).
@@ -176,11 +206,11 @@ class ThreadedRunner:
             if group is None:
                 continue
             self._hooks.append(
-                block.register_forward_pre_hook(functools.partial(self._pre_hook, group))
+                block.register_forward_pre_hook(_Hook(functools.partial(self._pre_hook, group)))
             )
             self._hooks.append(
                 block.register_forward_hook(
-                    functools.partial(self._post_hook, group), always_call=True
+                    _Hook(functools.partial(self._post_hook, group)), always_call=True
                 )
             )
 
