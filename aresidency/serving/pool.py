@@ -374,10 +374,11 @@ class ModelPool:
     ``_entries`` (name -> :class:`~aresidency.serving.entry.ModelEntry`), ``_owner`` (value
     handle -> entry), ``_line`` (admission, first come first served), ``_requests`` (requests
     between arrival and end), ``_admitted``, ``_ended`` (requests ended so far), ``_wake``
-    (what the head of the line parks on: set on every batch of transitions and at the end of
-    every request). Invariants: one request at a time decides and enters (the holder of
-    ``_line``); every hold the pool takes belongs to an admitted request and is released when
-    it ends; the device budget is the manager's, never exceeded.
+    (the head of the line's park: it waits for the manager's next change, and is cut short at
+    the end of every request and when the pool closes). Invariants: one request at a time
+    decides and enters (the holder of ``_line``); every hold the pool takes belongs to an
+    admitted request and is released when it ends; the device budget is the manager's, never
+    exceeded.
     """
 
     def __init__(
@@ -441,8 +442,9 @@ class ModelPool:
         self._idle.set()
         self._closed = False
         self._ended = 0
-        self._wake: anyio.Event | None = None
-        self._unlisten = manager.add_change_listener(self._poke)
+        # The head's park (a cancel scope around its wait for a change): cancelled to make
+        # it look again at once (a request ended, the pool closes).
+        self._wake: anyio.CancelScope | None = None
 
     # ------------------------------------------------------------------ models
 
@@ -599,7 +601,7 @@ class ModelPool:
         entry = request.entry
         manager = self.manager
         while True:
-            self._check_open()
+            # A request that arrived before the pool closed is served (aclose waits for it).
             before = self._progress()
             mode, prefetch = self._mode_for(entry, request.reserve)
             other: Mode = "streamed" if mode == "resident" else "resident"
@@ -611,6 +613,10 @@ class ModelPool:
             joining = entry.active[mode] > 0
             if not joining:
                 await self._settle(entry)
+            # Every judgement below reads the state as it is now: the room a park waits to see
+            # grow is measured from here (or from the refusal itself), never from before an
+            # await (see _wait_for_progress).
+            before = self._progress()
             headroom = self._headroom()
             if mode == "streamed":
                 window = entry.window_bytes(prefetch)
@@ -625,10 +631,11 @@ class ModelPool:
             ):
                 # A hit: nothing to evict, so no decision (the controller's search costs
                 # milliseconds of the loop per request); refused only if a scope came first.
-                if await self._enter_hit(request, headroom, joining=joining):
+                refused = await self._enter_hit(request, headroom, joining=joining)
+                if refused is None:
                     return
                 request.why = f"room for the reserve of {request.reserve} B"
-                await self._park(request, before, None)
+                await self._park(request, refused, None)
                 continue
             spec = self._request_spec(request, mode, joining, own_window, headroom)
             if self._surely_short(entry, mode, joining, request.reserve + own_window + headroom):
@@ -648,10 +655,12 @@ class ModelPool:
                     continue
                 if not any(e.busy for e in self._entries.values() if e is not entry):
                     raise
+                before = self._progress()  # the state the search judged
                 request.why = f"a search past its limit with nothing idle to evict: {error}"
                 await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
             except ResidencyPlanError as error:
+                before = self._progress()  # the state the search judged infeasible
                 request.why = f"room: {error.reason}"
                 await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
@@ -676,6 +685,7 @@ class ModelPool:
             except ResidencyStaleStateError:
                 continue  # the manager moved since the decision: decide again
             except ResidencyPlanError as error:
+                before = self._progress()  # the state the scope's admission refused
                 request.why = f"room: {error.reason}"
                 await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
@@ -696,9 +706,9 @@ class ModelPool:
             except ResidencyBudgetError as error:
                 # Refused synchronously (another tenant's scope waits for room first): undo
                 # and wait for our turn again.
-                await self._exit_scope(request)
+                refused = await self._undo_refused(request)
                 request.why = f"room: {error}"
-                await self._park(request, before, None)
+                await self._park(request, refused, None)
                 continue
             except BaseException:
                 await self._exit_scope(request)
@@ -783,7 +793,8 @@ class ModelPool:
         headroom = self._headroom()
         if not self._is_hit(entry, request.reserve, headroom):
             return False
-        return await self._enter_hit(request, headroom, joining=True, passed=self._head_why)
+        refused = await self._enter_hit(request, headroom, joining=True, passed=self._head_why)
+        return refused is None
 
     def _is_hit(self, entry: ModelEntry, reserve: int, headroom: int) -> bool:
         """Whether the model is resident whole on the device and the request's reserve fits
@@ -800,10 +811,11 @@ class ModelPool:
 
     async def _enter_hit(
         self, request: _Request, headroom: int, *, joining: bool, passed: str | None = None
-    ) -> bool:
+    ) -> tuple[int, int, int, int, int] | None:
         """Admit a request whose model is resident whole without a decision (there is
-        nothing to evict): a scope for its reserve, then its holds. False, with nothing
-        changed, if the reserve is refused (another tenant's scope came first)."""
+        nothing to evict): a scope for its reserve, then its holds. ``None`` once admitted;
+        if the reserve or a copy is refused (another tenant's scope came first), nothing
+        changed and the return is the :meth:`_progress` reading of the refusal (to park on)."""
         manager = self.manager
         reserve = (
             [MemoryReservation(self._reservation_name(request), self.device, request.reserve)]
@@ -814,19 +826,28 @@ class ModelPool:
         try:
             await scope.__aenter__()
         except ResidencyPlanError:
-            return False
+            return self._progress()
         request.scope = scope
         request.mode, request.prefetch = "resident", 0
         try:
             loaded = await self._load_and_hold(request, joining=joining)
         except ResidencyBudgetError:
-            await self._exit_scope(request)
-            return False
+            return await self._undo_refused(request)
         except BaseException:
             await self._exit_scope(request)
             raise
         self._record(request, None, loaded, headroom, scope, passed=passed)
-        return True
+        return None
+
+    async def _undo_refused(self, request: _Request) -> tuple[int, int, int, int, int]:
+        """Exit the scope of a request whose copies the manager refused (another tenant's
+        scope waits for room first) and return the reading to park on: the room as it is once
+        the request's own reserve went, and the manager's queue as it was at the refusal (a
+        scope that entered while this one exited is progress)."""
+        queued = self.manager.waiting
+        await self._exit_scope(request)
+        ended, free, unprotected, incoming, now_queued = self._progress()
+        return ended, free, unprotected, incoming, max(queued, now_queued)
 
     async def _evict_coldest_idle(self, entry: ModelEntry) -> str | None:
         """Release every resident device replica of the idle model with the lowest demand
@@ -877,30 +898,39 @@ class ModelPool:
     async def _wait_for_progress(self, before: tuple[int, int, int, int, int]) -> None:
         """Park until something happened since ``before`` that could admit a waiting request:
         a request ended (its model is idle, its mode over), free room grew, the room nothing
-        protects grew, a copy landed, or a scope of another tenant left the manager's queue
-        (the manager refuses the pool's copies while one waits there for room: first come,
-        first served; once it entered, the room it leaves can be less than before and grow
-        back only to what it was, so the room alone would never wake this request). Only
-        those can turn a refusal into an admission, so the head of the line does not decide
-        again on every transition of the calls in flight. Woken by the manager's change
-        listener and by the end of each request; a scope that leaves the queue without a
-        transition (cancelled, timed out) is seen by a look every ``_RECHECK_S`` seconds."""
+        protects grew (a hold or a lease ended, readers' events were reaped: an eviction became
+        possible), a copy landed, or a scope of another tenant left the manager's queue (the
+        manager refuses the pool's copies while one waits there for room: first come, first
+        served). Only those can turn a refusal into an admission, so the head of the line does
+        not decide again on every transition of the calls in flight.
+
+        ``before`` must be read in the same synchronous step as the judgement that refused the
+        request (see :meth:`_admit_in_turn`): room that shrank while an await ran and came back
+        to the earlier level is progress for a judgement made on the shrunken state; compared
+        with a reading from before the shrinking, it would never wake the request.
+
+        Woken by every change of the manager's state and cut short at the end of each request
+        and when the pool closes; a scope that leaves the manager's queue without a transition
+        (cancelled, timed out) is seen by a look every ``_RECHECK_S`` seconds.
+        ``ManagerClosedError`` as soon as the manager closes."""
+        closed = self._closed
         while True:
-            if self._wake is None:
-                self._wake = anyio.Event()
-            wake = self._wake
             ended, free, unprotected, incoming, queued = self._progress()
             if ended != before[0] or free > before[1] or unprotected > before[2]:
                 return
-            if incoming < before[3] or queued < before[4]:
+            if incoming < before[3] or queued < before[4] or self._closed != closed:
                 return
-            with anyio.move_on_after(_RECHECK_S):
-                await wake.wait()
+            with anyio.move_on_after(_RECHECK_S) as wake:
+                self._wake = wake
+                try:
+                    await self.manager.wait_for_change()
+                finally:
+                    self._wake = None
 
     def _poke(self) -> None:
-        wake, self._wake = self._wake, None  # made again by the next waiter
-        if wake is not None:
-            wake.set()
+        """Make the parked head look again now (a request ended, the pool closes)."""
+        if self._wake is not None:
+            self._wake.cancel()
 
     # -- the parts of an admission
 
@@ -1248,8 +1278,11 @@ class ModelPool:
 
     async def aclose(self) -> None:
         """Admit nothing new, wait for the requests in flight (waiting ones included) to
-        finish, then give every model its own host tensors back and discard its values."""
+        finish, then give every model its own host tensors back and discard its values. The
+        requests waiting are served, not refused: only those that arrive later are. Waking
+        the head of the line (it looks again at once) changes nothing else."""
         self._closed = True
+        self._poke()
         await self._idle.wait()
         for entry in list(self._entries.values()):
             try:
@@ -1259,7 +1292,6 @@ class ModelPool:
         self._entries.clear()
         self._owner.clear()
         self.controller.close()
-        self._unlisten()
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # idle: every call has returned
             self._executor = None

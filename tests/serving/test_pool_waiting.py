@@ -1,0 +1,108 @@
+"""``ModelPool``: what wakes a waiting request, and how waiting ends (the pool or the manager
+closing, ``timeout``). Simulated backend; every test bounds itself with ``fail_after`` and
+waits on conditions, never on a sleep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ReplicaMode, ResidencyManager
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, reference
+from .test_pool import TOKENS, TOTAL
+
+pytestmark = pytest.mark.anyio
+
+
+def hold_during_decisions(pool: ModelPool, take: Any) -> anyio.Event:
+    """Make the pool's controller run ``take()`` before its first search (another tenant
+    takes a hold meanwhile); the returned event is set once that search returned."""
+    decided = anyio.Event()
+    decide = pool.controller.decide
+
+    async def deciding(request: Any) -> Any:
+        if not decided.is_set():
+            take()
+        try:
+            return await decide(request)
+        finally:
+            decided.set()
+
+    pool.controller.decide = deciding  # type: ignore[method-assign]
+    return decided
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+async def test_a_request_refused_while_a_tenant_held_its_victim_goes_in_when_the_hold_ends(
+    timeout: float | None,
+) -> None:
+    # Another tenant's replica (evictable once nothing holds it) is held while the pool's
+    # controller searches: the request parks for room. The hold ends: the room the request
+    # could evict grew back only to where it was before the search, which is progress for
+    # a request refused on the held state.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 4}, backend="sim") as m:
+        other = m.register(
+            torch.zeros(TOTAL // 8), name="tenant-x", replica_mode=ReplicaMode.REPLICABLE
+        )
+        await m.materialize(other, "cuda:0")
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        holds = []
+        decided = hold_during_decisions(pool, lambda: holds.append(m.hold(other, "cuda:0")))
+        admitted = anyio.Event()
+
+        async def request() -> None:
+            async with pool.use("a", timeout=timeout) as model:
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                admitted.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request)
+                await decided.wait()
+                await anyio.wait_all_tasks_blocked()
+                assert pool.waiting == 1 and not admitted.is_set()  # parked: 'tenant-x' held
+                holds[0].release()
+                await admitted.wait()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_closing_the_pool_serves_the_request_that_waited_for_a_hold_to_end() -> None:
+    # The same wait with no timeout, and the server shuts down meanwhile: aclose waits for the
+    # waiting request, which is served once the hold ends; then aclose returns.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 4}, backend="sim") as m:
+        other = m.register(
+            torch.zeros(TOTAL // 8), name="tenant-x", replica_mode=ReplicaMode.REPLICABLE
+        )
+        await m.materialize(other, "cuda:0")
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        holds = []
+        decided = hold_during_decisions(pool, lambda: holds.append(m.hold(other, "cuda:0")))
+        served: list[str] = []
+        closed = anyio.Event()
+
+        async def request() -> None:
+            async with pool.use("a") as model:
+                served.append(model.mode)
+
+        async def close() -> None:
+            await pool.aclose()
+            closed.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request)
+                await decided.wait()
+                tasks.start_soon(close)
+                await anyio.wait_all_tasks_blocked()
+                assert not closed.is_set() and pool.waiting == 1
+                holds[0].release()
+                await closed.wait()
+        assert served == ["resident"]
