@@ -404,12 +404,25 @@ class StreamedModule:
         return yielded
 
     def _yield_kept(self) -> bool:
+        """Release what this idle module keeps; whether a release started (a group someone
+        holds, such as a model pool's, stays)."""
         if self._closed or self.current_call is not None or not self.kept:
             return False
         kept, self.kept = self.kept, set()
+        yielded = False
         for index in sorted(kept):
+            had = self._replica_here(index)
             self.release_replica(index)
-        return True
+            # released at once (no readers left), or on its way out
+            yielded = yielded or (
+                had and (index in self.releasing or not self._replica_here(index))
+            )
+        return yielded
+
+    def _replica_here(self, index: int) -> bool:
+        handle = self.group(index).handle
+        value = None if handle is None else self.manager.state.find_value(handle)
+        return value is not None and self.device in value.materializations
 
     # -- residency between calls ("budgets that remember")
 
