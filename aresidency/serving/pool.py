@@ -13,6 +13,7 @@ steps' undo paths would no longer be read side by side.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
@@ -38,9 +39,12 @@ from ..controller import (
 from ..core.errors import (
     ResidencyBudgetError,
     ResidencyError,
+    ResidencyInUseError,
     ResidencyPlanError,
+    ResidencyPlanExecutionError,
     ResidencySearchLimitError,
     ResidencyStaleStateError,
+    ResidencyUnavailableError,
 )
 from ..core.locations import Location, LocationLike
 from ..core.plans import MemoryReservation, ResidencyPlan
@@ -60,6 +64,7 @@ __all__ = ["ModelPool", "PoolDecision", "PooledModel"]
 logger = logging.getLogger("aresidency.serving")
 
 _RESIDENT = MaterializationState.RESIDENT
+_OUTGOING = MaterializationState.OUTGOING
 
 #: How often a request parked for progress looks again without being woken: the safety net for
 #: changes that commit no transition (another tenant's scope leaving the queue, cancelled).
@@ -194,6 +199,87 @@ class _Line:
     def wake_all(self) -> None:
         for place in self._places:
             place.wake()
+
+
+class _Loading:
+    """The copies that bring one request's groups to the device, and the holds that protect
+    each group from the moment it is there (loop thread).
+
+    The pool's decision made room for the model, but nothing protects a group between its
+    landing and the request's admission: another tenant of the manager (a second pool, a
+    scope's reclaim, a direct release) may release an unprotected resident value, and a
+    hold taken only once the last copy landed found it gone. So a group already at the
+    device is held before any await, and a copied one in the done callback of its copy (the
+    first code of the pool's that runs after the copy committed); a group taken before that
+    (by a change listener of another tenant, which runs at the commit) is copied again, as
+    often as that happens (each round awaits copies: the loop is never held, and the
+    request's ``timeout`` bounds it).
+
+    State: ``holds`` (group index -> the hold on its device materialization), ``open``
+    (cleared when the loading gave up: a copy that lands later is not held). Invariant: once
+    :meth:`run` raised, nothing is held and nothing it copied is in flight."""
+
+    def __init__(self, manager: ResidencyManager, device: Location, entry: ModelEntry) -> None:
+        self.manager = manager
+        self.device = device
+        self.entry = entry
+        self.holds: dict[int, Hold] = {}
+        self.open = True
+
+    def _hold(self, index: int) -> None:
+        if not self.open or index in self.holds:
+            return
+        group = self.entry.streamed.group(index)
+        assert group.handle is not None
+        try:
+            self.holds[index] = self.manager.hold(group.handle, self.device)
+        except ResidencyError:
+            pass  # gone, or moving out: copied again in the next round
+
+    def _landed(self, index: int, operation: PendingOperation) -> None:
+        if operation.exception() is None:
+            self._hold(index)
+
+    async def run(self, keep: list[int]) -> int:
+        """Hold every group of ``keep`` at the device, copying in those not there; returns
+        the bytes copied. Raises the first copy's error (or a refusal of the budget)."""
+        pending: list[PendingOperation] = []
+        copied = 0
+        try:
+            while True:
+                states = self.entry.states_at(self.manager.state, self.device)
+                for index in keep:
+                    if index in states and states[index] is not _OUTGOING:
+                        self._hold(index)
+                missing = [index for index in keep if index not in self.holds]
+                if not missing:
+                    return copied
+                pending = []
+                for index in missing:
+                    if index in states:
+                        continue  # moving out: copied once it left (the next round)
+                    group = self.entry.streamed.group(index)
+                    assert group.handle is not None
+                    operation = self.manager.materialize_nowait(group.handle, self.device)
+                    operation.add_done_callback(functools.partial(self._landed, index))
+                    pending.append(operation)
+                    copied += group.charge_bytes
+                if not pending:
+                    await self.manager.wait_for_change()
+                for operation in pending:
+                    await operation
+        except BaseException:
+            self.open = False
+            for hold in self.holds.values():
+                hold.release()  # first: a held incoming copy would not be cancelled
+            self.holds.clear()
+            for operation in pending:
+                if not operation.done():
+                    operation.cancel()
+            with anyio.CancelScope(shield=True):
+                for operation in pending:
+                    await operation.wait_settled()
+            raise
 
 
 class _Request:
@@ -684,6 +770,14 @@ class ModelPool:
                 await scope.__aenter__()
             except ResidencyStaleStateError:
                 continue  # the manager moved since the decision: decide again
+            except ResidencyPlanExecutionError as error:
+                if error.phase != "reclaim" or not isinstance(
+                    error.__cause__, (ResidencyUnavailableError, ResidencyInUseError)
+                ):
+                    raise
+                # Another tenant released (or protected) a victim while the reclaim ran, after
+                # the decision's state check: what was committed stays; decide again.
+                continue
             except ResidencyPlanError as error:
                 before = self._progress()  # the state the scope's admission refused
                 request.why = f"room: {error.reason}"
@@ -1088,9 +1182,10 @@ class ModelPool:
             logger.warning("pool: %r: an earlier call left an error: %s", entry.name, error)
 
     async def _load_and_hold(self, request: _Request, joining: bool) -> int:
-        """Copy in what the request needs that is not on the device, then hold what it keeps.
-        Returns the bytes copied. On failure or cancellation, cancels the copies still in
-        flight and waits until every one settled, so nothing is left incoming."""
+        """Copy in what the request needs that is not on the device and hold what it keeps,
+        each group as soon as it is there (see :class:`_Loading`). Returns the bytes copied.
+        On failure or cancellation, nothing is held, the copies still in flight are cancelled
+        and every one settled, so nothing is left incoming."""
         entry, mode = request.entry, request.mode
         state = self.manager.state
         states = entry.states_at(state, self.device)
@@ -1115,33 +1210,18 @@ class ModelPool:
                     break
                 room -= group.charge_bytes
                 keep.append(group.index)
-        wanted = set(keep)
-        load = [g for g in entry.groups if g.index in wanted and g.index not in states]
-        pending: list[PendingOperation] = []
+        loading = _Loading(self.manager, self.device, entry)
         try:
-            for group in load:
-                assert group.handle is not None
-                pending.append(self.manager.materialize_nowait(group.handle, self.device))
-            for operation in pending:
-                await operation
+            loaded = await loading.run(keep)
         except BaseException as error:
-            for operation in pending:
-                if not operation.done():
-                    operation.cancel()
-            with anyio.CancelScope(shield=True):
-                for operation in pending:
-                    await operation.wait_settled()
             if isinstance(error, Exception) and not isinstance(error, ResidencyBudgetError):
                 error.add_note(
                     f"while loading model {entry.name!r} for request {request.id} (the "
                     "model's other requests are not affected; the next one loads it again)"
                 )
             raise
-        # Nothing awaited since the last copy landed: what is held is what was loaded.
         for index in keep:
-            group = entry.streamed.group(index)
-            assert group.handle is not None
-            request.holds.append(self.manager.hold(group.handle, self.device))
+            request.holds.append(loading.holds[index])
             entry.held[index] += 1
         request.kept = keep
         entry.active[mode] += 1
@@ -1149,7 +1229,7 @@ class ModelPool:
             entry.windows[request.id] = entry.window_bytes(request.prefetch)
         request.active = True
         self._admitted += 1
-        return sum(g.charge_bytes for g in load)
+        return loaded
 
     def _record(
         self,
