@@ -94,7 +94,8 @@ def residency_config(
 ) -> SimulationConfig:
     """The simulated machine of this test: ``residency_defaults``, then the ``residency``
     markers from module to function (a closer marker's option replaces a farther one's, the
-    budgets as a whole), then ``request.param`` (indirect parametrization). ``TypeError`` or
+    budgets as a whole), then ``request.param`` (indirect parametrization), then the
+    parameter of ``residency_manager`` when that is parametrized indirectly. ``TypeError`` or
     ``ValueError`` for an unknown or bad option, naming it."""
     if not isinstance(residency_defaults, SimulationConfig):
         raise TypeError(
@@ -112,6 +113,12 @@ def residency_config(
     param = getattr(request, "param", None)
     if param is not None:
         config = config.replace(**_options(param, "residency_config's parameter"))
+    # The manager's own parameter (indirect parametrization of residency_manager) is part of
+    # the test's machine too: this fixture says what the manager was made with.
+    callspec = getattr(request.node, "callspec", None)
+    manager_param = None if callspec is None else callspec.params.get("residency_manager")
+    if manager_param is not None:
+        config = config.replace(**_options(manager_param, "residency_manager's parameter"))
     return config
 
 

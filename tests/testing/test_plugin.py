@@ -148,8 +148,9 @@ def test_indirect_parametrization_configures_each_run(pytester):
             [({"devices": 1}, 1), (SimulationConfig(devices=3), 3)],
             indirect=["residency_manager"],
         )
-        async def test_devices(residency_manager, devices):
+        async def test_devices(residency_manager, devices, residency_config):
             assert residency_manager.backend.device_count() == devices
+            assert residency_config.devices == devices  # what the manager was made with
 
         @pytest.mark.parametrize("residency_config", [{"copy_gbps": 8}], indirect=True)
         async def test_config_parametrized(residency_manager, residency_config):
@@ -330,6 +331,31 @@ def test_the_guard_fails_a_test_that_blocks_its_loop_and_passes_one_that_awaits(
             "*the event loop was blocked for * ms (at most 100 ms allowed)*",
         ]
     )
+
+
+def test_the_guard_requested_by_a_module_spares_what_is_marked_and_a_run_without_it(
+    pytester, monkeypatch
+):
+    """The fixture requested directly (a module's ``usefixtures``) honours the marker and
+    ``NO_LOOP_GUARD`` too, as its failure message advises."""
+    source = """
+        import time
+        import pytest
+
+        pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("loop_stall_guard")]
+
+        @pytest.mark.allow_loop_stall
+        async def test_blocks_on_purpose():
+            time.sleep(0.3)
+
+        async def test_blocks():
+            time.sleep(0.3)
+    """
+    result = run(pytester, source)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_blocks *"])
+    monkeypatch.setenv("NO_LOOP_GUARD", "1")
+    run(pytester, source).assert_outcomes(passed=2)
 
 
 def test_the_allowed_stall_is_set_by_an_ini_option(pytester):
