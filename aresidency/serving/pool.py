@@ -287,7 +287,9 @@ class _Request:
     ``arrived``, ``why`` (what it waits for, for a timeout's message), ``drain`` (at the head
     of the line, waiting for room: the model it waits to see idle, kept while it still would
     do), and once admitted: ``mode``, ``prefetch``, ``scope`` (holds the workspace
-    reservation), ``holds``, ``record``, ``active``."""
+    reservation), ``holds``, ``record``, ``active``, ``readers``, ``calls`` (calls made while
+    ``active`` that have not returned). Invariant: the holds outlive every call counted in
+    ``calls``: a direct call reads the held replicas with no lease of its own."""
 
     def __init__(self, request_id: int, entry: ModelEntry, reserve: int) -> None:
         self.id = request_id
@@ -305,6 +307,10 @@ class _Request:
         self.active = False
         # Direct calls' reader events, the latest per compute stream (stream -> event).
         self.readers: dict[Any, Any] = {}
+        # Calls made inside the block and not returned yet (a task of an outer task group may
+        # still run one when the block exits), and the event the exit waits on for them.
+        self.calls = 0
+        self.calls_done: anyio.Event | None = None
 
     @property
     def label(self) -> str:
@@ -385,6 +391,7 @@ class PooledModel:
         entry = request.entry
         stats = entry.stats
         started = time.perf_counter()
+        request.calls += 1  # the block's exit waits for this call (see ModelPool._leave)
         try:
             if request.mode == "resident" and self._pool.shared_calls and not generate:
                 # Every group is resident and held: no pipeline, beside the model's other
@@ -420,6 +427,9 @@ class PooledModel:
         finally:
             stats.calls += 1
             stats.call_seconds += time.perf_counter() - started
+            request.calls -= 1
+            if not request.calls and request.calls_done is not None:
+                request.calls_done.set()
 
     def __repr__(self) -> str:
         state = "active" if self._request.active else "ended"
@@ -1287,11 +1297,18 @@ class ModelPool:
     # -- the end of a request
 
     async def _leave(self, request: _Request) -> None:
-        """End an admitted request: drop its holds (its groups stay on the device, now
+        """End an admitted request: wait for the calls made inside its block that are still
+        running (a call in a task that outlives the block: a direct one reads the held
+        replicas with no lease of its own, so its holds must outlive it), report the direct
+        calls' events as readers, drop its holds (its groups stay on the device, now
         evictable), end its workspace reservation. Runs shielded from cancellation."""
         entry = request.entry
         if request.active:
-            request.active = False
+            request.active = False  # no call starts from now on
+            if request.calls:
+                request.calls_done = anyio.Event()
+                with anyio.CancelScope(shield=True):
+                    await request.calls_done.wait()
             self._admitted -= 1
             events = list(request.readers.values())
             request.readers.clear()

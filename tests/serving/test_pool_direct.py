@@ -192,3 +192,53 @@ async def test_hugging_face_generation_in_the_pool(direct: bool) -> None:
             with pytest.raises(TypeError, match="no generate"):
                 await model.generate(TOKENS)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_a_call_that_outlives_its_block_keeps_the_model_until_it_returns(
+    direct: bool,
+) -> None:
+    """A call made inside the block, in a task of an outer task group, is still running when
+    the block ends; another model then needs the room. The block's exit waits for the call
+    (a direct call reads the held replicas with no lease of its own: released, their memory
+    would be poisoned under it), so the call's output is right and the other model is
+    admitted only after it."""
+    gated = Gated()
+    expected = reference(gated, TOKENS)
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = ModelPool(m, direct_calls=direct)
+        pool.add("a", gated)
+        pool.add("b", TinyLM(seed=2))
+        order: list[str] = []
+        gate = threading.Event()
+
+        async def straggler(model: Any) -> None:
+            y = await model(TOKENS)
+            order.append("call returned")
+            assert torch.equal(y, expected)
+
+        async def request_b() -> None:
+            async with pool.use("b"):
+                order.append("b admitted")
+
+        async def open_when_all_blocked() -> None:
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                async with pool.use("a") as model:
+                    assert torch.equal(await model(TOKENS), expected)  # its copies landed
+                    gated.entered.clear()
+                    gated.gate = gate
+                    tasks.start_soon(straggler, model)
+                    while not gated.entered.is_set():
+                        await anyio.wait_all_tasks_blocked()
+                    tasks.start_soon(request_b)
+                    await anyio.wait_all_tasks_blocked()
+                    assert pool.waiting == 1  # 'b' needs the room 'a' holds
+                    tasks.start_soon(open_when_all_blocked)  # the exit below parks first
+                order.append("a ended")
+        assert order == ["call returned", "a ended", "b admitted"]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
