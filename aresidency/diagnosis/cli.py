@@ -7,7 +7,8 @@
 * ``python -m aresidency timeline DUMP OUT`` writes the dump's trace as a Chrome trace-event
   file for Perfetto or chrome://tracing (what ``manager.export_timeline`` writes).
 
-Exit status: 0 on success, 2 for a file that cannot be read as a dump (the message says why).
+Exit status: 0 on success, 2 for a file that cannot be read as a dump or an output that cannot
+be written (the message says why).
 """
 
 from __future__ import annotations
@@ -52,10 +53,22 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         print(f"aresidency: cannot read {args.dump}: {failure}", file=sys.stderr)
         return 2
     if args.command == "timeline":
-        path = write_timeline(args.out, evidence.trace, evidence.snapshot)
+        try:
+            path = write_timeline(args.out, evidence.trace, evidence.snapshot)
+        except OSError as failure:
+            print(f"aresidency: cannot write {args.out}: {failure}", file=sys.stderr)
+            return 2
         print(f"wrote {path} ({len(evidence.trace.transitions)} transitions)", file=out)
         return 0
-    report = build_report(error, evidence)
+    try:
+        report = build_report(error, evidence)
+    except (KeyError, TypeError, ValueError, AttributeError) as failure:
+        print(
+            f"aresidency: cannot read {args.dump}: its error record is not well-formed "
+            f"({type(failure).__name__}: {failure})",
+            file=sys.stderr,
+        )
+        return 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=1), file=out)
         return 0

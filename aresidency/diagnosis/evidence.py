@@ -235,4 +235,16 @@ def read_dump(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, Evid
             f"{DUMP_VERSION}"
         )
     dumped = data.get("error")
-    return (dumped if isinstance(dumped, dict) else None), Evidence.from_dict(data)
+    if dumped is not None and not isinstance(dumped, dict):
+        raise ValueError(
+            f"{source}: its 'error' is a {type(dumped).__name__}, not an error record (null "
+            "when nothing failed); write dumps with manager.dump"
+        )
+    try:
+        evidence = Evidence.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(
+            f"{source} is not a well-formed dump ({type(error).__name__}: {error}); write "
+            "dumps with manager.dump"
+        ) from None
+    return dumped, evidence

@@ -153,3 +153,44 @@ def test_the_cli_refuses_a_file_that_is_not_a_dump(tmp_path: Path) -> None:
     assert "not an aresidency dump" in result.stderr and "manager.dump" in result.stderr
     missing = run_cli("diagnose", str(tmp_path / "missing.json"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "spoil, says",
+    [
+        (lambda d: d.update(captured_unix_s=None), "not a well-formed dump"),
+        (lambda d: d.update(error="oops"), "its 'error' is a str, not an error record"),
+        (lambda d: d["error"]["cause"].update(budget_bytes="abc"), "error record is not well-formed"),
+        (lambda d: d["snapshot"].update(locations="?"), "not a well-formed dump"),
+    ],
+    ids=["captured", "error-str", "error-field", "snapshot"],
+)
+def test_the_cli_explains_a_dump_it_cannot_read_and_exits_2(
+    dumped: tuple[Path, str, dict],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    spoil: object,
+    says: str,
+) -> None:
+    """A hand-edited or truncated dump: a message naming what is wrong, exit status 2, no
+    traceback (the CLI in process: what ``python -m aresidency`` runs)."""
+    from aresidency.diagnosis.cli import main
+
+    path, _, _ = dumped
+    data = json.loads(path.read_text())
+    spoil(data)  # type: ignore[operator]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    assert main(["diagnose", str(bad), "--plain"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_the_cli_says_when_it_cannot_write_the_timeline(
+    dumped: tuple[Path, str, dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aresidency.diagnosis.cli import main
+
+    path, _, _ = dumped
+    assert main(["timeline", str(path), str(tmp_path / "no" / "such" / "dir.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
