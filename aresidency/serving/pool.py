@@ -56,6 +56,7 @@ from ..runtime.leases import Hold
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
 from ..runtime.scopes import Scope
+from ..runtime.signal import ManagerClosedError
 from .demand import DEMAND_HALF_LIFE_VERSIONS, DemandTracker, DemandView
 from .entry import Mode, ModelEntry, PooledStreamedModule, fixed_reserved_bytes
 
@@ -687,6 +688,12 @@ class ModelPool:
                     await self._admit_in_turn(request)
                 finally:
                     self._line.leave(place)
+        except ManagerClosedError as error:
+            error.add_note(
+                f"the request for {request.entry.name!r} was not admitted: it waited for "
+                f"{request.why} when the manager closed"
+            )
+            raise
         except TimeoutError:
             raise TimeoutError(
                 f"request for {request.entry.name!r} was not admitted within {timeout} s: it "
@@ -1312,30 +1319,42 @@ class ModelPool:
             self._admitted -= 1
             events = list(request.readers.values())
             request.readers.clear()
-            try:
-                if events:  # the direct calls' kernels read the held replicas
-                    for hold in request.holds:
-                        self.manager.track_readers(hold.handle, hold.location, events)
-            finally:
-                for hold in request.holds:
-                    hold.release()
-                for index in request.kept:
-                    entry.held[index] -= 1
-                    if not entry.held[index]:
-                        del entry.held[index]
-                        entry.streamed.forget_views()  # the replica may go now
-                request.holds.clear()
+            holds, request.holds = request.holds, []
+            # The pool's own bookkeeping first: nothing below may skip it.
+            for index in request.kept:
+                entry.held[index] -= 1
+                if not entry.held[index]:
+                    del entry.held[index]
+                    entry.streamed.forget_views()  # the replica may go now
             entry.active[request.mode] -= 1
             entry.windows.pop(request.id, None)
             self._ended += 1
+            try:
+                if events:  # the direct calls' kernels read the held replicas
+                    for hold in holds:
+                        self.manager.track_readers(hold.handle, hold.location, events)
+            except ManagerClosedError:
+                pass  # the manager closed under the request: its state is final
+            finally:
+                for hold in holds:
+                    try:
+                        hold.release()
+                    except ManagerClosedError:
+                        pass
             self._poke()
         await self._exit_scope(request)
 
     async def _exit_scope(self, request: _Request) -> None:
+        """End the request's scope (its workspace reservation), shielded. After the manager
+        closed there is nothing left to end: the request ends quietly (its body's work is
+        done; a call it makes after the close raises ``ManagerClosedError``)."""
         scope, request.scope = request.scope, None
         if scope is not None:
             with anyio.CancelScope(shield=True):
-                await scope.__aexit__(None, None, None)
+                try:
+                    await scope.__aexit__(None, None, None)
+                except ManagerClosedError:
+                    logger.debug("pool: request %d ended after its manager closed", request.id)
 
     # ------------------------------------------------------------------ reading
 
@@ -1344,8 +1363,10 @@ class ModelPool:
         ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, ``joined_past``, and
         now:
         ``demand_per_s``, ``resident_bytes`` (on the device), ``total_bytes``, ``active``
-        (admitted requests). JSON-friendly. Loop thread."""
-        self.manager.check_thread()
+        (admitted requests). JSON-friendly. Loop thread; still readable once the manager
+        closed (its final state)."""
+        if self.manager.running:
+            self.manager.check_thread()
         state = self.manager.state
         rates = self.demand.rates(list(self._entries))
         out: dict[str, dict[str, Any]] = {}
@@ -1412,7 +1433,10 @@ class ModelPool:
             if ledger is None or ledger.budget_bytes is None
             else (format_nbytes(ledger.budget_bytes))
         )
-        state = "closed" if self._closed else "open"
+        if self._closed:
+            state = "closed"
+        else:
+            state = "open" if self.manager.running else "open, its manager closed"
         return (
             f"<ModelPool {self.device} {state} [{len(self._entries)} models, "
             f"{self._admitted} admitted, {self.waiting} waiting, {used} of {budget}]>"

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from aresidency import ReplicaMode, ResidencyManager
+from aresidency.runtime import ManagerClosedError
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
-from .test_pool import TOKENS, TOTAL
+from .test_pool import TOKENS, TOTAL, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -106,3 +107,60 @@ async def test_closing_the_pool_serves_the_request_that_waited_for_a_hold_to_end
                 holds[0].release()
                 await closed.wait()
         assert served == ["resident"]
+
+
+async def test_closing_the_manager_fails_the_waiting_requests_at_once() -> None:
+    # One request is in its body (holding 'a', which leaves no room for 'b' or 'c'); two wait
+    # behind it, the first at the head of the line. The manager closes: both waiting requests
+    # get ManagerClosedError at once, not when the request in its body ends. That one ends
+    # later, quietly, with the pool's bookkeeping done.
+    ready, close_now, admitted, release = (anyio.Event() for _ in range(4))
+    box: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+
+    async def owner() -> None:
+        async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+            pool = ModelPool(m)
+            for seed, name in enumerate("abc"):
+                pool.add(name, TinyLM(seed=seed))
+            box.update(manager=m, pool=pool)
+            ready.set()
+            await close_now.wait()
+
+    async def body() -> None:
+        async with box["pool"].use("a") as model:
+            await model(TOKENS)
+            admitted.set()
+            await release.wait()
+        results["a"] = "ended"
+
+    async def waiting(name: str) -> None:
+        try:
+            async with box["pool"].use(name):
+                results[name] = "admitted"
+        except ManagerClosedError as error:
+            results[name] = error
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(owner)
+            await ready.wait()
+            pool = box["pool"]
+            tasks.start_soon(body)
+            await admitted.wait()
+            tasks.start_soon(waiting, "b")
+            await eventually(lambda: pool.waiting == 1)
+            tasks.start_soon(waiting, "c")
+            await eventually(lambda: pool.waiting == 2)
+            await anyio.wait_all_tasks_blocked()
+            close_now.set()
+            await eventually(lambda: "b" in results and "c" in results)
+            assert "a" not in results  # still in its body
+            release.set()
+    assert isinstance(results["b"], ManagerClosedError)
+    assert isinstance(results["c"], ManagerClosedError)
+    assert results["a"] == "ended"
+    assert pool.admitted == 0 and pool.waiting == 0
+    assert pool.stats()["a"]["active"] == 0  # readable after the manager closed
+    assert "its manager closed" in repr(pool)
+    await pool.aclose()
