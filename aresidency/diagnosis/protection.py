@@ -54,12 +54,26 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             owners=owners,
             **counts,
         )
+        # Which task owns which: the evidence's owners carry their kind; the error's are
+        # names only, attributable to one kind when only that kind is counted.
+        by_kind: dict[str, list[str]] | None = None
+        if evidence is not None and handle is not None and location is not None:
+            by_kind = {"lease": [], "hold": []}
+            for owner in evidence.owners_of(handle, location):
+                kind = "hold" if owner.kind == "hold" else "lease"
+                if owner.task not in by_kind[kind]:
+                    by_kind[kind].append(owner.task)
+
+        def tasks_of(kind: str, alone: bool) -> str:
+            names = by_kind[kind] if by_kind is not None else (owners if alone else [])
+            return f" in task(s) {', '.join(repr(o) for o in names)}" if names else ""
+
         steps = []
         if counts["use_count"]:
-            who = f" in task(s) {', '.join(repr(o) for o in owners)}" if owners else ""
+            who = tasks_of("lease", not counts["hold_count"])
             steps.append(f"exit the lease{who} once every reader stream is registered")
         if counts["hold_count"]:
-            steps.append("release the obsolete hold")
+            steps.append(f"release the obsolete hold{tasks_of('hold', not counts['use_count'])}")
         if counts["pending_event_count"]:
             steps.append("wait for the consumer stream if the removal must happen now")
         steps.append("or defer the removal to a later decision")

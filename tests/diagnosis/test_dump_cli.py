@@ -160,7 +160,10 @@ def test_the_cli_refuses_a_file_that_is_not_a_dump(tmp_path: Path) -> None:
     [
         (lambda d: d.update(captured_unix_s=None), "not a well-formed dump"),
         (lambda d: d.update(error="oops"), "its 'error' is a str, not an error record"),
-        (lambda d: d["error"]["cause"].update(budget_bytes="abc"), "error record is not well-formed"),
+        (
+            lambda d: d["error"]["cause"].update(budget_bytes="abc"),
+            "error record is not well-formed",
+        ),
         (lambda d: d["snapshot"].update(locations="?"), "not a well-formed dump"),
     ],
     ids=["captured", "error-str", "error-field", "snapshot"],

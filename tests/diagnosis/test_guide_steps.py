@@ -210,7 +210,10 @@ async def test_step_4_names_the_task_holding_the_lease_that_blocks_a_release() -
             kinds = {(o["task"], o["kind"]) for o in ev["owners_now"]}
             assert ("reader-task", "read lease") in kinds
             assert (hold.owner, "hold") in kinds
-            assert "reader-task" in (step.action or "") and "hold" in (step.action or "")
+            action = step.action or ""
+            # each task is asked to end what it owns: the lease's, and the hold's
+            assert "exit the lease in task(s) 'reader-task' once" in action
+            assert f"release the obsolete hold in task(s) {hold.owner!r};" in action
             assert report.next_action == step.action
             hold.release()
             done.set()
