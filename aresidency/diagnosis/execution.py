@@ -68,7 +68,10 @@ def step_7(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
         if rows:
             findings.append(f"now (v{evidence.snapshot.state_version}):")
             findings.extend(sub_items(rows))
-    findings.append("a failed scope is single use: it cannot be re-entered to finish the plan")
+    if phase == "execute":  # manager.execute: no scope to re-enter
+        findings.append("execute does not roll back: run a new plan for what is still needed")
+    else:
+        findings.append("a failed scope is single use: it cannot be re-entered to finish the plan")
     data = {
         "phase": phase,
         "failed_action": failure.get("failed_action"),

@@ -355,6 +355,9 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         lines = step.text().splitlines()
         heading = lines.index("  - in effect:")
         assert lines[heading + 1] == f"    - {error.partial_report.in_effect[0]}"
+        # execute ran no scope: nothing is said of re-entering one
+        assert "execute does not roll back" in step.text()
+        assert "scope" not in " ".join(step.findings)
 
 
 # ------------------------------------------------------------------ 8: classification
