@@ -49,6 +49,7 @@ from ..core.errors import (
 from ..core.locations import Location, LocationLike
 from ..core.plans import MemoryReservation, ResidencyPlan
 from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
+from ..core.timeouts import check_timeout
 from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
@@ -299,6 +300,7 @@ class _Request:
         self.arrived = time.perf_counter()
         self.why = "its turn (first come, first served)"
         self.drain: str | None = None
+        self.no_wait = False  # timeout=0: admitted at once or TimeoutError, never parked
         self.mode: Mode = "resident"
         self.prefetch = 0
         self.scope: Scope | None = None
@@ -642,9 +644,9 @@ class ModelPool:
         self.manager.check_thread()
         entry = self._entry(name)
         nbytes = parse_nbytes(reserve, "reserve")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-            raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        timeout = check_timeout(timeout)
         request = _Request(next(self._ids), entry, nbytes)
+        request.no_wait = timeout == 0
         self.demand.record(name)
         entry.stats.requests += 1
         try:
@@ -676,7 +678,9 @@ class ModelPool:
     async def _admit(self, request: _Request, timeout: float | None) -> None:
         """Wait for the request's turn and admit it (see :meth:`use`)."""
         try:
-            with anyio.fail_after(timeout):
+            # timeout=0 sets no deadline: such a request never parks (see _park), and what
+            # it does await (the decision, its copies) is not a wait for admission.
+            with anyio.fail_after(None if request.no_wait else timeout):
                 place = self._line.join()
                 try:
                     while not self._line.first(place):
@@ -684,7 +688,10 @@ class ModelPool:
                         # moves nothing may join its model past it, keeping its place if not.
                         if self.express_joins and await self._try_express(request):
                             return
+                        if request.no_wait:
+                            raise TimeoutError
                         await place.wait()
+                    request.why = "its admission (deciding, and entering with the manager)"
                     await self._admit_in_turn(request)
                 finally:
                     self._line.leave(place)
@@ -695,6 +702,11 @@ class ModelPool:
             )
             raise
         except TimeoutError:
+            if request.no_wait:
+                raise TimeoutError(
+                    f"request for {request.entry.name!r} was not admitted at once "
+                    f"(timeout=0 never waits): it would have waited for {request.why}"
+                ) from None
             raise TimeoutError(
                 f"request for {request.entry.name!r} was not admitted within {timeout} s: it "
                 f"waited for {request.why}"
@@ -782,7 +794,7 @@ class ModelPool:
                 reserve=reserve,
                 expected_state_version=decision.expected_state_version,
             )
-            scope = manager.scope(plan)
+            scope = manager.scope(plan, timeout=0 if request.no_wait else None)
             try:
                 await scope.__aenter__()
             except ResidencyStaleStateError:
@@ -837,7 +849,10 @@ class ModelPool:
     ) -> None:
         """The head of the line parks until progress, naming the models whose requests it
         waits to see end (``None``: unknown); requests for other models may join theirs
-        meanwhile (:meth:`_try_express`), never while the head decides or enters."""
+        meanwhile (:meth:`_try_express`), never while the head decides or enters. A request
+        with ``timeout=0`` raises ``TimeoutError`` instead (its message is ``request.why``)."""
+        if request.no_wait:
+            raise TimeoutError
         self._head_blockers = blockers
         self._head_why = (
             f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
@@ -933,7 +948,9 @@ class ModelPool:
             if request.reserve
             else []
         )
-        scope = manager.scope(ResidencyPlan(reserve=reserve))
+        scope = manager.scope(
+            ResidencyPlan(reserve=reserve), timeout=0 if request.no_wait else None
+        )
         try:
             await scope.__aenter__()
         except ResidencyPlanError:

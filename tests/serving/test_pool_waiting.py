@@ -164,3 +164,46 @@ async def test_closing_the_manager_fails_the_waiting_requests_at_once() -> None:
     assert pool.stats()["a"]["active"] == 0  # readable after the manager closed
     assert "its manager closed" in repr(pool)
     await pool.aclose()
+
+
+async def test_timeout_zero_admits_what_it_can_at_once_and_never_waits() -> None:
+    # timeout=0 is "never wait", as with manager.scope: a hit (or a load with room) is
+    # admitted; a request that would have to wait for room, or for its turn, fails at once
+    # saying what it would have waited for.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        async with pool.use("a", timeout=0) as model:  # a load into free room
+            assert model.decision.loaded_bytes == TOTAL
+        async with pool.use("a", timeout=0) as model:  # a hit
+            assert model.decision.decision is None
+            with pytest.raises(TimeoutError, match=r"at once.*room"):
+                async with pool.use("b", timeout=0):  # 'a' is held: it would wait for room
+                    pass
+
+            async def head() -> None:
+                async with pool.use("b"):
+                    pass
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(head)
+                    await eventually(lambda: pool.waiting == 1)
+                    with pytest.raises(TimeoutError, match=r"at once.*its turn"):
+                        async with pool.use("b", timeout=0):
+                            pass
+                    tasks.cancel_scope.cancel()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("timeout", ["1", True, -1.0])
+async def test_a_timeout_that_is_not_seconds_is_refused_by_name(timeout: Any) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        with pytest.raises((TypeError, ValueError), match="timeout must be None or a number"):
+            async with pool.use("a", timeout=timeout):
+                pass
+        await pool.aclose()
