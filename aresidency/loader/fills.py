@@ -52,6 +52,9 @@ class StagedFills:
         self.filled: dict[int, BatchRecord | End] = {}
         self.in_flight = 0
         self.active = True
+        # The fill threads report through the loop's bridge, kept: the manager's refuses
+        # once it closes, and a fill in flight must still say that it ended.
+        self._bridge = loader.manager.bridge
 
     def __repr__(self) -> str:
         return (
@@ -107,9 +110,7 @@ class StagedFills:
         start: float,
         end: float,
     ) -> None:
-        self.loader.manager.bridge.call_soon_quietly(
-            self._filled_on_loop, index, slot, layout, error, start, end
-        )
+        self._bridge.call_soon_quietly(self._filled_on_loop, index, slot, layout, error, start, end)
 
     def _filled_on_loop(
         self,

@@ -4,6 +4,7 @@ docstring for the design and the lifetimes)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -16,6 +17,7 @@ from ..core.locations import Location, LocationLike
 from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from .batch import DeviceBatch
+from .lifetime import end_on_loop
 from .pipeline import Epoch
 from .ring import RingEpoch
 from .staging import StagedSource, StagingSlots
@@ -185,6 +187,10 @@ class DeviceLoader:
                 if isinstance(previous, RingEpoch):
                     self._handed_over = [e for e in self._handed_over if e.retiring]
                     self._handed_over.append(previous)
+                # The source is iterated by one pass at a time: the previous pass's thread
+                # (or task) may still be in a ``next`` it cannot be interrupted in (a
+                # DataLoader's persistent workers, a generator).
+                await previous.join_feeder()
             plans = None
             if self.is_staged:
                 await self._open_staging()
@@ -240,6 +246,8 @@ class DeviceLoader:
         epoch = self._epoch
         if epoch is not None:
             await epoch.drain(releases_only=epoch.status == "running")
+            if isinstance(epoch, RingEpoch) and epoch.status != "running":
+                await epoch.settle()  # an ended pass's slots, retiring
         for ended in list(self._handed_over):
             await ended.settle()
 
@@ -248,7 +256,9 @@ class DeviceLoader:
         not be used afterwards), copies in flight (cancelled), the staging buffers and their
         reservation. The manager-side cleanup completes even if this call is cancelled; then
         it waits for the source's thread to finish its current ``next``. Raises a copy failure
-        that no step reported."""
+        that no step reported, and ``ManagerClosedError`` when the manager closed under a pass
+        that no step reported it for (then everything was released by the manager's close).
+        After the manager closed it never waits for the device (it stopped)."""
         await self._close(raise_deferred=True)
 
     async def _close(self, *, raise_deferred: bool) -> None:
@@ -276,6 +286,17 @@ class DeviceLoader:
                     await epoch.join_feeder()
         if raise_deferred and deferred:
             raise deferred[0]
+        closed = epoch is not None and epoch.closed_by_manager and not epoch.closed_reported
+        if raise_deferred and closed:
+            assert epoch is not None
+            raise epoch.closed_error()
+
+    def _dropped(self, epoch: Epoch | RingEpoch) -> None:
+        """The iterator of ``epoch`` was garbage collected while the pass ran (a ``break`` or
+        an exception out of ``async for`` without ``async with``): end it as ``aclose`` would,
+        without waiting (its memory returns to the budget as the device passes it). Loop."""
+        if epoch.status == "running":
+            epoch.end_soon()
 
     async def __aenter__(self) -> DeviceLoader:
         if self.task_group is not None:
@@ -324,6 +345,13 @@ class _Iteration:
             raise StopAsyncIteration  # a newer pass, or the loader's close, ended this one
         batch = await epoch.next()
         return batch if self._wrap else batch.data
+
+    def __del__(self) -> None:
+        # Dropped mid-pass (a break or an exception out of ``async for``, no one calling
+        # aclose): as an async generator's finalizer, schedule the pass's end on the loop.
+        epoch = self._epoch
+        if epoch is not None and epoch.status == "running":
+            end_on_loop(epoch.bridge, functools.partial(self._loader._dropped, epoch))
 
     async def aclose(self) -> None:
         """End this pass now (as breaking out of it and starting the next would)."""

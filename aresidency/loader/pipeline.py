@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
+from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.values import MaterializationState, value_charge
@@ -52,6 +53,7 @@ from .batch import DeviceBatch
 from .budget import never_fits, room, timeout_error
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, bridge_wake, feed_async
 from .fills import StagedFills, return_slot
+from .lifetime import watch_close
 from .records import COPYING, DONE, OUT, QUEUED, RELEASING, BatchRecord, Part
 
 if TYPE_CHECKING:
@@ -100,6 +102,13 @@ class Epoch:
         self._feeder: ThreadFeeder | None = None
         self._feed_scope: anyio.CancelScope | None = None
         self._fills: StagedFills | None = None
+        self._unwatch: Callable[[], None] | None = None
+        self._fed: anyio.Event | None = None  # set when the task reading an async source ended
+        self._feeding = False
+        self._ending = False  # end_soon: stop listening once nothing is left
+        self.bridge: LoopBridge | None = None
+        self.closed_by_manager = False  # the manager closed while the pass ran
+        self.closed_reported = False  # ... and the consumer was told so
 
     def __repr__(self) -> str:
         return (
@@ -113,8 +122,10 @@ class Epoch:
         """Start reading the source (a staged source: fill the buffers with ``plans``). Loop."""
         loader = self.loader
         self.status = "running"
+        self.bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self.pump)
-        wake = bridge_wake(self.manager.bridge, self.pump)
+        self._unwatch = watch_close(self.manager.backend, loader.name, self.manager_closed)
+        wake = bridge_wake(self.bridge, self.pump)
         if plans is not None:
             self._fills = StagedFills(loader, self.number, plans, self.pump)
         elif loader.is_async_source:
@@ -126,6 +137,7 @@ class Epoch:
                 )
             self._arrivals = Arrivals(loader.read_ahead, wake)
             self._feed_scope = anyio.CancelScope()
+            self._fed = anyio.Event()
             tasks.start_soon(self._feed_async, self._feed_scope, self._arrivals)
         else:
             self._arrivals = Arrivals(loader.read_ahead, wake)
@@ -136,8 +148,15 @@ class Epoch:
         self.pump()
 
     async def _feed_async(self, scope: anyio.CancelScope, arrivals: Arrivals) -> None:
-        with scope:
-            await feed_async(self.loader.source, arrivals, self.counters.source_clock)
+        fed = self._fed
+        assert fed is not None
+        self._feeding = True  # join_feeder waits for ``fed`` only once this task ran
+        try:
+            with scope:
+                if not arrivals.stopped:  # a pass ended before its task started reads nothing
+                    await feed_async(self.loader.source, arrivals, self.counters.source_clock)
+        finally:
+            fed.set()
 
     # ------------------------------------------------------------------ the pump
 
@@ -162,6 +181,8 @@ class Epoch:
                     break
         finally:
             self._pumping = False
+        if self._ending and self.status == "closing" and self.settled:
+            self._finish()  # ended by end_soon: nobody drains, nothing is left to watch
         progress, self._progress = self._progress, None
         if progress is not None:
             progress.set()
@@ -468,7 +489,21 @@ class Epoch:
                 await self.drain()
             raise
 
+    def closed_error(self, cause: BaseException | None = None) -> ManagerClosedError:
+        """The error the consumer gets once the manager closed under the pass (reported: a
+        later ``aclose`` does not raise it again)."""
+        self.closed_reported = True
+        error = ManagerClosedError(
+            f"the manager closed while {self.loader.name} was in pass {self.number}: the "
+            "pass ended there (close the loader before the manager: 'async with "
+            "DeviceLoader(...)' inside 'async with ResidencyManager(...)')"
+        )
+        error.__cause__ = cause
+        return error
+
     async def _next(self) -> DeviceBatch:
+        if self.closed_by_manager:
+            raise self.closed_error()
         self.manager.check_thread()
         # A checkpoint per batch, even when the next one is ready: a consumer whose steps only
         # enqueue kernels would otherwise never let the loop run the other tasks (a cancelled
@@ -490,6 +525,8 @@ class Epoch:
                 if self._failure is not None:
                     raise self._failure
                 if self.status != "running":
+                    if self.closed_by_manager:
+                        raise self.closed_error()
                     raise StopAsyncIteration  # closed by another task meanwhile
                 head = self._queue[0] if self._queue else None
                 if head is not None and head.error is not None:
@@ -611,7 +648,8 @@ class Epoch:
             part.lease = None
         events: list[Any] = []
         try:
-            events = [self.manager.backend.record_event(stream) for stream in batch.streams]
+            if self.manager.running:  # else the device stopped: nothing reads any more
+                events = [self.manager.backend.record_event(stream) for stream in batch.streams]
         finally:
             for lease in leases:
                 if lease is not None and lease.status == "entered":
@@ -689,6 +727,28 @@ class Epoch:
         self._progress_now()
         self.pump()
 
+    def end_soon(self) -> None:
+        """End the pass without waiting (a dropped iterator): :meth:`shutdown` now; every
+        value is discarded as the device passes it, and the pass stops listening to the
+        manager once nothing is left. Loop."""
+        self._ending = True
+        self.shutdown()
+        self.pump()
+
+    def manager_closed(self) -> None:
+        """The manager closed (its backend with it) while the pass existed: stop the source,
+        release what can be, stop listening; a consumer that waits, or asks for the next
+        batch, gets ``ManagerClosedError``. Loop."""
+        self._unwatch = None
+        if self.status == "running":
+            self.closed_by_manager = True
+        try:
+            self.shutdown()
+        finally:
+            if self.status == "closing":
+                self._finish()
+            self._progress_now()
+
     def _progress_now(self) -> None:
         progress, self._progress = self._progress, None
         if progress is not None:
@@ -730,11 +790,18 @@ class Epoch:
         unlisten, self._unlisten = self._unlisten, None
         if unlisten is not None:
             unlisten()
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
 
     async def join_feeder(self) -> None:
-        """Wait for the feeder thread to stop (after its current ``next``); abandonable."""
+        """Wait for the feeder thread to stop (after its current ``next``), or the task
+        reading an async source to end: the next pass must not iterate the source while this
+        one still does. Abandonable."""
         if self._feeder is not None:
             await self._feeder.join()
+        if self._fed is not None and self._feeding:
+            await self._fed.wait()
 
     def take_deferred(self) -> list[BaseException]:
         """Copy failures no step reported (each only once)."""

@@ -72,7 +72,8 @@ import anyio.lowlevel
 import torch
 
 from ..backends import PinnedAllocator
-from ..backends.memory import host_copy
+from ..backends.bridge import LoopBridge
+from ..backends.memory import POISON_BYTE, host_copy
 from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
@@ -80,6 +81,7 @@ from ..core.values import value_charge
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
+from .lifetime import HostWaits, watch_close
 from .reclaim import release_shared
 from .staging import StagedFill, staged_layout
 
@@ -145,6 +147,18 @@ class Slot:
         return f"<ring slot #{self.number} {format_nbytes(self.nbytes)} {self.state}>"
 
 
+def _poison_views(views: list[torch.Tensor]) -> None:
+    """NaN into floating and complex tensors, the byte 0xA5 into the others (the simulated
+    backend's poison)."""
+    for view in views:
+        if not view.numel():
+            continue
+        if view.is_floating_point() or view.is_complex():
+            view.fill_(float("nan"))
+        else:
+            view.reshape(-1).view(torch.uint8).fill_(POISON_BYTE)
+
+
 @dataclass(slots=True)
 class _Request:
     """The thread asks the loop for a slot of ``nbytes``: a new one, or ``grow`` (a free slot
@@ -176,32 +190,18 @@ class _Ready:
     nbytes: int = 0
     event: Any = None
     error: BaseException | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # its tensors in the slot
 
 
 @dataclass(slots=True)
 class _Out:
-    """A batch the consumer holds."""
+    """A batch the consumer holds (``views``: its tensors in the slot, poisoned at the
+    release where compute runs on the host)."""
 
     slot: Slot
     handed: DeviceBatch | None = None
     streams: list[Any] = field(default_factory=list)
-
-
-def _wait_all(events: list[Any]) -> None:
-    for event in events:
-        _wait_host(event)
-
-
-def _wait_host(event: Any) -> None:
-    """Block the calling thread (never the loop) until ``event`` completed."""
-    wait = getattr(event, "wait_blocking", None)
-    if callable(wait):
-        wait()
-    elif isinstance(event, torch.cuda.Event):
-        event.synchronize()
-    else:
-        while not event.query():
-            time.sleep(0.0002)
+    views: list[torch.Tensor] = field(default_factory=list)
 
 
 class RingEpoch:
@@ -253,6 +253,17 @@ class RingEpoch:
         self._pinned = PinnedAllocator(unpin_later=True) if torch.cuda.is_available() else None
         self._twins = True
         self.twin_refusal: str | None = None
+        # The pass's own way to the loop (the manager's ``bridge`` refuses once it closes, and
+        # the threads must still be able to say they stopped), its threads' host waits (the
+        # manager's close abandons them), and the watch on that close.
+        self._bridge: LoopBridge | None = None
+        self._waits = HostWaits()
+        self._unwatch: Callable[[], None] | None = None
+        self._fed: anyio.Event | None = None  # set when the task reading an async source ended
+        self._feeding = False
+        self.closed_by_manager = False  # the manager closed while the pass ran
+        self.closed_reported = False  # ... and the consumer was told so
+        self._ending = False  # end_soon retires the slots once the thread ended
 
     def __repr__(self) -> str:
         with self._cond:
@@ -275,7 +286,9 @@ class RingEpoch:
                 "first: 'async with DeviceLoader(...) as loader: async for batch in loader'"
             )
         self.status = "running"
+        self._bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self._service)
+        self._unwatch = watch_close(self.backend, loader.name, self.manager_closed)
         if plans is not None:
             target: Callable[[], None] = functools.partial(self._run_staged, list(plans))
         elif loader.is_async_source:
@@ -283,6 +296,7 @@ class RingEpoch:
             assert tasks is not None
             self._arrivals = Arrivals(loader.read_ahead, self._notify_thread)
             self._feed_scope = anyio.CancelScope()
+            self._fed = anyio.Event()
             tasks.start_soon(self._feed_async, self._feed_scope, self._arrivals)
             target = self._run
         else:
@@ -302,10 +316,29 @@ class RingEpoch:
         self._thread.start()
 
     async def _feed_async(self, scope: anyio.CancelScope, arrivals: Arrivals) -> None:
-        with scope:
-            await feed_async(
-                self.loader.source, arrivals, self.counters.source_clock, own_memory=False
-            )
+        fed = self._fed
+        assert fed is not None
+        self._feeding = True  # join_feeder waits for ``fed`` only once this task ran
+        try:
+            with scope:
+                if not arrivals.stopped:  # a pass ended before its task started reads nothing
+                    await feed_async(
+                        self.loader.source, arrivals, self.counters.source_clock, own_memory=False
+                    )
+        finally:
+            fed.set()
+
+    @property
+    def bridge(self) -> LoopBridge:
+        """The loop this pass runs on (any thread; the threads call back through it)."""
+        assert self._bridge is not None, "the pass has not started"
+        return self._bridge
+
+    def _wait_host(self, event: Any) -> None:
+        """Block the calling thread (never the loop) until ``event`` completed; the pass
+        stops (``_Stopped``) if the manager closed first."""
+        if not self._waits.wait(event):
+            raise _Stopped
 
     def _notify_thread(self) -> None:
         with self._cond:
@@ -319,7 +352,7 @@ class RingEpoch:
         index = 0
         try:
             while True:
-                item = arrivals.take_blocking(self.manager.bridge.call_soon_quietly)
+                item = arrivals.take_blocking(self.bridge.call_soon_quietly)
                 if item is None:
                     return  # stopped
                 if isinstance(item, End):
@@ -359,7 +392,7 @@ class RingEpoch:
                         plans[next_plan],
                         staging.buffers[buffer],
                         last_copy[buffer],
-                        _wait_host,
+                        self._wait_host,
                         staging.workers,
                     )
                     fills.append((next_plan, buffer, fill))
@@ -411,10 +444,11 @@ class RingEpoch:
         slot.copied = event
         counters.copy_clock.add(start, time.perf_counter())
         counters.copy_bytes += nbytes
-        data = structure.rebuild([spec.view(slot.buffer) for spec in specs])
+        views = [spec.view(slot.buffer) for spec in specs]
+        data = structure.rebuild(views)
         if self.host_wait:
-            _wait_host(event)
-        return _Ready(index, slot, data, nbytes, event)
+            self._wait_host(event)
+        return _Ready(index, slot, data, nbytes, event, views=views)
 
     def _copy(self, host: HostBatch) -> _Ready:
         counters = self.counters
@@ -455,9 +489,9 @@ class RingEpoch:
             views.append(slot.buffer[offset : offset + nbytes].view(part.dtype).view(part.shape))
         leaves = [views[i] for i in host.leaf_part]
         data = host.structure.rebuild(leaves)
-        if self.host_wait:
-            _wait_host(event)
-        return _Ready(host.index, slot, data, host.nbytes, event)
+        if self.host_wait and event is not None:  # None: nothing to copy (no bytes)
+            self._wait_host(event)
+        return _Ready(host.index, slot, data, host.nbytes, event, views=views)
 
     def _issue(self, host: HostBatch, offsets: list[int], slot: Slot) -> Any:
         """Enqueue the batch's copies into ``slot`` after its last readers; the event after
@@ -503,7 +537,7 @@ class RingEpoch:
                 self.twin_refusal = f"page-locking a pinned twin failed: {error!r}"
                 return None  # this batch and the rest of the pass go through the driver
         elif slot.copied is not None:
-            _wait_host(slot.copied)  # the previous batch's DMA out of the twin
+            self._wait_host(slot.copied)  # the previous batch's DMA out of the twin
         self._prune_pins()
         if slot.pins:
             self._retiring.append((slot.copied, slot.pins))
@@ -579,7 +613,7 @@ class RingEpoch:
                         if grow is not None:
                             grow.state = FILLING
                         self._request = _Request(nbytes, index, grow, pageable)
-                        self.manager.bridge.call_soon_quietly(self._service)
+                        self.bridge.call_soon_quietly(self._service)
                 self._cond.wait()
 
     def _withdraw(self, request: _Request) -> None:
@@ -600,7 +634,7 @@ class RingEpoch:
             self._ready.append(item)
             waiting = self._consumer_waiting
         if waiting:
-            self.manager.bridge.call_soon_quietly(self._wake)
+            self.bridge.call_soon_quietly(self._wake)
 
     # ------------------------------------------------------------------ slots (loop)
 
@@ -757,8 +791,8 @@ class RingEpoch:
             self._pending_retires -= 1
 
         def wait() -> None:
-            _wait_all(waits)
-            self.manager.bridge.call_soon_quietly(passed)
+            self._waits.wait_all(waits)  # abandoned: the manager closed, nothing to wait for
+            self.bridge.call_soon_quietly(passed)
 
         threading.Thread(target=wait, name="aresidency-loader-ring-retire", daemon=True).start()
 
@@ -791,7 +825,7 @@ class RingEpoch:
         try:
             return await self._next()
         except StopAsyncIteration:
-            self.shutdown()
+            self.end_soon()  # the slots retire as the device passes them
             raise
         except BaseException:
             self.shutdown()
@@ -799,10 +833,26 @@ class RingEpoch:
                 await self.drain()
             raise
 
+    def closed_error(self, cause: BaseException | None = None) -> ManagerClosedError:
+        """The error the consumer gets once the manager closed under the pass (reported: a
+        later ``aclose`` does not raise it again)."""
+        self.closed_reported = True
+        error = ManagerClosedError(
+            f"the manager closed while {self.loader.name} was in pass {self.number}: the "
+            "pass ended there (close the loader before the manager: 'async with "
+            "DeviceLoader(...)' inside 'async with ResidencyManager(...)')"
+        )
+        error.__cause__ = cause
+        return error
+
     async def _next(self) -> DeviceBatch:
+        if self.closed_by_manager:
+            raise self.closed_error()
         self.manager.check_thread()
         await anyio.lowlevel.checkpoint()
         if self.status != "running":
+            if self.closed_by_manager:
+                raise self.closed_error()
             raise StopAsyncIteration
         counters = self.counters
         self.release_unkept()
@@ -812,6 +862,8 @@ class RingEpoch:
         try:
             while True:
                 if self.status != "running":
+                    if self.closed_by_manager:
+                        raise self.closed_error()
                     raise StopAsyncIteration
                 with self._cond:
                     item = self._ready.popleft() if self._ready else None
@@ -833,6 +885,8 @@ class RingEpoch:
                             raise item.error
                         raise StopAsyncIteration
                     if item.error is not None:
+                        if not self.manager.running:  # the backend stopped under the copy
+                            raise self.closed_error(item.error)
                         raise item.error
                     return self._hand_out(item)
                 cause = "budget" if blocked is not None else "source"
@@ -886,7 +940,7 @@ class RingEpoch:
         with self._cond:
             slot.state = OUT
             self._cond.notify_all()  # one batch fewer ahead: the window opens
-        out = _Out(slot, streams=[stream])
+        out = _Out(slot, streams=[stream], views=item.views)
         self._out[id(slot)] = out
         self._add_stream(stream)
         handed = DeviceBatch(
@@ -921,13 +975,32 @@ class RingEpoch:
         (its next copy waits for them on the device). The host does not wait."""
         if self._out.pop(id(out.slot), None) is None:
             return
-        backend = self.backend
-        readers = [backend.device_event(stream) for stream in out.streams]
+        readers: list[Any] = []
+        if self.manager.running:  # else the device stopped: nothing reads or copies any more
+            if self.host_wait:
+                self._poison(out)
+            backend = self.backend
+            readers = [backend.device_event(stream) for stream in out.streams]
         with self._cond:
             out.slot.readers = readers
             out.slot.state = FREE
             self._cond.notify_all()
         self._give_back()
+
+    def _poison(self, out: _Out) -> None:
+        """Where compute runs on the host (the simulation): overwrite the batch's tensors in
+        the slot with poison (NaN, or the byte 0xA5) after the kernels its reader streams
+        have so far, before the slot's next copy (which waits for the reader events recorded
+        after this), so that a read after the release shows up as poison, never as another
+        batch's data. The host does not wait. Never on CUDA (it would cost a kernel)."""
+        streams = [s for s in out.streams if s is not None]
+        if not streams or not out.views:
+            return
+        backend = self.backend
+        first = streams[0]
+        for other in streams[1:]:
+            backend.stream_wait(first, backend.record_event(other))
+        backend.run_in_stream_order(first, functools.partial(_poison_views, out.views))
 
     def release_unkept(self) -> None:
         """Release every batch handed out that no ``async with`` block keeps."""
@@ -943,15 +1016,19 @@ class RingEpoch:
         if self.status != "running":
             return
         self.status = "closing"
-        for out in list(self._out.values()):
-            if out.handed is not None:
-                out.handed.release()
+        # The source and the thread first: nothing below may leave them running.
         if self._arrivals is not None:
             self._arrivals.stop()
         if self._feeder is not None:
             self._feeder.stop()
         if self._feed_scope is not None:
             self._feed_scope.cancel()
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        for out in list(self._out.values()):
+            if out.handed is not None:
+                out.handed.release()
         with self._cond:
             self._stopped = True
             for item in self._ready:
@@ -974,33 +1051,89 @@ class RingEpoch:
         until the thread ended; the slots are freed later, once the device passed their last
         readers and copies (:meth:`settle` waits for that), so the next pass fills and copies
         while the device still runs this one's steps. While running (``releases_only``): until
-        the device passed every batch released so far (the slots stay with the pass)."""
+        the device passed every batch released so far (the slots stay with the pass). Once
+        the manager closed, nothing waits for the device (it stopped)."""
         if releases_only:
             await self._drain_releases()
             return
+        if self.status == "closing":
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                await anyio.to_thread.run_sync(thread.join)
+            if self.manager.running:
+                with self._cond:
+                    slots = list(self.slots)
+                    self.slots = []
+                if handover:
+                    self._retire(slots)
+                    self._finish()
+                    return
+                # The last readers (an event now on every stream that read a slot) and
+                # copies, waited for in a worker thread: the end of a pass does not depend on
+                # the backend's completion notifications.
+                backend = self.backend
+                events = [backend.record_event(stream) for stream in self._streams]
+                events += [s.copied for s in slots if s.copied is not None]
+                await anyio.to_thread.run_sync(self._waits.wait_all, events)
+                self._free(slots)
+            else:
+                self._drop_slots()
+            self._finish()
+        if not handover:
+            await self.settle()
+
+    def end_soon(self) -> None:
+        """End the pass without waiting (the source's end, a dropped iterator, the manager's
+        close): :meth:`shutdown` now; once the ring's thread ended (a thread of its own joins
+        it), the slots retire: freed, their reservations ended, once the device passed their
+        last readers and copies (events; nothing synchronizes). Loop."""
+        self.shutdown()
+        if self.status != "closing" or self._ending:
+            return
+        self._ending = True
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._hand_back()
+            return
+        bridge = self.bridge
+
+        def join() -> None:
+            thread.join()
+            bridge.call_soon_quietly(self._hand_back)
+
+        threading.Thread(
+            target=join, name=f"aresidency-loader-ring-end-{self.loader.name}", daemon=True
+        ).start()
+
+    def _hand_back(self) -> None:
+        """The thread ended: retire every slot (unless :meth:`drain` did already). Loop."""
         if self.status != "closing":
             return
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            await anyio.to_thread.run_sync(thread.join)
         if self.manager.running:
             with self._cond:
-                slots = list(self.slots)
-                self.slots = []
-            if handover:
-                self._retire(slots)
-                self._finish()
-                return
-            # The last readers (an event now on every stream that read a slot) and copies,
-            # waited for in a worker thread: the end of a pass does not depend on the
-            # backend's completion notifications.
-            backend = self.backend
-            events = [backend.record_event(stream) for stream in self._streams]
-            events += [s.copied for s in slots if s.copied is not None]
-            await anyio.to_thread.run_sync(_wait_all, events)
-            self._free(slots)
-            await self.settle()
+                slots, self.slots = self.slots, []
+            self._retire(slots)
+        else:
+            self._drop_slots()
         self._finish()
+
+    def _drop_slots(self) -> None:
+        """The manager closed: drop the buffers (its ledger closed with it; the device
+        stopped). Loop."""
+        with self._cond:
+            slots, self.slots = self.slots, []
+        self._free(slots)
+
+    def manager_closed(self) -> None:
+        """The manager closed (its backend with it) while the pass existed: stop the source
+        and the threads, abandon their waits on the device, drop the slots; a consumer that
+        waits, or asks for the next batch, gets ``ManagerClosedError``. Loop."""
+        self._unwatch = None
+        if self.status == "running":
+            self.closed_by_manager = True
+        self._waits.abandon()
+        self.end_soon()
+        self._wake()
 
     @property
     def retiring(self) -> bool:
@@ -1019,19 +1152,26 @@ class RingEpoch:
         if not self._streams or not self.manager.running:
             return
         events = [self.backend.record_event(stream) for stream in self._streams]
-        await anyio.to_thread.run_sync(_wait_all, events)
+        await anyio.to_thread.run_sync(self._waits.wait_all, events)
 
     def _finish(self) -> None:
         self.status = "closed"
         unlisten, self._unlisten = self._unlisten, None
         if unlisten is not None:
             unlisten()
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
         self._retiring = []
 
     async def join_feeder(self) -> None:
-        """Wait for the source's thread to stop (after its current ``next``)."""
+        """Wait for the source's thread (after its current ``next``), or the task reading an
+        async source, to stop: the next pass must not iterate the source while this one
+        still does."""
         if self._feeder is not None:
             await self._feeder.join()
+        if self._fed is not None and self._feeding:
+            await self._fed.wait()
 
     def take_deferred(self) -> list[BaseException]:
         """Copy failures no step reported: none here (a ring copy fails as it is issued, at its

@@ -244,10 +244,11 @@ async def test_kept_batches_hold_their_slots_and_the_pass_goes_on() -> None:
                     await batch.__aenter__()  # kept past the next steps
                 else:
                     assert torch.equal(batch.data, data[batch.index])
-            # every kept batch still holds its own data: no slot was reused under it
-            for batch in kept:
-                assert torch.equal(batch.data, data[batch.index])
-                await batch.__aexit__(None, None, None)
+                if batch.index == len(data) - 1:  # the pass's end releases every batch
+                    # every kept batch still holds its own data: no slot was reused under it
+                    for old in kept:
+                        assert torch.equal(old.data, data[old.index])
+                        await old.__aexit__(None, None, None)
         assert peak_slots(m) >= 5  # four kept + the window
         assert_nothing_left(m)
 
@@ -593,14 +594,17 @@ async def test_the_next_pass_starts_while_the_device_still_runs_the_last_ones_st
     async with ResidencyManager(backend=SimBackend()) as m:
         stream = m.backend.current_stream("cuda:0")
         async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
-            first_pass = [batch async for batch in loader]
-            last = first_pass[-1]
+            first = aiter(loader)
+            for _ in range(len(data)):
+                last = await anext(first)
 
             def step() -> None:  # the old pass's last step, still queued on the device
                 gate.wait(10)
                 read.append(last.clone())
 
-            m.backend.run_in_stream_order(stream, step)
+            m.backend.run_in_stream_order(stream, step)  # enqueued before the release
+            with pytest.raises(StopAsyncIteration):
+                await anext(first)
             with anyio.fail_after(5):
                 second = aiter(loader)
                 got = await anext(second)
@@ -652,20 +656,20 @@ async def test_drain_waits_for_the_slots_of_the_pass_before(
 ) -> None:
     """``loader.drain()`` during a pass also waits until the previous pass's slots, retired
     when the pass ended, have left the budget (their retiring thread is held here)."""
-    from aresidency.loader import ring as ring_module
+    from aresidency.loader.lifetime import HostWaits
 
     gate = threading.Event()
-    real_wait_all = ring_module._wait_all
+    real_wait_all = HostWaits.wait_all
 
-    def held_when_retiring(events: list[Any]) -> None:
+    def held_when_retiring(self: HostWaits, events: list[Any]) -> bool:
         if threading.current_thread().name == "aresidency-loader-ring-retire":
             gate.wait(10)
-        real_wait_all(events)
+        return real_wait_all(self, events)
 
     async def nothing_released_to_wait_for(self: RingEpoch) -> None:
         return None  # the running pass's own part of drain: not what this test looks at
 
-    monkeypatch.setattr(ring_module, "_wait_all", held_when_retiring)
+    monkeypatch.setattr(HostWaits, "wait_all", held_when_retiring)
     monkeypatch.setattr(RingEpoch, "_drain_releases", nothing_released_to_wait_for)
     data = batches(4)
     async with ResidencyManager(backend=SimBackend()) as m:

@@ -1,0 +1,111 @@
+"""How a pass learns that it must end without anyone telling it: the manager closed, or the
+iterator that drove it was dropped.
+
+* **The manager's close.** A pass runs threads (the source's, the ring's) that wait on the
+  manager's loop and on device events. When the manager closes, its backend stops: a simulated
+  device drops the work it had not started, so its events never complete, and the loop is no
+  longer the manager's to call. :func:`watch_close` arms a callback for that moment: a host
+  event that nobody sets, handed to the backend's ``notify``, which fails every pending
+  notification with ``BackendClosedError`` when the backend closes (the last step of the
+  manager's close). :class:`HostWaits` makes the threads' waits on device events abandonable,
+  so that the pass can end its threads then.
+* **A dropped iterator.** ``async for batch in DeviceLoader(...)`` with no ``async with``:
+  breaking out, or an exception in the body, drops the iterator without a call to anything,
+  as with an async generator (whose finalizer ``sys.set_asyncgen_hooks`` lets the loop
+  schedule ``aclose``). The iterator's ``__del__`` does the same: it schedules the end of its
+  pass on the loop (:func:`end_on_loop`) and awaits nothing; the pass then ends as
+  ``shutdown`` ends it and gives its memory back as the device passes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..backends.base import Backend
+from ..backends.bridge import LoopBridge
+from ..backends.events import HostEvent
+
+__all__ = ["HostWaits", "end_on_loop", "watch_close"]
+
+
+def watch_close(backend: Backend, label: str, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback()`` on the loop once ``backend`` closes (the manager's close ends with
+    it). Returns the function that disarms it (loop; the watch then ends quietly)."""
+    sentinel = HostEvent(label=f"{label} watches the manager's close")
+
+    def fired(error: BaseException | None) -> None:
+        if error is not None:  # the backend closed first; None: disarmed
+            callback()
+
+    backend.notify(sentinel, fired)
+    return sentinel.set
+
+
+class HostWaits:
+    """Host waits of a pass's threads on device events, which :meth:`abandon` ends at once
+    (the manager closed: a simulated device's events never complete then). A
+    ``torch.cuda.Event`` is waited for with ``synchronize`` (the GPU finishes its work
+    whether the manager runs or not).
+
+    State (under ``_lock``): ``abandoned``, ``_flags`` (one per wait in progress).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flags: set[threading.Event] = set()
+        self.abandoned = False
+
+    def wait(self, event: Any) -> bool:
+        """Block the calling thread (never the loop) until ``event`` completed (``None``:
+        nothing to wait for); False if the waits were abandoned first."""
+        if event is None or event.query():
+            return True
+        add_callback = getattr(event, "add_done_callback", None)
+        if not callable(add_callback):
+            synchronize = getattr(event, "synchronize", None)
+            if callable(synchronize):  # a torch.cuda.Event
+                synchronize()
+                return True
+            while not event.query():  # an event of another kind: only query tells
+                if self.abandoned:
+                    return False
+                time.sleep(0.0002)
+            return True
+        flag = threading.Event()
+        with self._lock:
+            if self.abandoned:
+                return False
+            self._flags.add(flag)
+        try:
+            add_callback(flag.set)
+            flag.wait()
+        finally:
+            with self._lock:
+                self._flags.discard(flag)
+        return bool(event.query())
+
+    def wait_all(self, events: Iterable[Any]) -> bool:
+        """:meth:`wait` for each event in turn; False once abandoned."""
+        return all(self.wait(event) for event in events)
+
+    def abandon(self) -> None:
+        """End every wait now and make later ones return False at once (any thread)."""
+        with self._lock:
+            self.abandoned = True
+            flags = list(self._flags)
+        for flag in flags:
+            flag.set()
+
+
+def end_on_loop(bridge: LoopBridge | None, end: Callable[[], None]) -> None:
+    """Schedule ``end()`` on the loop (from a finalizer: any thread, never waits; nothing if
+    the loop has finished)."""
+    if bridge is None:
+        return
+    try:
+        bridge.call_soon_quietly(end)
+    except Exception:  # pragma: no cover - interpreter shutdown: nobody is left to tell
+        pass

@@ -1,0 +1,314 @@
+"""When a pass ends without the consumer ending it: the manager closes under it, its iterator is
+dropped (a ``break`` or an exception out of ``async for`` with no ``async with``), or the
+source runs out. Each time it ends for good: no thread left, nothing charged, and a consumer
+that asks for more is told why (``ManagerClosedError``), never left waiting. Both ways through
+(``ring``: managed values, and the loader's choice, the ring) on the simulated backend."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.loader import DeviceLoader
+from aresidency.runtime.signal import ManagerClosedError
+
+from ._support import Gate, assert_nothing_left, batches, gated
+
+pytestmark = pytest.mark.anyio
+
+
+def loader_threads(loader: DeviceLoader) -> list[str]:
+    """The threads of ``loader`` still alive (its source's, its ring's, their helpers)."""
+    return [t.name for t in threading.enumerate() if loader.name in t.name]
+
+
+def nothing_charged(manager: ResidencyManager) -> bool:
+    """No value registered, nothing used or reserved at the device (the manager's own
+    reservations aside: see ``assert_nothing_left``)."""
+    record = manager.snapshot().location("cuda:0")
+    return not list(manager.state.values()) and not record.used_bytes and not record.reserved_bytes
+
+
+async def until(condition: Any, seconds: float = 5.0) -> None:
+    """Wait, with a deadline, until ``condition()`` holds (threads end, the device passes
+    events: changes nobody tells the loop about)."""
+    with anyio.fail_after(seconds):
+        while not condition():  # noqa: ASYNC110 - threads ending tell no one
+            await anyio.sleep(0.001)
+
+
+# ---------------------------------------------------------------------- the manager's close
+
+
+async def test_closing_the_manager_under_a_waiting_consumer_raises_manager_closed(
+    ring: bool | None,
+) -> None:
+    """The consumer waits for a batch the source has not made yet when the manager closes: it
+    gets ``ManagerClosedError`` (it used to wait forever: the ring's thread died calling the
+    closed manager's loop)."""
+    gate = Gate()
+    first = anyio.Event()
+    raised: list[BaseException] = []
+    ended = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tasks:
+            async with ResidencyManager(backend=SimBackend()) as m:
+
+                async def consume() -> None:
+                    source = gated(batches(4), gate, 1)
+                    async with DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) as loader:
+                        try:
+                            async for _batch in loader:
+                                first.set()
+                        except ManagerClosedError as error:
+                            raised.append(error)
+                        finally:
+                            ended.set()
+                            gate.open.set()  # the source's thread may end now (exit joins it)
+
+                tasks.start_soon(consume)
+                await first.wait()
+                await anyio.to_thread.run_sync(gate.reached.wait)
+                await anyio.wait_all_tasks_blocked()  # the consumer waits for batch 1
+            with anyio.fail_after(5):
+                await ended.wait()
+    finally:
+        gate.open.set()
+    assert [type(e) for e in raised] == [ManagerClosedError], raised
+    assert "manager closed" in str(raised[0])
+
+
+async def test_closing_the_manager_during_a_step_ends_the_block_with_manager_closed(
+    ring: bool | None,
+) -> None:
+    """The manager closes while the consumer is in its step, inside ``async with loader``:
+    the next step raises ``ManagerClosedError`` and the block's exit neither hangs (it waited
+    for a source thread that was never told to stop) nor replaces the error with the closed
+    device's ``RuntimeError``."""
+    in_step = anyio.Event()
+    resume = anyio.Event()
+    raised: list[BaseException] = []
+    ended = anyio.Event()
+    async with anyio.create_task_group() as tasks:
+        async with ResidencyManager(backend=SimBackend()) as m:
+
+            async def consume() -> None:
+                try:
+                    async with DeviceLoader(
+                        m, batches(50), "cuda:0", prefetch=2, ring=ring
+                    ) as loader:
+                        async for _batch in loader:
+                            in_step.set()
+                            await resume.wait()
+                except BaseException as error:
+                    raised.append(error)
+                finally:
+                    ended.set()
+
+            tasks.start_soon(consume)
+            await in_step.wait()
+        resume.set()
+        with anyio.fail_after(5):
+            await ended.wait()
+    assert [type(e) for e in raised] == [ManagerClosedError], raised
+
+
+async def test_aclose_after_the_manager_closed_under_a_pass_says_so_once(
+    ring: bool | None,
+) -> None:
+    """A pass still running (its iterator kept) when the manager closes: the close ends its
+    threads; ``aclose`` afterwards raises ``ManagerClosedError`` once (nobody was told), at
+    once (it used to hang, or raise the closed device's ``RuntimeError``); then nothing."""
+    async with ResidencyManager(backend=SimBackend()) as m:
+        loader = DeviceLoader(m, batches(50), "cuda:0", prefetch=2, ring=ring)
+        iterator = aiter(loader)
+        await anext(iterator)
+    await until(lambda: not loader_threads(loader))
+    with anyio.fail_after(5):
+        with pytest.raises(ManagerClosedError, match="manager closed"):
+            await loader.aclose()
+        await loader.aclose()
+    del iterator
+
+
+async def test_the_manager_close_ends_the_threads_of_a_loader_nobody_closes(
+    ring: bool | None,
+) -> None:
+    """No ``async with``, no ``aclose``, the iterator still referenced: the manager's close
+    ends the source's and the ring's threads (they used to live on, blocked)."""
+    gate = Gate()
+    async with ResidencyManager(backend=SimBackend()) as m:
+        loader = DeviceLoader(m, gated(batches(8), gate, 3), "cuda:0", prefetch=1, ring=ring)
+        iterator = aiter(loader)
+        await anext(iterator)
+        assert loader_threads(loader)
+    gate.open.set()
+    await until(lambda: not loader_threads(loader))
+    with pytest.raises(ManagerClosedError):
+        await anext(iterator)
+
+
+# ---------------------------------------------------------------------- one pass at a time
+
+
+class SharedSource:
+    """An iterable whose iterators share one state (as a DataLoader's persistent workers
+    do): ``overlaps`` counts calls that came while another iterator's ``next`` ran. The
+    first pass's ``next`` of item ``at`` stops at ``gate``."""
+
+    def __init__(self, items: list[torch.Tensor], gate: Gate, at: int) -> None:
+        self.items = items
+        self.gate = gate
+        self.at = at
+        self.iters = 0
+        self.overlaps = 0
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        with self._lock:
+            self.iters += 1
+            self.overlaps += self._busy
+        return self._run(self.iters)
+
+    def _run(self, number: int) -> Iterator[torch.Tensor]:
+        for index, item in enumerate(self.items):
+            with self._lock:
+                self.overlaps += self._busy
+                self._busy += 1
+            if number == 1 and index == self.at:
+                self.gate.hold()
+            with self._lock:
+                self._busy -= 1
+            yield item
+
+
+async def test_a_new_pass_waits_for_the_previous_pass_to_leave_the_source(
+    ring: bool | None,
+) -> None:
+    """Breaking out of a pass while its source thread is inside ``next`` and iterating
+    again: the new pass calls ``iter`` only once that ``next`` returned (a DataLoader with
+    persistent workers raised ``Invalid iterator state``, a generator ``already
+    executing``)."""
+    data = batches(6)
+    gate = Gate()
+    source = SharedSource(data, gate, 2)
+    got: list[torch.Tensor] = []
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) as loader:
+            async for _batch in loader:
+                break
+            del _batch
+            old = loader._epoch
+            await anyio.to_thread.run_sync(gate.reached.wait)  # the old thread is in next
+
+            async def second_pass() -> None:
+                async for batch in loader:
+                    got.append(batch.clone())
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(second_pass)
+                with anyio.fail_after(5):
+                    while True:
+                        if source.iters == 2:
+                            break  # the new pass iterates already, beside the old next
+                        await anyio.wait_all_tasks_blocked()
+                        if loader._epoch is old and old is not None and old.status == "closed":
+                            break  # the new pass waits for the old thread
+                        await anyio.sleep(0.001)
+                gate.open.set()
+        assert_nothing_left(m)
+    assert source.overlaps == 0
+    assert source.iters == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True)) and len(got) == 6
+
+
+# ---------------------------------------------------------------------- a pass that ends
+
+
+async def test_a_pass_run_to_its_end_gives_its_slots_back(ring: bool | None) -> None:
+    """``async for batch in DeviceLoader(...)`` to the end, with no ``async with``: the
+    pass's slots return to the budget (the ring kept them until the next pass or aclose:
+    for as long as the manager lived), so a next loader under the same budget gets room."""
+    budget = 3 * 1024  # the three slots (prefetch=2) of one loader
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        for round_ in range(3):
+            data = batches(5, seed=round_)
+            got = []
+            with anyio.fail_after(5):
+                async for batch in DeviceLoader(m, data, "cuda:0", prefetch=2, ring=ring):
+                    got.append(batch.clone())
+            assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        await until(lambda: nothing_charged(m))
+        assert_nothing_left(m)
+
+
+# ---------------------------------------------------------------------- a dropped iterator
+
+
+async def test_a_break_without_async_with_gives_everything_back(ring: bool | None) -> None:
+    """``async for batch in DeviceLoader(...): break`` (the form in the contract): the
+    dropped iterator ends its pass, as an async generator's finalizer would: the source's
+    thread stops (a generator's ``finally`` runs), nothing stays charged."""
+    closed = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from batches(50)
+        finally:
+            closed.set()
+
+    async with ResidencyManager(backend=SimBackend()) as m:
+        loader = DeviceLoader(m, source(), "cuda:0", prefetch=2, ring=ring)
+        async for batch in loader:
+            if batch.sum() != 0:
+                break
+        del batch
+        await until(lambda: not loader_threads(loader) and closed.is_set())
+        await until(lambda: nothing_charged(m))
+        assert_nothing_left(m)
+
+
+async def test_an_exception_in_the_body_without_async_with_gives_everything_back(
+    ring: bool | None,
+) -> None:
+    async with ResidencyManager(backend=SimBackend()) as m:
+        loader = DeviceLoader(m, batches(50), "cuda:0", prefetch=2, ring=ring)
+        with pytest.raises(ValueError, match="step failed"):
+            async for batch in loader:
+                if batch.sum() != 0:
+                    raise ValueError("step failed")
+        await until(lambda: not loader_threads(loader))
+        await until(lambda: nothing_charged(m))
+        assert_nothing_left(m)
+
+
+async def test_a_break_inside_async_with_ends_the_pass_at_once(ring: bool | None) -> None:
+    """Breaking out inside ``async with loader``: the pass ends when the loop is left (its
+    source's ``finally`` runs then), not only when the block ends."""
+    closed = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from batches(50)
+        finally:
+            closed.set()
+
+    async with (
+        ResidencyManager(backend=SimBackend()) as m,
+        DeviceLoader(m, source(), "cuda:0", prefetch=2, ring=ring) as loader,
+    ):
+        async for _batch in loader:
+            break
+        del _batch
+        await until(closed.is_set)
+        await loader.drain()
+        await until(lambda: nothing_charged(m))
+        assert_nothing_left(m)
