@@ -43,29 +43,37 @@ def _kind_text(error: Mapping[str, Any], handle: ValueHandle | None, location: s
     )
 
 
-def _explanation(errors: Errors, evidence: Evidence | None) -> Mapping[str, Any] | None:
+def _explanation(errors: Errors, evidence: Evidence | None) -> tuple[Mapping[str, Any] | None, str]:
+    """The plan's explanation, and when it was made: the failed decision's (the state the
+    controller decided against, which may differ from the state at the dump), else the
+    dump's own ``manager.explain(plan)``."""
     for error in errors:
         decision = error.get("decision")
         if isinstance(decision, Mapping) and isinstance(decision.get("explanation"), Mapping):
-            return decision["explanation"]  # type: ignore[no-any-return]
+            version = decision.get("expected_state_version")
+            at = "" if version is None else f" (state v{version})"
+            return decision["explanation"], f"at the decision{at}, explain(plan)"
     if evidence is not None and evidence.explanation is not None:
-        return evidence.explanation
-    return None
+        return evidence.explanation, "explain(plan)"
+    return None, "explain(plan)"
 
 
-def _explanation_findings(explanation: Mapping[str, Any], shown: str | None) -> list[str]:
+def _explanation_findings(
+    explanation: Mapping[str, Any], shown: str | None, label: str = "explain(plan)"
+) -> list[str]:
     """The explanation's verdict and, per location the plan charges, its predicted peak and
-    what makes it up (``shown``: a message already printed, not repeated)."""
+    what makes it up (``shown``: a message already printed, not repeated; ``label``: whose
+    explanation it is)."""
     findings = []
     if explanation.get("feasible"):
-        findings.append("explain(plan): feasible")
+        findings.append(f"{label}: feasible")
     else:
         phase = explanation.get("failed_phase")
         index = explanation.get("failed_action_index")
         where = "" if phase is None else f" at {phase}" + ("" if index is None else f" #{index}")
         reason = str(explanation.get("reason", ""))
         repeated = shown is not None and shown in reason
-        findings.append(f"explain(plan): infeasible{where}" + ("" if repeated else f" ({reason})"))
+        findings.append(f"{label}: infeasible{where}" + ("" if repeated else f" ({reason})"))
     peaks = explanation.get("predicted_peak_bytes") or {}
     ledger = explanation.get("ledger") or {}
     for loc, peak in peaks.items():
@@ -98,7 +106,7 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
     """The budget arithmetic of the first budget error in the chain (or of the plan's
     explanation), what could free room there now, and what the request is."""
     budget = first(errors, "ResidencyBudgetError")
-    explanation = _explanation(errors, evidence)
+    explanation, explained_at = _explanation(errors, evidence)
     if budget is None and (explanation is None or is_a(errors[0], "ResidencyStaleStateError")):
         return None
     findings: list[str] = []
@@ -171,7 +179,7 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             action = _room_now(evidence, location, need, findings, data) or action
     if explanation is not None:
         shown = None if budget is None else budget.get("message")
-        findings.extend(_explanation_findings(explanation, shown))
+        findings.extend(_explanation_findings(explanation, shown, explained_at))
         data["explanation"] = {
             key: explanation.get(key)
             for key in (

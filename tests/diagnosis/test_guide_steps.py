@@ -262,6 +262,12 @@ async def test_step_5_shows_a_decisions_search_work_evictions_and_peaks() -> Non
         )
         text = " ".join(step.findings)
         assert "not an eviction count" in text and decision.evictions[0].reason in text
+        # Step 3 shows the decision's explanation as of the state it was made against (the
+        # evictions' moves have committed since), saying so.
+        step3 = diagnose(error, m).step(3)
+        assert step3 is not None
+        at = f"at the decision (state v{decision.expected_state_version}), explain(plan): "
+        assert any(f.startswith(at) for f in step3.findings), step3.findings
 
 
 async def test_step_5_records_a_search_limit_as_unknown_feasibility() -> None:
