@@ -571,6 +571,17 @@ class ModelPool:
             raise ValueError(f"a model needs a non-empty str name, got {name!r}")
         if name in self._entries:
             raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
+        if isinstance(module, nn.Module):
+            mine = {id(sub) for sub in module.modules()}
+            for other in self._entries.values():
+                if any(id(sub) in mine for sub in other.streamed.module.modules()):
+                    # Its tensors would be registered twice: twice the device bytes, and two
+                    # copies of one weight that could disagree.
+                    raise ValueError(
+                        f"{type(module).__name__} is (or shares submodules with) the module "
+                        f"already pooled as {other.name!r}; use that name for its requests, or "
+                        "pool a separate copy (copy.deepcopy) under a new name"
+                    )
         streamed = PooledStreamedModule(
             self.manager,
             module,
@@ -1077,6 +1088,17 @@ class ModelPool:
             return "resident", 0
         floor = entry.outside_bytes + entry.largest_block + reserve
         if floor > available:
+            # The bytes as fields, on the cause (as the manager's infeasible plans carry them):
+            # the device empty but for its fixed reservations, the request's smallest need.
+            cause = ResidencyBudgetError(
+                self.device,
+                ledger.budget_bytes,
+                0,
+                fixed,
+                floor,
+                what=f"the smallest streaming footprint of {entry.name!r} plus the reserve",
+                kind="reservation",
+            )
             raise ResidencyPlanError(
                 f"the request for {entry.name!r} can never fit {self.device}: the model needs "
                 f"at least {format_nbytes(entry.outside_bytes + entry.largest_block)} to be "
@@ -1086,7 +1108,7 @@ class ModelPool:
                 f"{format_nbytes(reserve)}: {format_nbytes(floor)} in all, more than the "
                 f"budget ({format_nbytes(ledger.budget_bytes)}) less fixed reservations "
                 f"({format_nbytes(fixed)}); ask for a smaller reserve or raise the budget"
-            )
+            ) from cause
         depth = (available - entry.outside_bytes - reserve) // max(1, entry.largest_block) - 1
         return "streamed", max(0, min(entry.prefetch, depth))
 

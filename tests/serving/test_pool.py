@@ -17,7 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aresidency import MemoryReservation, Move, ResidencyManager, ResidencyPlan, ResidencyPlanError
+from aresidency import (
+    MemoryReservation,
+    Move,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+)
 from aresidency.backends.sim import SimBackend
 from aresidency.core.sizes import format_nbytes
 from aresidency.serving import ModelPool
@@ -308,6 +315,10 @@ async def test_a_request_that_could_never_fit_fails_at_once_with_the_arithmetic(
             assert "can never fit cuda:0" in message
             for nbytes in (OUTSIDE, BLOCK, reserve, budget, OUTSIDE + BLOCK + reserve):
                 assert format_nbytes(nbytes) in message
+            cause = caught.value.__cause__  # the bytes as fields, not only in the message
+            assert isinstance(cause, ResidencyBudgetError)
+            assert (cause.budget_bytes, cause.reserved_bytes) == (budget, 0)
+            assert cause.requested_bytes == OUTSIDE + BLOCK + reserve
             assert pool.waiting == 1
             release.set()
         assert pool.stats()["a"]["failures"] == 1
@@ -320,6 +331,20 @@ async def test_add_refuses_a_model_that_could_never_run_and_registers_nothing() 
         with pytest.raises(ValueError, match="can never run on cuda:0"):
             pool.add("a", TinyLM())
         assert not list(m.state.values()) and pool.models == []
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("again", ["itself", "a wrapper"])
+async def test_add_refuses_a_module_already_pooled_under_another_name(again: str) -> None:
+    # Registered twice, its tensors would take twice the device bytes.
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        module = TinyLM()
+        pool.add("a", module)
+        second = module if again == "itself" else torch.nn.Sequential(module)
+        with pytest.raises(ValueError, match="already pooled as 'a'"):
+            pool.add("b", second)
+        assert pool.models == ["a"]
         await pool.aclose()
 
 
