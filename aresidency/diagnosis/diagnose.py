@@ -75,6 +75,13 @@ def diagnose(error: BaseException, manager: Any = None) -> DiagnosisReport:
         raise TypeError(
             f"diagnose takes the exception that was raised, got {error!r} ({type(error).__name__})"
         )
+    from ..runtime.manager import ResidencyManager
+
+    if manager is not None and not isinstance(manager, ResidencyManager):
+        raise TypeError(
+            f"diagnose's second argument is the ResidencyManager (or None), got "
+            f"{type(manager).__name__}; for a saved state use manager.dump and diagnose_dump"
+        )
     evidence = None if manager is None else collect(manager, error)
     return build_report(exception_to_dict(error), evidence)
 

@@ -433,3 +433,13 @@ def test_threading_is_not_needed_for_a_diagnosis_without_a_manager() -> None:
     thread.start()
     thread.join()
     assert "expected state version 3" in results[0]
+
+
+async def test_diagnose_names_a_second_argument_that_is_not_a_manager() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        h = m.register(tensor(kib=8), name="big")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(h, "cuda:0")
+        with pytest.raises(TypeError, match="second argument is the ResidencyManager"):
+            diagnose(caught.value, m.snapshot())  # type: ignore[arg-type]
+        assert diagnose(caught.value, m).step(3) is not None
