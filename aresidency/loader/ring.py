@@ -765,6 +765,7 @@ class RingEpoch:
             ledger.used_bytes,
             ledger.reserved_bytes,
             charge,
+            kind="reservation",  # a slot is a named reservation; no value, no handle
             what=(
                 f"batch {request.index} of {self.loader.name}: its tensors need "
                 f"{format_nbytes(charge)} at {self.device}, more than the whole budget of "

@@ -18,7 +18,7 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from aresidency import MemoryReservation, ResidencyManager, ResidencyPlan
+from aresidency import MemoryReservation, ResidencyBudgetError, ResidencyManager, ResidencyPlan
 from aresidency.backends.base import Backend
 from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader
@@ -693,4 +693,78 @@ async def test_drain_waits_for_the_slots_of_the_pass_before(
             assert not any(" ring e1 " in name for name in live_slots(m))
             async for _batch in second:
                 pass
+        assert_nothing_left(m)
+
+
+async def test_batches_without_bytes_pass_through_the_ring() -> None:
+    """A batch with no tensor, or only empty ones, among normal ones: handed out as it came
+    (it used to crash the ring's thread waiting on the event of a copy never made)."""
+    data: list[Any] = [
+        {"id": 1},
+        [{"x": torch.zeros(0)}],
+        {"x": torch.arange(4.0), "id": 2},
+        {"id": 3, "x": torch.zeros(0, 3, dtype=torch.int64)},
+        torch.arange(3),
+    ]
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            with anyio.fail_after(5):
+                got = [
+                    structure_clone(batch)
+                    async for batch in loader  # cloned before the release
+                ]
+            assert isinstance(loader._epoch, RingEpoch)
+        assert_nothing_left(m)
+    assert got[0] == {"id": 1}
+    assert got[1][0]["x"].shape == (0,)
+    assert torch.equal(got[2]["x"], torch.arange(4.0)) and got[2]["id"] == 2
+    assert got[3]["x"].shape == (0, 3) and got[3]["x"].dtype == torch.int64
+    assert torch.equal(got[4], torch.arange(3))
+
+
+def structure_clone(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: structure_clone(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [structure_clone(v) for v in batch]
+    return batch
+
+
+async def test_a_batch_read_after_its_release_reads_the_simulations_poison() -> None:
+    """On the simulated backend a released slot is poisoned (NaN, or the byte 0xA5) before
+    the slot takes its next batch: a read after the release shows up, and never as another
+    batch's data."""
+    data = [{"f": torch.full((8,), float(i)), "n": torch.full((4,), i)} for i in range(6)]
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            kept = []
+            async for batch in loader.batches():
+                assert torch.equal(batch.data["f"], data[batch.index]["f"])
+                kept.append(batch)
+            await loader.drain()  # every release passed on the device
+            for batch in kept:
+                assert batch.released
+                assert torch.isnan(batch.data["f"]).all(), batch.data["f"]
+                raw = batch.data["n"].view(torch.uint8)
+                assert (raw == 0xA5).all(), raw
+        assert_nothing_left(m)
+
+
+async def test_a_batch_larger_than_the_budget_is_refused_as_a_reservation() -> None:
+    """The ring charges slots as reservations: a batch larger than the whole budget is
+    ``ResidencyBudgetError`` with ``kind="reservation"`` and no handle (DESIGN's rule for
+    the fields)."""
+    async with ResidencyManager(budgets={"cuda:0": 1000}, backend=SimBackend()) as m:
+        with pytest.raises(ResidencyBudgetError) as caught:
+            async with DeviceLoader(m, batches(2, 1024), "cuda:0", prefetch=1) as loader:
+                async for _batch in loader:
+                    pass
+        assert caught.value.kind == "reservation"
+        assert caught.value.handle is None
+        assert caught.value.requested_bytes > caught.value.budget_bytes
+        assert "larger than" in str(caught.value) or "more than the whole budget" in str(
+            caught.value
+        )
         assert_nothing_left(m)
