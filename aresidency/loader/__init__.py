@@ -51,11 +51,17 @@ Lifetimes: when a batch is released
     * ``async for batch in loader.batches()`` (:class:`DeviceBatch`): at the end of
       ``async with batch as data:`` (which may span steps: the batch is then kept), at
       ``batch.release()``, or else at the next step.
-    * Always at the end of the pass that ends the iteration: breaking out of the loop inside
-      ``async with loader``, ``await loader.aclose()``, an exception, or cancellation of the
-      consuming task (cancellation while it waits for a batch ends the pass at once, as it
-      would an async generator). Then nothing the loader made is leased, held, charged or
-      registered any more; copies in flight are cancelled first.
+    * Always at the end of the pass that ends the iteration: the source's end, breaking out
+      of the loop or an exception leaving it (the dropped iterator ends its pass, as an async
+      generator's finalizer would: scheduled on the loop, awaiting nothing), ``await
+      loader.aclose()``, the end of ``async with loader``, or cancellation of the consuming
+      task (cancellation while it waits for a batch ends the pass at once, as it would an
+      async generator). Then nothing the loader made is leased, held, charged or registered
+      any more; copies in flight are cancelled first. For a release at a point of your
+      choosing, and waited for, use ``async with loader`` or ``aclose`` (the other ends do
+      not wait; see :mod:`~aresidency.loader.lifetime`).
+    * The manager's close ends every pass (their threads stop): the consumer, and a later
+      ``aclose`` that no step reported it to, get ``ManagerClosedError``.
     * A released batch's memory leaves the budget when the device finished reading it;
       ``await loader.drain()`` waits for that.
 
@@ -73,7 +79,8 @@ Modules: ``loader`` (:class:`DeviceLoader`), ``ring`` (one pass through the ring
 ``pipeline`` (one pass of managed values: admission, readiness, release), ``records`` (the
 batches in flight), ``budget`` (admission arithmetic and its errors), ``feeder`` (reading the
 source), ``fills`` (filling the staging buffers from a staged source),
-``batch`` (:class:`DeviceBatch`), ``structure`` (nested batches), ``staging`` (the pinned
+``batch`` (:class:`DeviceBatch`), ``lifetime`` (ends nobody asked for: the manager's close, a
+dropped iterator), ``structure`` (nested batches), ``staging`` (the pinned
 staging buffers and the :class:`StagedSource` protocol), ``shards`` (:class:`ShardSource`),
 ``stats``. See ``docs/loader.md`` for a guide.
 """

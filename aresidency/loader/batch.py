@@ -33,11 +33,13 @@ class DeviceBatch:
     * the loader's next step (``__anext__``), unless a ``async with batch`` block is open;
     * the end of the loader (``aclose``, or its ``async with`` block).
 
-    Do not use its tensors after that: the memory may hold the next batch (the simulated backend
-    poisons it, so such a read shows up as NaN or 0xA5 bytes in tests). ``.clone()`` what you
-    keep. Kernels on a stream other than the lease's (the consumer's current stream when the
-    batch was handed out, or the loader's ``stream=``) must be declared with
-    :meth:`register_stream` before the release.
+    Do not use its tensors after that: the memory may hold the next batch (on CUDA). The
+    simulated backend poisons it (NaN, or the byte 0xA5) once the device passed the release:
+    the ring before its slot takes another batch, managed values when they are discarded; so
+    such a read shows up in tests (``await loader.drain()`` first to be sure it has).
+    ``.clone()`` what you keep. Kernels on a stream other than the lease's (the consumer's
+    current stream when the batch was handed out, or the loader's ``stream=``) must be
+    declared with :meth:`register_stream` before the release.
 
     State: ``_release`` (the loader's callback, ``None`` once released), ``_entered`` (open
     ``async with`` blocks), ``_register`` (adds a reader stream to the leases).

@@ -66,7 +66,11 @@ class DeviceLoader:
 
     ``async for batch in loader.batches()`` hands out :class:`DeviceBatch` objects instead,
     whose lifetime can be explicit (``async with batch as data``). Each ``async for`` is one
-    pass over the source (an epoch); starting one ends the previous one.
+    pass over the source (an epoch); starting one ends the previous one (once the previous
+    pass's source thread left its ``next``), and so does leaving the loop (a ``break`` or an
+    exception drops the iterator, which ends its pass without waiting). Enter the loader with
+    ``async with`` (or ``await loader.aclose()``) for a release that is waited for, before the
+    manager closes; the manager's close ends every pass with ``ManagerClosedError``.
 
     Call on the manager's event loop. State: ``manager``, ``source``, ``device``, ``prefetch``,
     ``ring``, ``stream``, ``timeout``, ``name``, ``counters``, ``staging`` (the staged

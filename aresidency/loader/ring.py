@@ -38,6 +38,10 @@ link, sets the pace. The ring keeps the byte budget and the ordering and drops t
 * **The end**: :meth:`RingEpoch.shutdown` stops the source and the thread; :meth:`drain` waits
   for the thread, then frees every slot and ends its reservation once the device passed the
   last readers (events recorded then on every stream that read a slot) and the last copies.
+  An end nobody awaits (the source's end, a dropped iterator, the manager's close:
+  :meth:`RingEpoch.end_soon`) does the same from a thread that joins the ring's thread.
+  Where compute runs on the host (the simulation), a released slot is poisoned first, in
+  stream order, so that a read after the release is seen.
 
 A staged source (:class:`~aresidency.loader.ShardSource`) is read the same way, without the
 source's own thread: the ring's thread has the loader's ``workers`` fill threads read the next
