@@ -40,7 +40,16 @@ from .search import (
     iter_decide,
 )
 
-__all__ = ["ControllerScope", "PendingDecision", "ResidencyController"]
+__all__ = [
+    "STALE_RETRIES_WITHOUT_TIME",
+    "ControllerScope",
+    "PendingDecision",
+    "ResidencyController",
+]
+
+#: Stale decisions re-derived at most at a ``controller.scope(request, timeout=0)`` entry
+#: (with time to wait, retries go on while it lasts).
+STALE_RETRIES_WITHOUT_TIME = 3
 
 
 class ManagerLike(Protocol):
@@ -82,7 +91,7 @@ class ResidencyController:
         *,
         fallback_graph: FallbackGraph | None = None,
         cost_model: CostModel | None = None,
-        max_stale_retries: int = 3,
+        max_stale_retries: int | None = None,
         slice_seconds: float = 0.0005,
         max_restarts: int = 16,
         optimality_gap: float = DEFAULT_OPTIMALITY_GAP,
@@ -102,7 +111,7 @@ class ResidencyController:
             raise TypeError(f"search_state_limit must be an int, got {search_state_limit!r}")
         if search_state_limit < 1:
             raise ValueError(f"search_state_limit must be >= 1, got {search_state_limit}")
-        if max_stale_retries < 0 or max_restarts < 0:
+        if (max_stale_retries is not None and max_stale_retries < 0) or max_restarts < 0:
             raise ValueError("max_stale_retries and max_restarts must be >= 0")
         if not slice_seconds > 0:
             raise ValueError(f"slice_seconds must be > 0, got {slice_seconds!r}")
@@ -171,8 +180,10 @@ class ResidencyController:
 
     def decide_nowait(self, request: ResidencyRequest) -> ResidencyDecision:
         """Derive a decision synchronously: blocks the loop for the whole search (use
-        :meth:`decide` on the loop; this is for tests and tools)."""
+        :meth:`decide` on the loop; this is for tests and tools). A location the manager does
+        not have is ``ValueError``, as with :meth:`decide`."""
         self._check_loop()
+        self._check_locations(request)
         state = self._state()
         for attempt in range(2):
             index = self._index_for(state)
@@ -288,10 +299,21 @@ class ResidencyController:
         """``async with controller.scope(request, timeout=...) as scope``: decide and enter.
 
         Entry derives a decision and enters it with ``manager.scope``. A decision found stale at
-        entry is re-derived from the current state (never replayed), at most
-        ``max_stale_retries`` times, after which the last ``ResidencyStaleStateError`` is
-        raised. A request that is infeasible only because of transient state (leases, holds,
-        pending events, other scopes' reservations: it would fit on its own) waits for the
+        entry is re-derived from the current state (never replayed) while time remains: with a
+        timeout, ``TimeoutError`` once it passed (chained to the last
+        ``ResidencyStaleStateError``); ``timeout=None`` retries as long as decisions go stale
+        (each one means another task changed the state: the manager makes progress). An int
+        ``max_stale_retries`` bounds the retries too; with ``timeout=0`` (no time to wait) they
+        are bounded by :data:`STALE_RETRIES_WITHOUT_TIME` unless it says otherwise; past the
+        bound the last ``ResidencyStaleStateError`` is raised.
+
+        For the block, the controller takes a hold on every requirement where the decision
+        placed it (released before the scope's exit actions run), so the requirements stay in
+        place: another decision cannot evict them (a protected materialization is no victim)
+        and a direct removal is ``ResidencyInUseError``.
+
+        A request that is infeasible only because of transient state (leases, holds, pending
+        events, other scopes' reservations: it would fit on its own) waits for the
         state to change and decides again, as a manual scope waits for admission, for up to
         ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
         raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once.
@@ -404,7 +426,8 @@ class ControllerScope:
 
     After entry: ``decision`` is the decision entered, ``decisions`` every decision derived on
     the way (the last is ``decision``), ``manager_scope`` the manager's scope (``report`` and
-    ``exit_error`` are its). Exit is the manager scope's exit.
+    ``exit_error`` are its). While entered it holds every requirement where the decision placed
+    it; exit releases those holds, then runs the manager scope's exit.
     """
 
     def __init__(
@@ -417,6 +440,7 @@ class ControllerScope:
         self._decision: ResidencyDecision | None = None
         self.manager_scope: Any = None
         self.stale_retries = 0
+        self._holds: list[Any] = []  # on the requirements, while entered
         self.status = "new"
 
     def __repr__(self) -> str:
@@ -474,12 +498,26 @@ class ControllerScope:
                 manager_scope = controller.manager.scope(decision, timeout=remaining)
                 try:
                     await manager_scope.__aenter__()
-                except ResidencyStaleStateError:
+                except ResidencyStaleStateError as stale:
                     self.stale_retries += 1
                     controller.stale_retries += 1
-                    if self.stale_retries > controller.max_stale_retries:
+                    limit = controller.max_stale_retries
+                    if limit is None and timeout == 0:
+                        limit = STALE_RETRIES_WITHOUT_TIME
+                    if limit is not None and self.stale_retries > limit:
                         raise
+                    if deadline is not None and anyio.current_time() >= deadline and timeout:
+                        raise TimeoutError(
+                            f"request {self.request.name!r} not admitted within {timeout} s: "
+                            f"its decision went stale {self.stale_retries} time(s) (other tasks "
+                            "kept changing the state between decision and entry)"
+                        ) from stale
                     continue
+                try:
+                    self._hold_placements(manager_scope, decision)
+                except BaseException as error:
+                    await manager_scope.__aexit__(type(error), error, error.__traceback__)
+                    raise
                 self.manager_scope = manager_scope
                 self._decision = decision
                 self.status = "entered"
@@ -487,6 +525,31 @@ class ControllerScope:
         except BaseException:
             self.status = "failed"
             raise
+
+    def _hold_placements(self, manager_scope: Any, decision: ResidencyDecision) -> None:
+        del manager_scope  # entered: the caller exits it if this raises
+        """Hold every requirement where the decision placed it, right after entry (no await
+        in between: nothing moved them yet). A hold that cannot be taken (the manager closing)
+        leaves none behind and the error propagates, after the manager scope's exit."""
+        # A ResidencyManager has ``hold``; a stand-in without one (a view that only decides)
+        # keeps nothing in place.
+        hold = getattr(self.controller.manager, "hold", None)
+        if hold is None:
+            return
+        try:
+            for placement in decision.placements:
+                self._holds.append(hold(placement.requirement.handle, placement.location))
+        except BaseException:
+            self._release_holds()
+            raise
+
+    def _release_holds(self) -> None:
+        holds, self._holds = self._holds, []
+        for hold in holds:
+            try:
+                hold.release()
+            except RuntimeError:  # the manager closed (ManagerClosedError): its state is final
+                pass
 
     async def __aexit__(
         self,
@@ -496,6 +559,7 @@ class ControllerScope:
     ) -> bool | None:
         if self.status != "entered":
             return None
+        self._release_holds()  # before the exit actions, which may move the requirements
         try:
             result: bool | None = await self.manager_scope.__aexit__(exc_type, exc, tb)
         finally:

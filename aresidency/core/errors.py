@@ -174,13 +174,21 @@ class ResidencyBudgetError(ResidencyError):
     """A direct materialization or reservation would exceed one strict location budget.
 
     Admissible iff ``budget_bytes is None or used_bytes + reserved_bytes + requested_bytes <=
-    budget_bytes``; this error means that was false. ``used_bytes`` and ``reserved_bytes`` are
+    budget_bytes``; this error means that was false (or, with ``waiting_scopes``, that the
+    queue refused it: see below). ``used_bytes`` and ``reserved_bytes`` are
     the ledger at the moment of the check. ``kind`` says what was asked: ``"materialization"``
     (a new copy of ``handle`` at ``location``), ``"reservation"`` (a ``MemoryReservation``;
     ``handle`` is ``None``), ``"reconstruction"`` (the temporary charge of rebuilding ``handle``
     at its ``source_location``) or ``"budget"`` (``set_budget`` below what is charged).
     ``in_simulation`` is true when the check ran on ``explain``'s simulation: the numbers are then
     the simulated state partway through the plan, not the manager's state.
+
+    ``waiting_scopes`` is non-zero when an operation that cannot wait (``materialize_nowait``,
+    ``reserve_nowait``, ``manager.reservation``) was refused because that many scopes wait for
+    room at ``location`` first (FIFO): the five byte fields are still the ledger and the request
+    as they are (the request may fit: ``missing_bytes`` is then 0, and the message says it was
+    the queue that refused it). An attribute, not yet one of ``FIELDS`` (the API page lists
+    those).
     """
 
     FIELDS = (
@@ -200,6 +208,7 @@ class ResidencyBudgetError(ResidencyError):
     handle: Any = None
     kind: str = "materialization"
     in_simulation: bool = False
+    waiting_scopes: int = 0
 
     def __init__(
         self,
@@ -213,6 +222,7 @@ class ResidencyBudgetError(ResidencyError):
         handle: Any = None,
         kind: str = "materialization",
         in_simulation: bool = False,
+        waiting_scopes: int = 0,
     ) -> None:
         if kind not in BUDGET_KINDS:
             raise ValueError(
@@ -227,6 +237,7 @@ class ResidencyBudgetError(ResidencyError):
         self.handle = handle
         self.kind = kind
         self.in_simulation = in_simulation
+        self.waiting_scopes = waiting_scopes
         super().__init__()
 
     @property
@@ -256,6 +267,17 @@ class ResidencyBudgetError(ResidencyError):
                 "first (release or move values, end reservations), or set a larger budget"
             )
         what = f" ({self.what})" if self.what else ""
+        if self.waiting_scopes and not self.missing_bytes:
+            return (
+                f"refused at {self.location}: {BUDGET_KINDS[self.kind]}{what} of "
+                f"{format_bytes(self.requested_bytes)} fits the budget now (used "
+                f"{format_bytes(self.used_bytes)} + reserved {format_bytes(self.reserved_bytes)}"
+                f" + requested = {format_bytes(self.new_peak_bytes)} of "
+                f"{format_bytes(self.budget_bytes)}), but {self.waiting_scopes} scope(s) "
+                "waiting for room there come first (FIFO) and an operation that cannot wait "
+                "does not overtake them; retry once they were admitted, or use the awaiting "
+                "operation (it waits its turn)"
+            )
         # The simulation's note comes last: the live check's message is then a prefix of the
         # simulated one (an explanation's reason reads as the execution error would).
         simulation = (

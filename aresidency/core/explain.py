@@ -314,6 +314,9 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
     no credit for what its moves free. False means "simulate", never "does not fit"."""
     if plan.reserve:
         return False
+    for phase in (plan.reclaim, plan.enter, plan.exit):
+        if _names_exclusive_twice(state, phase):
+            return False  # invalid: the simulation says so (never "fits")
     adds: dict[Location, int] = {}
     for action in (*plan.reclaim, *plan.enter, *plan.exit):
         if isinstance(action, Release):
@@ -337,6 +340,20 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
         if ledger.budget_bytes is not None and ledger.charged_bytes + nbytes > ledger.budget_bytes:
             return False
     return True
+
+
+def _names_exclusive_twice(state: ResidencyState, actions: Sequence[Any]) -> bool:
+    """Whether one phase asks for an EXCLUSIVE value at several locations (invalid)."""
+    seen: dict[ValueHandle, Location] = {}
+    for action in actions:
+        if isinstance(action, Release):
+            continue
+        first = seen.setdefault(action.handle, action.location)
+        if first != action.location:
+            value = state.find_value(action.handle)
+            if value is None or value.replica_mode is ReplicaMode.EXCLUSIVE:
+                return True
+    return False
 
 
 def plan_fits(state: ResidencyState, plan: ResidencyPlan) -> bool:

@@ -8,18 +8,24 @@ could never fit fails at once with the explanation's reason. Only the head of th
 checked, on every state change, so a later scope never overtakes an earlier one.
 
 Direct operations queue too, so that they cannot starve a waiting scope: one that would charge
-a location where a waiting scope will charge bytes waits for the scopes ahead of it, then runs
-(it never waits for room itself: it either fits then or raises ``ResidencyBudgetError``). One
-that charges nothing there (a release, a move out to the host) runs at once: it may be what
-the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an empty
-plan, a plan for another device) does not queue either.
+a location where a waiting scope will charge bytes (``materialize``, ``move``, ``execute``)
+waits for the scopes ahead of it, then runs (it never waits for room itself: it either fits
+then or raises ``ResidencyBudgetError``; ``execute`` a ``ResidencyPlanError``). Two
+exceptions keep that from deadlocking or lying: a caller that holds a lease or hold of this
+manager does not wait (the scope may be waiting for exactly that protection) and goes ahead;
+and an operation that cannot wait (``materialize_nowait``, ``reserve_nowait``,
+``manager.reservation``) is refused with a ``ResidencyBudgetError`` whose byte fields are the
+true ledger and request and whose ``waiting_scopes`` says how many scopes it would overtake.
+One that charges nothing there (a release, a move out to the host) runs at once: it may be
+what the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an
+empty plan, a plan for another device) does not queue either.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -35,6 +41,7 @@ from ..core.explain import (
 )
 from ..core.locations import Location
 from ..core.plans import Release, ResidencyPlan
+from .leases import current_task, lease_owners
 from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
@@ -110,12 +117,19 @@ class AdmissionQueue:
     # -- scopes
 
     async def admit(
-        self, plan: ResidencyPlan, expected_version: int | None, timeout: float | None
+        self,
+        plan: ResidencyPlan,
+        expected_version: int | None,
+        timeout: float | None,
+        *,
+        overtake: bool = False,
     ) -> _Waiter:
         """Return once ``plan`` may start (FIFO); see the module docstring. Raises
         ``ResidencyStaleStateError`` (checked before anything else, and again when its turn
         comes), ``ResidencyPlanError`` (could never fit, or blocked by what will not move on
         its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds.
+        ``overtake``: it had its turn already (``execute`` waited for it as a direct operation
+        does), so it does not queue behind scopes that came later.
 
         Returns the scope's *claim*, which stays in the queue until :meth:`release`: the
         entry awaits its transfers after admission, and nothing queued behind it may take its
@@ -124,20 +138,22 @@ class AdmissionQueue:
         self._check_open()
         state = self._rt.state
         self._check_stale(expected_version)
-        charged = self._charged_by(plan)
+        charged = self.charged_by(plan)
         # A plan that charges nothing where a waiting scope will overtakes no one (an empty
         # plan, a plan for another device): it does not wait behind them.
-        queued = self.must_queue(charged)
+        queued = not overtake and self.must_queue(charged)
         waiter = _Waiter(plan, charged)
         if not queued and (
             plan_fits_at_once(state, plan)
             or await self._sliced(lambda: plan_fits_steps(state, plan))
         ):
+            self._check_stale(expected_version)  # a sliced simulation let others run
             self._queue.append(waiter)
             return waiter
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )
+        self._check_stale(expected_version)
         if explanation.feasible and not queued:
             self._queue.append(waiter)
             return waiter
@@ -189,7 +205,7 @@ class AdmissionQueue:
             why = explanation.reason
         return f"plan not admitted within {timeout} s: {why}"
 
-    def _charged_by(self, plan: ResidencyPlan) -> frozenset[Location]:
+    def charged_by(self, plan: ResidencyPlan) -> frozenset[Location]:
         """Where ``plan`` would charge bytes: its reservations' locations, its copies'
         destinations, and the source locations of values it may rebuild."""
         out = {reservation.location for reservation in plan.reserve}
@@ -245,6 +261,10 @@ class AdmissionQueue:
         wanted = frozenset(locations)
         if not self.must_queue(wanted):
             return
+        if lease_owners(self._rt).task_protects(current_task()):
+            # The caller holds a lease or hold: a waiting scope may wait for exactly that, so
+            # waiting behind it could never end. It goes ahead (it still must fit).
+            return
         waiter = _Waiter(None, wanted)
         self._queue.append(waiter)
         try:
@@ -258,23 +278,36 @@ class AdmissionQueue:
             self._queue.remove(waiter)
             self._wake_head()
 
-    def refuse_nowait(self, locations: Iterable[Location], what: Callable[[], str]) -> None:
+    def refuse_nowait(
+        self,
+        charges: Mapping[Location, tuple[int, str]],
+        what: Callable[[], str],
+        handle: Any = None,
+    ) -> None:
         """For an operation that cannot wait: ``ResidencyBudgetError`` if it would overtake a
-        waiting scope at one of ``locations`` (``what()`` names the operation in it)."""
+        waiting scope at one of the locations of ``charges`` (location -> (bytes it would
+        charge there, budget error ``kind``); ``what()`` names the operation). The error's
+        byte fields are the ledger and the request as they are; ``waiting_scopes`` says how
+        many scopes it would overtake (see ``ResidencyBudgetError``)."""
         if not self._queue:
             return  # nobody waits (the common case: a direct operation's fast path)
         short = self.short_of()
-        for location in locations:
+        for location, (nbytes, kind) in charges.items():
             if location in short:
                 ledger = self._rt.state.ledger(location)
-                waiting = sum(1 for w in self._queue if location in w.short_of)
+                waiting = sum(
+                    1 for w in self._queue if w.plan is not None and location in w.short_of
+                )
                 raise ResidencyBudgetError(
                     location,
                     ledger.budget_bytes,
                     ledger.used_bytes,
                     ledger.reserved_bytes,
-                    0,
-                    what=f"{what()}: {waiting} waiting scope(s) need room here first (FIFO)",
+                    nbytes,
+                    what=what(),
+                    handle=handle,
+                    kind=kind,
+                    waiting_scopes=max(waiting, 1),
                 )
 
     def close(self, message: str) -> None:

@@ -41,12 +41,13 @@ PAGEABLE = Location("pageable-host")
 class Runtime:
     """Shared parts of one running manager (loop thread only, see the module docstring).
 
-    State: ``state`` (the model), ``payloads``, ``backend``, ``bridge`` (the loop), ``signal``,
-    ``reaper``, ``admission``, ``sources`` (handle -> source of a reconstructible value),
-    ``closing`` (set when the manager starts closing: new work is refused),
-    ``_journal`` (transitions committed since the last :meth:`settle`), ``_tasks`` (the task
-    group for background work, owned by the manager), ``_busy`` (runs and loads in flight:
-    closing waits for them).
+        State: ``state`` (the model), ``payloads``, ``backend``, ``bridge`` (the loop), ``signal``,
+        ``reaper``, ``admission``, ``sources`` (handle -> source of a reconstructible value),
+        ``closing`` (set when the manager starts closing: new work is refused), ``frozen`` (set
+    once it closed: the state is final),
+        ``_journal`` (transitions committed since the last :meth:`settle`), ``_tasks`` (the task
+        group for background work, owned by the manager), ``_busy`` (runs and loads in flight:
+        closing waits for them).
     """
 
     def __init__(
@@ -66,6 +67,9 @@ class Runtime:
         self.sources: dict[ValueHandle, Source] = {}
         self.scopes: set[Any] = set()  # entered scopes (their values: see scoped_values)
         self.closing = False
+        # Set once the manager closed (after its last transfer): nothing changes the state any
+        # more; what ends later (a lease, hold, scope, reservation block) raises instead.
+        self.frozen = False
         self._journal: list[Transition] = []
         state.recorders.append(self._journal)
         self._tasks = tasks
@@ -131,6 +135,14 @@ class Runtime:
                 self.state.set_spare_bytes(PAGEABLE, spare)
 
     # -- checks
+
+    def check_not_frozen(self, what: str) -> None:
+        """Raise ``ManagerClosedError`` once the manager closed (``what`` ended too late)."""
+        if self.frozen:
+            raise ManagerClosedError(
+                f"the manager closed before {what} ended; the state is final (what was active "
+                "at close stays in its last snapshot), so nothing was changed"
+            )
 
     def check_thread(self) -> None:
         """Raise ``RuntimeError`` unless called on the loop's thread while running."""

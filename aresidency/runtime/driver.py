@@ -55,6 +55,7 @@ from ..core.plans import (
 from ..core.trace import Transition
 from ..core.values import CopyTicket
 from .payloads import Payload
+from .shield import wait_shielded
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -516,6 +517,18 @@ class PhaseRun:
         else:
             self._callbacks.append(callback)
 
+    async def wait_finished_shielded(self) -> BaseException | None:
+        """Park until the run finished, whatever cancels the task meanwhile (the run is not
+        cancelled); returns the cancellation that arrived, for the caller to raise once it
+        has dealt with the run's outcome (see :func:`~aresidency.runtime.shield.wait_shielded`)."""
+        if not self.started:
+            self.start()
+        if self.finished:
+            return None
+        if self._done is None:
+            self._done = anyio.Event()
+        return await wait_shielded(self._done)
+
     async def wait_finished(self) -> None:
         """Park until the run finished, raising nothing; cancelling this wait leaves the run
         going (unlike :meth:`wait`)."""
@@ -526,8 +539,9 @@ class PhaseRun:
 
     async def wait(self) -> None:
         """Park until the run finished; raise its error. If the awaiting task is cancelled
-        meanwhile, the run is cancelled, the task waits (shielded) until the run finished, and
-        then the cancellation propagates."""
+        meanwhile, the run is cancelled, the task waits (shielded, also from further native
+        asyncio cancellations: see :mod:`~aresidency.runtime.shield`) until the run finished,
+        and then the cancellation propagates."""
         if not self.started:
             self.start()
         if not self.finished:
@@ -538,8 +552,9 @@ class PhaseRun:
                 await done.wait()
             except anyio.get_cancelled_exc_class():
                 self.cancel()
-                with anyio.CancelScope(shield=True):
-                    await done.wait()
+                # Held on through further cancellations, native asyncio ones included (a
+                # shield alone lets those through): the run must end before the task goes on.
+                await wait_shielded(done)
                 raise
         if self.error is not None:
             raise self.error

@@ -24,11 +24,20 @@ from ..core.errors import ResidencyInUseError, ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.values import ValueHandle
 from .payloads import Payload
+from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["Hold", "Lease", "LeaseOwners", "LeaseWouldWait", "add_owners", "lease_owners"]
+__all__ = [
+    "Hold",
+    "Lease",
+    "LeaseOwners",
+    "LeaseWouldWait",
+    "add_owners",
+    "current_task",
+    "lease_owners",
+]
 
 #: The owner recorded when a lease or hold is entered outside any task (a loop callback).
 NO_TASK = "(no task: a loop callback)"
@@ -52,6 +61,21 @@ def current_owner() -> str:
     return NO_TASK if task is None else task.get_name() or NO_TASK
 
 
+def current_task() -> object | None:
+    """The task running now (asyncio's or trio's), or ``None`` in a loop callback: what
+    :meth:`LeaseOwners.task_protects` counts by."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no asyncio loop running here: trio, or no loop at all
+        pass
+    try:
+        import trio
+
+        return trio.lowlevel.current_task()
+    except (ImportError, RuntimeError):
+        return None
+
+
 class LeaseOwners:
     """Who holds the active leases and holds of one runtime (loop thread only).
 
@@ -62,10 +86,27 @@ class LeaseOwners:
     append and one removal per lease: cheap on the lease hot path.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_tasks")
 
     def __init__(self) -> None:
         self._entries: dict[tuple[ValueHandle, Location], list[tuple[str, str]]] = {}
+        # task -> how many leases and holds it entered and has not ended (the task object is
+        # kept only while it protects something)
+        self._tasks: dict[object, int] = {}
+
+    def add_task(self, task: object | None) -> None:
+        if task is not None:
+            self._tasks[task] = self._tasks.get(task, 0) + 1
+
+    def remove_task(self, task: object | None) -> None:
+        if task is not None and task in self._tasks:
+            self._tasks[task] -= 1
+            if not self._tasks[task]:
+                del self._tasks[task]
+
+    def task_protects(self, task: object | None) -> bool:
+        """Whether ``task`` holds an active lease or hold of this runtime."""
+        return task is not None and task in self._tasks
 
     def add(self, handle: ValueHandle, location: Location, kind: str, owner: str) -> None:
         self._entries.setdefault((handle, location), []).append((kind, owner))
@@ -150,6 +191,10 @@ class Lease:
     from another thread could land between earlier kernels) and exited with reader events the
     consumer recorded itself (``exit_nowait(reader_events=...)``).
 
+    Exited after the manager closed (a task outliving the manager's block), the use ends
+    without touching the closed backend or the final state and ``ManagerClosedError`` is
+    raised (returned by :meth:`exit_nowait`).
+
     State: ``handle``, ``location``, ``mode``, ``stream``, ``tensor`` (while entered),
     ``ready_event`` (what a stream must wait for before reading, ``None`` once the data is
     there), ``status`` (``new`` -> ``entered`` -> ``exited``).
@@ -182,6 +227,7 @@ class Lease:
         self._tensor: torch.Tensor | None = None
         self._payload: Payload | None = None
         self.owner: str | None = None  # the task that entered it (set at entry)
+        self._task: object | None = None  # that task itself, while the lease is active
         self.status = "new"
 
     @property
@@ -216,7 +262,10 @@ class Lease:
             add_owners(rt, error)
             raise
         self.owner = owner
-        lease_owners(rt).add(self.handle, self.location, self._kind, owner)
+        table = lease_owners(rt)
+        table.add(self.handle, self.location, self._kind, owner)
+        self._task = current_task()
+        table.add_task(self._task)
         self.status = "entering"
         rt.settle()  # a write lease may have invalidated other replicas
         return rt.payloads.get(self.handle, self.location)
@@ -309,13 +358,18 @@ class Lease:
     def _abandon(self) -> None:
         """End a use whose entry failed (nothing was handed out, so no reader to record)."""
         self.status = "exited"
+        if self._rt.frozen:
+            return  # the manager closed meanwhile: its state is final
         self._rt.state.unlease(self.handle, self.location, self.mode)
         self._forget_owner()
         self._rt.settle()
 
     def _forget_owner(self) -> None:
         if self.owner is not None:
-            lease_owners(self._rt).remove(self.handle, self.location, self._kind, self.owner)
+            table = lease_owners(self._rt)
+            table.remove(self.handle, self.location, self._kind, self.owner)
+            table.remove_task(self._task)
+            self._task = None
 
     # ------------------------------------------------------------------ exit
 
@@ -328,13 +382,19 @@ class Lease:
             raise RuntimeError(f"the lease is {self.status}, not entered")
         self.status = "exited"
         self._tensor = None
+        rt = self._rt
+        if rt.frozen:  # the manager closed during the use: its state (and backend) are final
+            self._payload = None
+            return ManagerClosedError(
+                f"the manager closed while the {self._kind} on {self.handle} at "
+                f"{self.location} was active; the state is final, so its end changed nothing"
+            )
         payload = self._payload
         if payload is not None and payload.transfer is None and payload.failure is None:
             # Nothing left to report (the data was there): an exited lease must not keep the
             # payload's tensor alive once the materialization is released.
             self._payload = None
         del payload
-        rt = self._rt
         error: BaseException | None = None
         events: list[Any] = []
         try:
@@ -368,6 +428,10 @@ class Lease:
         if self.status != "entered":
             return
         error = self.exit_nowait()
+        if self._rt.frozen:
+            if exc is None and error is not None:
+                raise error
+            return
         payload = self._payload  # kept only when entered on a copy that was still incoming
         transfer = None if payload is None else payload.transfer
         if transfer is not None and not transfer.query():
@@ -400,6 +464,8 @@ class Hold:
     """Protects a materialization from removal without using it. ``release()`` ends it; also a
     context manager (``with`` or ``async with``). Releasing twice is an error.
 
+    Released after the manager closed, it changes nothing and raises ``ManagerClosedError``.
+
     State: ``handle``, ``location``, ``active``, ``owner`` (the task that made it)."""
 
     def __init__(self, runtime: Runtime, handle: ValueHandle, location: Location) -> None:
@@ -409,15 +475,24 @@ class Hold:
         owner = current_owner()  # before the state changes: nothing after it may fail
         runtime.state.hold(handle, location)
         self.owner = owner
-        lease_owners(runtime).add(handle, location, "hold", owner)
+        table = lease_owners(runtime)
+        table.add(handle, location, "hold", owner)
+        self._task = current_task()
+        table.add_task(self._task)
         self.active = True
         runtime.settle()
 
     def release(self) -> None:
         if not self.active:
             raise RuntimeError(f"{self!r} was already released")
+        if self._rt.frozen:
+            self.active = False
+            self._rt.check_not_frozen(f"the hold on {self.handle} at {self.location}")
         self._rt.state.unhold(self.handle, self.location)
-        lease_owners(self._rt).remove(self.handle, self.location, "hold", self.owner)
+        table = lease_owners(self._rt)
+        table.remove(self.handle, self.location, "hold", self.owner)
+        table.remove_task(self._task)
+        self._task = None
         self.active = False
         self._rt.settle()
 

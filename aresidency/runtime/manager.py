@@ -67,6 +67,7 @@ from .leases import Hold, Lease, add_owners, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
+from .shield import finish_shielded
 from .signal import ManagerClosedError
 from .sources import Source
 
@@ -113,6 +114,19 @@ def _check_tensor(tensor: Any) -> torch.Tensor:
         )
     if tensor.is_meta:
         raise ValueError("a tensor on the meta device has no data to manage")
+    # A lazily conjugated or negated view (``x.conj()`` of a complex tensor, what some ops
+    # return) cannot be copied into a new buffer as it is (torch refuses the copy), so it
+    # could never move: refused here rather than at its first transfer.
+    if tensor.is_conj():
+        raise TypeError(
+            "register takes tensors without a pending conjugation; this one is a lazy conj() "
+            "view: register tensor.resolve_conj() (or tensor.conj_physical())"
+        )
+    if tensor.is_neg():
+        raise TypeError(
+            "register takes tensors without a pending negation; this one is a lazy negative "
+            "view (the imaginary part of a conj() view): register tensor.resolve_neg()"
+        )
     return tensor
 
 
@@ -235,8 +249,11 @@ class ResidencyManager:
         tb: TracebackType | None,
     ) -> bool | None:
         """Wake every task waiting for admission or a state change with
-        ``ManagerClosedError``, wait (shielded) for the transfers and consumer events in
-        flight, then stop the background tasks and the backend."""
+        ``ManagerClosedError``, wait (shielded, from native asyncio cancellations too) for the
+        transfers and consumer events in flight, then stop the background tasks and the
+        backend. From then on the state is final: leases, holds, scopes and reservation blocks
+        still active keep their records (a dump shows them) and raise ``ManagerClosedError``
+        when they end."""
         rt, tasks, backend = self._rt, self._tasks, self._backend
         if rt is None or tasks is None or backend is None or self._status != "running":
             return None
@@ -246,9 +263,13 @@ class ResidencyManager:
         rt.admission.close(message)
         rt.signal.close(message)
         try:
-            with anyio.CancelScope(shield=True):
-                await rt.wait_idle()
+            # Finished even if the task is cancelled meanwhile, natively on asyncio too (the
+            # cancellation is raised once it is done): see .shield.
+            await finish_shielded(rt.wait_idle)
         finally:
+            # From here on the state is final: a lease, hold, scope or reservation block that
+            # ends after this changes nothing and raises ManagerClosedError.
+            rt.frozen = True
             # The body's own exception is not handed to the task group: it would come back
             # wrapped in an exception group. Background tasks never raise, so the group ends
             # cleanly and the body's exception (if any) propagates as it is.
@@ -256,10 +277,11 @@ class ResidencyManager:
             try:
                 await tasks.__aexit__(None, None, None)
             finally:
-                with anyio.CancelScope(shield=True):
-                    await backend.aclose()
-                rt.loads.shutdown(wait=False)  # idle: every load finished before wait_idle
-                self._status = "closed"
+                try:
+                    await finish_shielded(backend.aclose)
+                finally:
+                    rt.loads.shutdown(wait=False)  # idle: every load finished before wait_idle
+                    self._status = "closed"
         return None
 
     def _running(self) -> Runtime:
@@ -503,8 +525,17 @@ class ResidencyManager:
         rt.backend.check_location(loc)
         action = Materialize(handle, loc)
         charged = self._charged_by(action)
-        if charged:
-            rt.admission.refuse_nowait(charged, lambda: f"{handle} ({loc})")
+        if charged and len(rt.admission):
+            value = self._state.value(handle)
+            charges = {
+                where: (
+                    value.charge_bytes,
+                    "materialization" if where == loc else "reconstruction",
+                )
+                for where in charged
+                if where not in value.materializations
+            }
+            rt.admission.refuse_nowait(charges, lambda: f"{handle} to {loc}", handle)
         run = PhaseRun(rt, "execute", [action]).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None
@@ -689,8 +720,11 @@ class ResidencyManager:
 
     async def execute(self, plan: Any) -> ExecutionReport:
         """Run a plan now (phase ``execute``): reclaim, reservations, enter, end of the
-        reservations, exit. Preflight (staleness, ``explain``) raises ``ResidencyPlanError``
-        before anything changes; a later failure is ``ResidencyPlanExecutionError``."""
+        reservations, exit. It never waits for room: preflight (staleness, ``explain``) raises
+        ``ResidencyPlanError`` before anything changes; a later failure is
+        ``ResidencyPlanExecutionError``. Like ``move``, it first waits its turn behind scopes
+        already waiting for room where it charges (unless the caller holds a lease or hold: see
+        :mod:`~aresidency.runtime.admission`), so it does not overtake them."""
         scope = Scope(self._running(), plan, timeout=0, phase_name="execute")
         async with scope:
             pass
@@ -706,27 +740,46 @@ class ResidencyManager:
         self, name: str, location: LocationLike, nbytes: int
     ) -> AsyncIterator[None]:
         """A named reservation held for the ``async with`` block (no waiting: over budget is
-        ``ResidencyBudgetError`` at once)."""
+        ``ResidencyBudgetError`` at once, and so is one that would take room a waiting scope
+        needs first: ``waiting_scopes`` says so, its byte fields are true). A block that ends
+        after the manager closed changes nothing and raises ``ManagerClosedError`` (unless the
+        body raised)."""
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
+        self._refuse_reservation(rt, name, loc, nbytes)
         self._state.reserve(name, loc, nbytes, owner="direct")
         rt.settle()
         try:
             yield
-        finally:
-            self._state.unreserve(name, loc)
-            rt.settle()
+        except BaseException:
+            if not rt.frozen:
+                self._state.unreserve(name, loc)
+                rt.settle()
+            raise
+        rt.check_not_frozen(f"the reservation {name!r} at {loc}")
+        self._state.unreserve(name, loc)
+        rt.settle()
 
     def reserve_nowait(self, name: str, location: LocationLike, nbytes: int) -> None:
         """Admit a named reservation of ``nbytes`` at ``location`` now, held until
         :meth:`unreserve_nowait` (``ResidencyBudgetError`` at once when it does not fit;
-        ``DuplicateReservationError`` for a name already active there). Loop thread."""
+        ``DuplicateReservationError`` for a name already active there; refused while a scope
+        waits for room there: see :meth:`reservation`). Loop thread."""
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
+        self._refuse_reservation(rt, name, loc, nbytes)
         self._state.reserve(name, loc, nbytes, owner="direct")
         rt.settle()
+
+    @staticmethod
+    def _refuse_reservation(rt: Runtime, name: str, location: Location, nbytes: Any) -> None:
+        """A direct reservation cannot wait: refused while a scope waits for room there."""
+        if len(rt.admission) and isinstance(nbytes, int) and nbytes > 0:
+            rt.admission.refuse_nowait(
+                {location: (nbytes, "reservation")}, lambda: f"reservation {name!r}"
+            )
 
     def unreserve_nowait(self, name: str, location: LocationLike) -> int:
         """End the reservation ``name`` at ``location``; returns its bytes. ``ValueError`` if

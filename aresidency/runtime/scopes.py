@@ -21,7 +21,15 @@ its failures; DEBUG each eviction of the decision.
 
 Cancellation at any await of the entry leaves no reservation, charge or protection behind (the
 driver finishes or aborts every transfer begun); the exit phase runs shielded from
-cancellation, so the plan's exit actions are carried out even when the body was cancelled.
+cancellation, so the plan's exit actions are carried out even when the body was cancelled or
+the task is cancelled during the exit, natively on asyncio too (``task.cancel()``,
+``asyncio.timeout``, ``asyncio.wait_for``: see :mod:`~aresidency.runtime.shield`). A
+cancellation that arrives during the exit is raised once the exit finished, in place of the
+body's exception if there was one (a cancellation is never lost); ``asyncio.timeout`` then
+raises its ``TimeoutError`` as usual.
+
+Closing the manager while a scope is entered: its exit changes nothing (the state is final)
+and ``exit_error`` is ``ManagerClosedError`` (raised when the body succeeded).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, Transition
 from .driver import PhaseRun
 from .leases import add_owners
+from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -128,17 +137,24 @@ class Scope:
         run = PhaseRun(self._rt, phase, actions)
         try:
             await run.wait()
-        except ActionFailed as failed:
-            self._transitions.extend(run.transitions)
-            action = failed.action if failed.action is not None else actions[failed.index]
-            raise self._fail(phase, failed.cause, failed.index, action) from failed.cause
-        except ResidencyError as error:
-            self._transitions.extend(run.transitions)
-            raise self._fail(phase, error) from error
-        except BaseException:
-            self._transitions.extend(run.transitions)
-            raise
+        except BaseException as error:
+            if error is not run.error:  # a cancellation (the run finished cancelled first)
+                self._transitions.extend(run.transitions)
+                raise
+        self._outcome(phase, run, actions)
+
+    def _outcome(self, phase: str, run: PhaseRun, actions: Sequence[Action]) -> None:
+        """Record what ``run`` (finished) committed; raise its failure as the structured
+        error of ``phase`` (a cancellation or anything else unknown is the caller's)."""
         self._transitions.extend(run.transitions)
+        error = run.error
+        if isinstance(error, ActionFailed):
+            action = error.action if error.action is not None else actions[error.index]
+            raise self._fail(phase, error.cause, error.index, action) from error.cause
+        if isinstance(error, ResidencyError):
+            raise self._fail(phase, error) from error
+        if error is not None:
+            raise error
 
     def _reserve_all(self) -> None:
         state = self._rt.state
@@ -172,8 +188,10 @@ class Scope:
         rt = self._rt
         ahead = len(rt.admission)
         if not plan_fits(rt.state, self.plan):
-            reason = explain_plan(rt.state, self.plan).reason
-            _log.info("%s may wait for admission: %s", self._name(), reason)
+            explanation = explain_plan(rt.state, self.plan, scoped=rt.scoped_values())
+            if not explanation.transient:
+                return False  # it fails at once (and logs that): it will not wait
+            _log.info("%s may wait for admission: %s", self._name(), explanation.reason)
             return True
         if ahead:
             _log.info("%s may wait behind %d earlier waiter(s) (FIFO)", self._name(), ahead)
@@ -219,7 +237,14 @@ class Scope:
                 rt.backend.check_location(action.location)
             blocked = _log.isEnabledFor(logging.INFO) and self._log_blocked()
             started = anyio.current_time() if blocked else 0.0
-            claim = await rt.admission.admit(plan, self.expected_state_version, self.timeout)
+            overtake = self._phase_name == "execute"
+            if overtake:
+                # A direct operation: its turn behind the scopes already waiting for room where
+                # it charges, then admitted or refused at once (it never waits for room).
+                await rt.admission.wait_turn(rt.admission.charged_by(plan))
+            claim = await rt.admission.admit(
+                plan, self.expected_state_version, self.timeout, overtake=overtake
+            )
             if blocked:
                 waited = anyio.current_time() - started
                 _log.info("%s admitted after waiting %.3f s", self._name(), waited)
@@ -253,14 +278,28 @@ class Scope:
     ) -> None:
         if self.status != "entered":
             return
-        self._rt.scopes.discard(self)
+        rt = self._rt
+        rt.scopes.discard(self)
+        if rt.frozen:
+            # The manager closed during the body: its state is final, so the exit changes
+            # nothing (its reservations end with the manager) and says so.
+            self.status = "failed"
+            self.exit_error = ManagerClosedError(
+                f"the manager closed while {self._name()} was entered: its exit actions were "
+                "not carried out and its reservations stay in the final state"
+            )
+            if exc is None:
+                raise self.exit_error
+            return
+        cancelled: BaseException | None = None
         try:
             self._unreserve_all()
-            with anyio.CancelScope(shield=True):
-                await self._run_phase("exit", self.plan.exit)
-                # Lets the loop run even when nothing had to move: a loop of scopes on
-                # resident values never starves the other tasks.
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+            if self.plan.exit:
+                # Finished whatever cancels the task meanwhile, a native asyncio cancellation
+                # included (an anyio shield would let that one through): see .shield.
+                run = PhaseRun(rt, "exit", self.plan.exit)
+                cancelled = await run.wait_finished_shielded()
+                self._outcome("exit", run, self.plan.exit)
             self.status = "exited"
         except BaseException as error:
             self.status = "failed"
@@ -269,5 +308,14 @@ class Scope:
                 error.set_report(self.report)
             if isinstance(error, ResidencyError) and _log.isEnabledFor(logging.INFO):
                 _log.info("%s failed at exit: %s", self._name(), error)
+            if cancelled is not None:
+                raise cancelled from error  # the cancellation is not lost to a failed exit
             if exc is None:
                 raise
+            return
+        if cancelled is not None:
+            raise cancelled  # it arrived during the exit, which finished first
+        if not self.plan.exit:
+            # Lets the loop run even when nothing had to move: a loop of scopes on resident
+            # values never starves the other tasks.
+            await anyio.lowlevel.cancel_shielded_checkpoint()

@@ -508,3 +508,81 @@ async def test_request_that_could_never_fit_fails_at_once() -> None:
             async with controller.scope(request, timeout=None):
                 pytest.fail("never fits")
         assert time.perf_counter() - started < 1.0
+
+
+async def test_scope_keeps_rederiving_stale_decisions_while_time_remains() -> None:
+    state = ResidencyState(budgets={"cuda:0": 8 * UNIT})
+    new = state.register(
+        name="new", charge_bytes=UNIT, has_source=True, source_location="pageable-host"
+    )
+    spare = state.register(name="spare", charge_bytes=UNIT, location="pageable-host")
+    manager = StandInManager(state)
+
+    def intervene(entry: int) -> None:
+        if entry < 10:  # ten entries in a row find their decision stale
+            state.hold(spare, "pageable-host")
+
+    manager.before_entry = intervene
+    controller = ResidencyController(manager)  # no count bound: the timeout bounds it
+    request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+    async with controller.scope(request, timeout=60.0) as scope:
+        pass
+    assert scope.stale_retries == 10 and manager.entries == 11
+
+
+async def test_scope_whose_decisions_keep_going_stale_times_out() -> None:
+    state = ResidencyState(budgets={"cuda:0": 8 * UNIT})
+    new = state.register(
+        name="new", charge_bytes=UNIT, has_source=True, source_location="pageable-host"
+    )
+    spare = state.register(name="spare", charge_bytes=UNIT, location="pageable-host")
+    manager = StandInManager(state)
+    manager.before_entry = lambda entry: state.hold(spare, "pageable-host")
+    controller = ResidencyController(manager)
+    request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+    with pytest.raises(TimeoutError, match="stale") as info:
+        async with controller.scope(request, timeout=0.01):
+            pytest.fail("never entered")
+    assert isinstance(info.value.__cause__, ResidencyStaleStateError)
+    # timeout=0 has no time to wait: the small count bound applies
+    manager.entries = 0
+    with pytest.raises(ResidencyStaleStateError):
+        async with controller.scope(request, timeout=0):
+            pytest.fail("never entered")
+    assert manager.entries == 4
+
+
+async def test_controller_scope_keeps_its_requirements_in_place_for_the_block() -> None:
+    async with sim_manager(2 * UNIT) as manager:
+        a = manager.register(tensor(seed=1), name="a")
+        b = manager.register(tensor(seed=2), name="b")
+        c = manager.register(tensor(seed=3), name="c")
+        controller = ResidencyController(manager)
+        mine = ResidencyRequest(
+            "A", [ResidencyRequirement(a, "cuda:0"), ResidencyRequirement(b, "cuda:0")]
+        )
+        other = ResidencyRequest("B", [ResidencyRequirement(c, "cuda:0")])
+        cuda0 = Location.parse("cuda:0")
+        async with controller.scope(mine):
+            # Another decision finds nothing to evict: a and b are held for the block.
+            with pytest.raises(ResidencyPlanError):
+                async with controller.scope(other, timeout=0):
+                    pytest.fail("it evicted a requirement of an entered scope")
+            for handle in (a, b):
+                async with manager.acquire(handle, "cuda:0"):
+                    pass  # still there
+                assert manager.snapshot().value(handle).materialization(cuda0).hold_count == 1
+        for handle in (a, b):  # the holds ended with the block
+            assert manager.snapshot().value(handle).materialization(cuda0).hold_count == 0
+        await settle(manager)  # the leases' reader events
+        async with controller.scope(other, timeout=0):
+            pass  # now a or b may be evicted
+
+
+async def test_decide_nowait_refuses_a_location_the_manager_does_not_have() -> None:
+    async with sim_manager(4 * UNIT) as manager:
+        handle = manager.register(tensor(), name="w")
+        controller = ResidencyController(manager)
+        request = ResidencyRequest("far", [ResidencyRequirement(handle, "cuda:7")])
+        with pytest.raises(ValueError, match="cuda:7"):
+            controller.decide_nowait(request)

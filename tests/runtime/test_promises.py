@@ -20,6 +20,7 @@ from aresidency import (
     Move,
     Release,
     ReplicaMode,
+    ResidencyBudgetError,
     ResidencyController,
     ResidencyInUseError,
     ResidencyManager,
@@ -184,14 +185,18 @@ async def test_a_source_must_load_into_host_memory() -> None:
         lambda: torch.nested.nested_tensor([torch.rand(2), torch.rand(3)]),
         lambda: torch.rand(4, 4).to_sparse(),
         lambda: torch.empty(8, device="meta"),
+        lambda: torch.randn(4, dtype=torch.complex64).conj(),
+        lambda: torch.randn(4, dtype=torch.complex64).conj().imag,
     ],
-    ids=["quantized", "nested", "sparse", "meta"],
+    ids=["quantized", "nested", "sparse", "meta", "conj view", "negative view"],
 )
 async def test_tensors_that_cannot_be_copied_whole_are_refused(make: Any) -> None:
     async with ResidencyManager(backend="sim") as m:
         before = m.snapshot()
         with pytest.raises((TypeError, ValueError), match=r"register|meta"):
             m.register(make())
+        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
+            m.register(make(), location="cuda:0")
         assert m.snapshot() == before
 
 
@@ -562,3 +567,74 @@ async def test_a_cancelled_caller_of_a_direct_operation_changes_nothing() -> Non
                 entered.append("lease")
         assert entered == []
         assert m.snapshot() == before
+
+
+async def test_a_direct_move_by_the_task_holding_what_a_scope_waits_for_does_not_deadlock() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(8192), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        c = m.register(tensor(seed=2), name="c")
+        big = m.register(tensor(12288, seed=3), name="big")
+        hold = m.hold(a, "cuda:0")  # this task's: the scope below waits for it
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(big, "cuda:0")])
+        async with anyio.create_task_group() as tg:
+
+            async def waiting_scope() -> None:
+                async with m.scope(plan, timeout=None):
+                    pass
+
+            tg.start_soon(waiting_scope)
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 1
+            with anyio.fail_after(10):  # a hang guard, not a measurement
+                await m.move(b, "cuda:0")  # goes ahead: waiting would never end
+                assert {str(x) for x in m.snapshot().value(b).locations} == {"cuda:0"}
+                await m.move(b, "pageable-host")
+                report = await m.execute(ResidencyPlan(enter=[Move(c, "cuda:0")]))
+                assert report.transitions  # it ran: no "not admitted within 0.0 s"
+                await m.move(c, "pageable-host")
+            assert m.waiting == 1
+            hold.release()
+
+
+async def test_an_operation_that_cannot_wait_is_refused_by_the_queue_with_true_fields() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(8192), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        big = m.register(tensor(12288, seed=3), name="big")
+        hold = m.hold(a, "cuda:0")
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(big, "cuda:0")])
+        async with anyio.create_task_group() as tg:
+
+            async def waiting_scope() -> None:
+                async with m.scope(plan, timeout=None):
+                    pass
+
+            tg.start_soon(waiting_scope)
+            await anyio.wait_all_tasks_blocked()
+            version = m.state_version
+            with pytest.raises(ResidencyBudgetError, match="come first") as info:
+                m.materialize_nowait(b, "cuda:0")
+            error = info.value
+            fields = (
+                error.budget_bytes,
+                error.used_bytes,
+                error.reserved_bytes,
+                error.requested_bytes,
+            )
+            assert fields == (64 * KiB, 32 * KiB, 0, 16 * KiB)  # the ledger and the request
+            assert (error.kind, error.waiting_scopes, error.missing_bytes) == (
+                "materialization",
+                1,
+                0,
+            )
+            assert error.handle == b
+            assert "come first" in error.to_dict()["message"]
+            with pytest.raises(ResidencyBudgetError, match="come first") as info:
+                async with m.reservation("x", "cuda:0", 4 * KiB):
+                    pytest.fail("a reservation overtook a waiting scope")
+            assert (info.value.kind, info.value.requested_bytes) == ("reservation", 4 * KiB)
+            with pytest.raises(ResidencyBudgetError, match="come first"):
+                m.reserve_nowait("x", "cuda:0", 4 * KiB)
+            assert m.state_version == version  # refused before anything changed
+            hold.release()

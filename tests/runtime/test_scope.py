@@ -218,15 +218,17 @@ async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -
             tasks.start_soon(enter)
             while m.state.ledger("cuda:0").outgoing_bytes == 0:
                 await m.wait_for_change()  # until the reclaim phase began its move
-            async with m.reservation("other", "cuda:0", 20 * KiB):
-                await entered.wait()  # the entry failed while the reservation is held
-                (error,) = errors
-                assert error.phase == "reserve"
-                assert error.failed_reservation == plan.reserve[1]
-                assert error.failed_reservation_index == 1
-                kinds = [t.kind for t in error.partial_report.transitions]
-                assert kinds == ["move_begin", "move_commit", "reserve", "unreserve"]
-                assert m.snapshot().location("cuda:0").reservations == (("other", 20 * KiB),)
+            # (A reservation would be refused here: the admitted scope's claim comes first.
+            # A registration straight onto the device takes the room.)
+            m.register(tensor(20 * KiB, seed=5), name="other", location="cuda:0")
+            await entered.wait()  # the entry failed
+            (error,) = errors
+            assert error.phase == "reserve"
+            assert error.failed_reservation == plan.reserve[1]
+            assert error.failed_reservation_index == 1
+            kinds = [t.kind for t in error.partial_report.transitions]
+            assert kinds == ["move_begin", "move_commit", "reserve", "unreserve"]
+            assert m.snapshot().location("cuda:0").reservations == ()
 
 
 async def test_body_exception_stays_primary_and_exit_error_is_kept() -> None:
@@ -300,7 +302,8 @@ async def test_materialize_nowait_never_overtakes_a_waiting_scope() -> None:
                     await anyio.lowlevel.checkpoint()
             version = m.state_version
             with pytest.raises(
-                ResidencyBudgetError, match=r"value c .*waiting scope\(s\) need room"
+                ResidencyBudgetError,
+                match=r"value c .*scope\(s\) waiting for room there come first",
             ):
                 m.materialize_nowait(c, "cuda:0")
             assert m.state_version == version  # nothing changed
@@ -414,3 +417,29 @@ async def test_cancellation_at_any_await_leaks_nothing(cancel_after: int) -> Non
         for h, total in sums.items():
             (loc,) = m.snapshot().value(h).locations
             assert float(m.tensor(h, loc).sum()) == total
+
+
+@pytest.mark.parametrize("how", ["execute", "scope", "scope that may wait"])
+@pytest.mark.parametrize("phase", ["enter", "exit", "reclaim"])
+async def test_an_exclusive_value_asked_twice_in_a_phase_is_refused_before_any_action(
+    how: str, phase: str
+) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(seed=1), name="b")
+        twice = [Move(a, "cuda:0"), Move(a, "pinned-host")]
+        if phase == "enter":  # b's move comes first, in the reclaim phase
+            plan = ResidencyPlan(reclaim=[Move(b, "cuda:0")], enter=twice)
+        else:
+            plan = ResidencyPlan(enter=[Move(b, "cuda:0")], **{phase: twice})  # type: ignore[arg-type]
+        assert not m.explain(plan).feasible
+        version = m.state_version
+        with pytest.raises(ResidencyPlanError, match="EXCLUSIVE") as info:
+            if how == "execute":
+                await m.execute(plan)
+            else:
+                async with m.scope(plan, timeout=None if how == "scope that may wait" else 0):
+                    raise AssertionError("the body of an invalid plan ran")
+        assert not isinstance(info.value, ResidencyPlanExecutionError)
+        assert m.state_version == version  # nothing began
+        assert [str(x) for x in m.snapshot().value(b).locations] == ["pageable-host"]

@@ -1,0 +1,93 @@
+"""Closing the manager while leases, holds, scopes and reservation blocks are still active.
+
+The state is final once the manager closed: what ends afterwards changes nothing (no
+transition, no state version, no call into the closed backend) and raises
+``ManagerClosedError``, the error of every operation after close.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aresidency import Move, ResidencyManager, ResidencyPlan
+from aresidency.runtime import ManagerClosedError
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1024
+
+
+def tensor(n_bytes: int = 16 * KiB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n_bytes // 4, generator=torch.Generator().manual_seed(seed))
+
+
+async def test_everything_that_ends_after_close_raises_closed_and_changes_nothing() -> None:
+    m = ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim")
+    closed = anyio.Event()
+    outcomes: dict[str, Any] = {}
+    scopes: list[Any] = []
+    entered = 0
+    all_entered = anyio.Event()
+
+    def one_more() -> None:
+        nonlocal entered
+        entered += 1
+        if entered == 3:
+            all_entered.set()
+
+    async def lease(handle: Any) -> None:
+        try:
+            async with m.acquire(handle, "cuda:0"):
+                one_more()
+                await closed.wait()
+            outcomes["lease"] = "exited"
+        except ManagerClosedError as error:
+            outcomes["lease"] = error
+
+    async def scope(handle: Any) -> None:
+        plan = ResidencyPlan(exit=[Move(handle, "pinned-host")])
+        try:
+            async with m.scope(plan) as entered_scope:
+                scopes.append(entered_scope)
+                one_more()
+                await closed.wait()
+            outcomes["scope"] = "exited"
+        except ManagerClosedError as error:
+            outcomes["scope"] = error
+
+    async def reservation() -> None:
+        try:
+            async with m.reservation("ws", "cuda:0", 4 * KiB):
+                one_more()
+                await closed.wait()
+            outcomes["reservation"] = "ended"
+        except ManagerClosedError as error:
+            outcomes["reservation"] = error
+
+    async with anyio.create_task_group() as tg:
+        async with m:
+            a = m.register(tensor(), name="a", location="cuda:0")
+            b = m.register(tensor(seed=1), name="b", location="cuda:0")
+            c = m.register(tensor(seed=2), name="c", location="cuda:0")
+            hold = m.hold(c, "cuda:0")
+            tg.start_soon(lease, a)
+            tg.start_soon(scope, b)
+            tg.start_soon(reservation)
+            with anyio.fail_after(10):
+                await all_entered.wait()
+            version = m.state_version
+        with pytest.raises(ManagerClosedError):
+            hold.release()
+        closed.set()
+    assert m.state_version == version  # nothing changed after close
+    for what in ("lease", "scope", "reservation"):
+        assert isinstance(outcomes[what], ManagerClosedError), (what, outcomes[what])
+    assert isinstance(scopes[0].exit_error, ManagerClosedError)
+    assert "not carried out" in str(scopes[0].exit_error)
+    # The final state is the state at close: the exit move did not begin.
+    (record,) = [v for v in m.state.values() if v.handle.name == "b"]
+    assert [str(x) for x in record.materializations] == ["cuda:0"]
