@@ -111,9 +111,7 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
             "with pytest.mark.anyio (a sync test has no event loop to guard)",
             pytrace=False,
         )
-    if request.node.get_closest_marker(ALLOW_MARKER) is not None or os.environ.get(
-        "NO_LOOP_GUARD"
-    ):
+    if request.node.get_closest_marker(ALLOW_MARKER) is not None or os.environ.get("NO_LOOP_GUARD"):
         yield  # blocks on purpose, or the guard is turned off for this run
         return
     limit = max_loop_stall(request.config)
