@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
@@ -16,6 +16,7 @@ import anyio.abc
 from ..core.locations import Location, LocationLike
 from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
+from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
 from .lifetime import end_on_loop
 from .pipeline import Epoch
@@ -186,8 +187,7 @@ class DeviceLoader:
             previous = self._epoch
             if previous is not None:
                 previous.shutdown()
-                with anyio.CancelScope(shield=True):
-                    await previous.drain(handover=True)
+                await finish_shielded(functools.partial(previous.drain, handover=True))
                 if isinstance(previous, RingEpoch):
                     self._handed_over = [e for e in self._handed_over if e.retiring]
                     self._handed_over.append(previous)
@@ -271,15 +271,24 @@ class DeviceLoader:
         self.status = "closed"
         epoch = self._epoch
         deferred: list[BaseException] = []
+        cancelled: BaseException | None = None
+
+        async def finish(fn: Callable[[], Awaitable[object]]) -> None:
+            # To the end, whatever cancels the task; a native asyncio cancellation that
+            # arrived meanwhile is raised once the whole close is done.
+            nonlocal cancelled
+            try:
+                await finish_shielded(fn)
+            except anyio.get_cancelled_exc_class() as exc:
+                cancelled = cancelled or exc
+
         try:
             if epoch is not None:
                 epoch.shutdown()
-                with anyio.CancelScope(shield=True):
-                    await epoch.drain()
+                await finish(epoch.drain)
                 deferred = epoch.take_deferred()
-            with anyio.CancelScope(shield=True):
-                for ended in self._handed_over:
-                    await ended.settle()
+            for ended in self._handed_over:
+                await finish(ended.settle)
             self._handed_over = []
         finally:
             try:
@@ -288,6 +297,8 @@ class DeviceLoader:
             finally:
                 if epoch is not None:
                     await epoch.join_feeder()
+        if cancelled is not None:
+            raise cancelled
         if raise_deferred and deferred:
             raise deferred[0]
         closed = epoch is not None and epoch.closed_by_manager and not epoch.closed_reported
@@ -362,5 +373,4 @@ class _Iteration:
         epoch = self._epoch
         if epoch is not None and self._loader.current(epoch):
             epoch.shutdown()
-            with anyio.CancelScope(shield=True):
-                await epoch.drain()
+            await finish_shielded(epoch.drain)

@@ -48,6 +48,7 @@ from ..core.locations import Location
 from ..core.values import MaterializationState, value_charge
 from ..runtime.leases import LeaseWouldWait
 from ..runtime.pending import PendingOperation
+from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .budget import never_fits, room, timeout_error
@@ -485,8 +486,7 @@ class Epoch:
             raise
         except BaseException:
             self.shutdown()
-            with anyio.CancelScope(shield=True):
-                await self.drain()
+            await finish_shielded(self.drain)  # native cancellations too: raised after
             raise
 
     def closed_error(self, cause: BaseException | None = None) -> ManagerClosedError:

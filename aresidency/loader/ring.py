@@ -82,6 +82,7 @@ from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.values import value_charge
+from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
@@ -834,8 +835,7 @@ class RingEpoch:
             raise
         except BaseException:
             self.shutdown()
-            with anyio.CancelScope(shield=True):
-                await self.drain()
+            await finish_shielded(self.drain)  # native cancellations too: raised after
             raise
 
     def closed_error(self, cause: BaseException | None = None) -> ManagerClosedError:

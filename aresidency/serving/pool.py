@@ -57,6 +57,7 @@ from ..runtime.leases import Hold
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
 from ..runtime.scopes import Scope
+from ..runtime.shield import finish_shielded, wait_shielded
 from ..runtime.signal import ManagerClosedError
 from .demand import DEMAND_HALF_LIFE_VERSIONS, DemandTracker, DemandView
 from .entry import Mode, ModelEntry, PooledStreamedModule, fixed_reserved_bytes
@@ -278,9 +279,8 @@ class _Loading:
             for operation in pending:
                 if not operation.done():
                     operation.cancel()
-            with anyio.CancelScope(shield=True):
-                for operation in pending:
-                    await operation.wait_settled()
+            for operation in pending:  # (native cancellations too: raised after)
+                await finish_shielded(operation.wait_settled)
             raise
 
 
@@ -1349,12 +1349,13 @@ class ModelPool:
         calls' events as readers, drop its holds (its groups stay on the device, now
         evictable), end its workspace reservation. Runs shielded from cancellation."""
         entry = request.entry
+        cancelled: BaseException | None = None
         if request.active:
             request.active = False  # no call starts from now on
             if request.calls:
                 request.calls_done = anyio.Event()
-                with anyio.CancelScope(shield=True):
-                    await request.calls_done.wait()
+                # (a native asyncio cancellation meanwhile is raised once the request ended)
+                cancelled = await wait_shielded(request.calls_done)
             self._admitted -= 1
             events = list(request.readers.values())
             request.readers.clear()
@@ -1382,6 +1383,8 @@ class ModelPool:
                         pass
             self._poke()
         await self._exit_scope(request)
+        if cancelled is not None:
+            raise cancelled
 
     async def _exit_scope(self, request: _Request) -> None:
         """End the request's scope (its workspace reservation), shielded. After the manager

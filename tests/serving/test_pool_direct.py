@@ -242,3 +242,57 @@ async def test_a_call_that_outlives_its_block_keeps_the_model_until_it_returns(
         assert order == ["call returned", "a ended", "b admitted"]
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a native cancellation: asyncio's
+async def test_a_block_exit_cancelled_natively_still_waits_for_its_call(anyio_backend: str) -> None:
+    """The block's exit waits for a call that outlives it; the request's task is cancelled
+    twice (``task.cancel()``) meanwhile: the exit still waits, then raises the cancellation,
+    and the held groups are not released under the running call."""
+    import asyncio
+
+    gated = Gated()
+    expected = reference(gated, TOKENS)
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = ModelPool(m, direct_calls=True)
+        pool.add("a", gated)
+        order: list[str] = []
+        gate = threading.Event()
+        calls: list[asyncio.Task[None]] = []
+
+        async def straggler(model: Any) -> None:
+            y = await model(TOKENS)
+            order.append("call returned")
+            assert torch.equal(y, expected)
+
+        async def request() -> None:
+            try:
+                async with pool.use("a") as model:
+                    assert torch.equal(await model(TOKENS), expected)
+                    gated.entered.clear()
+                    gated.gate = gate
+                    calls.append(asyncio.get_running_loop().create_task(straggler(model)))
+                    await anyio.to_thread.run_sync(gated.entered.wait)
+                    straggling.set()
+            finally:
+                order.append("a ended")
+
+        straggling = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(request())
+        with anyio.fail_after(10):
+            await straggling.wait()  # the call runs in the worker thread, held by the gate
+            for _ in range(5):
+                await asyncio.sleep(0)  # the block's exit parks, waiting for the call
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not task.done() and order == [], "the exit ended under the running call"
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await calls[0]
+        assert order == ["call returned", "a ended"]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

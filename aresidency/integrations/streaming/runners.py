@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ...runtime.shield import finish_shielded, wait_shielded
 from .packing import TensorGroup
 from .pipeline import CallPipeline, Slot
 from .ring import RingCall, RingSlot
@@ -143,8 +144,8 @@ async def run_sequential(
         if streamed.host_compute:
             # The result exists once the stream ran the blocks; wait for it even when
             # cancelled, so that no block touches the module after the call returned.
-            with anyio.CancelScope(shield=True):
-                await backend.wait(backend.record_event(stream))
+            # (a native asyncio cancellation meanwhile is raised once the stream ran them)
+            await finish_shielded(backend.wait, backend.record_event(stream))
     if errors:
         raise errors[0]
     # A call cancelled while every block was ready (so it never awaited) still ends
@@ -250,8 +251,7 @@ class ThreadedRunner:
         except anyio.get_cancelled_exc_class():
             if on_cancel is not None:
                 on_cancel()
-            with anyio.CancelScope(shield=True):
-                await done.wait()
+            await wait_shielded(done)  # a second, native, cancellation does not cut it short
             raise
         return future.result()
 
