@@ -187,8 +187,7 @@ class ResidencyBudgetError(ResidencyError):
     ``reserve_nowait``, ``manager.reservation``) was refused because that many scopes wait for
     room at ``location`` first (FIFO): the five byte fields are still the ledger and the request
     as they are (the request may fit: ``missing_bytes`` is then 0, and the message says it was
-    the queue that refused it). An attribute, not yet one of ``FIELDS`` (the API page lists
-    those).
+    the queue that refused it).
     """
 
     FIELDS = (
@@ -203,6 +202,7 @@ class ResidencyBudgetError(ResidencyError):
         "kind",
         "in_simulation",
         "what",
+        "waiting_scopes",
     )
     # Defaults for errors pickled before these fields existed.
     handle: Any = None

@@ -123,11 +123,18 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
         current = used + reserved
         peak = current + requested
         missing = 0 if limit is None else max(0, peak - int(limit))
+        waiting = int(budget.get("waiting_scopes") or 0)
         findings.append("what was asked: " + _kind_text(budget, handle, loc_text))
+        verdict = (
+            f"admissible by the budget, but {waiting} scope(s) wait for room at {loc_text} "
+            "ahead of it (first come, first served) and it cannot wait its turn"
+            if waiting and not missing
+            else f"not admissible, {size(missing)} missing"
+        )
         findings.append(
             f"at {loc_text}: used {size(used)} + reserved {size(reserved)} = charged "
             f"{size(current)}; + requested {size(requested)} = new peak {size(peak)} against a "
-            f"budget of {size(limit)}: not admissible, {size(missing)} missing"
+            f"budget of {size(limit)}: {verdict}"
         )
         if budget.get("in_simulation"):
             findings.append(
@@ -146,6 +153,7 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             new_peak_bytes=peak,
             missing_bytes=missing,
             in_simulation=bool(budget.get("in_simulation")),
+            waiting_scopes=waiting,
         )
         kind = budget.get("kind", "materialization")
         action = (
@@ -153,6 +161,7 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             "reservations), or raise its budget only if the complete measured peak and the "
             "unmanaged headroom support it"
         )
+
         if kind == "reconstruction":
             action = (
                 f"the value is rebuilt through {loc_text}, which must hold a temporary copy: "
@@ -177,6 +186,12 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                         f"{size(plan_peak)} at {loc_text}{over}"
                     )
             action = _room_now(evidence, location, need, findings, data) or action
+        if waiting and not missing:  # room or not, the queue refuses it again
+            action = (
+                "use a form that waits (await manager.materialize or manager.move, or a scope "
+                f"whose plan reserves the bytes), which takes its turn behind the {waiting} "
+                "waiting scope(s), or retry once they are admitted"
+            )
     if explanation is not None:
         shown = None if budget is None else budget.get("message")
         findings.extend(_explanation_findings(explanation, shown, explained_at))

@@ -31,6 +31,7 @@ from aresidency import (
     ResidencyRequirement,
     ResidencySnapshot,
     ResidencyUnavailableError,
+    diagnose,
 )
 from aresidency.backends import SimBackend, is_poisoned
 from aresidency.runtime import ManagerClosedError
@@ -630,6 +631,12 @@ async def test_an_operation_that_cannot_wait_is_refused_by_the_queue_with_true_f
             )
             assert error.handle == b
             assert "come first" in error.to_dict()["message"]
+            assert error.to_dict()["waiting_scopes"] == 1
+            step = diagnose(error, m).step(3)  # the queue refused it, not the budget
+            assert step is not None
+            text = " ".join(step.findings)
+            assert "1 scope(s) wait for room at cuda:0" in text and "missing" not in text
+            assert "takes its turn" in (step.action or "")
             with pytest.raises(ResidencyBudgetError, match="come first") as info:
                 async with m.reservation("x", "cuda:0", 4 * KiB):
                     pytest.fail("a reservation overtook a waiting scope")
