@@ -177,7 +177,9 @@ class AdmissionQueue:
                             explanation.blocking_error
                         )
                 if deadline is not None and anyio.current_time() >= deadline:
-                    raise TimeoutError(self._timeout_message(waiter, timeout, explanation))
+                    message, cause = self._timeout_message(waiter, timeout, explanation)
+                    # chained to what stood in the way (diagnose reads it as the evidence)
+                    raise TimeoutError(message) from cause
                 await waiter.sleep(deadline)
                 self._check_open()
         except BaseException:
@@ -195,15 +197,18 @@ class AdmissionQueue:
 
     def _timeout_message(
         self, waiter: _Waiter, timeout: float | None, explanation: PlanExplanation
-    ) -> str:
+    ) -> tuple[str, BaseException | None]:
+        """The timeout's message, and the error that stood in the way (the explanation's
+        blocking error; ``None`` when only earlier waiters did)."""
         ahead = list(self._queue).index(waiter)
         plan = waiter.plan
         fits = plan is not None and drain(plan_fits_steps(self._rt.state, plan))
         if explanation.feasible or fits:
             why = f"it fits now, but {ahead} earlier waiter(s) come first (FIFO)"
-        else:
-            why = explanation.reason
-        return f"plan not admitted within {timeout} s: {why}"
+            return f"plan not admitted within {timeout} s: {why}", None
+        return f"plan not admitted within {timeout} s: {explanation.reason}", (
+            explanation.blocking_error
+        )
 
     def charged_by(self, plan: ResidencyPlan) -> frozenset[Location]:
         """Where ``plan`` would charge bytes: its reservations' locations, its copies'

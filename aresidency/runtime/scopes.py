@@ -123,7 +123,11 @@ class Scope:
             failed_reservation=reservation,
             failed_reservation_index=index if phase == "reserve" else None,
             partial_report=self.report,
-            detail=f"{phase} failed: {cause}",
+            detail=(
+                f"{phase} failed: {cause}"
+                if not self._phase_name or self._phase_name == phase
+                else f"(of the plan's {phase} actions) {cause}"  # execute runs every phase
+            ),
             plan=self.plan,
             decision=self.decision,
         )

@@ -332,6 +332,7 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         with pytest.raises(ResidencyPlanExecutionError) as caught:
             await m.execute(plan)
         error = caught.value
+        assert "(of the plan's enter actions)" in str(error)  # execute is the phase, not enter
         step = diagnose(error, m).step(7)
         snap = m.snapshot()
         ev = step.evidence
@@ -443,3 +444,29 @@ async def test_diagnose_names_a_second_argument_that_is_not_a_manager() -> None:
         with pytest.raises(TypeError, match="second argument is the ResidencyManager"):
             diagnose(caught.value, m.snapshot())  # type: ignore[arg-type]
         assert diagnose(caught.value, m).step(3) is not None
+
+
+async def test_a_scope_that_times_out_carries_what_stood_in_its_way() -> None:
+    """A scope waiting for a lease to end times out: its ``TimeoutError`` is chained to the
+    in-use refusal, so the diagnosis shows step 4 with the lease's task."""
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a", location="cuda:0")
+        b = m.register(tensor(seed=1), name="b")
+        entered, done = anyio.Event(), anyio.Event()
+
+        async def reader() -> None:
+            async with m.acquire(a, "cuda:0"):
+                entered.set()
+                await done.wait()
+
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(reader, name="reader-task")
+            await entered.wait()
+            with pytest.raises(TimeoutError, match="not admitted within") as caught:
+                async with m.scope(plan, timeout=0.05):
+                    pytest.fail("admitted under the lease")
+            assert isinstance(caught.value.__cause__, ResidencyInUseError)
+            step = diagnose(caught.value, m).step(4)
+            assert step is not None and "'reader-task'" in (step.action or "")
+            done.set()
