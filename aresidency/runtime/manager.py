@@ -812,6 +812,11 @@ class ResidencyManager:
         at most for the default trace capacity; call it off the hot path). Returns the path."""
         from ..diagnosis.evidence import collect, write_dump
 
+        if error is not None and not isinstance(error, BaseException):
+            raise TypeError(
+                f"manager.dump(path, error): error is the exception that was raised (or "
+                f"None), got {type(error).__name__}"
+            )
         return write_dump(path, collect(self, error), error)
 
     def export_timeline(self, path: str | os.PathLike[str]) -> Path:

@@ -197,3 +197,11 @@ def test_the_cli_says_when_it_cannot_write_the_timeline(
     path, _, _ = dumped
     assert main(["timeline", str(path), str(tmp_path / "no" / "such" / "dir.json")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_dump_names_an_error_argument_that_is_not_an_exception(tmp_path: Path) -> None:
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(TypeError, match="error is the exception that was raised"):
+            m.dump(tmp_path / "d.json", "not an error")  # type: ignore[arg-type]
+        assert not (tmp_path / "d.json").exists()
