@@ -131,15 +131,17 @@ class LoaderStats:
 
     @property
     def bottleneck(self) -> str:
-        """``"consumer"`` when the consumer waited for under 5% of the time (the loader kept
-        up), else what it waited for most: ``"source"``, ``"budget"`` or ``"copy"``."""
-        if self.wall_s <= 0 or self.wait_s < 0.05 * self.wall_s:
-            return "consumer"
+        """``"consumer"`` when the consumer waited for the source, the budget and the copies
+        together under 5% of the time (the loader kept up; the rest of a wait is the loop
+        handing the batch over), else what it waited for most: ``"source"``, ``"budget"`` or
+        ``"copy"``."""
         causes = {
             "source": self.wait_source_s,
             "budget": self.wait_budget_s,
             "copy": self.wait_copy_s,
         }
+        if self.wall_s <= 0 or sum(causes.values()) < 0.05 * self.wall_s:
+            return "consumer"
         return max(causes, key=lambda k: causes[k])
 
     def to_dict(self) -> dict[str, Any]:

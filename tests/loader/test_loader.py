@@ -810,3 +810,23 @@ async def test_each_step_lets_the_loop_run_even_when_the_next_batch_is_ready() -
             probe.close()
         assert ran >= 10, f"the ticker ran {ran} times during 11 steps"
     assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+@pytest.mark.parametrize(
+    "waits, named",
+    [
+        ((0.001, 0.0, 0.001), "consumer"),  # waited 6% of the time, but not for the loader
+        ((0.05, 0.0, 0.001), "source"),
+        ((0.0, 0.0, 0.055), "copy"),
+    ],
+)
+def test_the_bottleneck_is_what_the_consumer_waited_for(
+    waits: tuple[float, float, float], named: str
+) -> None:
+    """A consumer whose waits the loader cannot name (the loop handing batches over) was not
+    kept waiting by the source, the budget or the copies: it is the bottleneck itself."""
+    source, budget, copy = waits
+    stats = LoaderStats(
+        wall_s=1.0, wait_s=0.06, wait_source_s=source, wait_budget_s=budget, wait_copy_s=copy
+    )
+    assert stats.bottleneck == named
