@@ -523,6 +523,8 @@ class Epoch:
             while True:
                 self.pump()
                 if self._failure is not None:
+                    if isinstance(self._failure, ManagerClosedError):
+                        raise self.closed_error(self._failure)  # the loader's own account
                     raise self._failure
                 if self.status != "running":
                     if self.closed_by_manager:
