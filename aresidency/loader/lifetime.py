@@ -27,8 +27,23 @@ from typing import Any
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
 from ..backends.events import HostEvent
+from ..runtime.signal import ManagerClosedError
 
-__all__ = ["HostWaits", "end_on_loop", "watch_close"]
+__all__ = ["HostWaits", "closed_under_pass", "end_on_loop", "watch_close"]
+
+
+def closed_under_pass(
+    loader: str, number: int, cause: BaseException | None = None
+) -> ManagerClosedError:
+    """The error a consumer gets when the manager closed while ``loader`` ran pass
+    ``number`` (either kind of pass), chained to ``cause``."""
+    error = ManagerClosedError(
+        f"the manager closed while {loader} was in pass {number}: the pass ended there (close "
+        "the loader before the manager: 'async with DeviceLoader(...)' inside 'async with "
+        "ResidencyManager(...)')"
+    )
+    error.__cause__ = cause
+    return error
 
 
 def watch_close(backend: Backend, label: str, callback: Callable[[], None]) -> Callable[[], None]:

@@ -54,7 +54,7 @@ from .batch import DeviceBatch
 from .budget import never_fits, room, timeout_error
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, bridge_wake, feed_async
 from .fills import StagedFills, return_slot
-from .lifetime import watch_close
+from .lifetime import closed_under_pass, watch_close
 from .records import COPYING, DONE, OUT, QUEUED, RELEASING, BatchRecord, Part
 
 if TYPE_CHECKING:
@@ -493,13 +493,7 @@ class Epoch:
         """The error the consumer gets once the manager closed under the pass (reported: a
         later ``aclose`` does not raise it again)."""
         self.closed_reported = True
-        error = ManagerClosedError(
-            f"the manager closed while {self.loader.name} was in pass {self.number}: the "
-            "pass ended there (close the loader before the manager: 'async with "
-            "DeviceLoader(...)' inside 'async with ResidencyManager(...)')"
-        )
-        error.__cause__ = cause
-        return error
+        return closed_under_pass(self.loader.name, self.number, cause)
 
     async def _next(self) -> DeviceBatch:
         if self.closed_by_manager:

@@ -86,7 +86,7 @@ from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
-from .lifetime import HostWaits, watch_close
+from .lifetime import HostWaits, closed_under_pass, watch_close
 from .reclaim import release_shared
 from .staging import StagedFill, staged_layout
 
@@ -842,13 +842,7 @@ class RingEpoch:
         """The error the consumer gets once the manager closed under the pass (reported: a
         later ``aclose`` does not raise it again)."""
         self.closed_reported = True
-        error = ManagerClosedError(
-            f"the manager closed while {self.loader.name} was in pass {self.number}: the "
-            "pass ended there (close the loader before the manager: 'async with "
-            "DeviceLoader(...)' inside 'async with ResidencyManager(...)')"
-        )
-        error.__cause__ = cause
-        return error
+        return closed_under_pass(self.loader.name, self.number, cause)
 
     async def _next(self) -> DeviceBatch:
         if self.closed_by_manager:
