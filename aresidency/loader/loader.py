@@ -19,6 +19,7 @@ from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
 from .lifetime import end_on_loop
+from .pinnedfiles import PinnedFiles
 from .pipeline import Epoch
 from .ring import RingEpoch
 from .staging import StagedSource, StagingSlots
@@ -55,7 +56,16 @@ class DeviceLoader:
     the driver; ``0``: every one. On an H200, from a source in memory, twins were 2.2-3.5x
     faster from 16 MiB up (1 MiB: no gain), but behind a ``DataLoader`` with worker processes
     they gained nothing and raised the event loop's lag: ``4 << 20`` is for sources faster
-    than the driver's pageable copy (see ``docs/loader.md``).
+    than the driver's pageable copy (see ``docs/loader.md``). ``pin_source``: page-lock a
+    staged source's files in host memory when the first pass starts and copy each batch to the
+    device straight out of them, with no host copy (:mod:`~aresidency.loader.pinnedfiles`; a
+    :class:`~aresidency.loader.ShardSource` without ``shuffle``; a shuffled one still goes
+    through the staging buffers): the whole dataset is then locked, and charged to
+    ``pinned-host``, until the loader closes. ``run_ahead`` (the ring): how many released
+    batches' steps the device may still have to run when the consumer asks for the next batch;
+    beyond it the consumer parks until the device catches up (default ``2 * (prefetch + 1)``),
+    so that a consumer faster than the device waits on the loop for an event instead of
+    blocking its thread in a kernel launch once the launch queue is full.
 
     Use::
 
@@ -93,6 +103,8 @@ class DeviceLoader:
         read_ahead: int | None = None,
         ring: bool | None = None,
         pack_min_bytes: int | None = None,
+        pin_source: bool = False,
+        run_ahead: int | None = None,
     ) -> None:
         if not isinstance(manager, ResidencyManager):
             raise TypeError(f"DeviceLoader needs a ResidencyManager, got {type(manager).__name__}")
@@ -152,8 +164,28 @@ class DeviceLoader:
         ):
             raise ValueError(f"pack_min_bytes must be an int >= 0 or None, got {pack_min_bytes!r}")
         self.pack_min_bytes = pack_min_bytes
+        if not isinstance(pin_source, bool):
+            raise TypeError(f"pin_source must be True or False, got {pin_source!r}")
+        if pin_source and not (self.is_staged and callable(getattr(source, "direct_reads", None))):
+            raise ValueError(
+                "pin_source page-locks a staged source's files (such as a ShardSource's) and "
+                f"copies batches straight out of them; {type(source).__name__} has no files to "
+                "lock (it needs files() and direct_reads())"
+            )
+        if pin_source and not self.ring:
+            raise ValueError(
+                "pin_source copies batches out of the locked files in the ring's thread; it "
+                "needs ring=True (or None, with a backend that has copy_into)"
+            )
+        self.pin_source = pin_source
+        if run_ahead is None:
+            run_ahead = 2 * (prefetch + 1)
+        if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
+            raise ValueError(f"run_ahead must be an int >= 1 or None, got {run_ahead!r}")
+        self.run_ahead = run_ahead
         self.counters = LoaderCounters()
         self.staging: StagingSlots | None = None
+        self.pinned_files: PinnedFiles | None = None
         self.task_group: anyio.abc.TaskGroup | None = None
         self._epoch: Epoch | RingEpoch | None = None
         # Ended passes whose slots may still wait for the device (freed by then at close).
@@ -197,7 +229,10 @@ class DeviceLoader:
                 await previous.join_feeder()
             plans = None
             if self.is_staged:
-                await self._open_staging()
+                if self.pin_source:
+                    await self._open_pinned_files()
+                if self.pinned_files is None or not self.source.reads_direct:
+                    await self._open_staging()
                 plans = await anyio.to_thread.run_sync(self.source.plan_epoch)
             self._epochs += 1
             self.counters.epochs += 1
@@ -217,6 +252,15 @@ class DeviceLoader:
         await slots.open(self.manager)
         self.staging = slots
         self.counters.pinned_bytes = slots.total_nbytes
+
+    async def _open_pinned_files(self) -> None:
+        if self.pinned_files is not None:
+            return
+        files = PinnedFiles(await anyio.to_thread.run_sync(self.source.files), self.name)
+        await files.open(self.manager)
+        self.pinned_files = files
+        self.counters.locked_file_bytes = files.nbytes
+        self.counters.lock_s = files.lock_s
 
     def current(self, epoch: Epoch | RingEpoch) -> bool:
         return self._epoch is epoch and self.status == "open"
@@ -292,8 +336,12 @@ class DeviceLoader:
             self._handed_over = []
         finally:
             try:
-                if self.staging is not None:
-                    await self.staging.aclose()
+                try:
+                    if self.staging is not None:
+                        await self.staging.aclose()
+                finally:
+                    if self.pinned_files is not None:
+                        await self.pinned_files.aclose()
             finally:
                 if epoch is not None:
                     await epoch.join_feeder()

@@ -46,7 +46,10 @@ link, sets the pace. The ring keeps the byte budget and the ordering and drops t
 A staged source (:class:`~aresidency.loader.ShardSource`) is read the same way, without the
 source's own thread: the ring's thread has the loader's ``workers`` fill threads read the next
 batches into the pinned staging buffers (a fill first waits, in its thread, for the last copy
-out of its buffer), takes them in order and copies each out with one driver call.
+out of its buffer), takes them in order and copies each out with one driver call. With
+``pin_source`` (the source's files page-locked, :mod:`~aresidency.loader.pinnedfiles`) and a
+source that :attr:`~aresidency.loader.ShardSource.reads_direct`, there are no fills: the
+ring's thread copies each batch into its slot straight out of the files.
 
 An async source is read by a task of the loader into the same queue the ring's thread takes
 from. Used on a backend with :meth:`~aresidency.backends.base.Backend.copy_into`; ``ring=False``
@@ -88,7 +91,8 @@ from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
 from .lifetime import HostWaits, closed_under_pass, watch_close
 from .reclaim import release_shared
-from .staging import StagedFill, staged_layout
+from .staging import StagedFill, TensorSpec, staged_layout
+from .structure import flatten
 
 PINNED = Location("pinned-host")
 PAGE = mmap.PAGESIZE
@@ -269,6 +273,10 @@ class RingEpoch:
         self.closed_by_manager = False  # the manager closed while the pass ran
         self.closed_reported = False  # ... and the consumer was told so
         self._ending = False  # end_soon retires the slots once the thread ended
+        self._direct = False  # batches copied straight out of the page-locked files
+        # Per released batch (oldest first), the events after its readers' kernels: the
+        # consumer is handed a batch only while at most ``run_ahead`` of them are incomplete.
+        self._behind: deque[list[Any]] = deque()
 
     def __repr__(self) -> str:
         with self._cond:
@@ -294,8 +302,13 @@ class RingEpoch:
         self._bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self._service)
         self._unwatch = watch_close(self.backend, loader.name, self.manager_closed)
-        if plans is not None:
-            target: Callable[[], None] = functools.partial(self._run_staged, list(plans))
+        self._direct = (
+            plans is not None and loader.pinned_files is not None and loader.source.reads_direct
+        )
+        if self._direct:
+            target: Callable[[], None] = functools.partial(self._run_direct, list(plans or ()))
+        elif plans is not None:
+            target = functools.partial(self._run_staged, list(plans))
         elif loader.is_async_source:
             tasks = loader.task_group
             assert tasks is not None
@@ -428,6 +441,66 @@ class RingEpoch:
             for _, _, fill in fills:
                 fill.cancel()
             concurrent.futures.wait([f for _, _, fill in fills for f in fill.futures()])
+
+    def _run_direct(self, plans: list[Any]) -> None:
+        """A staged source whose files the loader page-locked (``pin_source``): copy each
+        batch into a slot straight out of the files, one driver call per tensor and shard,
+        in plan order; no host copy, no fill thread."""
+        source = self.loader.source
+        index = 0
+        try:
+            for index, plan in enumerate(plans):
+                if self._stopped:
+                    return
+                try:
+                    layout, reads = source.direct_reads(plan)
+                except BaseException as error:  # the source refused the plan: at its batch
+                    self._push(End(index, error))
+                    return
+                self._push(self._copy_direct(index, layout, reads))
+            self._push(End(len(plans)))
+        except _Stopped:
+            return
+        except BaseException as error:
+            self._push(_Ready(index, None, error=error))
+
+    def _copy_direct(self, index: int, layout: Any, reads: list[Any]) -> _Ready:
+        files = self.loader.pinned_files
+        assert files is not None
+        specs, structure = flatten(layout, TensorSpec)
+        nbytes = max((spec.offset + spec.nbytes for spec in specs), default=0)
+        counters = self.counters
+        counters.source_batches += 1
+        counters.source_bytes += nbytes
+        slot = self._acquire(max(ALIGN, -(-nbytes // ALIGN) * ALIGN), index)
+        start = time.perf_counter()
+        try:
+            waits = slot.readers
+            event = None
+            for file, offset, place, count in reads:
+                event = self.backend.copy_into(
+                    files.view(file, offset, count),
+                    slot.buffer[place : place + count],
+                    self.device,
+                    wait_events=waits,
+                )
+                waits = []
+        except BaseException:
+            with self._cond:
+                slot.state = FREE
+                self._cond.notify_all()
+            raise
+        if event is not None:  # else nothing was written: the readers still stand
+            slot.readers = []
+            slot.copied = event
+        counters.copy_clock.add(start, time.perf_counter())
+        counters.copy_bytes += nbytes
+        counters.direct_bytes += nbytes
+        views = [spec.view(slot.buffer) for spec in specs]
+        data = structure.rebuild(views)
+        if self.host_wait and event is not None:
+            self._wait_host(event)
+        return _Ready(index, slot, data, nbytes, event, views=views)
 
     def _copy_staged(self, index: int, layout: Any, buffer: torch.Tensor) -> _Ready:
         specs, structure, nbytes = staged_layout(index, layout, buffer)
@@ -855,6 +928,7 @@ class RingEpoch:
             raise StopAsyncIteration
         counters = self.counters
         self.release_unkept()
+        await self._catch_up()
         began = time.perf_counter()
         if counters.first_request is None:
             counters.first_request = began
@@ -889,8 +963,10 @@ class RingEpoch:
                         raise item.error
                     return self._hand_out(item)
                 cause = "budget" if blocked is not None else "source"
-                if cause == "source" and self._arrivals is not None and len(self._arrivals):
-                    cause = "copy"
+                if cause == "source" and (
+                    self._direct or (self._arrivals is not None and len(self._arrivals))
+                ):
+                    cause = "copy"  # nothing to read: the next copy is being issued
                 deadline = None
                 timeout = self.loader.timeout
                 if blocked is not None and timeout is not None:
@@ -910,6 +986,32 @@ class RingEpoch:
             with self._cond:
                 self._consumer_waiting = False
             counters.wait_s += time.perf_counter() - began
+
+    async def _catch_up(self) -> None:
+        """Park the consumer while the device still has more than ``run_ahead`` released
+        batches' kernels to run: a consumer that launches its steps faster than the device
+        runs them would otherwise fill the launch queue and then block in a kernel launch, on
+        the loop's thread (everything else on the loop late). Parked here, on an event, the
+        loop stays free. The state is unchanged when cancelled. Loop."""
+        behind = self._behind
+        limit = self.loader.run_ahead
+        while behind and all(event.query() for event in behind[0]):
+            behind.popleft()
+        if len(behind) <= limit:
+            return
+        start = time.perf_counter()
+        try:
+            while len(behind) > limit:
+                for event in behind[0]:
+                    if not event.query():
+                        await self.backend.wait(event)
+                behind.popleft()
+        except Exception as error:
+            if not self.manager.running:
+                raise self.closed_error(error) from error
+            raise
+        finally:
+            self.counters.device_wait_s += time.perf_counter() - start
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         with self._cond:
@@ -980,6 +1082,11 @@ class RingEpoch:
                 self._poison(out)
             backend = self.backend
             readers = [backend.device_event(stream) for stream in out.streams]
+            if readers:
+                behind = self._behind
+                behind.append(readers)
+                if len(behind) > 2 * self.loader.run_ahead + 8:  # nobody asked for a batch
+                    behind.popleft()
         with self._cond:
             out.slot.readers = readers
             out.slot.state = FREE

@@ -268,8 +268,7 @@ class ShardSource:
             tensor, mapped, offset = open_npy(path)
             keep.append(mapped)
             columns[key] = tensor
-            if PREAD:
-                shard.files[key] = (ShardFile(path), offset)
+            shard.files[key] = (ShardFile(path), offset)
         self._check_rows(shard, files)
 
     def _add_safetensors_shard(self, path: Path, keys: Sequence[str] | None) -> None:
@@ -278,7 +277,7 @@ class ShardSource:
             raise ValueError(f"{path} holds no tensor")
         shard = _Shard(0, dict(tensors), [handle])
         self.shards.append(shard)
-        offsets = safetensors_offsets(path) if PREAD else {}
+        offsets = safetensors_offsets(path)
         if offsets:
             file = ShardFile(path)
             for name in tensors:
@@ -415,7 +414,7 @@ class ShardSource:
         destination: torch.Tensor | None = None
         for run in plan.runs:
             shard = self.shards[run.shard]
-            extent = shard.files.get(column.key)
+            extent = shard.files.get(column.key) if PREAD else None
             for first in range(0, run.rows, rows_per_piece):
                 rows = min(rows_per_piece, run.rows - first)
                 if run.index is None and extent is not None:
@@ -446,6 +445,58 @@ class ShardSource:
                     pieces.append(functools.partial(gather, source, index, place))
             position += run.rows
         return pieces
+
+    # -- reading straight out of the files (a loader with ``pin_source=True``)
+
+    def files(self) -> list[ShardFile]:
+        """Every file the shards are read from, once each, in shard order (a
+        :class:`~aresidency.loader.DeviceLoader` with ``pin_source=True`` page-locks them)."""
+        self._check_open()
+        seen: dict[Path, ShardFile] = {}
+        for shard in self.shards:
+            for file, _ in shard.files.values():
+                seen.setdefault(file.path, file)
+        return list(seen.values())
+
+    @property
+    def reads_direct(self) -> bool:
+        """Whether every batch lies in the files as runs of bytes (no ``shuffle``, and every
+        tensor of every shard stored contiguously at a known offset), so that a loader can
+        copy it to the device straight out of the page-locked files (:meth:`direct_reads`)."""
+        return not self.shuffle and all(
+            column.key in shard.files for shard in self.shards for column in self.columns
+        )
+
+    def direct_reads(self, plan: BatchPlan) -> tuple[Any, list[tuple[ShardFile, int, int, int]]]:
+        """The batch ``plan``'s layout (as :meth:`read_into` returns it) and where its bytes lie
+        in the files: ``(file, file offset, offset in the batch, nbytes)`` per run, one run per
+        tensor and shard. ``ValueError`` unless :attr:`reads_direct`. Quick; reads nothing."""
+        self._check_open()
+        if not self.reads_direct:
+            raise ValueError(
+                f"{self!r} cannot be read straight out of its files: "
+                + (
+                    "shuffled batches gather their samples"
+                    if self.shuffle
+                    else "a tensor of a shard is not stored contiguously at a known offset"
+                )
+            )
+        specs: dict[str | None, TensorSpec] = {}
+        reads: list[tuple[ShardFile, int, int, int]] = []
+        offset = 0
+        for column in self.columns:
+            spec = TensorSpec(offset, column.dtype, (plan.rows, *column.row_shape))
+            row_nbytes = column.row_nbytes
+            position = 0
+            for run in plan.runs:
+                file, start = self.shards[run.shard].files[column.key]
+                nbytes = run.rows * row_nbytes
+                if nbytes:
+                    reads.append((file, start + run.start * row_nbytes, offset + position, nbytes))
+                position += nbytes
+            specs[column.key] = spec
+            offset += self._align_up(spec.nbytes)
+        return (specs[None] if self.tensor_batches else specs), reads
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of one epoch in new host memory (one tensor per key)."""

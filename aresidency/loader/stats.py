@@ -86,6 +86,13 @@ class LoaderStats:
       pinned twins (then copied with one DMA each); ``twin_peak_bytes``: the most pinned
       memory those twins held at once (each charged to ``pinned-host`` as a named
       reservation while its slot exists).
+    * ``device_wait_s``: seconds the consumer was parked because the device still had more
+      than ``run_ahead`` of its released steps to run (the consumer ahead of the device: not
+      a wait for the loader, and not in ``wait_s``).
+    * ``locked_file_bytes``, ``lock_s``: with ``pin_source``, the source's files page-locked
+      in host memory (charged to ``pinned-host`` as a named reservation until the loader
+      closes) and the seconds locking them took; ``direct_bytes``: bytes copied to the device
+      straight out of them (no host copy; the source's own time is then none).
     * ``released_shared_bytes``: bytes of batches in shared memory (a ``DataLoader``'s
       workers') the ring's thread gave back without holding the interpreter lock (see
       :mod:`~aresidency.loader.reclaim`).
@@ -109,6 +116,10 @@ class LoaderStats:
     packed_bytes: int = 0
     twin_peak_bytes: int = 0
     released_shared_bytes: int = 0
+    device_wait_s: float = 0.0
+    locked_file_bytes: int = 0
+    lock_s: float = 0.0
+    direct_bytes: int = 0
 
     @property
     def batches_per_s(self) -> float | None:
@@ -165,7 +176,8 @@ class LoaderStats:
             f"({'n/a' if per_s is None else f'{per_s:.1f}'} batches/s, {gbps(self.gbps)})",
             f"consumer waited {self.wait_s:.3f} s: source {self.wait_source_s:.3f} s, "
             f"budget {self.wait_budget_s:.3f} s, copy {self.wait_copy_s:.3f} s "
-            f"(bottleneck: {self.bottleneck})",
+            f"(bottleneck: {self.bottleneck}); parked while the device caught up: "
+            f"{self.device_wait_s:.3f} s",
             f"source: {self.source_batches} batches, {format_nbytes(self.source_bytes)} in "
             f"{self.source_busy_s:.3f} s busy ({gbps(self.source_gbps)})",
             f"copies: {format_nbytes(self.copy_bytes)} in {self.copy_busy_s:.3f} s busy "
@@ -175,6 +187,12 @@ class LoaderStats:
             lines.append(f"host copies made by the loader: {self.host_copies}")
         if self.pinned_bytes:
             lines.append(f"pinned staging: {format_nbytes(self.pinned_bytes)}")
+        if self.locked_file_bytes:
+            lines.append(
+                f"source files page-locked: {format_nbytes(self.locked_file_bytes)} in "
+                f"{self.lock_s:.3f} s; copied straight out of them: "
+                f"{format_nbytes(self.direct_bytes)}"
+            )
         if self.packed_bytes:
             lines.append(
                 f"packed into pinned twins: {format_nbytes(self.packed_bytes)} (twins at most "
@@ -211,6 +229,10 @@ class LoaderCounters:
         self.host_copies = 0
         self.pinned_bytes = 0
         self.packed_bytes = 0
+        self.device_wait_s = 0.0
+        self.locked_file_bytes = 0
+        self.lock_s = 0.0
+        self.direct_bytes = 0
         self.twin_bytes = 0  # the ring's pinned twins now (reserved at pinned-host)
         self.twin_peak = 0
         self.released_shared_bytes = 0
@@ -243,4 +265,8 @@ class LoaderCounters:
             packed_bytes=self.packed_bytes,
             twin_peak_bytes=self.twin_peak,
             released_shared_bytes=self.released_shared_bytes,
+            device_wait_s=self.device_wait_s,
+            locked_file_bytes=self.locked_file_bytes,
+            lock_s=self.lock_s,
+            direct_bytes=self.direct_bytes,
         )

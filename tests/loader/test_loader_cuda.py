@@ -168,6 +168,62 @@ async def test_passes_over_shards_back_to_back_under_slow_steps(tmp_path: Path) 
     assert got == [[float(4 * b + k) for k in range(4)] for b in range(6)] * 3
 
 
+async def test_passes_straight_out_of_page_locked_files_under_slow_steps(tmp_path: Path) -> None:
+    """pin_source: the files are page-locked (read-only) in place, each batch is one DMA out
+    of them into a slot; three passes under ~10 ms steps read every batch right, no staging
+    buffer is made, and the lock and its reservation end with the loader."""
+    rows, row = 24, 1 << 16
+    for number in range(2):  # batches of 4 straddle the two files (12 rows each)
+        first = number * rows // 2
+        data = np.arange(first, first + rows // 2, dtype=np.float32)[:, None].repeat(row, 1)
+        np.save(tmp_path / f"x-{number}.npy", data)
+    reads = []
+    paths = [tmp_path / "x-0.npy", tmp_path / "x-1.npy"]
+    with ShardSource(paths, batch_size=5, drop_last=True) as source:
+        async with ResidencyManager(budgets={"cuda:0": 64 * MiB}) as m:
+            async with DeviceLoader(m, source, "cuda:0", prefetch=2, pin_source=True) as loader:
+                for _pass in range(3):
+                    async for batch in loader:
+                        files = loader.pinned_files
+                        assert files is not None and files.locked
+                        assert files.view(source.files()[0], 0, 4096).is_pinned()
+                        torch.cuda._sleep(SLEEP_CYCLES)
+                        reads.append(batch[:, 0].clone())
+                assert loader.staging is None
+                stats = loader.stats()
+            reserved = m.snapshot().location("pinned-host").reservations
+            assert not [name for name, _ in reserved if name.endswith(".pinned-files")]
+            assert files.status == "closed" and not files.locked
+            assert_nothing_left(m)
+    got = [r.tolist() for r in reads]
+    assert got == [[float(5 * b + k) for k in range(5)] for b in range(4)] * 3
+    assert stats.direct_bytes == stats.bytes == 3 * 20 * row * 4
+    assert stats.locked_file_bytes >= 24 * row * 4
+
+
+async def test_a_consumer_ahead_of_the_gpu_is_parked_run_ahead_steps_ahead() -> None:
+    """Steps of ~10 ms kernels launched as fast as the host can: whenever a batch is handed
+    out, at most ``run_ahead`` of the steps before it are still to run on the GPU (the
+    consumer was parked on the loop, not blocked in a launch), and every batch is right."""
+    data = [torch.full((1 << 16,), float(i)) for i in range(10)]
+    steps: list[torch.cuda.Event] = []
+    behind: list[int] = []
+    sums = []
+    async with ResidencyManager(budgets={"cuda:0": 64 * MiB}) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=3, run_ahead=2) as loader:
+            async for batch in loader:
+                behind.append(sum(not e.query() for e in steps))
+                torch.cuda._sleep(SLEEP_CYCLES)
+                sums.append(batch.sum())
+                event = torch.cuda.Event()
+                event.record()
+                steps.append(event)
+            assert loader.stats().device_wait_s > 0
+        assert_nothing_left(m)
+    assert max(behind) <= 2, behind
+    assert [float(s) for s in sums] == [float(i) * (1 << 16) for i in range(10)]
+
+
 @pytest.mark.parametrize("twins", [False, True], ids=["driver", "twins"])
 async def test_worker_processes_batches_arrive_bit_identical_and_their_memory_goes_back(
     twins: bool,

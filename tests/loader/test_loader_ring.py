@@ -768,3 +768,71 @@ async def test_a_batch_larger_than_the_budget_is_refused_as_a_reservation() -> N
             caught.value
         )
         assert_nothing_left(m)
+
+
+async def test_a_consumer_ahead_of_the_device_parks_after_run_ahead_steps() -> None:
+    """The device holds every step (a kernel waiting on a gate): the consumer gets batches
+    while at most ``run_ahead`` released ones still wait for the device, then parks (on the
+    loop, every other task running) until the device catches up.
+    The batches were all copied ahead into fresh slots, so only the bound holds it back."""
+    data = batches(6)
+    gate = threading.Event()
+    async with ResidencyManager(backend=SimBackend()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=6, run_ahead=2) as loader:
+            it = aiter(loader)
+            got = [(await anext(it)).clone()]
+            await until(lambda: copied_ahead(loader) == 5)  # each batch in a slot of its own
+            m.backend.run_in_stream_order(stream, lambda: gate.wait(10))  # the held step
+            got += [(await anext(it)).clone() for _ in range(2)]  # 1 and 2 behind: handed out
+            epoch = loader._epoch
+            assert isinstance(epoch, RingEpoch)
+            parked: list[torch.Tensor] = []
+
+            async def next_batch() -> None:
+                parked.append((await anext(it)).clone())
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(next_batch)  # 3 behind: parks
+                await anyio.wait_all_tasks_blocked()
+                assert not parked
+                assert len(epoch._behind) == 3
+                gate.set()
+            got += parked
+            got += [b.clone() async for b in it]
+            assert loader.stats().device_wait_s > 0
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+
+
+async def test_a_consumer_cancelled_while_parked_for_the_device_ends_its_pass_cleanly() -> None:
+    data = batches(5)
+    gate = threading.Event()
+    async with ResidencyManager(backend=SimBackend()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=5, run_ahead=1) as loader:
+            it = aiter(loader)
+            await anext(it)
+            await until(lambda: copied_ahead(loader) == 4)
+            m.backend.run_in_stream_order(stream, lambda: gate.wait(10))
+            await anext(it)  # one behind
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(anext, it)  # two behind: parks
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+                    gate.set()  # the cancelled pass's end waits for the device to pass it
+            assert scope.cancelled_caught
+            with pytest.raises(StopAsyncIteration):  # the cancelled consumer ended the pass
+                await anext(it)
+            again = [b.clone() async for b in loader]  # a new pass gets every batch
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(again, data, strict=True))
+
+
+async def test_run_ahead_is_refused_unless_a_positive_int() -> None:
+    async with ResidencyManager(backend=SimBackend()) as m:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="run_ahead must be an int >= 1"):
+                DeviceLoader(m, batches(1), "cuda:0", run_ahead=bad)  # type: ignore[arg-type]
+        assert DeviceLoader(m, batches(1), "cuda:0", prefetch=3).run_ahead == 8
