@@ -419,6 +419,14 @@ class StreamedModule:
             )
         return yielded
 
+    def _forget_gone_kept(self) -> None:
+        """After a call: a group planned to stay whose replica is not at the device (the call
+        ended before it came) or is leaving (a release an earlier call started) is not kept.
+        One still arriving stays kept (a failed arrival is dropped when it fails)."""
+        for index in list(self.kept):
+            if index in self.releasing or not self._replica_here(index):
+                self.kept.discard(index)
+
     def _replica_here(self, index: int) -> bool:
         handle = self.group(index).handle
         value = None if handle is None else self.manager.state.find_value(handle)
@@ -543,6 +551,10 @@ class StreamedModule:
         error = pending.exception()
         if error is not None:
             self._release_errors.append(error)
+        if self.current_call is None and not self._replica_here(index):
+            # A release an earlier call started, committed after a later call planned to
+            # keep the group and ended without it: its replica is gone, so it is not kept.
+            self.kept.discard(index)
         call = self.current_call
         if call is not None:
             call.pump()  # it may wait for this release; it also takes the blocks handed back
@@ -727,6 +739,7 @@ class StreamedModule:
             finally:
                 call.finish()
                 self.current_call = None
+                self._forget_gone_kept()
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's

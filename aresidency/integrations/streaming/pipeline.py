@@ -560,7 +560,9 @@ class CallPipeline:
                     if not kept:
                         streamed.release_replica(index)  # resident at the start, unused
                 elif pending.done():
-                    if pending.exception() is None and not kept:
+                    if pending.exception() is not None:
+                        self.keep.discard(index)  # nothing arrived: nothing is kept
+                    elif not kept:
                         streamed.release_replica(index)
                 else:
                     pending.cancel()
@@ -575,7 +577,9 @@ class CallPipeline:
 
     def _release_if_arrived(self, index: int) -> Callable[[PendingOperation], None]:
         def release(pending: PendingOperation) -> None:
-            if pending.exception() is None and index not in self.keep:
+            if pending.exception() is not None:
+                self.keep.discard(index)  # nothing arrived: nothing is kept
+            elif index not in self.keep:
                 self.streamed.release_replica(index)
 
         return release

@@ -37,6 +37,7 @@ for its block's copy on the host before running it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,14 @@ __all__ = ["RingCall", "RingSlot"]
 
 _RESIDENT = MaterializationState.RESIDENT
 _DONE = HostEvent(done=True, label="host compute")
+
+
+def _unkeep_if_failed(keep: set[int], index: int, pending: PendingOperation) -> None:
+    """A copy of a group the module meant to keep ended after its call: if it failed (or was
+    cancelled), nothing arrived, so the group is not kept (``keep`` is the module's set of
+    that call; a later call planned its own)."""
+    if pending.exception() is not None:
+        keep.discard(index)
 
 
 class IdleRing:
@@ -485,8 +494,11 @@ class RingCall:
                 streamed.settle_later(pending)
             if index not in self.keep and index not in leased:
                 streamed.release_replica(index, pending)
-            elif pending.done() and pending.exception() is not None:
-                self.keep.discard(index)  # it never arrived: nothing is kept
+            elif pending.done():
+                if pending.exception() is not None:
+                    self.keep.discard(index)  # it never arrived: nothing is kept
+            else:
+                pending.add_done_callback(functools.partial(_unkeep_if_failed, self.keep, index))
         for index in list(self.keep):
             # Planned to stay, but the call ended before it was brought (and no earlier
             # call's copy of it is arriving): not kept after all.
