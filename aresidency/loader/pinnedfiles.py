@@ -54,9 +54,16 @@ __all__ = ["PinnedFiles"]
 #: process mapped read-only).
 REGISTER_READ_ONLY: Final = 8
 PAGE: Final = mmap.PAGESIZE
+#: Whether the C library's ``mmap`` can be called (through ``ctypes``).
+POSIX = os.name == "posix"
 
 
 def _libc() -> Any:
+    if not POSIX:
+        raise OSError(
+            "pin_source maps the files with the C library's mmap, which needs a POSIX system; "
+            "leave pin_source off here (batches then go through the staging buffers)"
+        )
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [

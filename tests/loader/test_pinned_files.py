@@ -224,3 +224,16 @@ async def test_the_manager_closing_under_a_pinned_pass_releases_the_files(
             await anext(it)
         await loader.aclose()
         assert files.status == "closed"
+
+
+async def test_a_system_without_posix_mmap_is_refused_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths, _x = write_npy(tmp_path)
+    monkeypatch.setattr(pinnedfiles_module, "POSIX", False)
+    with ShardSource(paths, batch_size=4) as source:
+        async with ResidencyManager(backend=SimBackend()) as m:
+            async with DeviceLoader(m, source, "cuda:0", pin_source=True) as loader:
+                with pytest.raises(OSError, match="needs a POSIX system; leave pin_source off"):
+                    await anext(aiter(loader))
+            assert_nothing_left(m)
