@@ -148,6 +148,9 @@ class StreamedModule:
         self.releasing: dict[int, PendingOperation] = {}
         # copies a finished call cancelled, or whose block was handed back before it arrived
         self.settling: set[PendingOperation] = set()
+        # group index -> a copy a finished call cancelled, until it settled (the replica is
+        # leaving: a later call waits for it, as for a release, before it starts the group)
+        self.cancelling: dict[int, PendingOperation] = {}
         # rings of finished calls waiting for the device to pass their last use (name -> set
         # once the buffer is freed and the reservation ended)
         self.rings: dict[str, IdleRing] = {}
@@ -284,10 +287,11 @@ class StreamedModule:
         if record.budget_bytes is None:
             return
         need = self._largest + self.resident_bytes
-        # Finished calls' rings (ours, or another streamed module's at this device) leave,
-        # or are taken over, once the device passed them: not in the way for long.
+        # Rings (ours, or another streamed module's at this device: a finished call's, or
+        # that of a call in flight) leave, or are taken over, once their call ended and the
+        # device passed them: not in the way for long (a call waits for their room).
         idle = sum(
-            other._idle_ring_bytes()
+            other._ring_bytes()
             for other in list(_by_manager.get(self.manager, ()))
             if other.device == self.device
         )
@@ -306,6 +310,13 @@ class StreamedModule:
     def _idle_ring_bytes(self) -> int:
         """Bytes reserved by the rings of our finished calls not retired yet."""
         return sum(r.reserved_bytes for r in self.rings.values())
+
+    def _ring_bytes(self) -> int:
+        """Bytes reserved by our rings: the finished calls' not retired yet, and the call's
+        in flight."""
+        call = self.current_call
+        active = call.reserved_bytes if isinstance(call, RingCall) else 0
+        return self._idle_ring_bytes() + active
 
     def _unregister_now(self) -> None:
         """Undo a failed construction: hooks, the module's tensors, holds and values, now (a
@@ -575,6 +586,24 @@ class StreamedModule:
         self.settling.add(pending)
         pending.add_done_callback(self.settling.discard)
 
+    def cancel_copy(self, index: int, pending: PendingOperation) -> None:
+        """Cancel group ``index``'s copy a finished call no longer needs: until it settled,
+        a later call waits for it before starting the group (a lease on a copy being
+        cancelled fails); drain waits for it too."""
+        pending.cancel()
+        self.settle_later(pending)
+        if pending.done():
+            return
+        self.cancelling[index] = pending
+        pending.add_done_callback(functools.partial(self._cancelled, index))
+
+    def _cancelled(self, index: int, pending: PendingOperation) -> None:
+        if self.cancelling.get(index) is pending:
+            del self.cancelling[index]
+        call = self.current_call
+        if call is not None:
+            call.pump()  # it may wait for this copy to settle
+
     def end_reservation(self, name: str) -> None:
         """End a retired ring's reservation (loop; nothing to do once the manager closed)."""
         if self.manager.running:
@@ -701,6 +730,9 @@ class StreamedModule:
         self.manager.check_thread()
         self._check_inference(args, kwargs)
         async with self._lock:
+            if self._closed:
+                # aclose() ran while this call waited for the one before it
+                raise RuntimeError(f"{self!r} is closed")
             changed = self._changed_groups()
             if changed:
                 await self._refresh(changed)

@@ -161,6 +161,7 @@ class CallPipeline:
         self._made_ready = 0
         self._wait_ticket = 0  # consumer thread: numbers its waits for a slot not ready
         self._waiting = 0  # the ticket of the wait in progress (0: none; the loop reads it)
+        self._waiting_for = -1  # the group index that wait is for (set before _waiting)
         self._unlisten: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ driving
@@ -234,10 +235,17 @@ class CallPipeline:
         if slot.state == "idle":
             if slot.group.index in releasing:
                 return "stop"  # its last release must finish first (_released pumps)
+            if slot.group.index in self.streamed.cancelling:
+                return "stop"  # an earlier call's copy of it is being cancelled (_cancelled pumps)
             started = self._start(slot)
-            if started is False and self.streamed.ask_others_for_room():
+            if started is False and (
+                self.streamed.ask_others_for_room()
+                or self._give_up_kept()
+                or self._give_up_prefetched(slot)
+            ):
                 # The other streamed modules idle at this device gave up what they keep
-                # between calls: a release with no readers left has committed already.
+                # between calls, or this call a block it holds and does not need now: a
+                # release with no readers left has committed already (else its commit pumps).
                 started = self._start(slot)
             if started is None:
                 return "stop"  # failed: the consumer raises it
@@ -249,6 +257,68 @@ class CallPipeline:
                 return "next"  # _materialized pumps when the copy completed
             return "listen"
         return "next"
+
+    def _give_up_kept(self) -> bool:
+        """No room for the next block: release one this call planned to keep that it has run
+        already and holds no more (the room the plan left for the window was taken meanwhile,
+        by another call in flight that may be waiting for room itself: this call must not
+        wait on the room its own kept blocks hold). Whether one was."""
+        streamed = self.streamed
+        for index in sorted(self.returned, key=lambda i: streamed.position.get(i, -1)):
+            slot = self.slots[index]
+            if index not in self.keep or slot.state != "idle" or slot.lease is not None:
+                continue
+            if index in streamed.releasing or slot.group is streamed.resident_group:
+                continue
+            self.keep.discard(index)  # (the module's kept set: no longer kept)
+            streamed.release_replica(index)
+            return True
+        return False
+
+    def _give_up_prefetched(self, wanted: Slot) -> bool:
+        """No room for ``wanted``, the block the consumer thread waits for: hand back one block
+        started ahead of it that the consumer has not taken (a model that runs its blocks out
+        of call order moved the window away from them; they hold the room ``wanted`` needs,
+        and nothing else would free it). Only while the thread waits for ``wanted``: it takes
+        no other block until ``wanted`` is ready, so none of these can be taken meanwhile.
+        The block farthest in call order from ``pos`` goes first. Whether one was."""
+        if not self._waiting or self._waiting_for != wanted.group.index:
+            return False
+        streamed = self.streamed
+        count = len(self.order)
+        candidates = [
+            s
+            for s in self.slots.values()
+            if s is not wanted
+            and s.state in ("starting", "ready")
+            and s.group is not streamed.resident_group
+            and s.group.index not in self.taken
+            and s.group.index in streamed.position
+        ]
+        if not candidates:
+            return False
+        slot = max(candidates, key=lambda s: (streamed.position[s.group.index] - self.pos) % count)
+        index = slot.group.index
+        pending, slot.pending = slot.pending, None
+        self.keep.discard(index)  # (the module's kept set: no longer kept)
+        if slot.state == "ready":
+            lease, slot.lease = slot.lease, None
+            slot.tensors = None
+            slot.ready_event = None
+            slot.flag.clear()
+            self._made_ready -= 1
+            assert lease is not None
+            error = lease.exit_nowait(reader_events=[])  # nothing read it
+            del lease
+            if error is not None:
+                self.failures.append(error)
+        slot.state = "idle"
+        if pending is None or pending.done():
+            streamed.release_replica(index, pending)
+        else:
+            streamed.cancel_copy(index, pending)
+            pending.add_done_callback(self._release_if_arrived(index))
+        return True
 
     def _fits(self, group: TensorGroup) -> bool:
         """Whether the device budget has room for ``group`` now (a cheap look at the ledger
@@ -420,6 +490,7 @@ class CallPipeline:
             # block already run would copy it again).
             self._wait_ticket += 1
             ticket = self._wait_ticket
+            self._waiting_for = index
             self._waiting = ticket
             self.bridge.call_soon(self._request_from_thread, index, ticket)
             try:
@@ -565,8 +636,7 @@ class CallPipeline:
                     elif not kept:
                         streamed.release_replica(index)
                 else:
-                    pending.cancel()
-                    streamed.settle_later(pending)
+                    streamed.cancel_copy(index, pending)
                     pending.add_done_callback(self._release_if_arrived(index))
             elif slot.state == "failed" and not kept:
                 # Its lease could not be entered (its copy may have landed, or it was there

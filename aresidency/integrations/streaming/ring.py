@@ -176,6 +176,11 @@ class RingCall:
         self.active = True
         self._lock = threading.Lock()  # the consumer's issuing against the loop's abort
 
+    @property
+    def reserved_bytes(self) -> int:
+        """The bytes of the ring's reservation while the call holds it (0 before and after)."""
+        return self.slots * self.charge if self.reservation is not None else 0
+
     # ------------------------------------------------------------------ admission (loop)
 
     async def open(self) -> None:
@@ -281,18 +286,14 @@ class RingCall:
         streamed = self.streamed
         if not self.sequence:
             return
-        groups = [streamed.group(index) for index in self.sequence]
-        charge = max(g.charge_bytes for g in groups)
-        self.stride = max(g.nbytes for g in groups)
-        self.charge = charge
-        want = min(streamed.prefetch + 1, len(self.sequence))
+        want = self._size_ring()
         if self._adopt(want):
             return
         name = f"stream ring {streamed.name} #{streamed.calls}"
         while True:
             for slots in range(want, 0, -1):
                 try:
-                    self.manager.reserve_nowait(name, self.device, slots * charge)
+                    self.manager.reserve_nowait(name, self.device, slots * self.charge)
                 except ResidencyBudgetError:
                     continue
                 self.reservation = name
@@ -300,7 +301,17 @@ class RingCall:
                 break
             if self.reservation is not None:
                 break
-            await self._wait_for_room(deadline, groups[0])
+            if streamed.ask_others_for_room():  # their kept blocks leave: try again first
+                await anyio.lowlevel.checkpoint()
+                continue
+            if self._give_up_kept():
+                # The room the plan left for the ring was taken meanwhile (by another call in
+                # flight, which may be waiting for room itself): a block planned to stay
+                # streams instead, so that the call never waits on the room its own kept
+                # blocks hold.
+                want = self._size_ring()
+                continue
+            await self._wait_for_room(deadline, streamed.group(self.sequence[0]))
         try:
             # One tensor per slot (as one block per value would be): the caching allocator
             # reuses such blocks exactly from one call to the next.
@@ -315,6 +326,33 @@ class RingCall:
         self.readers = [None] * self.slots
         self.copied = [None] * self.slots
         self._reader_events = [None] * self.slots
+
+    def _size_ring(self) -> int:
+        """Set the ring's slot size for the streamed groups; return the slots it wants."""
+        groups = [self.streamed.group(index) for index in self.sequence]
+        self.charge = max(g.charge_bytes for g in groups)
+        self.stride = max(g.nbytes for g in groups)
+        return min(self.streamed.prefetch + 1, len(self.sequence))
+
+    def _give_up_kept(self) -> bool:
+        """Stream one block leased to stay instead (the last in call order): its lease ends
+        (nothing read it yet) and its replica is released. Whether there was one."""
+        streamed = self.streamed
+        for group in reversed(streamed.groups):
+            index = group.index
+            lease = self.leases.get(index)
+            if lease is None or index not in self.keep:
+                continue
+            del self.leases[index]
+            self.held.pop(index, None)
+            error = lease.exit_nowait(reader_events=[])
+            del lease
+            if error is not None:
+                self.failures.append(error)
+            self._stream_instead(group)  # (keep is the module's kept set: no longer kept)
+            streamed.release_replica(index)
+            return True
+        return False
 
     def _adopt(self, want: int) -> bool:
         """Take over the previous call's ring if the device has not retired it yet and it

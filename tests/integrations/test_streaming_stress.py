@@ -1,0 +1,321 @@
+"""Weight streaming under stress on the simulated backend: two streamed modules sharing one
+device, calls that overlap, calls cancelled while their copies are in flight, a tenant taking
+room a call planned on, a module closed while calls queue, blocks run out of call order under
+a tight budget. Each test pins down one sequence the randomized stress found going wrong."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+from torch import nn
+
+from aresidency import ReplicaMode, ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.integrations import StreamedModule, stream_module
+
+from ._models import Net
+from .test_ring import Planned, assert_nothing_left, reference, sizes
+
+pytestmark = pytest.mark.anyio
+
+
+async def until(manager: ResidencyManager, condition: Callable[[], bool]) -> None:
+    """Wait until ``condition()`` holds (checked at each state change of the manager, and at
+    least every 10 ms for conditions on threads)."""
+    with anyio.fail_after(10):
+        while not condition():
+            await manager.wait_for_change(0.01)
+
+
+def gate_block(model: nn.Module, block: nn.Module) -> tuple[threading.Event, threading.Event]:
+    """A pre-hook on ``block`` (run in the streaming worker thread) that sets ``entered`` and
+    waits for ``gate``; returns both."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hook(*_: Any) -> None:
+        entered.set()
+        assert gate.wait(10)
+
+    block.register_forward_pre_hook(hook)
+    return entered, gate
+
+
+async def test_a_call_queued_behind_another_when_aclose_comes_first_is_refused() -> None:
+    """A call waits for the one in flight; aclose() is queued before it: once the module is
+    closed, the queued call raises that it is closed (it used to run on the discarded values
+    and fail with an unavailable value)."""
+    model = Net(n=3)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    entered, gate = gate_block(model, model.layers[0])
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1)
+        results: list[Any] = []
+
+        async def call() -> None:
+            try:
+                with torch.no_grad():
+                    results.append(await streamed(x))
+            except Exception as error:
+                results.append(error)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call)
+            await anyio.to_thread.run_sync(entered.wait)
+            tasks.start_soon(streamed.aclose)
+            await until(m, lambda: streamed._lock.statistics().tasks_waiting == 1)
+            tasks.start_soon(call)
+            await until(m, lambda: streamed._lock.statistics().tasks_waiting == 2)
+            gate.set()
+        assert torch.equal(results[0], expected)
+        assert isinstance(results[1], RuntimeError) and "is closed" in str(results[1])
+        snap = m.snapshot()
+        assert snap.location("cuda:0").used_bytes == 0
+        assert snap.location("cuda:0").reserved_bytes == 0
+
+
+async def test_a_call_beside_another_modules_ring_in_flight_waits_for_its_room() -> None:
+    """Module a's call holds its ring (the whole budget beside its tensors outside the
+    blocks); module b's call starts meanwhile: it waits for the room (it used to fail with
+    "streaming could never run", counting a's ring as if it stayed)."""
+    a_model, b_model = Net(n=4, seed=1), Net(n=4, seed=2)
+    x = torch.randn(2, 16)
+    a_expected, b_expected = reference(a_model, x), reference(b_model, x)
+    entered, gate = gate_block(a_model, a_model.layers[1])
+    block, resident = await sizes(Net(n=4))
+    budget = 2 * resident + 3 * block
+    backend = SimBackend()
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        a = stream_module(m, a_model, prefetch=2, name="a")
+        b = stream_module(m, b_model, prefetch=2, name="b")
+        out: dict[str, Any] = {}
+
+        async def call(name: str, streamed: StreamedModule) -> None:
+            with torch.no_grad():
+                out[name] = await streamed(x)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call, "a", a)
+            await anyio.to_thread.run_sync(entered.wait)  # a's ring is reserved
+            assert a.current_call is not None and a._ring_bytes() == 3 * block
+            tasks.start_soon(call, "b", b)
+            await until(m, lambda: b.current_call is not None)  # b waits for room
+            gate.set()
+        assert torch.equal(out["a"], a_expected) and torch.equal(out["b"], b_expected)
+        assert backend.max_memory_allocated("cuda:0") <= budget
+        for streamed in (a, b):
+            await streamed.drain()
+        snap = m.snapshot()
+        kept = sum(
+            snap.value(h).charge_bytes
+            for s in (a, b)
+            for h in s.handles
+            if h.name in s.residency()["kept"]
+        )
+        assert snap.location("cuda:0").used_bytes == kept
+        for streamed in (a, b):
+            await streamed.aclose()
+
+
+async def test_a_call_right_after_one_cancelled_with_copies_in_flight_runs() -> None:
+    """Managed values (ring=False): a call is cancelled while its copies wait on the copy
+    stream; the next call asks first for a block whose cancelled copy has not settled yet: it
+    waits for it to settle and copies it again (it used to lease the copy being cancelled and
+    fail with "the transfer bringing it there is being cancelled")."""
+    model = Planned(3, [0, 1, 2], seed=3)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        h2d = backend.device_streams(0).h2d
+        streamed = stream_module(m, model, prefetch=2, ring=False, keep_resident=False)
+        copies = threading.Event()
+        h2d.submit(lambda: copies.wait(10))  # the copies wait behind this
+        with anyio.CancelScope() as scope:
+
+            async def cancel_once_started() -> None:
+                await until(m, lambda: streamed.copies >= 2)  # the resident group and block 0
+                scope.cancel()
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(cancel_once_started)
+                with torch.no_grad():
+                    await streamed(x)
+        assert scope.cancelled_caught
+        assert streamed.cancelling  # the cancelled copies have not settled
+        model.plan = [0, 2, 1]
+        expected = reference(model, x)
+        async with anyio.create_task_group() as tasks:
+            result: list[torch.Tensor] = []
+
+            async def call() -> None:
+                with torch.no_grad():
+                    result.append(await streamed(x))
+
+            tasks.start_soon(call)
+            await until(m, lambda: streamed.current_call is not None)
+            copies.set()
+        assert torch.equal(result[0], expected)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+@pytest.mark.parametrize("plan", [[2, 0, 1], [1, 0], [0, 2, 1, 0], [3, 1, 2, 0, 3]])
+async def test_blocks_run_out_of_order_under_a_one_block_budget_finish(plan: list[int]) -> None:
+    """Managed values (ring=False), room for one block beside the tensors outside the blocks,
+    a model that runs its blocks out of call order: the block it asks for needs the room a
+    block prefetched in call order holds. The prefetched block is handed back (the call used
+    to wait for room forever)."""
+    model = Planned(max(plan) + 1, plan, seed=4)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(model)
+    budget = resident + block + 100
+    backend = SimBackend(copy_gbps=0.5)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        streamed = stream_module(m, model, prefetch=2, ring=False)
+        for _ in range(2):
+            with anyio.fail_after(10), torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+        assert backend.max_memory_allocated("cuda:0") <= budget
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_a_ring_call_streams_a_kept_block_when_a_tenant_took_its_rings_room() -> None:
+    """The ring's call plans to keep three blocks beside one slot; while their copies are on
+    their way, a tenant takes the room left for the slot (and keeps it): the call streams a
+    block it meant to keep instead (it used to wait for room its own kept blocks held)."""
+    model = Net(n=4, seed=5)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(model)
+    budget = resident + 4 * block
+    backend = SimBackend()
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        h2d = backend.device_streams(0).h2d
+        streamed = stream_module(m, model, prefetch=0, name="net")
+        tenant = m.register(
+            torch.zeros(block // 4), name="tenant", replica_mode=ReplicaMode.REPLICABLE
+        )
+        copies = threading.Event()
+        h2d.submit(lambda: copies.wait(10))
+        result: list[torch.Tensor] = []
+
+        async def call() -> None:
+            with torch.no_grad():
+                result.append(await streamed(x))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call)
+            await until(m, lambda: streamed.copies == 4)  # the resident group, three blocks
+            assert len(streamed.kept) == 4
+            m.materialize_nowait(tenant, "cuda:0")  # the room left for the ring's slot
+            copies.set()
+        assert torch.equal(result[0], expected)
+        assert backend.max_memory_allocated("cuda:0") <= budget
+        await streamed.drain()
+        await m.release(tenant, "cuda:0")
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+
+
+async def test_random_two_modules_calls_cancellations_tenant_and_writes() -> None:
+    """Randomized (fixed seeds): two streamed modules (ring or managed values, models that
+    run blocks out of order) called in parallel tasks beside a tenant taking and giving back
+    room, calls cancelled at random moments, weights written in place between calls, drain
+    now and then. Finished calls bit-identical; the budget holds; once settled, each module
+    holds at the device exactly what it keeps, and nothing after aclose."""
+    for seed in range(4):
+        await _two_modules(seed)
+
+
+async def _two_modules(seed: int) -> None:
+    rng = random.Random(7000 + seed)
+    models = []
+    for k in range(2):
+        n = rng.randint(2, 4)
+        plan = [rng.randrange(n) for _ in range(rng.randint(n, 2 * n))]
+        models.append(Planned(n, plan, seed * 10 + k))
+    x = torch.randn(2, 16)
+    block = max([(await sizes(model))[0] for model in models])
+    resident = max([(await sizes(model))[1] for model in models])
+    budget = resident + block + rng.randint(2, 5) * block
+    backend = SimBackend(copy_gbps=0.5)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        mods = [
+            stream_module(m, model, prefetch=rng.randint(0, 3), ring=k == 0, name=f"m{k}")
+            for k, model in enumerate(models)
+        ]
+        tenant = m.register(
+            torch.zeros(block // 4), name="tenant", replica_mode=ReplicaMode.REPLICABLE
+        )
+        done = anyio.Event()
+
+        async def other() -> None:
+            while not done.is_set():
+                try:
+                    await m.materialize(tenant, "cuda:0")
+                except Exception:  # no room now
+                    await m.wait_for_change(0.01)
+                    continue
+                await anyio.sleep(rng.choice([0, 0.001]))
+                await m.release(tenant, "cuda:0")
+                await anyio.lowlevel.checkpoint()
+
+        async def caller(k: int) -> None:
+            streamed, model = mods[k], models[k]
+            for _ in range(4):
+                if rng.random() < 0.2:
+                    await streamed.drain()
+                    with torch.no_grad():
+                        p = rng.choice(list(model.parameters()))
+                        p.copy_(torch.randn(p.shape))
+                expected = reference(model, x)
+                with anyio.move_on_after(rng.choice([None, 0.001, 0.005])) as scope:
+                    with torch.no_grad():
+                        got = await streamed(x)
+                if not scope.cancelled_caught:
+                    assert torch.equal(got, expected), (seed, k)
+                assert backend.max_memory_allocated("cuda:0") <= budget
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(other)
+                async with anyio.create_task_group() as callers:
+                    for k in range(2):
+                        callers.start_soon(caller, k)
+                done.set()
+        for streamed in mods:
+            await streamed.drain()
+        snap = m.snapshot()
+        if "cuda:0" in [str(loc) for loc in snap.value(tenant).locations]:
+            await m.release(tenant, "cuda:0")
+        snap = m.snapshot()
+        location = snap.location("cuda:0")
+        assert location.reserved_bytes == 0 and location.peak_bytes <= budget
+        kept_bytes = 0
+        for streamed in mods:
+            kept = set(streamed.residency()["kept"])
+            for handle in streamed.handles:
+                value = snap.value(handle)
+                here = "cuda:0" in [str(loc) for loc in value.locations]
+                assert here == (handle.name in kept), (seed, handle.name)
+                kept_bytes += value.charge_bytes if here else 0
+                for record in value.materializations:
+                    assert record.use_count == 0 and record.pending_event_count == 0
+            assert not streamed.rings
+        assert location.used_bytes == kept_bytes
+        for streamed in mods:
+            await streamed.aclose()
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+    assert backend.memory_allocated("cuda:0") == 0
