@@ -166,11 +166,16 @@ class DeviceLoader:
         self.pack_min_bytes = pack_min_bytes
         if not isinstance(pin_source, bool):
             raise TypeError(f"pin_source must be True or False, got {pin_source!r}")
-        if pin_source and not (self.is_staged and callable(getattr(source, "direct_reads", None))):
+        if pin_source and not (
+            self.is_staged
+            and callable(getattr(source, "files", None))
+            and callable(getattr(source, "direct_reads", None))
+            and hasattr(source, "reads_direct")
+        ):
             raise ValueError(
                 "pin_source page-locks a staged source's files (such as a ShardSource's) and "
                 f"copies batches straight out of them; {type(source).__name__} has no files to "
-                "lock (it needs files() and direct_reads())"
+                "lock (it needs files(), direct_reads() and reads_direct)"
             )
         if pin_source and not self.ring:
             raise ValueError(
@@ -213,9 +218,9 @@ class DeviceLoader:
     async def _begin(self) -> Epoch | RingEpoch:
         """End the previous pass (releasing what it held), then start a new one."""
         self.manager.check_thread()
-        if self.status != "open":
-            raise RuntimeError(f"{self.name} is closed")
+        self._check_open()
         async with self._lock:
+            self._check_open()  # closed while this task waited for the lock
             previous = self._epoch
             if previous is not None:
                 previous.shutdown()
@@ -234,14 +239,29 @@ class DeviceLoader:
                 if self.pinned_files is None or not self.source.reads_direct:
                     await self._open_staging()
                 plans = await anyio.to_thread.run_sync(self.source.plan_epoch)
+            # Closed meanwhile (by another task: its close waits for this one to leave the
+            # lock, then releases what was opened here): no pass starts on a closed loader.
+            self._check_open()
             self._epochs += 1
             self.counters.epochs += 1
-            epoch: Epoch | RingEpoch = (
-                RingEpoch(self, self._epochs) if self.ring else Epoch(self, self._epochs)
-            )
+            epoch: Epoch | RingEpoch
+            if self.ring:
+                after = previous if isinstance(previous, RingEpoch) else None
+                epoch = RingEpoch(self, self._epochs, after=after)
+            else:
+                epoch = Epoch(self, self._epochs)
             self._epoch = epoch
             epoch.start(list(plans) if plans is not None else None)
             return epoch
+
+    def _check_open(self) -> None:
+        if self.status != "open":
+            raise RuntimeError(f"{self.name} is closed")
+
+    async def _wait_for_begin(self) -> None:
+        """Park until no task is in :meth:`_begin` (which holds the lock)."""
+        async with self._lock:
+            pass
 
     async def _open_staging(self) -> None:
         if self.staging is not None:
@@ -313,7 +333,6 @@ class DeviceLoader:
         if self.status == "closed":
             return
         self.status = "closed"
-        epoch = self._epoch
         deferred: list[BaseException] = []
         cancelled: BaseException | None = None
 
@@ -326,6 +345,12 @@ class DeviceLoader:
             except anyio.get_cancelled_exc_class() as exc:
                 cancelled = cancelled or exc
 
+        # A pass another task is starting (mapping the files, planning, ending the pass
+        # before) finishes first: what it opens (the locked files, the staging buffers, the
+        # pass) is released below with the rest, and it starts no pass (it sees the loader
+        # closed).
+        await finish(self._wait_for_begin)
+        epoch = self._epoch
         try:
             if epoch is not None:
                 epoch.shutdown()

@@ -46,6 +46,7 @@ from ..backends.pinned import flush_unpins, register_available, unpin_later
 from ..core.errors import ResidencyBudgetError
 from ..core.sizes import format_nbytes
 from ..runtime.manager import ResidencyManager
+from ..runtime.shield import finish_shielded
 from .shardfiles import ShardFile
 
 __all__ = ["PinnedFiles"]
@@ -158,7 +159,10 @@ class PinnedFiles:
             raise
         self.status = "open"
         try:
-            await anyio.to_thread.run_sync(self._map_all)
+            # To the end whatever cancels the task (a native asyncio cancellation too, which an
+            # anyio shield lets through): the thread maps and locks on regardless, and the
+            # clean-up below must see every file it mapped.
+            await finish_shielded(anyio.to_thread.run_sync, self._map_all)
         except BaseException:
             await self.aclose()
             raise
@@ -225,8 +229,7 @@ class PinnedFiles:
                 libc.munmap(m.address, m.nbytes)
 
         try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(release)
+            await finish_shielded(anyio.to_thread.run_sync, release)
         finally:
             with contextlib.suppress(Exception):  # a closed manager took its ledger with it
                 await self._stack.aclose()

@@ -229,7 +229,9 @@ class RingEpoch:
     device passed its last readers and copy.
     """
 
-    def __init__(self, loader: DeviceLoader, number: int) -> None:
+    def __init__(
+        self, loader: DeviceLoader, number: int, *, after: RingEpoch | None = None
+    ) -> None:
         self.loader = loader
         self.number = number
         self.manager = loader.manager
@@ -276,7 +278,8 @@ class RingEpoch:
         self._direct = False  # batches copied straight out of the page-locked files
         # Per released batch (oldest first), the events after its readers' kernels: the
         # consumer is handed a batch only while at most ``run_ahead`` of them are incomplete.
-        self._behind: deque[list[Any]] = deque()
+        # Those of the pass before (``after``) count too: the device may still run its steps.
+        self._behind: deque[list[Any]] = deque() if after is None else deque(after._behind)
 
     def __repr__(self) -> str:
         with self._cond:
@@ -474,9 +477,9 @@ class RingEpoch:
         counters.source_bytes += nbytes
         slot = self._acquire(max(ALIGN, -(-nbytes // ALIGN) * ALIGN), index)
         start = time.perf_counter()
+        event = None
         try:
             waits = slot.readers
-            event = None
             for file, offset, place, count in reads:
                 event = self.backend.copy_into(
                     files.view(file, offset, count),
@@ -487,6 +490,11 @@ class RingEpoch:
                 waits = []
         except BaseException:
             with self._cond:
+                if event is not None:
+                    # The batch's copies issued before the failure still read the files and
+                    # write the slot: the slot's end (and the files' unmapping) waits for them.
+                    slot.readers = []
+                    slot.copied = event
                 slot.state = FREE
                 self._cond.notify_all()
             raise
@@ -582,22 +590,30 @@ class RingEpoch:
         waits = slot.readers
         event = None
         pins: list[torch.Tensor] = []
-        for part, offset in zip(host.parts, offsets, strict=True):
-            nbytes = part.numel() * part.element_size()
-            if nbytes == 0:
-                continue
-            src = part if part.is_contiguous() else part.contiguous()
-            flat = src.reshape(-1).view(torch.uint8) if src.dim() else src.view(1).view(torch.uint8)
-            event = backend.copy_into(
-                flat, slot.buffer[offset : offset + nbytes], self.device, wait_events=waits
-            )
-            waits = []
-            if src.is_pinned():
-                pins.append(src)
-        if event is not None:  # else nothing was written: the readers still stand
-            slot.readers = []
-            slot.copied = event
-        slot.pins = pins
+        try:
+            for part, offset in zip(host.parts, offsets, strict=True):
+                nbytes = part.numel() * part.element_size()
+                if nbytes == 0:
+                    continue
+                src = part if part.is_contiguous() else part.contiguous()
+                flat = (
+                    src.reshape(-1).view(torch.uint8)
+                    if src.dim()
+                    else src.view(1).view(torch.uint8)
+                )
+                event = backend.copy_into(
+                    flat, slot.buffer[offset : offset + nbytes], self.device, wait_events=waits
+                )
+                waits = []
+                if src.is_pinned():
+                    pins.append(src)
+        finally:
+            # When a copy fails too: the ones issued before it still read their tensors and
+            # write the slot, whose end waits for them.
+            if event is not None:  # else nothing was written: the readers still stand
+                slot.readers = []
+                slot.copied = event
+            slot.pins = pins
         return event
 
     def _pack(self, host: HostBatch, offsets: list[int], total: int, slot: Slot) -> Any:

@@ -22,6 +22,7 @@ from aresidency import MemoryReservation, ResidencyBudgetError, ResidencyManager
 from aresidency.backends.base import Backend
 from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader
+from aresidency.loader.lifetime import HostWaits
 from aresidency.loader.ring import RingEpoch
 
 from ._support import KiB, assert_nothing_left, batches, max_charge
@@ -836,3 +837,89 @@ async def test_run_ahead_is_refused_unless_a_positive_int() -> None:
             with pytest.raises(ValueError, match="run_ahead must be an int >= 1"):
                 DeviceLoader(m, batches(1), "cuda:0", run_ahead=bad)  # type: ignore[arg-type]
         assert DeviceLoader(m, batches(1), "cuda:0", prefetch=3).run_ahead == 8
+
+
+async def test_a_batch_whose_copy_fails_half_issued_keeps_its_slot_until_the_rest_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of two tensors is copied with one call each: when the second fails (here an
+    injected failure) the first is still queued on the device. The pass's end used to free
+    the slot (its reservation ended: the budget counted the memory free) under that copy."""
+    gate = threading.Event()
+    waiting = threading.Event()  # the pass's end waits, in its thread, for device work
+    real_wait_all = HostWaits.wait_all
+
+    def wait_all(self: HostWaits, events: Any) -> bool:
+        events = list(events)
+        if any(not event.query() for event in events):
+            waiting.set()
+        return real_wait_all(self, events)
+
+    monkeypatch.setattr(HostWaits, "wait_all", wait_all)
+    data = [{"a": t, "b": t + 1} for t in batches(3)]
+    errors: list[BaseException] = []
+    async with ResidencyManager(backend=SimBackend()) as m:
+        m.backend.run_in_stream_order(m.backend.device_streams(0).h2d, lambda: gate.wait(10))
+        m.backend.faults.fail_transfer_at = 2  # batch 0's "b"; its "a" is queued
+        try:
+            async with DeviceLoader(m, data, "cuda:0", prefetch=0) as loader:
+
+                async def first() -> None:
+                    try:
+                        await anext(aiter(loader))
+                    except RuntimeError as error:
+                        errors.append(error)
+
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(first)
+                    # The batch raised (it used to, at once), or its pass's end waits for the
+                    # copy still queued (it does now).
+                    await until(lambda: bool(errors) or waiting.is_set())
+                    assert len(live_slots(m)) == 1, "the slot was freed under a queued copy"
+                    gate.set()
+                assert [str(e) for e in errors] == ["injected transfer failure"]
+        finally:
+            gate.set()
+        assert_nothing_left(m)
+
+
+async def test_run_ahead_holds_across_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes of one batch each, the device holding every step: each new pass used to start
+    with nothing behind it (the steps of the passes before were forgotten), so the consumer
+    never parked and ran ahead of the device by as many passes as it liked. The released
+    batches of the pass before count as well: the consumer parks at the second batch."""
+    data = batches(1)
+    gate = threading.Event()
+    async with ResidencyManager(backend=SimBackend()) as m:
+        parked = threading.Event()
+        real_wait = m.backend.wait
+
+        async def wait(waitable: Any) -> None:
+            parked.set()  # only the consumer's catch-up awaits device events here
+            await real_wait(waitable)
+
+        monkeypatch.setattr(m.backend, "wait", wait)
+        stream = m.backend.current_stream("cuda:0")
+        got: list[torch.Tensor] = []
+        done = anyio.Event()
+        try:
+            async with DeviceLoader(m, data, "cuda:0", prefetch=1, run_ahead=1) as loader:
+                m.backend.run_in_stream_order(stream, lambda: gate.wait(10))  # the held step
+
+                async def passes() -> None:
+                    for _ in range(5):
+                        got.extend([b.clone() async for b in loader])
+                    done.set()
+
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(passes)
+                    await until(lambda: done.is_set() or parked.is_set())
+                    ran_ahead, handed = done.is_set(), loader.stats().batches
+                    gate.set()
+                    assert not ran_ahead, "five passes ran ahead of the held device"
+                    assert handed == 2  # pass 1's batch behind, pass 2's out
+                assert loader.stats().device_wait_s > 0
+        finally:
+            gate.set()
+        assert_nothing_left(m)
+    assert len(got) == 5 and all(torch.equal(g, data[0]) for g in got)
