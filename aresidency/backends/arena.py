@@ -44,12 +44,14 @@ Invariant: per slab, the free list and the live blocks tile the slab exactly, wi
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import ctypes
 import functools
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 import torch
@@ -205,6 +207,11 @@ class PinnedArena:
         self.ahead_bytes = 0
         self._missed: list[int] = []  # block bytes of the misses since the last growth
         self._lock = threading.Lock()
+        # The thread inside a locked section, and the blocks returned while it was (see
+        # _returned): a tensor's finalizer may run in a section (a garbage collection there),
+        # and taking the lock again would deadlock that thread.
+        self._owner: int | None = None
+        self._returns: collections.deque[tuple[_Slab, int, int]] = collections.deque()
         self._slabs: list[_Slab] = []
         self._growing = False
         self._closed = False
@@ -224,13 +231,13 @@ class PinnedArena:
 
     def free_bytes(self) -> int:
         """Registered bytes no live block holds: free space plus alignment padding."""
-        with self._lock:
+        with self._locked():
             return self.total_bytes - self.value_bytes
 
     def set_limit(self, limit_bytes: int | None) -> None:
         """Bound the arena's registered bytes; slabs entirely free beyond it are released
         (blocking: call off the event loop when slabs may go)."""
-        with self._lock:
+        with self._locked():
             self.limit_bytes = limit_bytes
         self.trim(keep_within_limit=True)
 
@@ -243,7 +250,7 @@ class PinnedArena:
         registers memory (cheap enough for the event loop). A miss is remembered for the next
         growth unless ``note_miss`` is false (the caller then calls :meth:`carve_new`)."""
         nbytes = _nbytes(shape, dtype)
-        with self._lock:
+        with self._locked():
             if self._closed:
                 return None
             self.ahead_bytes = max(self.ahead_bytes, self.block_bytes(nbytes))
@@ -267,7 +274,7 @@ class PinnedArena:
         nbytes = _nbytes(shape, dtype)
         need = self.block_bytes(nbytes)
         slab = self._new_slab(self._slab_size_for(need), need)
-        with self._lock:
+        with self._locked():
             if self._closed:
                 self._add_locked(slab)  # released by close's sweep below
                 raise RuntimeError("the pinned arena is closed")
@@ -291,7 +298,7 @@ class PinnedArena:
         nbytes = _nbytes(shape, dtype)
         need = self.block_bytes(nbytes)
         size = self._slab_size_for(need)
-        with self._lock:
+        with self._locked():
             if self._closed or self._room_locked(size) < 0:
                 return None
         mapping = private_mapping(size)
@@ -300,7 +307,7 @@ class PinnedArena:
         del exporter
         slab = _Slab(mapping, size, ptr, self._unregister)
         slab.registered = slab.ready = False
-        with self._lock:
+        with self._locked():
             if self._closed or self._room_locked(size) < 0:
                 _unmap(mapping)
                 return None
@@ -321,7 +328,7 @@ class PinnedArena:
             del raw, exporter
             self._register(slab.ptr, slab.nbytes)
         except BaseException:
-            with self._lock:
+            with self._locked():
                 if slab in self._slabs:
                     self._slabs.remove(slab)
                     self.total_bytes -= slab.nbytes
@@ -330,14 +337,14 @@ class PinnedArena:
                 self.carves -= 1
                 slab.detached = True
             raise
-        with self._lock:
+        with self._locked():
             slab.registered = slab.ready = True
             self.slabs_made += 1
 
     def needs_growth(self) -> bool:
         """Whether no hole holds ``ahead_bytes`` and a slab for it would fit the limit (then
         call :meth:`grow_ahead` off the loop)."""
-        with self._lock:
+        with self._locked():
             return not self._growing and self._should_grow_locked()
 
     def grow_ahead(self) -> bool:
@@ -346,7 +353,7 @@ class PinnedArena:
         large enough for ``ahead_bytes``. Returns whether a slab was added; a failed
         registration is not an error here (the next copy then registers its own
         destination)."""
-        with self._lock:
+        with self._locked():
             if self._growing or not self._should_grow_locked():
                 return False
             self._growing = True
@@ -360,7 +367,7 @@ class PinnedArena:
                     slab = self._new_slab(size, size)
                 except (torch.OutOfMemoryError, OSError):
                     break
-                with self._lock:
+                with self._locked():
                     # The limit may have dropped while the slab was registered: then it goes.
                     fits = (
                         self.limit_bytes is None
@@ -373,7 +380,7 @@ class PinnedArena:
                     break
                 added = True
         finally:
-            with self._lock:
+            with self._locked():
                 self._growing = False
         return added
 
@@ -417,7 +424,7 @@ class PinnedArena:
         """Release entirely free slabs smaller than ``size``, smallest first, until a slab of
         ``size`` fits the limit; whether it fits (nothing is released if it cannot). Blocking
         while it unregisters: called by :meth:`grow_ahead`, in a worker thread."""
-        with self._lock:
+        with self._locked():
             if self._closed or self._room_locked(size) < 0:
                 return False
             smaller = sorted((s for s in self._slabs if s.nbytes < size), key=lambda s: s.nbytes)
@@ -447,7 +454,7 @@ class PinnedArena:
         if tensor.device.type != "cpu" or tensor.numel() == 0:
             return False
         ptr = tensor.untyped_storage().data_ptr()
-        with self._lock:
+        with self._locked():
             return any(s.ptr <= ptr < s.ptr + s.nbytes for s in self._slabs)
 
     # -- release
@@ -456,7 +463,7 @@ class PinnedArena:
         """Unregister slabs with no live block: all of them, or (``keep_within_limit``) only
         as many as needed to bring ``total_bytes`` within ``limit_bytes``. Returns the bytes
         released. Blocking (unregistering takes milliseconds per GB)."""
-        with self._lock:
+        with self._locked():
             if keep_within_limit and self.limit_bytes is None:
                 return 0
             largest_first = sorted(self._slabs, key=lambda s: s.nbytes, reverse=True)
@@ -468,7 +475,7 @@ class PinnedArena:
 
     def close(self) -> None:
         """Release every empty slab now, and each other one when its last block returns."""
-        with self._lock:
+        with self._locked():
             self._closed = True
         self.trim()
 
@@ -480,7 +487,7 @@ class PinnedArena:
         return self.slab_bytes
 
     def _new_slab(self, size: int, need: int) -> _Slab:
-        with self._lock:
+        with self._locked():
             limit = self.limit_bytes
             total = self.total_bytes
         if limit is not None and total + size > limit:
@@ -541,17 +548,40 @@ class PinnedArena:
         del exporter  # the tensor's storage holds it now
         return raw.view(dtype).view(tuple(shape))
 
-    def _returned(self, slab: _Slab, offset: int, nbytes: int) -> None:
-        """The last tensor over a block died (any thread)."""
-        release = False
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock; on the way out, take back the blocks returned meanwhile (and release,
+        without the lock, the slabs that leave with them)."""
+        leaving: list[_Slab] = []
         with self._lock:
-            if slab.detached:
-                release = True  # its registration failed: its only block, never counted
-                slab.detached = False
-            else:
-                release = self._give_back_locked(slab, offset, nbytes)
-        if release:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                while self._returns:
+                    slab, offset, nbytes = self._returns.popleft()
+                    if self._take_back_locked(slab, offset, nbytes):
+                        leaving.append(slab)
+                self._owner = None
+        for slab in leaving:
             self._release(slab)
+
+    def _returned(self, slab: _Slab, offset: int, nbytes: int) -> None:
+        """The last tensor over a block died (any thread; a finalizer, so possibly in the
+        middle of a locked section of this very thread, when a garbage collection ran there:
+        the block is then taken back as that section ends)."""
+        self._returns.append((slab, offset, nbytes))
+        if self._owner == threading.get_ident():
+            return
+        with self._locked():
+            pass
+
+    def _take_back_locked(self, slab: _Slab, offset: int, nbytes: int) -> bool:
+        """A returned block back in its slab; whether the slab now leaves the arena."""
+        if slab.detached:
+            slab.detached = False
+            return True  # its registration failed: its only block, never counted
+        return self._give_back_locked(slab, offset, nbytes)
 
     def _give_back_locked(self, slab: _Slab, offset: int, nbytes: int) -> bool:
         """Return a block to its slab; whether the slab now leaves the arena (then the caller

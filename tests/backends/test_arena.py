@@ -291,3 +291,31 @@ def test_a_new_slab_registered_after_close_is_released_with_its_block() -> None:
     del tensor, made
     gc.collect()
     assert not registry.ranges and arena.total_bytes == 0
+
+
+def test_a_block_returned_by_a_collection_inside_the_arenas_own_lock_does_not_deadlock() -> None:
+    """A tensor's last reference can go in the middle of the arena's own locked section (a
+    garbage collection that runs there, as seen on the H200 inside ``needs_growth``): its
+    finalizer returns the block on the thread that holds the lock. The block is taken back
+    as the section ends, instead of the thread waiting on its own lock forever."""
+    import threading
+
+    registry = FakeRegistry()
+    arena = _arena(registry)
+    block = arena.carve((100,), torch.float32)
+    assert arena.value_bytes == 400
+    held = [block]
+    del block
+
+    def section() -> None:
+        with arena._locked():  # as needs_growth holds it
+            held.clear()  # the last reference goes: the finalizer runs here, in the section
+            assert arena.value_bytes == 400  # taken back only as the section ends
+        assert arena.value_bytes == 0
+
+    worker = threading.Thread(target=section, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the thread waits on its own lock"
+    assert arena.value_bytes == 0 and arena.carved_bytes == 0
+    _check_tiling(arena)
