@@ -39,6 +39,14 @@ alignment included), ``value_bytes`` (bytes asked for by live blocks), ``limit_b
 ``ahead_bytes``, counters for benchmarks and tests (``slabs_made``, ``carves``, ``misses``).
 Invariant: per slab, the free list and the live blocks tile the slab exactly, without overlap;
 ``total_bytes - carved_bytes`` is the sum of every free list.
+
+Blocks come back from tensors' finalizers, on whichever thread drops the last tensor, and that
+may be in the middle of the arena's own locked section (a garbage collection there): a
+returned block is queued and taken back as the section holding the lock ends.
+
+Why this module is long: carving, growth ahead of need, trimming to the limit and the return of
+blocks all change the same slabs and counters under one lock; split apart, each would need the
+others' invariants restated.
 """
 
 from __future__ import annotations

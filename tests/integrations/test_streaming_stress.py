@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -22,6 +22,8 @@ from aresidency.integrations import StreamedModule, stream_module
 
 from ._models import Net
 from .test_ring import Planned, assert_nothing_left, reference, sizes
+
+M = TypeVar("M", bound=nn.Module)
 
 pytestmark = pytest.mark.anyio
 
@@ -51,7 +53,7 @@ async def test_a_call_queued_behind_another_when_aclose_comes_first_is_refused()
     """A call waits for the one in flight; aclose() is queued before it: once the module is
     closed, the queued call raises that it is closed (it used to run on the discarded values
     and fail with an unavailable value)."""
-    model = Net(n=3)
+    model = frozen(Net(n=3))
     x = torch.randn(2, 16)
     expected = reference(model, x)
     entered, gate = gate_block(model, model.layers[0])
@@ -61,8 +63,7 @@ async def test_a_call_queued_behind_another_when_aclose_comes_first_is_refused()
 
         async def call() -> None:
             try:
-                with torch.no_grad():
-                    results.append(await streamed(x))
+                results.append(await streamed(x))
             except Exception as error:
                 results.append(error)
 
@@ -85,7 +86,7 @@ async def test_a_call_beside_another_modules_ring_in_flight_waits_for_its_room()
     """Module a's call holds its ring (the whole budget beside its tensors outside the
     blocks); module b's call starts meanwhile: it waits for the room (it used to fail with
     "streaming could never run", counting a's ring as if it stayed)."""
-    a_model, b_model = Net(n=4, seed=1), Net(n=4, seed=2)
+    a_model, b_model = frozen(Net(n=4, seed=1)), frozen(Net(n=4, seed=2))
     x = torch.randn(2, 16)
     a_expected, b_expected = reference(a_model, x), reference(b_model, x)
     entered, gate = gate_block(a_model, a_model.layers[1])
@@ -98,8 +99,7 @@ async def test_a_call_beside_another_modules_ring_in_flight_waits_for_its_room()
         out: dict[str, Any] = {}
 
         async def call(name: str, streamed: StreamedModule) -> None:
-            with torch.no_grad():
-                out[name] = await streamed(x)
+            out[name] = await streamed(x)  # (no grad-mode context around an await: see frozen)
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(call, "a", a)
@@ -129,7 +129,7 @@ async def test_a_call_right_after_one_cancelled_with_copies_in_flight_runs() -> 
     stream; the next call asks first for a block whose cancelled copy has not settled yet: it
     waits for it to settle and copies it again (it used to lease the copy being cancelled and
     fail with "the transfer bringing it there is being cancelled")."""
-    model = Planned(3, [0, 1, 2], seed=3)
+    model = frozen(Planned(3, [0, 1, 2], seed=3))
     x = torch.randn(2, 16)
     expected = reference(model, x)
     backend = SimBackend()
@@ -146,8 +146,7 @@ async def test_a_call_right_after_one_cancelled_with_copies_in_flight_runs() -> 
 
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(cancel_once_started)
-                with torch.no_grad():
-                    await streamed(x)
+                await streamed(x)
         assert scope.cancelled_caught
         assert streamed.cancelling  # the cancelled copies have not settled
         model.plan = [0, 2, 1]
@@ -156,8 +155,7 @@ async def test_a_call_right_after_one_cancelled_with_copies_in_flight_runs() -> 
             result: list[torch.Tensor] = []
 
             async def call() -> None:
-                with torch.no_grad():
-                    result.append(await streamed(x))
+                result.append(await streamed(x))
 
             tasks.start_soon(call)
             await until(m, lambda: streamed.current_call is not None)
@@ -174,7 +172,7 @@ async def test_blocks_run_out_of_order_under_a_one_block_budget_finish(plan: lis
     a model that runs its blocks out of call order: the block it asks for needs the room a
     block prefetched in call order holds. The prefetched block is handed back (the call used
     to wait for room forever)."""
-    model = Planned(max(plan) + 1, plan, seed=4)
+    model = frozen(Planned(max(plan) + 1, plan, seed=4))
     x = torch.randn(2, 16)
     expected = reference(model, x)
     block, resident = await sizes(model)
@@ -183,7 +181,7 @@ async def test_blocks_run_out_of_order_under_a_one_block_budget_finish(plan: lis
     async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
         streamed = stream_module(m, model, prefetch=2, ring=False)
         for _ in range(2):
-            with anyio.fail_after(10), torch.no_grad():
+            with anyio.fail_after(10):
                 assert torch.equal(await streamed(x), expected)
         assert backend.max_memory_allocated("cuda:0") <= budget
         await streamed.drain()
@@ -195,7 +193,7 @@ async def test_a_ring_call_streams_a_kept_block_when_a_tenant_took_its_rings_roo
     """The ring's call plans to keep three blocks beside one slot; while their copies are on
     their way, a tenant takes the room left for the slot (and keeps it): the call streams a
     block it meant to keep instead (it used to wait for room its own kept blocks held)."""
-    model = Net(n=4, seed=5)
+    model = frozen(Net(n=4, seed=5))
     x = torch.randn(2, 16)
     expected = reference(model, x)
     block, resident = await sizes(model)
@@ -212,8 +210,7 @@ async def test_a_ring_call_streams_a_kept_block_when_a_tenant_took_its_rings_roo
         result: list[torch.Tensor] = []
 
         async def call() -> None:
-            with torch.no_grad():
-                result.append(await streamed(x))
+            result.append(await streamed(x))
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(call)
@@ -239,13 +236,30 @@ async def test_random_two_modules_calls_cancellations_tenant_and_writes() -> Non
         await _two_modules(seed)
 
 
+def frozen(model: M) -> M:
+    """``model`` without autograd: calls in concurrent tasks must not wrap their awaits in
+    ``torch.no_grad()`` (the grad mode is the thread's; contexts exited out of order by the
+    tasks leave it off for every later test of the loop's thread)."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_left_on() -> Iterator[None]:
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left grad mode disabled in the loop's thread")
+
+
 async def _two_modules(seed: int) -> None:
     rng = random.Random(7000 + seed)
     models = []
     for k in range(2):
         n = rng.randint(2, 4)
         plan = [rng.randrange(n) for _ in range(rng.randint(n, 2 * n))]
-        models.append(Planned(n, plan, seed * 10 + k))
+        models.append(frozen(Planned(n, plan, seed * 10 + k)))
     x = torch.randn(2, 16)
     block = max([(await sizes(model))[0] for model in models])
     resident = max([(await sizes(model))[1] for model in models])
@@ -282,8 +296,7 @@ async def _two_modules(seed: int) -> None:
                         p.copy_(torch.randn(p.shape))
                 expected = reference(model, x)
                 with anyio.move_on_after(rng.choice([None, 0.001, 0.005])) as scope:
-                    with torch.no_grad():
-                        got = await streamed(x)
+                    got = await streamed(x)
                 if not scope.cancelled_caught:
                     assert torch.equal(got, expected), (seed, k)
                 assert backend.max_memory_allocated("cuda:0") <= budget

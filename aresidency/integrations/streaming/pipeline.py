@@ -32,6 +32,14 @@ A *cyclic* call (``generate``: one forward after the other over the same blocks)
 while the last blocks of a forward run, the first blocks of the next are being copied. Groups
 in ``keep`` stay on the device after use ("budgets that remember": see
 :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`).
+
+When the budget has no room for the block the consumer waits for, the call gives up what it
+holds and does not need now (a kept block it has run, or a block prefetched out of the
+consumer's order) rather than wait on room that only it could free.
+
+Why this module is long: the slot states, the window that advances them, the hand-back from
+the consumer's thread and the giving up under a full budget are one state machine on the
+loop; each part reads the state the others write, so they stay side by side.
 """
 
 from __future__ import annotations
