@@ -12,6 +12,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from _native import on_asyncio
 from torch import nn
 
 from aresidency import ResidencyManager
@@ -41,14 +42,6 @@ class Gated(nn.Module):
             finally:
                 self.inside -= 1
         return x
-
-
-def on_asyncio() -> bool:
-    try:
-        asyncio.current_task()
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("ring", [None, False], ids=["ring", "no-ring"])

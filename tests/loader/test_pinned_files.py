@@ -18,6 +18,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from _native import on_asyncio
 from safetensors.torch import save_file
 
 from aresidency import ResidencyBudgetError, ResidencyManager
@@ -242,14 +243,6 @@ async def test_a_system_without_posix_mmap_is_refused_with_what_to_do(
                 with pytest.raises(OSError, match="needs a POSIX system; leave pin_source off"):
                     await anext(aiter(loader))
             assert_nothing_left(m)
-
-
-def on_asyncio() -> bool:
-    try:
-        asyncio.current_task()
-    except RuntimeError:
-        return False
-    return True
 
 
 class CountingLibc:

@@ -21,6 +21,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from _native import on_asyncio
 
 from aresidency import (
     Location,
@@ -40,14 +41,6 @@ PINNED = Location.parse("pinned-host")
 
 def tensor(n_bytes: int = 16 * KiB, seed: int = 0) -> torch.Tensor:
     return torch.randn(n_bytes // 4, generator=torch.Generator().manual_seed(seed))
-
-
-def on_asyncio() -> bool:
-    try:
-        asyncio.current_task()
-    except RuntimeError:
-        return False
-    return True
 
 
 async def cancel_when(
