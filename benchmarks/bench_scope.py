@@ -7,7 +7,12 @@ Two cases, each on the backend given (default: the simulated backend, which need
 
 Also the ``acquire`` fast path (lease enter+exit on a resident value). Prints a markdown table.
 
-    python benchmarks/bench_scope.py [--backend sim|cuda] [--iterations 20000]
+``--backend instant`` is a SIMULATION whose copies complete synchronously, in the calling
+thread, with no poisoning of freed memory: what it measures is the runtime's own host cost per
+scope (the layers above the backend), without a device and without the simulation's streams.
+On a CPU-only machine that is the figure to follow; ``cuda`` adds the real backend's.
+
+    python benchmarks/bench_scope.py [--backend sim|instant|cuda] [--iterations 20000]
 """
 
 from __future__ import annotations
@@ -20,6 +25,44 @@ import time
 import torch
 
 from aresidency import Materialize, Move, ResidencyManager, ResidencyPlan
+from aresidency.backends.base import Backend, Transfer
+from aresidency.backends.events import HostEvent
+from aresidency.backends.sim import SimBackend
+from aresidency.core.locations import Location
+
+_DONE = HostEvent(done=True, label="instant")
+
+
+class InstantBackend(SimBackend):
+    """A SIMULATION whose copies complete in the calling thread (see the module docstring)."""
+
+    name = "instant"
+
+    def allocate(self, shape, dtype, location):  # type: ignore[no-untyped-def]
+        loc = Location.parse(location)
+        tensor = torch.empty(tuple(shape), dtype=dtype)
+        with self._lock:
+            self._owned[tensor.untyped_storage().data_ptr()] = loc
+        return tensor
+
+    def copy(self, src, src_location, dst_location, *, wait_events=()):  # type: ignore[no-untyped-def]
+        dst_loc = Location.parse(dst_location)
+        dst = self.allocate(src.shape, src.dtype, dst_loc)
+        dst.copy_(src)
+        nbytes = src.numel() * src.element_size()
+        transfer = Transfer(self, dst, nbytes, Location.parse(src_location), dst_loc, "instant")
+        transfer._finish_issue(_DONE)
+        return transfer
+
+    copy_many = Backend.copy_many  # one copy() each
+
+    def free(self, tensor, location):  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._owned.pop(tensor.untyped_storage().data_ptr(), None)
+
+
+def make_backend(name: str) -> object:
+    return InstantBackend() if name == "instant" else name
 
 
 async def profile_transfer(backend: str, iterations: int, dump: str | None = None) -> None:
@@ -27,7 +70,7 @@ async def profile_transfer(backend: str, iterations: int, dump: str | None = Non
     import cProfile
     import pstats
 
-    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
+    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=make_backend(backend)) as m:
         moving = m.register(torch.randn(1024), name="moving", location="pinned-host")
         plan = ResidencyPlan(enter=[Move(moving, "cuda:0")], exit=[Move(moving, "pinned-host")])
         for _ in range(100):
@@ -54,7 +97,7 @@ async def profile_transfer(backend: str, iterations: int, dump: str | None = Non
 
 async def measure(backend: str, iterations: int) -> list[tuple[str, float, float]]:
     rows = []
-    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
+    async with ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=make_backend(backend)) as m:
         # A populated manager: 1,000 other values, so costs that grow with the state show up.
         for i in range(1000):
             m.register(torch.empty(256), name=f"other{i}")

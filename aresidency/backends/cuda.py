@@ -669,7 +669,9 @@ class CudaBackend(Backend):
                 dst_loc.is_cuda
                 and not src_loc.is_cuda
                 and all(e.query() for e in host_waits)
-                and src.is_pinned()
+                # (the runtime's pinned-host tensors are page-locked: is_pinned() costs a
+                # driver query, asked only of a tensor said to be pageable)
+                and (src_loc.is_pinned or src.is_pinned())
             )
             if direct and group and group[0][3] != dst_loc:
                 issue_group()
@@ -882,7 +884,7 @@ class CudaBackend(Backend):
         with on_stream(stream):
             dst = torch.empty(src.shape, dtype=src.dtype, device=_device(dst_loc))
         fail = self.faults.next_transfer_fails()
-        pinned = src.is_pinned()
+        pinned = src_loc.is_pinned or src.is_pinned()
         direct = pinned or nbytes <= self.inline_pageable_bytes
         route = "direct" if pinned else "inline-pageable" if direct else "staged"
         transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, route, fail=fail)

@@ -59,6 +59,7 @@ __all__ = [
     "SettleRequest",
     "TransferRequest",
     "TransitionRecorder",
+    "begin_placement",
     "choose_source",
     "items_of",
     "run_phase",
@@ -346,37 +347,40 @@ def choose_source(
     return None
 
 
-def _first_step(
+def _release_step(
     state: ResidencyState,
-    action: Action,
+    action: Release,
     index: int,
-    targets: Mapping[ValueHandle, set[Location]],
     reading: set[tuple[ValueHandle, Location]],
-) -> Generator[PhaseRequest, Any, CopyTicket | None]:
-    """Begin action ``index``: return its ticket, or None if it is already done.
+) -> Generator[PhaseRequest, Any, None]:
+    """Carry out the Release ``index``, once its materialization's readers completed."""
+    mat = state.materialization(action.handle, action.location)
+    if (action.handle, mat.location) in reading:
+        # A copy out of it begun by this phase commits only after every action has begun:
+        # waiting for it here would never end, and reaping it would free what it reads.
+        raise ResidencyInUseError(
+            action.handle,
+            mat.location,
+            mat.use_count,
+            mat.hold_count,
+            mat.pending_event_count,
+            operation="release (a copy out of it is in flight)",
+        )
+    if mat.pending_event_count and not (mat.use_count or mat.hold_count):
+        yield SettleRequest(action.handle, action.location, index)
+    state.release(action.handle, action.location)
 
-    ``targets`` are the locations this phase's Materialize/Move actions ask for, per value: all
+
+def begin_placement(
+    state: ResidencyState, action: Materialize | Move, wanted: set[Location] | frozenset[Location]
+) -> CopyTicket | None:
+    """Begin a Materialize or Move: its ticket (a copy from a resident replica, or a load from
+    the value's source), or None if the value is there already.
+
+    ``wanted`` are the locations the phase's Materialize/Move actions ask for this value: all
     of them must hold when the phase ends, so none is moved away (a REPLICABLE value is copied
     from a wanted replica instead) and an EXCLUSIVE value may be asked at one location only."""
-    if isinstance(action, Release):
-        mat = state.materialization(action.handle, action.location)
-        if (action.handle, mat.location) in reading:
-            # A copy out of it begun by this phase commits only after every action has begun:
-            # waiting for it here would never end, and reaping it would free what it reads.
-            raise ResidencyInUseError(
-                action.handle,
-                mat.location,
-                mat.use_count,
-                mat.hold_count,
-                mat.pending_event_count,
-                operation="release (a copy out of it is in flight)",
-            )
-        if mat.pending_event_count and not (mat.use_count or mat.hold_count):
-            yield SettleRequest(action.handle, action.location, index)
-        state.release(action.handle, action.location)
-        return None
     value = state.value(action.handle)
-    wanted = targets.get(action.handle, set())
     if value.replica_mode is ReplicaMode.EXCLUSIVE and len(wanted) > 1:
         raise ResidencyPlanError(
             f"{action.handle} is EXCLUSIVE but this plan phase asks for it at "
@@ -424,7 +428,11 @@ def run_phase(
     reading: set[tuple[ValueHandle, Location]] = set()  # what this phase's copies read
     for index, action in enumerate(actions):
         try:
-            ticket = yield from _first_step(state, action, index, targets, reading)
+            if isinstance(action, Release):
+                ticket = None
+                yield from _release_step(state, action, index, reading)
+            else:
+                ticket = begin_placement(state, action, targets.get(action.handle, set()))
         except (ResidencyError, ValueError) as error:
             failure = ActionFailed(index, action, error)
             break

@@ -554,8 +554,10 @@ class ResidencyState:
         value = self.value(handle)
         if src == dst:
             raise ValueError(f"a copy of {handle} needs two different locations, got {src} twice")
-        mat = self.materialization(handle, src)
-        if mat.state != MaterializationState.RESIDENT:
+        mat = value.materializations.get(src)
+        if mat is None:
+            mat = self.materialization(handle, src)  # raises, naming where the value is
+        if mat.state is not MaterializationState.RESIDENT:
             raise ResidencyUnavailableError(
                 handle, src, f"it is {mat.state.value} there, so it cannot be copied from yet"
             )
@@ -587,16 +589,20 @@ class ResidencyState:
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
         charge = value.charge_bytes
-        self.ledger(dst).check_admit(
-            charge,
-            f"{handle} ({'move' if move else 'copy'} from {src})",
-            handle=handle,
-            in_simulation=self.in_simulation,
-        )
+        ledger = self.ledger(dst)
+        budget = ledger.budget_bytes
+        if budget is not None and ledger.charged_bytes + charge > budget:
+            ledger.check_admit(  # raises (the message is built only then)
+                charge,
+                f"{handle} ({'move' if move else 'copy'} from {src})",
+                handle=handle,
+                in_simulation=self.in_simulation,
+            )
         ticket = CopyTicket(self._new_id(), handle, src, dst, charge, move)
         value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
-        self._charge(dst, charge)
-        self._locations[dst].incoming_bytes += charge
+        ledger.used_bytes += charge
+        ledger.note_peak()
+        ledger.incoming_bytes += charge
         was = mat.protected
         mat.pending_event_count += 1
         self._protection_changed(mat, was)

@@ -98,7 +98,13 @@ class Runtime:
         committed = journal[:]
         journal.clear()
         self._free(committed)
-        self.sync_spare()
+        # The host budgets' headroom, and what the backend keeps spare there, change only
+        # with a transition at a host location (or at none: a discard may free host memory).
+        for transition in committed:
+            location = transition.location
+            if location is None or location.kind != "cuda":
+                self.sync_spare()
+                break
         self.signal.notify()
 
     def _free(self, committed: list[Transition]) -> None:

@@ -19,7 +19,14 @@ A run is a synchronous state machine with a thin async wrapper (trio's ``*_nowai
   flight (a move only when no other copy of the phase reads its source); a move commits only
   once its source's readers completed; a failed copy is aborted only once nothing uses, holds
   or reads its destination any more;
-* :meth:`PhaseRun.wait` parks the calling task until the run finished and raises its error.
+* :meth:`PhaseRun.wait` parks the calling task until the run finished and raises its error
+  (after one turn of the loop first: a small copy has usually completed by then, and the run
+  finishes without an event to wait on).
+
+A phase of one Materialize or Move (a scope's entry or exit, ``materialize``, ``move``) takes
+a shorter path through the same machinery: its one ticket is begun with
+:func:`~aresidency.core.plans.begin_placement` and committed or aborted by the run itself,
+without the phase generator, with the same transitions, errors and cancellation.
 
 Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): every transfer
 in flight whose destination nobody has leased or held yet is cancelled (it stops issuing
@@ -29,6 +36,11 @@ actions (or waiting to release a value) also gives up beginning: what it began b
 issue is aborted at once. Either way the run ends with every begun transfer committed or
 aborted, and the awaiting task then sees its cancellation: nothing is left incoming, charged
 or protected by a cancelled operation.
+
+Why this module is long: every operation of the runtime that moves data goes through this one
+state machine, and cancellation, failed copies and commits that must wait for readers are
+handled here and nowhere else; splitting it would spread one invariant (every begun ticket
+ends committed or aborted before the run finishes) over several modules.
 """
 
 from __future__ import annotations
@@ -40,16 +52,22 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from ..backends.base import CopyRequest, Transfer, TransferCancelledError
+from ..core.errors import ResidencyError
 from ..core.locations import Location
 from ..core.plans import (
     Action,
+    ActionFailed,
     Checkpoint,
     CommitNow,
+    Materialize,
+    Move,
     SettleRequest,
     TransferRequest,
+    begin_placement,
     run_phase,
 )
 from ..core.trace import Transition
@@ -68,6 +86,8 @@ class PhaseCancelledError(Exception):
 
 
 _START = object()
+#: ``_request`` of a run of one action while its transfer is open (see ``_start_single``).
+_SINGLE: Any = object()
 
 #: Host time a run spends issuing copies before it lets the loop run other work.
 ISSUE_SLICE_S = 0.0005
@@ -106,7 +126,15 @@ class PhaseRun:
         self._rt = runtime
         self.phase = phase
         self.actions = actions
-        self._gen = run_phase(runtime.state, phase, actions)
+        # A phase of one Materialize or Move (a scope's entry or exit, a direct operation)
+        # skips the phase generator: its one ticket is begun, issued and committed here.
+        self._single: Materialize | Move | None = None
+        self._ticket: CopyTicket | None = None
+        if len(actions) == 1 and type(actions[0]) in (Materialize, Move):
+            self._single = actions[0]  # type: ignore[assignment]
+            self._gen = None
+        else:
+            self._gen = run_phase(runtime.state, phase, actions)
         self._request: SettleRequest | TransferRequest | Checkpoint | None = None
         self._open: dict[int, CopyTicket] = {}
         self._transfers: dict[int, Transfer] = {}
@@ -140,13 +168,61 @@ class PhaseRun:
         self.started = True
         self._rt.state.origin_recorders[self] = self.transitions
         self._rt.begin_work()
-        self._advance(_START)
+        if self._single is not None:
+            self._start_single(self._single)
+        else:
+            self._advance(_START)
         return self
+
+    def _start_single(self, action: Materialize | Move) -> None:
+        """Begin the phase's one action and issue its transfer (what the phase generator and
+        :meth:`_issue` do for a phase of one action, without them)."""
+        rt = self._rt
+        state = rt.state
+        previous, state.origin = state.origin, self
+        outcome: BaseException | None = None
+        ticket: CopyTicket | None = None
+        try:
+            ticket = begin_placement(state, action, {action.location})
+        except (ResidencyError, ValueError) as error:
+            outcome = ActionFailed(0, action, error)
+        finally:
+            state.origin = previous
+        rt.settle()
+        if ticket is None:
+            self._finish(outcome)
+            return
+        self._ticket = ticket
+        self._request = _SINGLE
+        self._issue_tickets((ticket,))
+
+    def _end_single(self) -> None:
+        """The one transfer completed and may commit: commit it (or abort it if it failed)
+        and finish, with the error the phase generator would end with."""
+        ticket = self._ticket
+        assert ticket is not None
+        self._ticket = None
+        self._request = None
+        self._unlisten_now()
+        error = self._errors.get(ticket.ticket_id)
+        state = self._rt.state
+        previous, state.origin = state.origin, self
+        try:
+            if error is None:
+                state.commit_copy(ticket)
+            else:
+                state.abort_copy(ticket)
+        finally:
+            state.origin = previous
+        self._rt.settle()
+        self._finish(None if error is None else ActionFailed(0, None, error))
 
     def _advance(self, response: Any, throw: BaseException | None = None) -> None:
         """Answer the generator (or throw into it) and act on its next request; repeats while
         a request can be answered at once."""
         state = self._rt.state
+        gen = self._gen
+        assert gen is not None, "a run of one action has no phase generator"
         while True:
             previous, state.origin = state.origin, self
             request: SettleRequest | TransferRequest | Checkpoint | None = None
@@ -154,11 +230,11 @@ class PhaseRun:
             ended = False
             try:
                 if throw is not None:
-                    request = self._gen.throw(throw)
+                    request = gen.throw(throw)
                 elif response is _START:
-                    request = next(self._gen)
+                    request = next(gen)
                 else:
-                    request = self._gen.send(response)
+                    request = gen.send(response)
             except StopIteration:
                 ended = True
             except BaseException as error:  # ActionFailed, or a cancellation thrown in
@@ -392,6 +468,18 @@ class PhaseRun:
 
     def _poll_commit(self) -> None:
         request = self._request
+        if request is _SINGLE:
+            if self.finished or self._open:
+                return
+            if self._blocking:
+                ticket = self._ticket
+                assert ticket is not None
+                if not self._may_commit(ticket):
+                    self._listen(self._poll_commit)
+                    return
+                self._blocking.clear()
+            self._end_single()
+            return
         if self.finished or self._open or not isinstance(request, TransferRequest):
             return
         if self._blocking:
@@ -525,9 +613,20 @@ class PhaseRun:
             self.start()
         if self.finished:
             return None
+        caught: BaseException | None = None
+        with anyio.CancelScope(shield=True):
+            try:
+                # As in wait(): a copy that completed while being issued is delivered in this
+                # turn of the loop, and no event is needed.
+                await anyio.lowlevel.checkpoint()
+            except anyio.get_cancelled_exc_class() as cancelled:
+                caught = cancelled  # a native asyncio cancellation (the shield holds anyio's)
+        if self.finished:
+            return caught
         if self._done is None:
             self._done = anyio.Event()
-        return await wait_shielded(self._done)
+        later = await wait_shielded(self._done)
+        return caught if caught is not None else later
 
     async def wait_finished(self) -> None:
         """Park until the run finished, raising nothing; cancelling this wait leaves the run
@@ -545,16 +644,24 @@ class PhaseRun:
         if not self.started:
             self.start()
         if not self.finished:
-            if self._done is None:
-                self._done = anyio.Event()
-            done = self._done
             try:
-                await done.wait()
+                # One turn of the loop first: a copy that completed while it was being issued
+                # (a small one usually has) is delivered in that turn, ahead of this task, and
+                # the run then finishes without an event to wait on.
+                await anyio.lowlevel.checkpoint()
+                if not self.finished:
+                    if self._done is None:
+                        self._done = anyio.Event()
+                    await self._done.wait()
             except anyio.get_cancelled_exc_class():
                 self.cancel()
-                # Held on through further cancellations, native asyncio ones included (a
-                # shield alone lets those through): the run must end before the task goes on.
-                await wait_shielded(done)
+                if not self.finished:
+                    if self._done is None:
+                        self._done = anyio.Event()
+                    # Held on through further cancellations, native asyncio ones included (a
+                    # shield alone lets those through): the run must end before the task goes
+                    # on.
+                    await wait_shielded(self._done)
                 raise
         if self.error is not None:
             raise self.error

@@ -86,7 +86,11 @@ class Reaper:
         self._next += 1
         watch = _Watch(self, self._next, waitable, callback)
         self._watched[self._next] = watch
-        self._runtime.backend.notify(waitable, watch.fire)
+        target: DeviceEvent | Transfer | None = waitable
+        if isinstance(waitable, Transfer) and waitable.issued():
+            target = waitable.event  # issued already: its event is what completes it
+        assert target is not None
+        self._runtime.backend.notify(target, watch.fire)
         wake = self._wake
         if wake is not None:
             self._wake = None
@@ -145,7 +149,9 @@ class Reaper:
             if not self._watched:
                 self._wake = anyio.Event()
                 await self._wake.wait()
-                continue
+            # Woken by a watch: sweep one interval later, whatever completed meanwhile (not at
+            # once: a completion delivered in the same turn would make every short wait cost
+            # a wake-up and a new event).
             await anyio.sleep(self.safety_interval)
             for watch in list(self._watched.values()):
                 if watch.done():

@@ -161,6 +161,8 @@ class Scope:
             raise error
 
     def _reserve_all(self) -> None:
+        if not self.plan.reserve:
+            return
         state = self._rt.state
         with TransitionRecorder(state, self, self._transitions):
             for index, reservation in enumerate(self.plan.reserve):
@@ -175,6 +177,8 @@ class Scope:
 
     def _unreserve_all(self, cleanup: bool = False) -> None:
         """End the reservations; ``cleanup``: a failed entry's (marked so in the report)."""
+        if not self._reserved:
+            return
         state = self._rt.state
         start = len(self._transitions)
         with TransitionRecorder(state, self, self._transitions):

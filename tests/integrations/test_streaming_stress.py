@@ -332,3 +332,38 @@ async def _two_modules(seed: int) -> None:
             await streamed.aclose()
         assert m.snapshot().location("cuda:0").used_bytes == 0
     assert backend.memory_allocated("cuda:0") == 0
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "managed"])
+async def test_two_calls_whose_tensors_outside_the_blocks_fill_the_room_of_a_block_finish(
+    ring: bool,
+) -> None:
+    """Two modules' calls start together under a budget that holds both modules' tensors
+    outside the blocks but not those and a block besides: each call used to take its own,
+    then wait for a block's room that the other's held, for ever. The calls open one at a
+    time now (per manager and device), so the second waits before it takes anything."""
+    a_model, b_model = frozen(Net(n=3, seed=1)), frozen(Net(n=3, seed=2))
+    x = torch.randn(2, 16)
+    a_expected, b_expected = reference(a_model, x), reference(b_model, x)
+    block, resident = await sizes(Net(n=3))
+    budget = resident + block + resident // 2  # one call's tensors and a block fit: not two
+    assert 2 * resident <= budget < 2 * resident + block
+    backend = SimBackend(copy_gbps=0.5)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        a = stream_module(m, a_model, prefetch=1, name="a", ring=ring)
+        b = stream_module(m, b_model, prefetch=1, name="b", ring=ring)
+        out: dict[str, Any] = {}
+
+        async def call(name: str, streamed: StreamedModule) -> None:
+            for _ in range(3):
+                out[name] = await streamed(x)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(call, "a", a)
+                tasks.start_soon(call, "b", b)
+        assert torch.equal(out["a"], a_expected) and torch.equal(out["b"], b_expected)
+        assert backend.max_memory_allocated("cuda:0") <= budget
+        for streamed in (a, b):
+            await streamed.drain()
+            await streamed.aclose()

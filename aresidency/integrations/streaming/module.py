@@ -46,6 +46,41 @@ _by_manager: weakref.WeakKeyDictionary[ResidencyManager, weakref.WeakSet[Streame
 )
 
 
+#: One lock per manager and device: the calls of streamed modules there take their admission
+#: in turns (see :class:`_AdmissionTurn`).
+_turns: weakref.WeakKeyDictionary[ResidencyManager, dict[Location, anyio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _AdmissionTurn:
+    """A call's turn to take what it needs at its device, one call at a time per manager and
+    device: two calls that each took the tensors they hold for the whole call could otherwise
+    wait for ever on the room for a block that the other's tensors fill. Taken before the call
+    plans what it keeps (a call waiting for its turn is idle, so the call whose turn it is may
+    take its kept blocks), held by a ring call until its ring is reserved (from then on it
+    needs nothing more) and by a call over managed values until it ends (it takes each block's
+    room as it goes)."""
+
+    def __init__(self, manager: ResidencyManager, device: Location) -> None:
+        self._lock = _turns.setdefault(manager, {}).setdefault(device, anyio.Lock())
+        self._held = False
+
+    async def __aenter__(self) -> _AdmissionTurn:
+        await self._lock.acquire()
+        self._held = True
+        return self
+
+    def end(self) -> None:
+        """The call holds what it needs: the next call's turn."""
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.end()
+
+
 HostKind = Literal["pinned-host", "pageable-host"]
 
 
@@ -733,45 +768,59 @@ class StreamedModule:
             if self._closed:
                 # aclose() ran while this call waited for the one before it
                 raise RuntimeError(f"{self!r} is closed")
-            changed = self._changed_groups()
-            if changed:
-                await self._refresh(changed)
-            self._check_budget()
-            keep = self._plan_keep()
-            dropped, self.kept = self.kept - keep, keep
-            for index in dropped:
-                self.release_replica(index)  # the budget shrank: no longer ours to keep
-            stream = self._compute_stream()
-            on_loop = self._sequential and generate is None
-            host_wait = self.host_compute and not on_loop
-            cyclic = generate is not None
-            call: CallPipeline | RingCall
-            if self.ring:
-                call = RingCall(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
+            async with _AdmissionTurn(self.manager, self.device) as turn:
+                if self._closed:
+                    raise RuntimeError(f"{self!r} is closed")
+                return await self._call(turn, generate, args, kwargs)
+
+    async def _call(
+        self,
+        turn: _AdmissionTurn,
+        generate: Callable[..., Any] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """:meth:`_run` once the module's lock and the call's admission turn are held."""
+        changed = self._changed_groups()
+        if changed:
+            await self._refresh(changed)
+        self._check_budget()
+        keep = self._plan_keep()
+        dropped, self.kept = self.kept - keep, keep
+        for index in dropped:
+            self.release_replica(index)  # the budget shrank: no longer ours to keep
+        stream = self._compute_stream()
+        on_loop = self._sequential and generate is None
+        host_wait = self.host_compute and not on_loop
+        cyclic = generate is not None
+        call: CallPipeline | RingCall
+        if self.ring:
+            call = RingCall(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
+        else:
+            call = CallPipeline(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
+        self.current_call = call
+        self.calls += 1
+        try:
+            if isinstance(call, RingCall):
+                await call.open()
+                turn.end()
             else:
-                call = CallPipeline(self, stream, host_wait=host_wait, keep=keep, cyclic=cyclic)
-            self.current_call = call
-            self.calls += 1
-            try:
-                if isinstance(call, RingCall):
-                    await call.open()
-                else:
-                    call.start()
-                if on_loop:
-                    result = await run_sequential(self, call, stream, args, kwargs)
-                else:
-                    fn = self.module if generate is None else generate
-                    result = await self._threaded.run(call, stream, fn, args, kwargs)
-                if call.failures:
-                    raise call.failures[0]
-                return result
-            except Exception as error:
-                self._raised.add(id(error))
-                raise
-            finally:
-                call.finish()
-                self.current_call = None
-                self._forget_gone_kept()
+                call.start()
+            if on_loop:
+                result = await run_sequential(self, call, stream, args, kwargs)
+            else:
+                fn = self.module if generate is None else generate
+                result = await self._threaded.run(call, stream, fn, args, kwargs)
+            if call.failures:
+                raise call.failures[0]
+            return result
+        except Exception as error:
+            self._raised.add(id(error))
+            raise
+        finally:
+            call.finish()
+            self.current_call = None
+            self._forget_gone_kept()
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
