@@ -21,6 +21,8 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +33,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.core.locations import Location
 
 _DONE = HostEvent(done=True, label="instant")
+T = TypeVar("T")
 
 
 class InstantBackend(SimBackend):
@@ -147,15 +150,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the transfer case")
     parser.add_argument("--dump", help="with --profile: also write the raw profile here")
     args = parser.parse_args()
-    if args.profile:
-        asyncio.run(profile_transfer(args.backend, args.iterations, args.dump))
-        return
+    run: Callable[[Coroutine[Any, Any, T]], T] = asyncio.run
     if args.uvloop:
         import uvloop
 
-        rows = uvloop.run(measure(args.backend, args.iterations))
-    else:
-        rows = asyncio.run(measure(args.backend, args.iterations))
+        run = uvloop.run
+    if args.profile:
+        run(profile_transfer(args.backend, args.iterations, args.dump))
+        return
+    rows = run(measure(args.backend, args.iterations))
     loop = "uvloop" if args.uvloop else "asyncio"
     print(
         f"backend={args.backend} loop={loop} torch={torch.__version__} "

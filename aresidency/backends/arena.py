@@ -53,13 +53,12 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import ctypes
 import functools
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -179,6 +178,37 @@ def _return_block(owner: weakref.ref[PinnedArena], slab: _Slab, offset: int, nby
         arena._returned(slab, offset, nbytes)
 
 
+
+class _Section:
+    """The arena's locked section, a context manager (a class: a generator-based one cost
+    more than the work it guards, a dozen times per small copy). No state of its own, so one
+    instance serves every thread: the lock makes the sections exclusive."""
+
+    __slots__ = ("_arena",)
+
+    def __init__(self, arena: PinnedArena) -> None:
+        self._arena = arena
+
+    def __enter__(self) -> None:
+        arena = self._arena
+        arena._lock.acquire()
+        arena._owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        arena = self._arena
+        leaving: list[_Slab] = []
+        try:
+            returns = arena._returns
+            while returns:
+                slab, offset, nbytes = returns.popleft()
+                if arena._take_back_locked(slab, offset, nbytes):
+                    leaving.append(slab)
+        finally:
+            arena._owner = None
+            arena._lock.release()
+        for slab in leaving:
+            arena._release(slab)
+
 class PinnedArena:
     """Registered slabs carved into exactly charged pinned tensors (see the module docstring).
 
@@ -215,6 +245,7 @@ class PinnedArena:
         self.ahead_bytes = 0
         self._missed: list[int] = []  # block bytes of the misses since the last growth
         self._lock = threading.Lock()
+        self._section = _Section(self)
         # The thread inside a locked section, and the blocks returned while it was (see
         # _returned): a tensor's finalizer may run in a section (a garbage collection there),
         # and taking the lock again would deadlock that thread.
@@ -556,23 +587,10 @@ class PinnedArena:
         del exporter  # the tensor's storage holds it now
         return raw.view(dtype).view(tuple(shape))
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> _Section:
         """Hold the lock; on the way out, take back the blocks returned meanwhile (and release,
-        without the lock, the slabs that leave with them)."""
-        leaving: list[_Slab] = []
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                while self._returns:
-                    slab, offset, nbytes = self._returns.popleft()
-                    if self._take_back_locked(slab, offset, nbytes):
-                        leaving.append(slab)
-                self._owner = None
-        for slab in leaving:
-            self._release(slab)
+        without the lock, the slabs that leave with them). See :class:`_Section`."""
+        return self._section
 
     def _returned(self, slab: _Slab, offset: int, nbytes: int) -> None:
         """The last tensor over a block died (any thread; a finalizer, so possibly in the
