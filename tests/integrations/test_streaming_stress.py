@@ -367,3 +367,48 @@ async def test_two_calls_whose_tensors_outside_the_blocks_fill_the_room_of_a_blo
         for streamed in (a, b):
             await streamed.drain()
             await streamed.aclose()
+
+
+async def test_a_call_cancelled_while_it_waits_for_its_admission_turn_leaves_nothing() -> None:
+    """Module a's call over managed values holds the admission turn at the device (it is in a
+    block); module b's call waits for the turn and is cancelled there: it raises the
+    cancellation, has taken nothing, and a's call and a later call of b still run."""
+    a_model, b_model = frozen(Net(n=3, seed=1)), frozen(Net(n=3, seed=2))
+    x = torch.randn(2, 16)
+    a_expected, b_expected = reference(a_model, x), reference(b_model, x)
+    entered, gate = gate_block(a_model, a_model.layers[1])
+    async with ResidencyManager(backend=SimBackend()) as m:
+        a = stream_module(m, a_model, prefetch=1, name="a", ring=False)
+        b = stream_module(m, b_model, prefetch=1, name="b", ring=False)
+        out: dict[str, Any] = {}
+
+        async def call_a() -> None:
+            out["a"] = await a(x)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call_a)
+            await anyio.to_thread.run_sync(entered.wait)
+            cancelled = anyio.Event()
+            b_scope: list[anyio.CancelScope] = []
+
+            async def call_b() -> None:
+                with anyio.CancelScope() as scope:
+                    b_scope.append(scope)
+                    await b(x)
+                cancelled.set()
+
+            tasks.start_soon(call_b)
+            await until(m, lambda: bool(b_scope) and b._lock.locked())
+            assert b.current_call is None  # it waits for its turn, before planning anything
+            b_scope[0].cancel()
+            await cancelled.wait()
+            assert all(
+                "cuda:0" not in [str(loc) for loc in m.snapshot().value(h).locations]
+                for h in b.handles
+            )
+            gate.set()
+        assert torch.equal(out["a"], a_expected)
+        assert torch.equal(await b(x), b_expected)
+        for streamed in (a, b):
+            await streamed.drain()
+            await streamed.aclose()
