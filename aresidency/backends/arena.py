@@ -178,7 +178,6 @@ def _return_block(owner: weakref.ref[PinnedArena], slab: _Slab, offset: int, nby
         arena._returned(slab, offset, nbytes)
 
 
-
 class _Section:
     """The arena's locked section, a context manager (a class: a generator-based one cost
     more than the work it guards, a dozen times per small copy). No state of its own, so one
@@ -208,6 +207,7 @@ class _Section:
             arena._lock.release()
         for slab in leaving:
             arena._release(slab)
+
 
 class PinnedArena:
     """Registered slabs carved into exactly charged pinned tensors (see the module docstring).
