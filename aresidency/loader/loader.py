@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any
@@ -28,6 +29,12 @@ from .stats import LoaderCounters, LoaderStats
 __all__ = ["DeviceLoader"]
 
 _NAMES = itertools.count()
+#: The loaders of each manager by name (the last made with each): their reservations are
+#: named after them, so two open loaders of one manager may not share a name (a closed
+#: loader's name is free again).
+_open: weakref.WeakKeyDictionary[ResidencyManager, weakref.WeakValueDictionary[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class DeviceLoader:
@@ -122,7 +129,17 @@ class DeviceLoader:
         self.stream = stream
         self.prefetch = prefetch
         self.timeout = check_timeout(timeout)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string or None, got {name!r}")
         self.name = name if name is not None else f"loader-{next(_NAMES)}"
+        named = _open.get(manager)
+        other = None if named is None else named.get(self.name)
+        if other is not None and other.status == "open":
+            raise ValueError(
+                f"another DeviceLoader named {self.name!r} is open on this manager; a "
+                "loader's reservations are named after it, so the two would collide: give "
+                "each loader its own name= (or close the other one first)"
+            )
         self.source = source
         self.is_staged = isinstance(source, StagedSource)
         self.is_async_source = not self.is_staged and hasattr(source, "__aiter__")
@@ -198,6 +215,7 @@ class DeviceLoader:
         self._epochs = 0
         self._lock = anyio.Lock()
         self.status = "open"
+        _open.setdefault(manager, weakref.WeakValueDictionary())[self.name] = self
 
     # ------------------------------------------------------------------ iteration
 

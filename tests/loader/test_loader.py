@@ -830,3 +830,31 @@ def test_the_bottleneck_is_what_the_consumer_waited_for(
         wall_s=1.0, wait_s=0.06, wait_source_s=source, wait_budget_s=budget, wait_copy_s=copy
     )
     assert stats.bottleneck == named
+
+
+# ---------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_two_open_loaders_of_one_manager_may_not_share_a_name(ring: bool) -> None:
+    """A loader's reservations are named after it: a second open loader with the same name is
+    refused when it is made (it used to fail at its first batch with a duplicate reservation
+    named after the other's ring), naming the name; once the first is closed the name is
+    free; loaders without a name never collide."""
+    source = batches(4)
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=sim()) as m:
+        first = DeviceLoader(m, source, "cuda:0", prefetch=1, name="train", ring=ring)
+        with pytest.raises(ValueError, match="another DeviceLoader named 'train' is open"):
+            DeviceLoader(m, source, "cuda:0", prefetch=1, name="train", ring=ring)
+        unnamed = [DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) for _ in range(2)]
+        async with first:
+            assert [b[0].item() for b in await collect(first)] == [s[0].item() for s in source]
+        async with DeviceLoader(m, source, "cuda:0", prefetch=1, name="train", ring=ring) as again:
+            got = await collect(again)
+        for loader in unnamed:
+            async with loader:
+                got += await collect(loader)
+        assert len(got) == 3 * len(source)
+        with pytest.raises(TypeError, match="name must be a string"):
+            DeviceLoader(m, source, "cuda:0", name=7)  # type: ignore[arg-type]
+        assert_nothing_left(m)
