@@ -605,6 +605,13 @@ class PhaseRun:
         else:
             self._callbacks.append(callback)
 
+    def _done_event(self) -> anyio.Event:
+        """The event set when the run finishes (made on first need: most runs are never
+        waited on that way)."""
+        if self._done is None:
+            self._done = anyio.Event()
+        return self._done
+
     async def wait_finished_shielded(self) -> BaseException | None:
         """Park until the run finished, whatever cancels the task meanwhile (the run is not
         cancelled); returns the cancellation that arrived, for the caller to raise once it
@@ -623,18 +630,14 @@ class PhaseRun:
                 caught = cancelled  # a native asyncio cancellation (the shield holds anyio's)
         if self.finished:
             return caught
-        if self._done is None:
-            self._done = anyio.Event()
-        later = await wait_shielded(self._done)
+        later = await wait_shielded(self._done_event())
         return caught if caught is not None else later
 
     async def wait_finished(self) -> None:
         """Park until the run finished, raising nothing; cancelling this wait leaves the run
         going (unlike :meth:`wait`)."""
         if not self.finished:
-            if self._done is None:
-                self._done = anyio.Event()
-            await self._done.wait()
+            await self._done_event().wait()
 
     async def wait(self) -> None:
         """Park until the run finished; raise its error. If the awaiting task is cancelled
@@ -650,18 +653,14 @@ class PhaseRun:
                 # the run then finishes without an event to wait on.
                 await anyio.lowlevel.checkpoint()
                 if not self.finished:
-                    if self._done is None:
-                        self._done = anyio.Event()
-                    await self._done.wait()
+                    await self._done_event().wait()
             except anyio.get_cancelled_exc_class():
                 self.cancel()
                 if not self.finished:
-                    if self._done is None:
-                        self._done = anyio.Event()
                     # Held on through further cancellations, native asyncio ones included (a
                     # shield alone lets those through): the run must end before the task goes
                     # on.
-                    await wait_shielded(self._done)
+                    await wait_shielded(self._done_event())
                 raise
         if self.error is not None:
             raise self.error

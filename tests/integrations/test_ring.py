@@ -66,6 +66,23 @@ def assert_nothing_left(manager: ResidencyManager, streamed: StreamedModule) -> 
     assert not streamed.rings
 
 
+async def churn(
+    m: ResidencyManager, tenant: Any, done: anyio.Event, rng: Any, holds: list[float]
+) -> None:
+    """Another tenant of cuda:0 until ``done``: it takes room for ``tenant`` whenever there is
+    some (waiting for a change otherwise), holds it for one of ``holds`` seconds (drawn from
+    ``rng``) and gives it back."""
+    while not done.is_set():
+        try:
+            await m.materialize(tenant, "cuda:0")
+        except Exception:  # no room now: a streamed call holds it
+            await m.wait_for_change(0.01)
+            continue
+        await anyio.sleep(rng.choice(holds))
+        await m.release(tenant, "cuda:0")
+        await anyio.lowlevel.checkpoint()
+
+
 async def sizes(model: nn.Module) -> tuple[int, int]:
     """(largest block, resident bytes) of ``model`` streamed."""
     async with ResidencyManager(backend="sim") as m:
@@ -369,15 +386,7 @@ async def test_random_calls_beside_another_tenant_and_cancellations(seed: int) -
         done = anyio.Event()
 
         async def other() -> None:
-            while not done.is_set():
-                try:
-                    await m.materialize(tenant, "cuda:0")
-                except Exception:  # no room now: the streamed call holds it
-                    await m.wait_for_change(0.01)
-                    continue
-                await anyio.sleep(rng.choice([0, 0.001, 0.003]))
-                await m.release(tenant, "cuda:0")
-                await anyio.lowlevel.checkpoint()
+            await churn(m, tenant, done, rng, [0, 0.001, 0.003])
 
         finished = 0
         async with anyio.create_task_group() as tasks:

@@ -21,7 +21,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, stream_module
 
 from ._models import Net
-from .test_ring import Planned, assert_nothing_left, reference, sizes
+from .test_ring import Planned, assert_nothing_left, churn, reference, sizes
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -276,15 +276,7 @@ async def _two_modules(seed: int) -> None:
         done = anyio.Event()
 
         async def other() -> None:
-            while not done.is_set():
-                try:
-                    await m.materialize(tenant, "cuda:0")
-                except Exception:  # no room now
-                    await m.wait_for_change(0.01)
-                    continue
-                await anyio.sleep(rng.choice([0, 0.001]))
-                await m.release(tenant, "cuda:0")
-                await anyio.lowlevel.checkpoint()
+            await churn(m, tenant, done, rng, [0, 0.001])
 
         async def caller(k: int) -> None:
             streamed, model = mods[k], models[k]
