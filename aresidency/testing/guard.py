@@ -19,7 +19,9 @@ asyncio, uvloop and trio alike):
 
 ``NO_LOOP_GUARD=1`` in the environment turns the guard off (to tell a stall from another
 failure). Automatic garbage collection is paused while a guarded test runs: a full collection
-can stall any Python code for 0.1 s, and that is not the code under test blocking.
+can stall any Python code for 0.1 s, and that is not the code under test blocking. Nor is a
+loaded machine: where Linux reports how long the loop's thread waited for a CPU
+(:class:`RunQueueClock`), that time is taken out of each gap.
 
 How it works on every loop: :func:`loop_stall_guard` is an anyio async-generator fixture that
 opens a task group, starts the ticker in it, yields for the test and closes the group at
@@ -34,6 +36,7 @@ import gc
 import inspect
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -45,6 +48,7 @@ __all__ = [
     "ALLOW_MARKER",
     "MAX_LOOP_STALL",
     "MAX_LOOP_STALL_INI",
+    "RunQueueClock",
     "TICK",
     "guard_applies",
     "loop_never_blocked",
@@ -120,13 +124,22 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
 
     async def ticker(*, task_status: anyio.abc.TaskStatus[None]) -> None:
         nonlocal worst
-        last = time.perf_counter()
-        task_status.started()
-        while not stop:
-            await anyio.sleep(TICK)
-            now = time.perf_counter()
-            worst = max(worst, now - last - TICK)
-            last = now
+        waited = RunQueueClock()  # made on the loop's thread, which it then watches
+        try:
+            last = time.perf_counter()
+            last_waited = waited()
+            task_status.started()
+            while not stop:
+                await anyio.sleep(TICK)
+                now = time.perf_counter()
+                now_waited = waited()
+                # Time the loop's thread spent ready but waiting for a CPU (a loaded machine)
+                # is not the loop being blocked by the code under test.
+                worst = max(worst, now - last - TICK - (now_waited - last_waited))
+                last = now
+                last_waited = now_waited
+        finally:
+            waited.close()
 
     # Automatic garbage collection is paused during the test: a full collection under pytest
     # can stall any Python code for 0.1 s or more, and that is not the code blocking.
@@ -152,6 +165,36 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
             f"{ALLOW_MARKER} if it blocks on purpose",
             pytrace=False,
         )
+
+
+class RunQueueClock:
+    """The seconds the thread that made it has spent ready to run but waiting for a CPU, from
+    Linux's per-thread scheduler statistics (``/proc/self/task/<tid>/schedstat``). Where the
+    system does not say, it reads zero, and the guard counts every gap whole."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+            self()
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            # "<ns on a CPU> <ns waiting on a run queue> <time slices>"
+            return int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            self.close()
+            return 0.0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 @pytest.fixture(autouse=True)

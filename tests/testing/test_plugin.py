@@ -8,7 +8,11 @@ each test on every loop it finds) unless a test is about choosing the loop."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -331,6 +335,46 @@ def test_the_guard_fails_a_test_that_blocks_its_loop_and_passes_one_that_awaits(
             "*the event loop was blocked for * ms (at most 100 ms allowed)*",
         ]
     )
+
+
+CONTENDED = """
+import os, subprocess, sys, time
+from aresidency.testing.guard import RunQueueClock
+
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU for this process
+clock = RunQueueClock()
+start = clock()
+time.sleep(0.2)  # blocked, not waiting for a CPU
+slept = clock() - start
+# Two processes that spin on the same CPU (they inherit the affinity)
+rivals = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+try:
+    time.sleep(0.2)  # the rivals are running
+    start, wall = clock(), time.perf_counter()
+    while time.perf_counter() - wall < 0.3:  # ready to run, sharing the CPU with the rivals
+        pass
+    contended = clock() - start
+finally:
+    for rival in rivals:
+        rival.kill()
+        rival.wait()
+print(f"{slept:.4f} {contended:.4f}")
+"""
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+    or not hasattr(os, "sched_setaffinity"),
+    reason="needs Linux's per-thread scheduler statistics",
+)
+def test_the_guard_does_not_count_waiting_for_a_cpu_but_does_count_sleeping():
+    # A subprocess, so that pinning it to one CPU leaves this one alone.
+    done = subprocess.run(
+        [sys.executable, "-c", CONTENDED], capture_output=True, text=True, check=True, timeout=60
+    )
+    slept, contended = (float(x) for x in done.stdout.split())
+    assert slept < 0.05  # a blocking sleep still counts as the loop blocked
+    assert contended > 0.15  # about two thirds of 0.3 s went to the rivals (a third ran)
 
 
 def test_the_guard_requested_by_a_module_spares_what_is_marked_and_a_run_without_it(
