@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import errno
 import json
 import mmap
 import os
@@ -108,6 +109,101 @@ def copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
 
 def gather(source: torch.Tensor, index: torch.Tensor, destination: torch.Tensor) -> None:
     torch.index_select(source, 0, index, out=destination)
+
+
+#: How many pieces one process_vm_readv call takes on Linux (IOV_MAX).
+_IOV_MAX = 1024
+
+
+def _load_self_read() -> Any:
+    """libc's ``process_vm_readv``, or None where there is none (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    return function
+
+
+_self_read: Any = _load_self_read()
+
+
+def gather_rows(
+    file: ShardFile,
+    offset: int,
+    source: torch.Tensor,
+    index: torch.Tensor,
+    destination: torch.Tensor,
+) -> None:
+    """Copy the rows ``index`` (``int64``) of ``source``, contiguous rows over a private
+    mapping of ``file`` whose row 0 lies at file offset ``offset``, into the contiguous
+    ``destination``; blocks the calling thread.
+
+    A mapping whose file was cut short kills the process with ``SIGBUS`` when a page past
+    the new end is touched. So the file is opened first (it must still be the file the source
+    opened) and must hold every row asked for, else ``OSError`` naming it; then the rows are
+    copied by the kernel (``process_vm_readv`` on this process: one call for up to 1024
+    rows, the interpreter lock released), which reports a page it cannot read as a short
+    copy instead of a signal: a file cut short during the copy is an ``OSError`` too. Where
+    the system refuses that call (not Linux, or a sandbox that forbids it) the rows are
+    gathered by torch after the check, and only a file cut short in the microseconds of the
+    gather itself still stops the process."""
+    rows = int(index.numel())
+    row_nbytes = destination.nbytes // max(rows, 1)
+    if rows == 0 or row_nbytes == 0:
+        return
+    needed = offset + (int(index.max()) + 1) * row_nbytes
+    _check_holds(file, needed)
+    global _self_read
+    if _self_read is not None:
+        # Each row is one iovec (address, length): two int64 per row, as the kernel reads it.
+        remote = torch.empty((rows, 2), dtype=torch.int64)
+        torch.mul(index, row_nbytes, out=remote[:, 0]).add_(source.data_ptr())
+        remote[:, 1] = row_nbytes
+        local = (ctypes.c_uint64 * 2)()
+        pid = os.getpid()
+        for first in range(0, rows, _IOV_MAX):
+            count = min(_IOV_MAX, rows - first)
+            local[0] = destination.data_ptr() + first * row_nbytes
+            local[1] = count * row_nbytes
+            address = remote.data_ptr() + first * 16
+            got = _self_read(pid, ctypes.addressof(local), 1, address, count, 0)
+            if got == count * row_nbytes:
+                continue
+            error = ctypes.get_errno()
+            if got < 0 and error in (errno.ENOSYS, errno.EPERM) and first == 0:
+                _self_read = None  # refused here: gather with torch from now on
+                break
+            _check_holds(file, needed)  # cut short meanwhile: says so, with the bytes
+            raise OSError(
+                error or errno.EIO,
+                f"{file.path}: rows of a shuffled batch could not be read from its mapping "
+                f"({os.strerror(error) if got < 0 else f'{max(got, 0)} B read'})",
+            )
+        else:
+            return
+    gather(source, index, destination)
+
+
+def _check_holds(file: ShardFile, needed: int) -> None:
+    """``OSError`` naming ``file`` unless it is still the source's file and has ``needed``
+    bytes."""
+    fd = file.open()
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size < needed:
+        raise OSError(f"{file.path} ended early: {needed - size} B missing at offset {size}")
 
 
 def open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap, int]:

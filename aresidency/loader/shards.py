@@ -47,6 +47,7 @@ from .shardfiles import (
     ShardFile,
     copy_bytes,
     gather,
+    gather_rows,
     open_npy,
     open_safetensors,
     pread_into,
@@ -414,7 +415,8 @@ class ShardSource:
         destination: torch.Tensor | None = None
         for run in plan.runs:
             shard = self.shards[run.shard]
-            extent = shard.files.get(column.key) if PREAD else None
+            stored = shard.files.get(column.key)  # (file, offset) where stored contiguously
+            extent = stored if PREAD else None
             for first in range(0, run.rows, rows_per_piece):
                 rows = min(rows_per_piece, run.rows - first)
                 if run.index is None and extent is not None:
@@ -439,6 +441,13 @@ class ShardSource:
                     start = run.start + first
                     pieces.append(
                         functools.partial(copy_bytes, place, source[start : start + rows])
+                    )
+                elif stored is not None:
+                    # Out of the mapping, checked: a file cut short is an error, not SIGBUS.
+                    file, offset = stored
+                    index = run.index[first : first + rows]
+                    pieces.append(
+                        functools.partial(gather_rows, file, offset, source, index, place)
                     )
                 else:
                     index = run.index[first : first + rows]

@@ -6,6 +6,8 @@ bit-identical to the files, across shard boundaries and shuffled; the staging bu
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 
 from aresidency import ResidencyBudgetError, ResidencyManager
 from aresidency.backends.sim import SimBackend
-from aresidency.loader import DeviceLoader, ShardSource, TensorSpec
+from aresidency.loader import DeviceLoader, ShardSource, TensorSpec, shardfiles
 from aresidency.loader import shards as shards_module
 
 from ._support import KiB, assert_nothing_left, max_charge
@@ -130,6 +132,92 @@ def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
         source.read_into(plans[0], buffer)  # still in the file
         with pytest.raises(OSError, match=r"ended early: \d+ B missing"):
             source.read_into(plans[3], buffer)
+
+
+@pytest.mark.parametrize("reader", ["kernel", "torch"])
+def test_shuffled_batches_are_the_files_rows_whichever_reads_them(
+    tmp_path: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shuffled batches are gathered out of the mapping by the kernel (``process_vm_readv``,
+    up to 1024 rows a call: these batches take three calls) or, where it is refused, by
+    torch: the same bytes either way, every row once."""
+    if reader == "torch":
+        monkeypatch.setattr(shardfiles, "_self_read", None)
+    elif shardfiles._self_read is None:
+        pytest.skip("no process_vm_readv here")
+    rows = np.random.default_rng(5).standard_normal((3000, 33)).astype("f4")
+    np.save(tmp_path / "x-0.npy", rows[:1900])
+    np.save(tmp_path / "x-1.npy", rows[1900:])
+    with ShardSource(sorted(tmp_path.glob("*.npy")), batch_size=2500, shuffle=True) as source:
+        got = torch.cat(list(source))
+    assert got.shape == (3000, 33)
+    order = torch.from_numpy(rows).double() @ torch.arange(1.0, 34.0, dtype=torch.float64)
+    seen = got.double() @ torch.arange(1.0, 34.0, dtype=torch.float64)
+    assert torch.equal(seen.sort().values, order.sort().values)  # every row once, unchanged
+
+
+@pytest.mark.parametrize("reader", ["kernel", "torch"])
+def test_a_shard_cut_short_is_an_error_for_shuffled_batches_too(
+    tmp_path: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shuffled batches are gathered from the mapping, where a page past the end of a file cut
+    short would kill the process with SIGBUS: the file is checked first."""
+    if reader == "torch":
+        monkeypatch.setattr(shardfiles, "_self_read", None)
+    path = tmp_path / "x-0.npy"
+    np.save(path, np.ones((64, 1024), dtype=np.float32))
+    with ShardSource([path], batch_size=16, shuffle=True, seed=1) as source:
+        batches = iter(source)
+        next(batches)
+        with open(path, "r+b") as file:
+            file.truncate(4096)
+        with pytest.raises(OSError, match=r"x-0\.npy ended early: \d+ B missing"):
+            next(batches)
+
+
+CUT_WHILE_READ = """
+import sys
+import numpy as np
+from aresidency.loader import ShardSource, shardfiles
+if shardfiles._self_read is None:
+    print("skip")
+    sys.exit(0)
+path = sys.argv[1]
+np.save(path, np.ones((64, 1024), dtype=np.float32))
+checks = []
+real = shardfiles._check_holds
+def check(file, needed):
+    if not checks:  # the file is cut just after the check passes
+        checks.append(needed)
+        with open(path, "r+b") as f:
+            f.truncate(4096)
+        return
+    real(file, needed)
+shardfiles._check_holds = check
+with ShardSource([path], batch_size=64, shuffle=True) as source:
+    try:
+        next(iter(source))
+    except OSError as error:
+        print("OSError", error)
+"""
+
+
+def test_a_shard_cut_short_while_its_rows_are_read_is_an_error_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """The file is cut between the check and the copy (forced here): the kernel's copy stops
+    short instead of raising SIGBUS, and the error names the file. A subprocess, since a
+    regression would kill the process."""
+    done = subprocess.run(
+        [sys.executable, "-c", CUT_WHILE_READ, str(tmp_path / "x-0.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.stdout.strip() == "skip":
+        pytest.skip("no process_vm_readv here")
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "OSError" in done.stdout and "x-0.npy ended early" in done.stdout, done.stdout
 
 
 def test_a_shard_replaced_after_opening_is_an_error_naming_it(tmp_path: Path) -> None:
