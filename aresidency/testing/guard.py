@@ -15,7 +15,8 @@ asyncio, uvloop and trio alike):
 * request the ``loop_stall_guard`` fixture (the plugin provides it) in one test, or in a
   module's ``pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("loop_stall_guard")]``;
 * import :func:`loop_never_blocked` into a ``conftest.py``: it is an autouse fixture, so every
-  async anyio test of that directory is guarded (except tests marked ``allow_loop_stall``).
+  async anyio test of that directory is guarded (except tests marked ``allow_loop_stall``;
+  ``allow_loop_stall(0.5)`` allows half a second instead).
 
 ``NO_LOOP_GUARD=1`` in the environment turns the guard off (to tell a stall from another
 failure). Automatic garbage collection is paused while a guarded test runs: a full collection
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_LOOP_STALL_INI",
     "RunQueueClock",
     "TICK",
+    "allowed_stall",
     "guard_applies",
     "loop_never_blocked",
     "loop_stall_guard",
@@ -61,7 +63,8 @@ MAX_LOOP_STALL = 0.1  # seconds
 TICK = 0.002  # seconds between the ticker's wake-ups
 #: The ini option (registered by the plugin) that changes ``MAX_LOOP_STALL`` for a project.
 MAX_LOOP_STALL_INI = "residency_max_loop_stall"
-#: The marker of a test that blocks the loop on purpose (the guard leaves it alone).
+#: The marker of a test that blocks the loop on purpose (the guard leaves it alone, or allows
+#: the seconds it is given).
 ALLOW_MARKER = "allow_loop_stall"
 
 
@@ -93,14 +96,41 @@ def runs_under_anyio(request: pytest.FixtureRequest) -> bool:
     return inspect.iscoroutinefunction(function) and "anyio_backend" in request.fixturenames
 
 
+def allowed_stall(request: pytest.FixtureRequest) -> float | None:
+    """The longest stall allowed in this test, in seconds; None where it is not guarded: marked
+    ``allow_loop_stall`` (without seconds), or ``NO_LOOP_GUARD`` set. ``allow_loop_stall(s)``
+    (or ``seconds=s``) allows ``s`` instead of the project's limit (:func:`max_loop_stall`):
+    for a test of code that stalls its loop for a known reason of someone else's, such as a
+    ``DataLoader`` forking its workers while it holds the interpreter lock."""
+    if os.environ.get("NO_LOOP_GUARD"):
+        return None
+    marker = request.node.get_closest_marker(ALLOW_MARKER)
+    if marker is None:
+        return max_loop_stall(request.config)
+    if len(marker.args) > 1 or set(marker.kwargs) - {"seconds"}:
+        raise pytest.UsageError(
+            f"{ALLOW_MARKER} takes one number of seconds at most, got args {marker.args!r} "
+            f"and keywords {marker.kwargs!r}"
+        )
+    seconds = marker.kwargs.get("seconds", marker.args[0] if marker.args else None)
+    if seconds is None:
+        return None
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        raise pytest.UsageError(
+            f"{ALLOW_MARKER}(seconds) needs a number of seconds > 0, such as 0.5; got {seconds!r}"
+        )
+    return float(seconds)
+
+
 def guard_applies(request: pytest.FixtureRequest) -> bool:
     """Whether :func:`loop_never_blocked` guards this test: an async test run by anyio, not
-    marked ``allow_loop_stall``, and ``NO_LOOP_GUARD`` not set."""
-    return (
-        runs_under_anyio(request)
-        and request.node.get_closest_marker(ALLOW_MARKER) is None
-        and not os.environ.get("NO_LOOP_GUARD")
-    )
+    marked ``allow_loop_stall`` without seconds, and ``NO_LOOP_GUARD`` not set."""
+    return runs_under_anyio(request) and allowed_stall(request) is not None
 
 
 @pytest.fixture
@@ -108,17 +138,17 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
     """Fail the test if its event loop was blocked for longer than the allowed stall (see the
     module docstring). The host never waits: the ticker sleeps on the loop between checks.
     A test marked ``allow_loop_stall``, or a run with ``NO_LOOP_GUARD`` set, is not guarded,
-    however the fixture was requested."""
+    however the fixture was requested; ``allow_loop_stall(seconds)`` changes its limit."""
     if not runs_under_anyio(request):
         pytest.fail(
             "loop_stall_guard guards async tests run by anyio's pytest plugin: mark the test "
             "with pytest.mark.anyio (a sync test has no event loop to guard)",
             pytrace=False,
         )
-    if request.node.get_closest_marker(ALLOW_MARKER) is not None or os.environ.get("NO_LOOP_GUARD"):
+    limit = allowed_stall(request)
+    if limit is None:
         yield  # blocks on purpose, or the guard is turned off for this run
         return
-    limit = max_loop_stall(request.config)
     worst = 0.0
     stop = False
 

@@ -65,8 +65,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        f"{ALLOW_MARKER}: the test blocks its event loop on purpose; the loop-stall guard "
-        "leaves it alone",
+        f"{ALLOW_MARKER}(seconds=None): the test blocks its event loop on purpose; the "
+        "loop-stall guard leaves it alone, or, given seconds, allows stalls that long",
     )
 
 

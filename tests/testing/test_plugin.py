@@ -70,7 +70,7 @@ def test_the_markers_are_registered_for_strict_markers(pytester):
         [
             "@pytest.mark.residency(**options): *simulation of CUDA devices*budgets, devices, "
             "copy_gbps, fail_transfer_at, oom_at_allocation, staging_bytes, trace_capacity",
-            "@pytest.mark.allow_loop_stall: *",
+            "@pytest.mark.allow_loop_stall(seconds=None): *",
         ]
     )
 
@@ -333,6 +333,39 @@ def test_the_guard_fails_a_test_that_blocks_its_loop_and_passes_one_that_awaits(
         [
             "*ERROR at teardown of test_blocks*",
             "*the event loop was blocked for * ms (at most 100 ms allowed)*",
+        ]
+    )
+
+
+ALLOWS_SECONDS = """
+    import time
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    @pytest.mark.allow_loop_stall(0.6)
+    async def test_within(loop_stall_guard):
+        time.sleep(0.3)
+
+    @pytest.mark.allow_loop_stall(seconds=0.2)
+    async def test_past(loop_stall_guard):
+        time.sleep(0.4)
+
+    @pytest.mark.allow_loop_stall("soon")
+    async def test_bad(loop_stall_guard):
+        pass
+"""
+
+
+def test_allow_loop_stall_with_seconds_changes_the_limit_of_one_test(pytester):
+    result = run(pytester, ALLOWS_SECONDS)
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_past*",
+            "*the event loop was blocked for * ms (at most 200 ms allowed)*",
+            "*ERROR at setup of test_bad*",
+            "*allow_loop_stall(seconds) needs a number of seconds > 0, such as 0.5; got 'soon'*",
         ]
     )
 
