@@ -28,6 +28,7 @@ import anyio
 import torch
 
 from ..backends.bridge import LoopBridge
+from ..runtime.manager import tensor_problem
 from .stats import BusyClock
 from .structure import Structure, flatten
 
@@ -90,6 +91,20 @@ def needs_copy(tensors: list[Any]) -> bool:
     return False
 
 
+def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int) -> None:
+    """Refuse batch ``index`` if one of its tensors cannot be copied whole (sparse, nested,
+    quantized, meta, a lazy conj() view...: see
+    :func:`~aresidency.runtime.manager.tensor_problem`), naming where it lies in the batch."""
+    for position, tensor in enumerate(tensors):
+        problem = tensor_problem(tensor)
+        if problem is not None:
+            kind, what, instead = problem
+            raise kind(
+                f"batch {index} holds {what} at {structure.paths[position]}, which the loader "
+                f"cannot copy to the device: {instead}"
+            )
+
+
 def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
     """Take the tensors out of ``item`` (any thread; copies block it).
 
@@ -100,6 +115,7 @@ def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
     at once and needs no such copy. The same tensor object twice is one part. Tensors requiring
     grad are detached."""
     tensors, structure = flatten(item)
+    check_tensors(tensors, structure, index)
     parts: list[torch.Tensor] = []
     leaf_part: list[int] = []
     by_id: dict[int, int] = {}
@@ -310,7 +326,8 @@ async def feed_async(
             start = time.perf_counter()
             try:
                 item = await iterator.__anext__()
-                tensors, _ = flatten(item)
+                tensors, structure = flatten(item)
+                check_tensors(tensors, structure, index)
                 if own_memory and needs_copy(tensors):
                     batch = await anyio.to_thread.run_sync(prepare, item, index)
                 else:

@@ -96,37 +96,58 @@ def _make_backend(spec: Any) -> Backend:
     raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {spec!r}")
 
 
-def _check_tensor(tensor: Any) -> torch.Tensor:
-    """``tensor`` if it is a tensor the manager can hold and copy: dense, strided, with data."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"register takes a torch.Tensor, got {type(tensor).__name__}")
+def tensor_problem(tensor: torch.Tensor) -> tuple[type[Exception], str, str] | None:
+    """Why aresidency cannot hold and copy ``tensor`` whole, or None if it can (dense,
+    strided, with data, nothing pending): the error's type, what the tensor is, and what to
+    use instead. :meth:`ResidencyManager.register` and the loader refuse such tensors with
+    it, rather than fail at their first copy."""
     if tensor.is_nested:
-        raise TypeError("register takes dense tensors; a nested tensor cannot be copied whole")
+        return (
+            TypeError,
+            "a nested tensor",
+            "it cannot be copied whole; use its to_padded_tensor() or its components",
+        )
     if tensor.layout is not torch.strided:
-        raise TypeError(
-            f"register takes dense (strided) tensors, got layout {tensor.layout}; convert a "
-            "sparse tensor with .to_dense() or register its index and value tensors"
+        return (
+            TypeError,
+            f"a tensor of layout {tensor.layout}",
+            "only dense (strided) tensors are copied; use .to_dense(), or its index and value "
+            "tensors",
         )
     if tensor.is_quantized:
-        raise TypeError(
-            f"register takes plain tensors, got a quantized {tensor.dtype} tensor; register "
-            "its int_repr() and keep the scale and zero point beside it"
+        return (
+            TypeError,
+            f"a quantized {tensor.dtype} tensor",
+            "use its int_repr() and keep the scale and zero point beside it",
         )
     if tensor.is_meta:
-        raise ValueError("a tensor on the meta device has no data to manage")
+        return ValueError, "a tensor on the meta device", "it has no data to copy"
     # A lazily conjugated or negated view (``x.conj()`` of a complex tensor, what some ops
     # return) cannot be copied into a new buffer as it is (torch refuses the copy), so it
-    # could never move: refused here rather than at its first transfer.
+    # could never move: refused up front rather than at its first transfer.
     if tensor.is_conj():
-        raise TypeError(
-            "register takes tensors without a pending conjugation; this one is a lazy conj() "
-            "view: register tensor.resolve_conj() (or tensor.conj_physical())"
+        return (
+            TypeError,
+            "a lazy conj() view (a pending conjugation)",
+            "use tensor.resolve_conj() (or tensor.conj_physical())",
         )
     if tensor.is_neg():
-        raise TypeError(
-            "register takes tensors without a pending negation; this one is a lazy negative "
-            "view (the imaginary part of a conj() view): register tensor.resolve_neg()"
+        return (
+            TypeError,
+            "a lazy negative view (the imaginary part of a conj() view)",
+            "use tensor.resolve_neg()",
         )
+    return None
+
+
+def _check_tensor(tensor: Any) -> torch.Tensor:
+    """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"register takes a torch.Tensor, got {type(tensor).__name__}")
+    problem = tensor_problem(tensor)
+    if problem is not None:
+        kind, what, instead = problem
+        raise kind(f"register cannot take {what}: {instead}")
     return tensor
 
 

@@ -424,6 +424,66 @@ async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback
             pytest.fail("the generator was exhausted")
 
 
+UNCOPYABLE = {
+    "sparse": (lambda: torch.eye(4).to_sparse(), TypeError, "layout torch.sparse_coo"),
+    "sparse csr": (lambda: torch.eye(4).to_sparse_csr(), TypeError, "layout torch.sparse_csr"),
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        TypeError,
+        "a nested tensor",
+    ),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint8),
+        TypeError,
+        "quantized torch.quint8",
+    ),
+    "meta": (lambda: torch.empty(4, device="meta"), ValueError, "meta device"),
+    "conj view": (
+        lambda: torch.ones(4, dtype=torch.complex64).conj(),
+        TypeError,
+        r"lazy conj\(\) view",
+    ),
+    "negative view": (
+        lambda: torch.ones(4, dtype=torch.complex64).conj().imag,
+        TypeError,
+        "lazy negative view",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.filterwarnings("ignore:.*(quantize|nested):UserWarning")
+@pytest.mark.parametrize("case", list(UNCOPYABLE))
+async def test_a_tensor_the_loader_cannot_copy_is_refused_naming_its_batch_and_place(
+    case: str, kind: str, ring: bool | None
+) -> None:
+    """Batches 0 and 1 are fine; batch 2 holds, under ``["extra"][1]``, a tensor that cannot be
+    copied whole. The consumer gets the first two, then an error that names the batch, the
+    place and the kind of tensor (rather than torch's own error from deep in a copy), and
+    nothing is left behind."""
+    make, error, what = UNCOPYABLE[case]
+    items = [{"x": t, "extra": ["id", torch.ones(2)]} for t in batches(3)]
+    items[2]["extra"][1] = make()
+
+    async def async_items() -> AsyncIterator[Any]:
+        for item in items:
+            await anyio.lowlevel.checkpoint()
+            yield item
+
+    source = items if kind == "sync" else async_items()
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader,
+    ):
+        got = []
+        pattern = rf"batch 2 holds .*{what}.* at \['extra'\]\[1\], which the loader cannot copy"
+        with pytest.raises(error, match=pattern):
+            async for batch in loader:
+                got.append(batch["x"].clone())
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, batches(2)))
+        assert_nothing_left(m)
+
+
 async def test_a_failed_copy_raises_at_its_batch_after_the_ones_before(ring: bool | None) -> None:
     data = batches(6)
     async with ResidencyManager(backend=sim()) as m:
