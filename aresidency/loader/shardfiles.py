@@ -113,6 +113,11 @@ def gather(source: torch.Tensor, index: torch.Tensor, destination: torch.Tensor)
 
 #: How many pieces one process_vm_readv call takes on Linux (IOV_MAX).
 _IOV_MAX = 1024
+#: Rows smaller than this are gathered by torch after the check: the kernel's cost per row
+#: (about half a microsecond) made 256-byte rows 2.7x slower than torch's gather
+#: (benchmarks/bench_shard_gather.py), while from 4 KiB up the two are on par or the kernel
+#: is faster.
+KERNEL_ROW_MIN = 1024
 
 
 def _load_self_read() -> Any:
@@ -153,10 +158,10 @@ def gather_rows(
     opened) and must hold every row asked for, else ``OSError`` naming it; then the rows are
     copied by the kernel (``process_vm_readv`` on this process: one call for up to 1024
     rows, the interpreter lock released), which reports a page it cannot read as a short
-    copy instead of a signal: a file cut short during the copy is an ``OSError`` too. Where
-    the system refuses that call (not Linux, or a sandbox that forbids it) the rows are
-    gathered by torch after the check, and only a file cut short in the microseconds of the
-    gather itself still stops the process."""
+    copy instead of a signal: a file cut short during the copy is an ``OSError`` too. Rows
+    under ``KERNEL_ROW_MIN`` bytes, and every row where the system refuses that call (not
+    Linux, or a sandbox that forbids it), are gathered by torch after the check: then only a
+    file cut short in the microseconds of the gather itself still stops the process."""
     rows = int(index.numel())
     row_nbytes = destination.nbytes // max(rows, 1)
     if rows == 0 or row_nbytes == 0:
@@ -164,7 +169,7 @@ def gather_rows(
     needed = offset + (int(index.max()) + 1) * row_nbytes
     _check_holds(file, needed)
     global _self_read
-    if _self_read is not None:
+    if _self_read is not None and row_nbytes >= KERNEL_ROW_MIN:
         # Each row is one iovec (address, length): two int64 per row, as the kernel reads it.
         remote = torch.empty((rows, 2), dtype=torch.int64)
         torch.mul(index, row_nbytes, out=remote[:, 0]).add_(source.data_ptr())

@@ -134,26 +134,37 @@ def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
             source.read_into(plans[3], buffer)
 
 
+@pytest.mark.parametrize("width", [33, 300], ids=["132 B rows", "1200 B rows"])
 @pytest.mark.parametrize("reader", ["kernel", "torch"])
 def test_shuffled_batches_are_the_files_rows_whichever_reads_them(
-    tmp_path: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, reader: str, width: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Shuffled batches are gathered out of the mapping by the kernel (``process_vm_readv``,
-    up to 1024 rows a call: these batches take three calls) or, where it is refused, by
-    torch: the same bytes either way, every row once."""
+    up to 1024 rows a call: these batches take several calls) for rows of 1 KiB and more, or
+    by torch (smaller rows, or where the call is refused): the same bytes either way, every
+    row once."""
+    calls = []
     if reader == "torch":
         monkeypatch.setattr(shardfiles, "_self_read", None)
     elif shardfiles._self_read is None:
         pytest.skip("no process_vm_readv here")
-    rows = np.random.default_rng(5).standard_normal((3000, 33)).astype("f4")
+    else:
+        real = shardfiles._self_read
+        monkeypatch.setattr(
+            shardfiles, "_self_read", lambda *args: (calls.append(args[4]), real(*args))[1]
+        )
+    rows = np.random.default_rng(5).standard_normal((3000, width)).astype("f4")
     np.save(tmp_path / "x-0.npy", rows[:1900])
     np.save(tmp_path / "x-1.npy", rows[1900:])
     with ShardSource(sorted(tmp_path.glob("*.npy")), batch_size=2500, shuffle=True) as source:
         got = torch.cat(list(source))
-    assert got.shape == (3000, 33)
-    order = torch.from_numpy(rows).double() @ torch.arange(1.0, 34.0, dtype=torch.float64)
-    seen = got.double() @ torch.arange(1.0, 34.0, dtype=torch.float64)
+    assert got.shape == (3000, width)
+    weights = torch.arange(1.0, width + 1.0, dtype=torch.float64)
+    order = torch.from_numpy(rows).double() @ weights
+    seen = got.double() @ weights
     assert torch.equal(seen.sort().values, order.sort().values)  # every row once, unchanged
+    kernel_rows = reader == "kernel" and width * 4 >= shardfiles.KERNEL_ROW_MIN
+    assert (sum(calls) == 3000) if kernel_rows else not calls, calls
 
 
 @pytest.mark.parametrize("reader", ["kernel", "torch"])
