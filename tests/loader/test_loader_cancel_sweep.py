@@ -1,0 +1,117 @@
+"""Cancellation at every point of a pass, swept: the consuming task is cancelled after the
+``k``-th turn of the event loop, for ``k`` from the loader's entry to past the end of its exit
+(about fifty points spread over a pass; ``SWEEP_STEP=1`` in the environment tries every turn),
+with each kind of source and both ways of copying (the simulated backend: a simulation
+of CUDA devices in host memory). Whatever the point, the cancellation reaches the task, the
+loader ends closed, the source's thread is gone and nothing is left in the manager."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+import torch
+
+from aresidency import ResidencyManager
+from aresidency.backends.sim import SimBackend
+from aresidency.loader import DeviceLoader, ShardSource
+
+from ._support import assert_nothing_left, batches
+
+pytestmark = pytest.mark.anyio
+
+
+async def turns_of_a_pass(make_source: Callable[[], Any], ring: bool | None) -> int:
+    """How many loop turns the consumer below takes, uncancelled: the sweep's range."""
+    turns = 0
+    done = False
+
+    async def count() -> None:
+        nonlocal turns
+        while not done:
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    async with ResidencyManager(backend=SimBackend()) as m, anyio.create_task_group() as tasks:
+        tasks.start_soon(count)
+        await consume(m, make_source(), ring)
+        done = True
+    return turns
+
+
+async def consume(m: ResidencyManager, source: Any, ring: bool | None) -> int:
+    got = 0
+    async with DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader:
+        async for batch in loader.batches():
+            async with batch:
+                got += 1
+                await anyio.lowlevel.checkpoint()  # the step
+    return got
+
+
+def async_source(data: list[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
+    async def items() -> AsyncIterator[torch.Tensor]:
+        for item in data:
+            await anyio.lowlevel.checkpoint()
+            yield item
+
+    return items()
+
+
+def shard_source(tmp_path: Path) -> ShardSource:
+    path = tmp_path / "x-0.npy"
+    if not path.exists():
+        np.save(path, np.arange(24 * 64, dtype=np.float32).reshape(24, 64))
+    return ShardSource([path], batch_size=4, workers=2)
+
+
+@pytest.mark.parametrize("kind", ["thread", "async", "staged"])
+async def test_a_pass_cancelled_at_any_turn_ends_clean(
+    kind: str, ring: bool | None, tmp_path: Path
+) -> None:
+    data = batches(6)
+    opened: list[ShardSource] = []
+
+    def make_source() -> Any:
+        if kind == "thread":
+            return list(data)
+        if kind == "async":
+            return async_source(data)
+        opened.append(shard_source(tmp_path))
+        return opened[-1]
+
+    total = await turns_of_a_pass(make_source, ring)
+    assert total > 5
+    cancelled = 0
+    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 50)  # SWEEP_STEP=1: all
+    for k in range(0, total + 2, step):
+        async with ResidencyManager(backend=SimBackend()) as m:
+            got: list[int] = []
+            with anyio.fail_after(20):  # a hang fails here
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as tasks:
+
+                        async def cancel_after(turns: int = k) -> None:
+                            for _ in range(turns):
+                                await anyio.lowlevel.checkpoint()
+                            scope.cancel()
+
+                        tasks.start_soon(cancel_after)
+                        got.append(await consume(m, make_source(), ring))
+                        tasks.cancel_scope.cancel()  # the pass ended first: stop the timer
+            cancelled += scope.cancelled_caught
+            assert_nothing_left(m)
+            assert not got or got == [6]  # the whole pass, or cut short by the cancellation
+    for source in opened:
+        source.close()
+    assert cancelled > 0  # the sweep cut passes short (the rest ran to their end)
+    # The loaders' own threads are gone: every close joined them.
+    left = [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
+    assert left == []
