@@ -7,6 +7,7 @@ loader ends closed, the source's thread is gone and nothing is left in the manag
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -113,5 +114,47 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
         source.close()
     assert cancelled > 0  # the sweep cut passes short (the rest ran to their end)
     # The loaders' own threads are gone: every close joined them.
+    left = [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
+    assert left == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("kind", ["thread", "staged"])
+async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
+    kind: str, ring: bool | None, tmp_path: Path
+) -> None:
+    """The same sweep with asyncio's own cancellation (``task.cancel()``, what
+    ``asyncio.timeout`` and a server's dropped request do), which no anyio shield holds off:
+    the loader still finishes its close, then the task ends cancelled."""
+    data = batches(6)
+    opened: list[ShardSource] = []
+
+    def make_source() -> Any:
+        if kind == "thread":
+            return list(data)
+        opened.append(shard_source(tmp_path))
+        return opened[-1]
+
+    total = await turns_of_a_pass(make_source, ring)
+    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 50)
+    cancelled = 0
+    for k in range(0, total + 2, step):
+        async with ResidencyManager(backend=SimBackend()) as m:
+            task = asyncio.ensure_future(consume(m, make_source(), ring))
+            for _ in range(k):
+                if task.done():
+                    break
+                await anyio.lowlevel.checkpoint()
+            task.cancel()
+            with anyio.fail_after(20):  # a hang fails here
+                try:
+                    assert await asyncio.shield(task) == 6  # it ended before the cancel
+                except asyncio.CancelledError:
+                    cancelled += 1
+                    assert task.cancelled()
+            assert_nothing_left(m)
+    for source in opened:
+        source.close()
+    assert cancelled > 0
     left = [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
     assert left == []
