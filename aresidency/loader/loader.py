@@ -15,6 +15,7 @@ import anyio
 import anyio.abc
 
 from ..core.locations import Location, LocationLike
+from ..core.sizes import parse_nbytes
 from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
@@ -57,7 +58,8 @@ class DeviceLoader:
     buffers the pass owns, from a thread, with no per-batch work on the loop
     (:mod:`~aresidency.loader.ring`; ``None``: whenever the backend has ``copy_into``, for
     every kind of source; ``False``: every batch a managed value). ``pack_min_bytes``: in the
-    ring, a batch with pageable tensors of at least this many bytes is packed into its slot's
+    ring, a batch with pageable tensors of at least this many bytes (an int, or a size such as
+    ``"4MiB"``) is packed into its slot's
     pinned twin by the ring's thread and copied with one DMA; a smaller one is copied through
     the driver's own staging. ``None`` (the default): none, every pageable batch goes through
     the driver; ``0``: every one. On an H200, from a source in memory, twins were 2.2-3.5x
@@ -109,7 +111,7 @@ class DeviceLoader:
         staging_slots: int | None = None,
         read_ahead: int | None = None,
         ring: bool | None = None,
-        pack_min_bytes: int | None = None,
+        pack_min_bytes: int | str | None = None,
         pin_source: bool = False,
         run_ahead: int | None = None,
     ) -> None:
@@ -174,12 +176,9 @@ class DeviceLoader:
                 "(its batches go through managed values)"
             )
         self.ring = can_ring if ring is None else ring
-        if pack_min_bytes is not None and (
-            isinstance(pack_min_bytes, bool)
-            or not isinstance(pack_min_bytes, int)
-            or pack_min_bytes < 0
-        ):
-            raise ValueError(f"pack_min_bytes must be an int >= 0 or None, got {pack_min_bytes!r}")
+        if pack_min_bytes is not None:
+            # A size as budgets take it: 4 << 20, "4MiB", "4 MB".
+            pack_min_bytes = parse_nbytes(pack_min_bytes, "pack_min_bytes")
         self.pack_min_bytes = pack_min_bytes
         if not isinstance(pin_source, bool):
             raise TypeError(f"pin_source must be True or False, got {pin_source!r}")

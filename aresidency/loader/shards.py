@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import operator
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -188,10 +189,16 @@ class ShardSource:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         if isinstance(align, bool) or not isinstance(align, int) or align < 16 or align & align - 1:
             raise ValueError(f"align must be a power of two >= 16, got {align!r}")
+        for flag, value in (("drop_last", drop_last), ("shuffle", shuffle)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        seed = operator.index(seed)  # a numpy integer too
         self.batch_size = batch_size
-        self.drop_last = bool(drop_last)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.seed = seed
         self.workers = workers
         self.align = align
         self.epoch = 0

@@ -518,6 +518,15 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
             DeviceLoader(m, [], "cuda:7", ring=ring)
         with pytest.raises(ValueError, match="staging_slots is for staged sources"):
             DeviceLoader(m, [], "cuda:0", staging_slots=2, ring=ring)
+        with pytest.raises(ValueError, match="pack_min_bytes"):
+            DeviceLoader(m, [], "cuda:0", pack_min_bytes=-1, ring=ring)
+        with pytest.raises(ValueError, match="pack_min_bytes"):
+            DeviceLoader(m, [], "cuda:0", pack_min_bytes="4 lumps", ring=ring)
+        with pytest.raises(TypeError, match="pack_min_bytes"):
+            DeviceLoader(m, [], "cuda:0", pack_min_bytes=True, ring=ring)
+        # A size as budgets take one
+        assert DeviceLoader(m, [], "cuda:0", pack_min_bytes="4MiB").pack_min_bytes == 4 << 20
+        assert DeviceLoader(m, [], "cuda:0", pack_min_bytes=0).pack_min_bytes == 0
 
 
 # ---------------------------------------------------------------- ending a pass

@@ -134,6 +134,27 @@ def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
             source.read_into(plans[3], buffer)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"seed": 1.5}, "seed must be an int"),
+        ({"seed": "7"}, "seed must be an int"),
+        ({"seed": True}, "seed must be an int"),
+        ({"shuffle": "no"}, "shuffle must be True or False"),
+        ({"drop_last": 1}, "drop_last must be True or False"),
+    ],
+)
+def test_shard_source_options_of_the_wrong_type_are_refused(
+    tmp_path: Path, option: dict[str, Any], message: str
+) -> None:
+    """Rather than read as something else (``shuffle="no"`` was true, ``seed=1.5`` was 1)."""
+    np.save(tmp_path / "x-0.npy", np.ones((8, 4), dtype=np.float32))
+    with pytest.raises(TypeError, match=message):
+        ShardSource([tmp_path / "x-0.npy"], batch_size=4, **option)
+    with ShardSource([tmp_path / "x-0.npy"], batch_size=4, seed=np.int64(3)) as source:
+        assert source.seed == 3 and type(source.seed) is int  # a numpy integer is an int
+
+
 @pytest.mark.parametrize("width", [33, 300], ids=["132 B rows", "1200 B rows"])
 @pytest.mark.parametrize("reader", ["kernel", "torch"])
 def test_shuffled_batches_are_the_files_rows_whichever_reads_them(
