@@ -45,6 +45,7 @@ from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..runtime.manager import ResidencyManager
+from ..runtime.shield import finish_shielded
 from .structure import Structure, flatten
 
 __all__ = [
@@ -304,7 +305,10 @@ class StagingSlots:
             raise
         self.status = "open"
         try:
-            await anyio.to_thread.run_sync(self._allocate)
+            # To the end, even under a native asyncio cancellation (raised once it is done):
+            # interrupted, the thread would go on starting the fill threads and allocating
+            # buffers after the clean-up below had looked for them, and leak both.
+            await finish_shielded(anyio.to_thread.run_sync, self._allocate)
         except BaseException:
             await self.aclose()
             raise
@@ -360,12 +364,14 @@ class StagingSlots:
                 for buffer in buffers:
                     allocator.release(buffer)
 
+        # Both to the end, whatever cancels the task (a native asyncio cancellation too, which
+        # is raised afterwards): an anyio shield alone let one through before the thread got
+        # the stop, and the fill threads were left waiting for work.
         try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(stop)
+            await finish_shielded(anyio.to_thread.run_sync, stop)
         finally:
             with contextlib.suppress(Exception):  # a closed manager took its ledger with it
-                await self._stack.aclose()
+                await finish_shielded(self._stack.aclose)
 
     def __repr__(self) -> str:
         kind = "pinned" if self.pinned else "host (no CUDA: not pinned)"

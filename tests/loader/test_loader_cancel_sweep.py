@@ -57,6 +57,19 @@ async def consume(m: ResidencyManager, source: Any, ring: bool | None) -> int:
     return got
 
 
+async def assert_no_loader_thread_left() -> None:
+    """Every loader thread ends: each close waited for its work, and a thread that handed its
+    last result to the loop is only returning (joined here, off the loop, for at most 5 s)."""
+
+    def join_all() -> list[str]:
+        for thread in threading.enumerate():
+            if thread.name.startswith("aresidency-loader"):
+                thread.join(5.0)
+        return [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
+
+    assert await anyio.to_thread.run_sync(join_all) == []
+
+
 def async_source(data: list[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
     async def items() -> AsyncIterator[torch.Tensor]:
         for item in data:
@@ -113,9 +126,7 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
     for source in opened:
         source.close()
     assert cancelled > 0  # the sweep cut passes short (the rest ran to their end)
-    # The loaders' own threads are gone: every close joined them.
-    left = [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
-    assert left == []
+    await assert_no_loader_thread_left()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -156,5 +167,4 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
     for source in opened:
         source.close()
     assert cancelled > 0
-    left = [t.name for t in threading.enumerate() if t.name.startswith("aresidency-loader")]
-    assert left == []
+    await assert_no_loader_thread_left()
