@@ -130,7 +130,7 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("kind", ["thread", "staged"])
+@pytest.mark.parametrize("kind", ["thread", "async", "staged"])
 async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
     kind: str, ring: bool | None, tmp_path: Path
 ) -> None:
@@ -143,6 +143,8 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
     def make_source() -> Any:
         if kind == "thread":
             return list(data)
+        if kind == "async":
+            return async_source(data)
         opened.append(shard_source(tmp_path))
         return opened[-1]
 
