@@ -1,6 +1,6 @@
 """Cancellation at every point of a pass, swept: the consuming task is cancelled after the
 ``k``-th turn of the event loop, for ``k`` from the loader's entry to past the end of its exit
-(about fifty points spread over a pass; ``SWEEP_STEP=1`` in the environment tries every turn),
+(about thirty points spread over a pass; ``SWEEP_STEP=1`` in the environment tries every turn),
 with each kind of source and both ways of copying (the simulated backend: a simulation
 of CUDA devices in host memory). Whatever the point, the cancellation reaches the task, the
 loader ends closed, the source's thread is gone and nothing is left in the manager."""
@@ -104,7 +104,7 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
     total = await turns_of_a_pass(make_source, ring)
     assert total > 5
     cancelled = 0
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 50)  # SWEEP_STEP=1: all
+    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)  # SWEEP_STEP=1: all
     for k in range(0, total + 2, step):
         async with ResidencyManager(backend=SimBackend()) as m:
             got: list[int] = []
@@ -149,7 +149,7 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
         return opened[-1]
 
     total = await turns_of_a_pass(make_source, ring)
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 50)
+    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)
     cancelled = 0
     for k in range(0, total + 2, step):
         async with ResidencyManager(backend=SimBackend()) as m:
