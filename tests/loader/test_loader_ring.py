@@ -521,9 +521,11 @@ async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
             got += [batch.clone() async for batch in loader]
             assert loader.stats().packed_bytes == 0
         assert all(torch.equal(a, b) for a, b in zip(got, data * 3, strict=True))
-        for bad in (-1, 1.5, True, "4MiB"):
+        for bad in (-1, 1.5, "4 lumps"):
             with pytest.raises(ValueError, match="pack_min_bytes"):
                 DeviceLoader(m, data, "cuda:0", pack_min_bytes=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="pack_min_bytes"):
+            DeviceLoader(m, data, "cuda:0", pack_min_bytes=True)
         assert_nothing_left(m)
 
 
