@@ -453,7 +453,7 @@ UNCOPYABLE = {
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 @pytest.mark.filterwarnings("ignore:.*(quantize|nested):UserWarning")
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the check runs off the loop's path
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the check does not depend on the loop
 @pytest.mark.parametrize("case", list(UNCOPYABLE))
 async def test_a_tensor_the_loader_cannot_copy_is_refused_naming_its_batch_and_place(
     case: str, kind: str, ring: bool | None
