@@ -19,6 +19,7 @@ from aresidency import ResidencyManager
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, greedy, reference, tiny_llama
+from .test_pool import BLOCK, OUTSIDE
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +44,7 @@ class Gated(TinyLM):
             self.fail_next = False
             raise ValueError("a forward that fails")
         if isinstance(self.gate, threading.Barrier):
-            self.gate.wait(10)
+            self.gate.wait()  # for as long as the barrier was made to wait
         elif isinstance(self.gate, threading.Event):
             assert self.gate.wait(10), "the gate was never opened"
         return super().forward(tokens)
@@ -279,8 +280,6 @@ async def test_calls_on_resident_models_run_in_the_pools_one_thread(one_thread: 
 async def test_a_streamed_call_keeps_its_own_thread_with_one_thread() -> None:
     """A streamed call may wait in its thread for room that another model's call gives back:
     it never runs in the pool's one thread, where it would keep that call from running."""
-    from .test_pool import BLOCK, OUTSIDE
-
     module = Named(1)
     expected = reference(module, TOKENS)
     async with ResidencyManager(budgets={"cuda:0": OUTSIDE + 2 * BLOCK}, backend="sim") as m:
