@@ -86,26 +86,45 @@ def shard_source(tmp_path: Path) -> ShardSource:
     return ShardSource([path], batch_size=4, workers=2)
 
 
+class Sources:
+    """A new source of the same six batches per call: a list (read by a thread), an async
+    generator, or a ``ShardSource`` (staged); :meth:`close` closes the shard sources made."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.kind = kind
+        self.tmp_path = tmp_path
+        self.data = batches(6)
+        self.opened: list[ShardSource] = []
+
+    def __call__(self) -> Any:
+        if self.kind == "thread":
+            return list(self.data)
+        if self.kind == "async":
+            return async_source(self.data)
+        self.opened.append(shard_source(self.tmp_path))
+        return self.opened[-1]
+
+    def close(self) -> None:
+        for source in self.opened:
+            source.close()
+
+
+def sweep_points(total: int) -> range:
+    """The turns to cancel after: about thirty spread over ``total`` and past it (every one
+    with ``SWEEP_STEP=1``)."""
+    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)
+    return range(0, total + 2, step)
+
+
 @pytest.mark.parametrize("kind", ["thread", "async", "staged"])
 async def test_a_pass_cancelled_at_any_turn_ends_clean(
     kind: str, ring: bool | None, tmp_path: Path
 ) -> None:
-    data = batches(6)
-    opened: list[ShardSource] = []
-
-    def make_source() -> Any:
-        if kind == "thread":
-            return list(data)
-        if kind == "async":
-            return async_source(data)
-        opened.append(shard_source(tmp_path))
-        return opened[-1]
-
+    make_source = Sources(kind, tmp_path)
     total = await turns_of_a_pass(make_source, ring)
     assert total > 5
     cancelled = 0
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)  # SWEEP_STEP=1: all
-    for k in range(0, total + 2, step):
+    for k in sweep_points(total):
         async with ResidencyManager(backend=SimBackend()) as m:
             got: list[int] = []
             with anyio.fail_after(20):  # a hang fails here
@@ -123,8 +142,7 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
             cancelled += scope.cancelled_caught
             assert_nothing_left(m)
             assert not got or got == [6]  # the whole pass, or cut short by the cancellation
-    for source in opened:
-        source.close()
+    make_source.close()
     assert cancelled > 0  # the sweep cut passes short (the rest ran to their end)
     await assert_no_loader_thread_left()
 
@@ -137,21 +155,10 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
     """The same sweep with asyncio's own cancellation (``task.cancel()``, what
     ``asyncio.timeout`` and a server's dropped request do), which no anyio shield holds off:
     the loader still finishes its close, then the task ends cancelled."""
-    data = batches(6)
-    opened: list[ShardSource] = []
-
-    def make_source() -> Any:
-        if kind == "thread":
-            return list(data)
-        if kind == "async":
-            return async_source(data)
-        opened.append(shard_source(tmp_path))
-        return opened[-1]
-
+    make_source = Sources(kind, tmp_path)
     total = await turns_of_a_pass(make_source, ring)
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)
     cancelled = 0
-    for k in range(0, total + 2, step):
+    for k in sweep_points(total):
         async with ResidencyManager(backend=SimBackend()) as m:
             task = asyncio.ensure_future(consume(m, make_source(), ring))
             for _ in range(k):
@@ -166,7 +173,6 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
                     cancelled += 1
                     assert task.cancelled()
             assert_nothing_left(m)
-    for source in opened:
-        source.close()
+    make_source.close()
     assert cancelled > 0
     await assert_no_loader_thread_left()
