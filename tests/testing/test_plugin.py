@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -421,6 +422,43 @@ def test_the_guard_does_not_count_waiting_for_a_cpu_but_does_count_sleeping() ->
     assert slept < 0.05  # a blocking sleep still counts as the loop blocked
     assert contended > 0.15  # about two thirds of 0.3 s went to the rivals (a third ran)
     assert other > 0.1  # another Python thread's wait counts too (it may hold the lock)
+
+
+def fake_stat(path, steal: tuple[int, int]) -> None:
+    """A ``/proc/stat`` of two CPUs whose steal (the eighth number) is ``steal`` ticks."""
+    lines = [f"cpu  100 0 100 1000 0 0 0 {sum(steal)} 0 0"]
+    lines += [f"cpu{i} 50 0 50 500 0 0 0 {ticks} 0 0" for i, ticks in enumerate(steal)]
+    path.write_text("\n".join([*lines, "intr 1 2 3", "ctxt 10", ""]))
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+    reason="needs Linux's per-thread scheduler statistics",
+)
+def test_the_guard_does_not_count_steal_while_the_loop_ran_but_does_while_it_slept(tmp_path):
+    """Steal time (a hypervisor taking the guest's CPU) is read from a stand-in ``/proc/stat``:
+    the most one CPU lost counts, capped by what the loop's thread ran meanwhile."""
+    from aresidency.testing.guard import RunQueueClock
+
+    stat = tmp_path / "stat"
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    fake_stat(stat, (10, 10))
+    clock = RunQueueClock(stat_path=str(stat))
+    try:
+        start, wall = clock(), time.perf_counter()
+        while time.perf_counter() - wall < 0.3:  # the loop's thread runs: 0.3 s on a CPU
+            pass
+        fake_stat(stat, (10 + 2, 10 + 8))  # cpu1 lost 8 ticks, cpu0 2
+        ran = clock() - start
+        assert 8 * tick <= ran < 8 * tick + 0.05  # the most one CPU lost (and any wait)
+
+        start = clock()
+        time.sleep(0.3)  # the loop's thread sleeps: it did not lose a CPU
+        fake_stat(stat, (12 + 20, 18 + 20))
+        slept = clock() - start
+        assert slept < 0.02
+    finally:
+        clock.close()
 
 
 def test_the_guard_requested_by_a_module_spares_what_is_marked_and_a_run_without_it(
