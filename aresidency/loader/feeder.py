@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -39,8 +39,10 @@ __all__ = [
     "ThreadFeeder",
     "bridge_wake",
     "feed_async",
+    "changed_since_yielded",
     "needs_copy",
     "prepare",
+    "version_of",
 ]
 
 
@@ -49,7 +51,9 @@ class HostBatch:
     """One batch from a (non-staged) source, ready to be registered: its ``structure``, the
     distinct tensors to register (``parts``, in first-seen order), and for each tensor leaf of
     the structure the part it is (``leaf_part``). ``host_copies``: tensors copied to own their
-    memory. ``nbytes``: the parts' bytes. ``start``/``end``: when the source worked on it."""
+    memory. ``nbytes``: the parts' bytes. ``start``/``end``: when the source worked on it.
+    ``versions``: each part's version counter as the source yielded it (``None`` where torch
+    keeps none: an inference-mode tensor), for :func:`changed_since_yielded`."""
 
     index: int
     structure: Structure
@@ -59,6 +63,7 @@ class HostBatch:
     host_copies: int = 0
     start: float = 0.0
     end: float = 0.0
+    versions: list[int | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -89,6 +94,44 @@ def needs_copy(tensors: list[Any]) -> bool:
                 return True
             seen.add(key)
     return False
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (torch adds one at every in-place change), or ``None``
+    where torch keeps none (a tensor made in inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+def changed_since_yielded(
+    index: int,
+    structure: Structure,
+    leaf_part: list[int],
+    parts: list[torch.Tensor | None],
+    versions: list[int | None],
+) -> RuntimeError | None:
+    """The error for batch ``index`` if one of its tensors was changed in place after the
+    source yielded it (its version counter moved), before the loader had read it: the device
+    copy may then hold something the source never yielded (a source that refills one buffer
+    for every batch does this). ``None`` if none was; parts without a version are not
+    checked."""
+    for number, (part, version) in enumerate(zip(parts, versions, strict=False)):
+        if part is None or version is None:
+            continue
+        now = version_of(part)
+        if now is None or now == version:
+            continue
+        path = structure.paths[leaf_part.index(number)] if number in leaf_part else "?"
+        return RuntimeError(
+            f"batch {index} was changed in place after the source yielded it: its tensor at "
+            f"{path} went from version {version} to {now} before the loader had read it, so "
+            f"its copy on the device may not hold what the source yielded. A source must not "
+            f"write to a batch it has yielded: yield a new tensor for every batch (or a "
+            f".clone() of a buffer it refills)"
+        )
+    return None
 
 
 def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int) -> None:
@@ -140,7 +183,8 @@ def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
         leaf_part.append(len(parts))
         parts.append(part)
         nbytes += part.numel() * part.element_size()
-    return HostBatch(index, structure, parts, leaf_part, nbytes, copies)
+    versions = [version_of(part) for part in parts]
+    return HostBatch(index, structure, parts, leaf_part, nbytes, copies, versions=versions)
 
 
 class Arrivals:

@@ -52,7 +52,15 @@ from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .budget import never_fits, room, timeout_error
-from .feeder import Arrivals, End, HostBatch, ThreadFeeder, bridge_wake, feed_async
+from .feeder import (
+    Arrivals,
+    End,
+    HostBatch,
+    ThreadFeeder,
+    bridge_wake,
+    changed_since_yielded,
+    feed_async,
+)
 from .fills import StagedFills, return_slot
 from .lifetime import closed_under_pass, watch_close
 from .records import COPYING, DONE, OUT, QUEUED, RELEASING, BatchRecord, Part
@@ -239,7 +247,7 @@ class Epoch:
         granularity = self.manager.state.granularity
         backend = self.manager.backend
         parts = []
-        for tensor in host.parts:
+        for tensor, version in zip(host.parts, host.versions, strict=True):
             storage = max(tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size())
             parts.append(
                 Part(
@@ -247,6 +255,7 @@ class Epoch:
                     tensor.numel() * tensor.element_size(),
                     host=tensor,
                     location=backend.location_of(tensor),
+                    version=version,
                 )
             )
         return BatchRecord(host.index, parts, host.structure, host.nbytes, leaf_part=host.leaf_part)
@@ -463,6 +472,19 @@ class Epoch:
                 return False
         return True
 
+    def _changed(self, batch: BatchRecord) -> RuntimeError | None:
+        """The error if the source changed one of the batch's host tensors after yielding it
+        (:func:`~aresidency.loader.feeder.changed_since_yielded`)."""
+        if batch.leaf_part is None:
+            return None  # a staged batch: read from its files, not from the source's tensors
+        return changed_since_yielded(
+            batch.index,
+            batch.structure,
+            batch.leaf_part,
+            [part.host for part in batch.parts],
+            [part.version for part in batch.parts],
+        )
+
     def _issued(self, part: Part) -> None:
         # Called once: when the copy is issued (or soon, if it already was).
         part.watching = False
@@ -528,6 +550,10 @@ class Epoch:
                 if head is not None and head.error is not None:
                     raise head.error
                 if head is not None and self._ready(head):
+                    changed = self._changed(head)
+                    if changed is not None:
+                        head.error = changed
+                        raise changed
                     handed = self._hand_out(head)
                     # The window moved: admit the next batch now, while the step runs (no
                     # manager change may come to pump it when every copy completed already).

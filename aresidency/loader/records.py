@@ -48,6 +48,7 @@ class Part:
         "nbytes",
         "pending",
         "source",
+        "version",
         "watching",
     )
 
@@ -59,10 +60,12 @@ class Part:
         host: torch.Tensor | None = None,
         location: Location | None = None,
         source: SlotSource | None = None,
+        version: int | None = None,
     ) -> None:
         self.charge = charge
         self.nbytes = nbytes
         self.host = host
+        self.version = version  # the host tensor's version counter as the source yielded it
         self.location = location
         self.source = source
         self.key: tuple[str, int] | None = None

@@ -88,7 +88,7 @@ from ..core.values import value_charge
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .feeder import Arrivals, End, HostBatch, ThreadFeeder, feed_async
+from .feeder import Arrivals, End, HostBatch, ThreadFeeder, changed_since_yielded, feed_async
 from .lifetime import HostWaits, closed_under_pass, watch_close
 from .reclaim import release_shared
 from .staging import StagedFill, TensorSpec, staged_layout
@@ -380,7 +380,13 @@ class RingEpoch:
                     self._push(item)
                     return
                 index = item.index
-                self._push(self._copy(item))
+                ready = self._copy(item)
+                # Read (packed, or its copies issued): the source must not have written to
+                # it since it yielded it. The batch then raises that at its place.
+                ready.error = changed_since_yielded(
+                    index, item.structure, item.leaf_part, list(item.parts), item.versions
+                )
+                self._push(ready)
                 # The batch's bytes are on their way (taken by the driver, packed, or kept
                 # in the slot's pins): its shared memory goes back without the interpreter lock
                 parts, item.parts = item.parts, []

@@ -177,6 +177,57 @@ async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time(
     assert len(got) == 6 and all(torch.equal(g, static) for g in got)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_batch_the_source_changed_after_yielding_it_raises_at_its_place(
+    kind: str, ring: bool | None
+) -> None:
+    """The source yields batch 2, then (before the loader copied it: ``prefetch=0`` copies a
+    batch only when asked) its tensor is changed in place: batch 2 raises, naming itself and
+    the tensor, instead of handing out what the source never yielded."""
+    data = [{"x": torch.full((256,), float(i)), "i": i} for i in range(5)]
+    yielded = threading.Event()  # set once the source is asked for batch 3 (2 was prepared)
+
+    def sync_source() -> Iterator[dict[str, Any]]:
+        for i, batch in enumerate(data):
+            if i == 3:
+                yielded.set()
+            yield batch
+
+    async def async_source() -> AsyncIterator[dict[str, Any]]:
+        for batch in sync_source():
+            await anyio.lowlevel.checkpoint()
+            yield batch
+
+    source = sync_source() if kind == "sync" else async_source()
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=0, read_ahead=4, ring=ring) as ld:
+            got = []
+            with pytest.raises(RuntimeError) as info:
+                async for batch in ld:
+                    got.append(_clone(batch))
+                    if batch["i"] == 1:
+                        with anyio.fail_after(10):
+                            await anyio.to_thread.run_sync(yielded.wait)
+                        data[2]["x"].add_(100.0)  # written to after the source yielded it
+        assert "batch 2 was changed in place after the source yielded it" in str(info.value)
+        assert "['x'] went from version 0 to 1" in str(info.value)
+        assert [g["i"] for g in got] == [0, 1]
+        assert all(torch.equal(g["x"], data[g["i"]]["x"]) for g in got)
+        assert_nothing_left(m)
+
+
+async def test_inference_mode_tensors_without_a_version_counter_are_loaded(
+    ring: bool | None,
+) -> None:
+    with torch.inference_mode():
+        data = [torch.full((256,), float(i)) for i in range(4)]
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, ring=ring) as loader:
+            got = await collect(loader)
+        assert_nothing_left(m)
+    assert len(got) == 4 and all(torch.equal(g, d) for g, d in zip(got, data))
+
+
 # ---------------------------------------------------------------- DataLoader sources
 
 
