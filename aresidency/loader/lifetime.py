@@ -29,7 +29,7 @@ from ..backends.bridge import LoopBridge
 from ..backends.events import HostEvent
 from ..runtime.signal import ManagerClosedError
 
-__all__ = ["HostWaits", "closed_under_pass", "end_on_loop", "watch_close"]
+__all__ = ["HostWaits", "closed_under_pass", "end_on_loop", "ended_by_newer_pass", "watch_close"]
 
 
 def closed_under_pass(
@@ -44,6 +44,18 @@ def closed_under_pass(
     )
     error.__cause__ = cause
     return error
+
+
+def ended_by_newer_pass(loader: str, number: int, newer: int) -> RuntimeError:
+    """The error a consumer of pass ``number`` gets once pass ``newer`` of the same loader
+    (another ``async for`` over it) ended it: a loader runs one pass at a time, and a consumer
+    that silently stopped would take the truncated pass for the whole source."""
+    return RuntimeError(
+        f"pass {number} of {loader} was ended by pass {newer}, which another 'async for' over "
+        f"the loader began: a loader runs one pass at a time. Iterate it from one task (and "
+        f"hand its batches to other tasks yourself), or end a pass (break out, or aclose() its "
+        f"iterator) before you start the next"
+    )
 
 
 def watch_close(backend: Backend, label: str, callback: Callable[[], None]) -> Callable[[], None]:

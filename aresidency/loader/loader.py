@@ -20,7 +20,7 @@ from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
-from .lifetime import end_on_loop
+from .lifetime import end_on_loop, ended_by_newer_pass
 from .pinnedfiles import PinnedFiles
 from .pipeline import Epoch
 from .ring import RingEpoch
@@ -240,6 +240,8 @@ class DeviceLoader:
             self._check_open()  # closed while this task waited for the lock
             previous = self._epoch
             if previous is not None:
+                if previous.status == "running":
+                    previous.ended_by = self._epochs + 1  # its consumer is told, not stopped
                 previous.shutdown()
                 await finish_shielded(functools.partial(previous.drain, handover=True))
                 if isinstance(previous, RingEpoch):
@@ -447,8 +449,15 @@ class _Iteration:
         if epoch is None:
             epoch = self._epoch = await self._loader._begin()
         elif not self._loader.current(epoch):
-            raise StopAsyncIteration  # a newer pass, or the loader's close, ended this one
-        batch = await epoch.next()
+            if epoch.ended_by is not None:
+                raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
+            raise StopAsyncIteration  # the loader's close ended this one
+        try:
+            batch = await epoch.next()
+        except StopAsyncIteration:
+            if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
+                raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by) from None
+            raise
         return batch if self._wrap else batch.data
 
     def __del__(self) -> None:

@@ -90,6 +90,7 @@ class Epoch:
     def __init__(self, loader: DeviceLoader, number: int) -> None:
         self.loader = loader
         self.number = number
+        self.ended_by: int | None = None  # the newer pass that ended this one
         self.manager = loader.manager
         self.device = loader.device
         self.counters = loader.counters

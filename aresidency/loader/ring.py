@@ -234,6 +234,7 @@ class RingEpoch:
     ) -> None:
         self.loader = loader
         self.number = number
+        self.ended_by: int | None = None  # the newer pass that ended this one
         self.manager = loader.manager
         self.backend = loader.manager.backend
         self.device: Location = loader.device

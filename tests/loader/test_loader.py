@@ -612,12 +612,60 @@ async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
     ):
         first = aiter(loader)
         await anext(first)
-        got = await collect(loader)  # the second pass
+        second = aiter(loader)
+        got = [batch async for batch in second]  # the second pass, to its end
         assert len(got) == 6
-        with pytest.raises(StopAsyncIteration):
+        # The first pass's consumer is told, rather than seeing its pass end early.
+        with pytest.raises(RuntimeError, match=r"pass 1 of .* was ended by pass 2, which another"):
             await anext(first)
         await loader.drain()
         assert [v.handle.name for v in m.state.values()] == []
+        async for _ in loader:  # a third pass: the second had ended on its own
+            break
+        with pytest.raises(StopAsyncIteration):
+            await anext(second)
+
+
+async def test_two_tasks_iterating_one_loader_at_once_fail_clearly(ring: bool | None) -> None:
+    """The second task's pass ends the first's; the first task, waiting for its next batch,
+    gets an error saying so (not the end of its pass, which would look like the end of the
+    data), and everything is released."""
+    data = batches(6)
+    gate = Gate()
+
+    class Held:  # every pass holds before batch 1 until the gate opens
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return gated(data, gate, 1)
+
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, Held(), "cuda:0", prefetch=2, ring=ring) as loader:
+            got: list[torch.Tensor] = []
+            errors: list[BaseException] = []
+            told, one = anyio.Event(), anyio.Event()
+
+            async def first() -> None:
+                try:
+                    async for batch in loader:
+                        got.append(batch.clone())
+                        one.set()
+                except RuntimeError as error:
+                    errors.append(error)
+                told.set()
+
+            second = aiter(loader)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(first)
+                with anyio.fail_after(10):
+                    await one.wait()
+                    await anyio.to_thread.run_sync(gate.reached.wait)  # 1 waits for batch 1
+                    tasks.start_soon(anext, second)  # the second pass: ends the first
+                    await told.wait()  # before the second pass can read (the gate is shut)
+                gate.open.set()
+            await second.aclose()
+            assert len(errors) == 1, errors
+            assert "pass 1 of" in str(errors[0]) and "was ended by pass 2" in str(errors[0])
+            assert len(got) == 1 and torch.equal(got[0], data[0])
+        assert_nothing_left(m)
 
 
 async def test_aclose_without_async_with_releases_everything(ring: bool | None) -> None:
