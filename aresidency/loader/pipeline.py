@@ -205,9 +205,12 @@ class Epoch:
                 if not (took or admitted):
                     break
             for batch in (*self._queue, *self._out):
-                if batch.state in (COPYING, OUT):
+                if batch.state in (COPYING, OUT) and not batch.copies_settled:
+                    settled = True
                     for part in batch.parts:
                         self._protect(batch, part)
+                        settled = settled and self._protection_settled(part)
+                    batch.copies_settled = settled
         self._reap()
 
     # ------------------------------------------------------------------ arrivals
@@ -346,6 +349,22 @@ class Epoch:
         return True
 
     # ------------------------------------------------------------------ protection
+
+    @staticmethod
+    def _protection_settled(part: Part) -> bool:
+        """Whether nothing more can happen to the part's protection: its copy failed (and was
+        reported), it was discarded, or it is leased and its copy committed (a committed copy
+        cannot fail later, and a failed one under a lease completes only after the loader
+        saw the failure and dropped the lease)."""
+        if part.failed or part.discarded:
+            return True
+        pending = part.pending
+        return (
+            part.lease is not None
+            and pending is not None
+            and pending.done()
+            and pending.exception() is None
+        )
 
     def _protect(self, batch: BatchRecord, part: Part) -> None:
         """Trade the part's hold for a lease once its copy is issued (or arm a callback for

@@ -92,6 +92,7 @@ class BatchRecord:
 
     __slots__ = (
         "blocked_since",
+        "copies_settled",
         "error",
         "handed",
         "index",
@@ -128,6 +129,9 @@ class BatchRecord:
         self.blocked_since: float | None = None
         self.handed: DeviceBatch | None = None
         self.streams: list[Any] = []  # the consumer's streams, while out
+        # Every part leased and its copy committed (or failed, or discarded): nothing about
+        # its protection can change any more, so the pump stops looking at it.
+        self.copies_settled = False
 
     def __repr__(self) -> str:
         return f"<batch {self.index} {self.state} {format_nbytes(self.nbytes)}>"
