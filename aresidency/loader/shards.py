@@ -113,6 +113,22 @@ class _Shard:
                     pass  # a tensor over it is still alive: unmapped when that one dies
 
 
+def _describe(columns: list[_Column]) -> str:
+    """What a shard holds, for an error: ``float32 samples of shape (4,)``, or per key."""
+    described = [
+        f"{'' if c.key is None else repr(c.key) + ': '}{str(c.dtype).removeprefix('torch.')} "
+        f"samples of shape {c.row_shape}"
+        for c in columns
+    ]
+    return "; ".join(described) if described else "nothing"
+
+
+def _where(shard: _Shard) -> str:
+    """The files of a shard, for an error."""
+    paths = sorted({str(file.path) for file, _ in shard.files.values()})
+    return ", ".join(paths) if paths else "its files"
+
+
 #: The smallest piece :meth:`ShardSource.read_pieces` cuts a batch into. Every piece costs the
 #: reading thread a few turns of the interpreter lock, which the event loop's thread then waits
 #: for: on the H200 host, 1 MiB pieces made a loader's steps slower at 16 and 64 MiB batches
@@ -263,8 +279,9 @@ class ShardSource:
             columns = self._columns_of(shard)
             if columns != self.columns:
                 raise ValueError(
-                    f"shard {number} holds {columns}, but the first shard holds {self.columns}: "
-                    "every shard needs the same keys, dtypes and sample shapes"
+                    f"shard {number} ({_where(shard)}) holds {_describe(columns)}, but the first "
+                    f"shard ({_where(self.shards[0])}) holds {_describe(self.columns)}: every "
+                    "shard needs the same keys, dtypes and sample shapes"
                 )
 
     def _add_npy_shard(self, files: dict[str | None, Path]) -> None:

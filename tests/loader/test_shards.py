@@ -155,6 +155,26 @@ def test_shard_source_options_of_the_wrong_type_are_refused(
         assert source.seed == 3 and type(source.seed) is int  # a numpy integer is an int
 
 
+@pytest.mark.parametrize(
+    ("second", "held"),
+    [
+        (np.ones((6, 4), dtype=np.float64), "float64 samples of shape (4,)"),
+        (np.ones((6, 3), dtype=np.float32), "float32 samples of shape (3,)"),
+    ],
+    ids=["dtype", "sample shape"],
+)
+def test_shards_that_disagree_are_refused_naming_both_files_and_what_each_holds(
+    tmp_path: Path, second: np.ndarray, held: str
+) -> None:
+    np.save(tmp_path / "a.npy", np.ones((8, 4), dtype=np.float32))
+    np.save(tmp_path / "b.npy", second)
+    with pytest.raises(ValueError) as info:
+        ShardSource([tmp_path / "a.npy", tmp_path / "b.npy"], batch_size=4)
+    message = str(info.value)
+    assert f"shard 1 ({tmp_path / 'b.npy'}) holds {held}" in message
+    assert f"the first shard ({tmp_path / 'a.npy'}) holds float32 samples of shape (4,)" in message
+
+
 @pytest.mark.parametrize("width", [33, 300], ids=["132 B rows", "1200 B rows"])
 @pytest.mark.parametrize("reader", ["kernel", "torch"])
 def test_shuffled_batches_are_the_files_rows_whichever_reads_them(
