@@ -208,6 +208,9 @@ class Epoch:
                 if batch.state in (COPYING, OUT) and not batch.copies_settled:
                     settled = True
                     for part in batch.parts:
+                        if part.lease is not None and not part.landed:
+                            settled = False  # in flight: nothing to look at until it lands
+                            continue
                         self._protect(batch, part)
                         settled = settled and self._protection_settled(part)
                     batch.copies_settled = settled
@@ -374,6 +377,8 @@ class Epoch:
             return
         lease = part.lease
         if lease is not None:
+            if not part.landed:
+                return  # its copy has not completed: no failure to see yet
             failure = lease.failure()
             if failure is not None and not part.failed:
                 part.failed = True
@@ -412,12 +417,15 @@ class Epoch:
         if event is not None and not event.query():
             # Its completion commits the copy (a change the pump hears about), but a failed one
             # waits for the lease to end: the pump must look at the lease when the copy ends.
-            manager.backend.notify(event, functools.partial(self._landed))
+            manager.backend.notify(event, functools.partial(self._landed, part))
+        else:
+            part.landed = True
 
-    def _landed(self, error: BaseException | None) -> None:
+    def _landed(self, part: Part, error: BaseException | None) -> None:
         # One more turn of the loop: the manager's own completion callback, queued at the
         # same moment, has then recorded the copy's outcome on the lease. A manager that is
         # closing pumps nothing more (its close released the batches).
+        part.landed = True
         if self.manager.running:
             self.manager.bridge.call_soon_quietly(self.pump)
 

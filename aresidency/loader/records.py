@@ -43,6 +43,7 @@ class Part:
         "host",
         "issued_at",
         "key",
+        "landed",
         "lease",
         "location",
         "nbytes",
@@ -74,6 +75,9 @@ class Part:
         self.handle: ValueHandle | None = None
         self.pending: PendingOperation | None = None
         self.lease: Lease | None = None
+        # The lease's copy completed (or had, when the lease was entered): only then can the
+        # lease report a failure, so only then does the pump look at it.
+        self.landed = False
         self.hold: Hold | None = None
         self.issued_at = 0.0
         self.watching = False
