@@ -128,10 +128,12 @@ async def test_a_call_charges_one_reservation_for_its_ring_and_no_block_replicas
 
 
 async def test_device_memory_stays_within_a_budget_of_three_blocks() -> None:
-    model = Net(d=64, n=12)
+    # The test's own set-up (a model and its output on the CPU) off the loop: the guard
+    # measures the code under test.
+    model = await anyio.to_thread.run_sync(lambda: Net(d=64, n=12))
     x = torch.randn(4, 16)
-    expected = reference(model, x)
-    block, resident = await sizes(Net(d=64, n=12))
+    expected = await anyio.to_thread.run_sync(reference, model, x)
+    block, resident = await sizes(await anyio.to_thread.run_sync(lambda: Net(d=64, n=12)))
     budget = resident + 3 * block
     backend = SimBackend()
     async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:

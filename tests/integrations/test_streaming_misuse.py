@@ -10,6 +10,7 @@ import copy
 import dataclasses
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from torch import nn
@@ -196,11 +197,12 @@ async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:
 async def test_a_second_streamed_model_takes_the_room_the_first_keeps(ring: bool | None) -> None:
     """Model A keeps its groups on the device between calls; model B, called next, needs
     the room: A's kept groups leave for B (they are a cache), and A runs again after."""
-    a, b = Net(seed=0), Net(d=48, seed=1)
+    a, b = await anyio.to_thread.run_sync(lambda: (Net(seed=0), Net(d=48, seed=1)))
     x = torch.randn(4, 16)
-    want_a, want_b = expected(a, x), expected(b, x)
+    want_a, want_b = await anyio.to_thread.run_sync(lambda: (expected(a, x), expected(b, x)))
     async with ResidencyManager(backend="sim") as m:
         sa = stream_module(m, a, prefetch=1, ring=ring)
+        await anyio.lowlevel.checkpoint()
         sb = stream_module(m, b, prefetch=1, ring=ring)
         m.set_budget("cuda:0", sa.resident_bytes + sum(sa.block_bytes))  # all of A
         with torch.no_grad():

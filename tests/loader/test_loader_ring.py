@@ -569,11 +569,19 @@ async def test_large_batches_are_packed_by_several_threads_bit_identical(
         "memmove",
         lambda d, s, n: split.append(threading.get_ident()) or real(d, s, n),
     )
-    g = torch.Generator().manual_seed(7)
-    data: list[Any] = []
-    for i in range(4):
-        x = torch.randn(6 << 18, generator=g)  # 6 MiB
-        data.append({"x": x, "t": torch.randn(64, 96, generator=g).t(), "i": i})
+
+    def make() -> list[Any]:  # 24 MiB of random numbers: off the loop, as a source would
+        g = torch.Generator().manual_seed(7)
+        return [
+            {
+                "x": torch.randn(6 << 18, generator=g),
+                "t": torch.randn(64, 96, generator=g).t(),
+                "i": i,
+            }
+            for i in range(4)  # 6 MiB each
+        ]
+
+    data = await anyio.to_thread.run_sync(make)
     async with ResidencyManager(budgets={"cuda:0": 64 << 20}, backend=SimBackend()) as m:
         async with DeviceLoader(m, data, "cuda:0", prefetch=1, pack_min_bytes=0) as loader:
             got = [

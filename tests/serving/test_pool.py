@@ -540,6 +540,7 @@ async def test_a_concurrent_mix_of_models_never_goes_over_budget(
         pool = ModelPool(m)
         for seed, name in enumerate("abcd"):
             pool.add(name, TinyLM(seed=seed))
+            await anyio.lowlevel.checkpoint()  # the test's own set-up must not stall the loop
         pool.add("big", big, prefetch=2)  # does not fit: always streamed
         generator = torch.Generator().manual_seed(0)
         names = ["a", "a", "a", "b", "b", "c", "d", "big"]
@@ -1122,6 +1123,7 @@ async def test_random_traffic_with_joins_past_the_head_stays_in_budget_and_starv
             module = TinyLM(seed=i)
             expected[name] = reference(module, TOKENS)
             pool.add(name, module)
+            await anyio.lowlevel.checkpoint()  # the test's own set-up must not stall the loop
         names = ["a"] * 6 + ["b"] * 4 + ["c", "d", "e"]
         ended: list[str] = []
         cancelled = 0
