@@ -68,6 +68,7 @@ async def test_two_pools_on_one_device_serve_every_request_and_fail_none(seed: i
                 module = TinyLM(seed=10 * (which == "B") + i)
                 refs[(which, name)] = reference(module, TOKENS)
                 pool.add(name, module)
+                await anyio.lowlevel.checkpoint()  # the test's set-up must not stall the loop
         plan = [
             [(rng.choice(list(refs)), rng.choice([0, 4096, TOTAL // 2])) for _ in range(8)]
             for _ in range(6)
