@@ -327,7 +327,7 @@ class Epoch:
             except ResidencyBudgetError:
                 return self._blocked(batch)
             except Exception as error:
-                batch.error = error
+                batch.error = self._in_batch(error, batch, part, "could not be registered")
                 return False
             if part.key is not None:
                 self._host_storages[part.key] = part
@@ -338,7 +338,7 @@ class Epoch:
             except ResidencyBudgetError:
                 return self._blocked(batch)  # a scope waits for room here first (FIFO)
             except Exception as error:
-                batch.error = error
+                batch.error = self._in_batch(error, batch, part, f"could not go to {self.device}")
                 return False
             part.pending = pending
             part.issued_at = time.perf_counter()
@@ -454,6 +454,19 @@ class Epoch:
         lease, part.lease = part.lease, None
         if lease is not None and lease.status == "entered":
             lease.exit_nowait(reader_events=[])
+
+    def _in_batch(self, error: Exception, batch: BatchRecord, part: Part, what: str) -> Exception:
+        """``error`` (its type and message kept) with a note saying which batch and tensor it
+        is about: the manager's own message speaks of values, which the consumer never made."""
+        where = ""
+        if batch.leaf_part is not None and len(batch.structure) > 1:
+            number = batch.parts.index(part)
+            where = f" at {batch.structure.paths[batch.leaf_part.index(number)]}"
+        error.add_note(
+            f"{self.loader.name}, pass {self.number}: the tensor{where} of batch {batch.index} "
+            f"{what} as a managed value (ring=False makes each tensor one)"
+        )
+        return error
 
     def _label(self, batch: BatchRecord, part: Part) -> str:
         """The value's name: loader, epoch, batch, and the path of its first tensor."""

@@ -216,6 +216,23 @@ async def test_a_batch_the_source_changed_after_yielding_it_raises_at_its_place(
         assert_nothing_left(m)
 
 
+async def test_a_tensor_the_manager_refuses_as_a_value_is_named_by_its_batch_and_place() -> None:
+    """Through managed values each tensor is registered: one that is another value's memory
+    is refused with the manager's message, and a note names the batch and the tensor."""
+    async with ResidencyManager(backend=sim()) as m:
+        other = m.register(torch.arange(8.0), name="w", location="cuda:0")
+        async with m.acquire(other, "cuda:0") as lease:
+            source = [{"ok": torch.ones(4)}, {"y": torch.ones(2), "x": lease.tensor}]
+            async with DeviceLoader(m, source, "cuda:0", ring=False) as loader:
+                with pytest.raises(ValueError, match="already belongs to value w") as info:
+                    async for _ in loader:
+                        pass
+        notes = "".join(getattr(info.value, "__notes__", []))
+        assert "the tensor at ['x'] of batch 1 could not be registered" in notes
+        await m.discard(other)
+        assert_nothing_left(m)
+
+
 async def test_inference_mode_tensors_without_a_version_counter_are_loaded(
     ring: bool | None,
 ) -> None:
