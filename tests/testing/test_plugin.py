@@ -463,6 +463,41 @@ def test_the_guard_does_not_count_steal_while_the_loop_ran_but_does_while_it_sle
         clock.close()
 
 
+def test_torch_is_warmed_up_before_the_first_guarded_test_of_a_fresh_process(pytester):
+    """In a process of its own (where nothing ran torch before): the guard ran torch's
+    start-up before its first test, and a test it does not guard finds it not run."""
+    pytester.makepyfile(
+        test_inner=textwrap.dedent(
+            """
+            import pytest
+            from aresidency.testing import guard
+
+            def test_unguarded_first():
+                assert not guard._warmed
+
+            @pytest.mark.anyio
+            async def test_guarded(loop_stall_guard):
+                assert guard._warmed
+            """
+        )
+    )
+    pytester.makeconftest(ONE_LOOP)
+    result = pytester.runpytest_subprocess(*ANYIO_ONLY)
+    result.assert_outcomes(passed=2)
+
+
+def test_the_warm_up_draws_nothing_from_torchs_generators(monkeypatch):
+    import torch
+
+    from aresidency.testing import guard
+
+    monkeypatch.setattr(guard, "_warmed", False)
+    before = torch.random.get_rng_state()
+    guard.warm_torch()
+    assert guard._warmed
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_the_guard_requested_by_a_module_spares_what_is_marked_and_a_run_without_it(
     pytester, monkeypatch
 ):
