@@ -264,9 +264,9 @@ class RunQueueClock:
             self._stat: int | None = os.open(stat_path, os.O_RDONLY) if self._works else None
         except OSError:
             self._stat = None  # no steal figures: run-queue waits only
-        self._steal = self._read_steal()  # per CPU: its steal ticks when last read
-        self._ran = self._read_own(0)  # the loop's thread: its nanoseconds on a CPU
-        self(everyone=True)
+        self._steal: list[int] = []  # per CPU: its steal ticks when last read
+        self._ran: int | None = None  # the loop's thread: its nanoseconds on a CPU, then
+        self(everyone=True)  # the first reading: the baselines
 
     def __call__(self, everyone: bool = True) -> float:
         """The seconds so far. ``everyone=False`` reads the calling thread only (about 3 us;
@@ -283,21 +283,26 @@ class RunQueueClock:
                     self._forget(tid)  # ended: what it waited since its last reading is lost
         else:
             tids = {self._own}
+        own_ran = None
         for tid in tids:
-            waited = self._read(tid, 1)
-            if waited is None:
+            read = self._read(tid)
+            if read is None:
                 continue
+            ran, waited = read
+            if tid == self._own:
+                own_ran = ran
             last = self._last.get(tid)
             if last is not None and waited > last:
                 self._total += waited - last
             self._last[tid] = waited
-        self._total += self._stolen()
+        self._total += self._stolen(own_ran)
         return self._total * 1e-9
 
-    def _stolen(self) -> int:
+    def _stolen(self, ran: int | None) -> int:
         """Nanoseconds the hypervisor took from the loop's thread since the last call (an
-        estimate: the most any one CPU lost, at most what the thread ran)."""
-        steal, ran = self._read_steal(), self._read_own(0)
+        estimate: the most any one CPU lost, at most what the thread ran: ``ran``, its
+        nanoseconds on a CPU now)."""
+        steal = self._read_steal()
         before, ran_before = self._steal, self._ran
         self._steal, self._ran = steal, ran
         if not steal or len(steal) != len(before) or ran is None or ran_before is None:
@@ -318,16 +323,15 @@ class RunQueueClock:
         except (OSError, ValueError, IndexError):
             return []
 
-    def _read_own(self, field: int) -> int | None:
-        return self._read(self._own, field)
-
-    def _read(self, tid: int, field: int) -> int | None:
+    def _read(self, tid: int) -> tuple[int, int] | None:
+        """The thread's nanoseconds on a CPU and waiting on a run queue, or None."""
         fd = self._fds.get(tid)
         try:
             if fd is None:
                 fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
             # "<ns on a CPU> <ns waiting on a run queue> <time slices>"
-            return int(os.pread(fd, 128, 0).split()[field])
+            ran, waited = os.pread(fd, 128, 0).split()[:2]
+            return int(ran), int(waited)
         except (OSError, ValueError, IndexError):
             self._forget(tid)  # the thread ended, or the system does not say
             return None
