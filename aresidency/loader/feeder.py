@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,8 @@ __all__ = [
     "HostBatch",
     "ThreadFeeder",
     "bridge_wake",
-    "feed_async",
     "changed_since_yielded",
+    "feed_async",
     "needs_copy",
     "prepare",
     "version_of",
@@ -53,7 +53,7 @@ class HostBatch:
     the structure the part it is (``leaf_part``). ``host_copies``: tensors copied to own their
     memory. ``nbytes``: the parts' bytes. ``start``/``end``: when the source worked on it.
     ``versions``: each part's version counter as the source yielded it (``None`` where torch
-    keeps none: an inference-mode tensor), for :func:`changed_since_yielded`."""
+    refuses to give one), for :func:`changed_since_yielded`."""
 
     index: int
     structure: Structure
@@ -98,7 +98,8 @@ def needs_copy(tensors: list[Any]) -> bool:
 
 def version_of(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter (torch adds one at every in-place change), or ``None``
-    where torch keeps none (a tensor made in inference mode)."""
+    where torch refuses to give one (an inference-mode tensor itself; the detached view the
+    loader keeps of one reads 0, and in-place writes under inference mode do not count)."""
     try:
         return tensor._version
     except RuntimeError:  # "Inference tensors do not track version counter"
@@ -108,9 +109,9 @@ def version_of(tensor: torch.Tensor) -> int | None:
 def changed_since_yielded(
     index: int,
     structure: Structure,
-    leaf_part: list[int],
-    parts: list[torch.Tensor | None],
-    versions: list[int | None],
+    leaf_part: Sequence[int],
+    parts: Sequence[torch.Tensor | None],
+    versions: Sequence[int | None],
 ) -> RuntimeError | None:
     """The error for batch ``index`` if one of its tensors was changed in place after the
     source yielded it (its version counter moved), before the loader had read it: the device
@@ -123,7 +124,7 @@ def changed_since_yielded(
         now = version_of(part)
         if now is None or now == version:
             continue
-        path = structure.paths[leaf_part.index(number)] if number in leaf_part else "?"
+        path = structure.part_path(leaf_part, number)
         return RuntimeError(
             f"batch {index} was changed in place after the source yielded it: its tensor at "
             f"{path} went from version {version} to {now} before the loader had read it, so "

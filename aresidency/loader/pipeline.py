@@ -460,8 +460,7 @@ class Epoch:
         is about: the manager's own message speaks of values, which the consumer never made."""
         where = ""
         if batch.leaf_part is not None and len(batch.structure) > 1:
-            number = batch.parts.index(part)
-            where = f" at {batch.structure.paths[batch.leaf_part.index(number)]}"
+            where = f" at {batch.structure.part_path(batch.leaf_part, batch.parts.index(part))}"
         error.add_note(
             f"{self.loader.name}, pass {self.number}: the tensor{where} of batch {batch.index} "
             f"{what} as a managed value (ring=False makes each tensor one)"
@@ -473,8 +472,7 @@ class Epoch:
         name = f"{self.loader.name}/e{self.number}/b{batch.index}"
         if batch.leaf_part is None or len(batch.structure) == 1:
             return name
-        number = batch.parts.index(part)
-        return f"{name}{batch.structure.paths[batch.leaf_part.index(number)]}"
+        return f"{name}{batch.structure.part_path(batch.leaf_part, batch.parts.index(part))}"
 
     def _copied(self, batch: BatchRecord, part: Part, pending: PendingOperation) -> None:
         """A materialization finished: committed, failed (once nothing protected it any more)

@@ -385,7 +385,7 @@ class RingEpoch:
                 # Read (packed, or its copies issued): the source must not have written to
                 # it since it yielded it. The batch then raises that at its place.
                 ready.error = changed_since_yielded(
-                    index, item.structure, item.leaf_part, list(item.parts), item.versions
+                    index, item.structure, item.leaf_part, item.parts, item.versions
                 )
                 self._push(ready)
                 # The batch's bytes are on their way (taken by the driver, packed, or kept

@@ -46,6 +46,11 @@ class Structure:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def part_path(self, leaf_part: Sequence[int], part: int) -> str:
+        """The path of the first tensor that is distinct tensor ``part`` of the batch
+        (``leaf_part`` gives, for each tensor in ``paths`` order, the part it is)."""
+        return self.paths[leaf_part.index(part)]
+
     def rebuild(self, tensors: Sequence[Any]) -> Any:
         """The batch again, with ``tensors`` (in ``paths`` order) in place of the originals."""
         if len(tensors) != len(self.paths):
