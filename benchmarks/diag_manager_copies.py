@@ -27,6 +27,7 @@ smoke test of the script, not a measurement of the CUDA path.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -58,6 +59,34 @@ async def _median_us(
         for key, seconds in (await fn()).items():
             samples.setdefault(key, []).append(seconds / count * 1e6)
     return {key: statistics.median(values) for key, values in samples.items()}
+
+
+class GcClock:
+    """Collections of the cyclic garbage collector while the rounds run, and the time they took
+    (``gc.callbacks``), per generation."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.count[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._start
+
+    def summary(self, copies: int) -> str:
+        parts = [
+            f"gen{g} {n} x, {s * 1e3:.1f} ms"
+            for g, (n, s) in enumerate(zip(self.count, self.seconds, strict=True))
+        ]
+        return (
+            f"garbage collector during the rounds: {'; '.join(parts)}; "
+            f"{sum(self.seconds) / copies * 1e6:.1f} us per copy"
+        )
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -135,6 +164,7 @@ async def main(args: argparse.Namespace) -> None:
                         tasks.start_soon(m.release, h, dev)
                 return {label: t1 - t0}
 
+            run.__name__ = label
             return run
 
         def plan_round(which: list[Any], label: str) -> Callable[[], Awaitable[dict[str, float]]]:
@@ -146,6 +176,7 @@ async def main(args: argparse.Namespace) -> None:
                 await m.execute(ResidencyPlan(reclaim=[Release(h, dev) for h in which]))
                 return {label: t1 - t0}
 
+            run.__name__ = label
             return run
 
         for fn in (
@@ -156,7 +187,20 @@ async def main(args: argparse.Namespace) -> None:
             plan_round(handles, "one plan"),
             plan_round(small, "4 KiB one plan"),
         ):
-            rows.update(await _median_us(fn, args.rounds, count))
+            if args.gc == "freeze":
+                gc.collect()
+                gc.freeze()
+            elif args.gc == "off":
+                gc.disable()
+            clock = GcClock()
+            gc.callbacks.append(clock)
+            try:
+                rows.update(await _median_us(fn, args.rounds, count))
+            finally:
+                gc.callbacks.remove(clock)
+                gc.enable()
+            name = getattr(fn, "__name__", "")
+            print(f"{name}: {clock.summary((args.rounds + 1) * count)}")
     where = "cuda" if gpu else "sim (simulation, not a measurement)"
     print(
         f"{count} copies of {format_nbytes(nbytes)} at once, {where}, torch {torch.__version__}, "
@@ -180,6 +224,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--waiter", default="auto", help="the CUDA backend's event waiter")
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("default", "freeze", "off"),
+        default="default",
+        help="the cyclic garbage collector during the rounds: as it is, every object alive "
+        "before them frozen (gc.freeze), or disabled",
     )
     return parser.parse_args(argv)
 
