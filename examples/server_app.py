@@ -31,6 +31,7 @@ host memory, tiny models). ``create_app(ServerConfig(...))`` or
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import time
@@ -136,8 +137,11 @@ class ServerConfig:
     ``demand_half_life`` (seconds), the default ``timeout`` for admission (seconds),
     ``workspace_per_token`` (bytes of activations reserved per token, beside the KV cache),
     ``prebuilt`` (name -> an ``nn.Module`` already built, served instead of building the
-    spec's: the benchmark builds its models once for every method it compares), and
-    ``pool_options`` (more keyword arguments of ``ModelPool``)."""
+    spec's: the benchmark builds its models once for every method it compares),
+    ``pool_options`` (more keyword arguments of ``ModelPool``) and ``freeze_gc`` (once the
+    models are built and added, ``gc.freeze()`` every object alive, so that the collector's
+    full collections leave torch's and the models' objects out: ``docs/performance.md``,
+    "Python's garbage collector"; undone at shutdown)."""
 
     models: Sequence[ModelSpec] = field(default_factory=default_models)
     device: str = "cuda:0"
@@ -149,6 +153,7 @@ class ServerConfig:
     workspace_per_token: int = 4096
     prebuilt: Mapping[str, nn.Module] = field(default_factory=dict)
     pool_options: Mapping[str, Any] = field(default_factory=dict)
+    freeze_gc: bool = False
 
 
 # ---------------------------------------------------------------------------- requests
@@ -270,10 +275,17 @@ def create_app(
             app.state.specs = specs
             app.state.dtype = dtype
             logger.info("serving %s on %s (%s)", ", ".join(specs), device, manager.backend.name)
+            if config.freeze_gc:
+                gc.collect()
+                gc.freeze()
             try:
                 yield
             finally:
-                await pool.aclose()  # waits for the requests in flight
+                try:
+                    await pool.aclose()  # waits for the requests in flight
+                finally:
+                    if config.freeze_gc:
+                        gc.unfreeze()
 
     app = FastAPI(title="aresidency model pool", lifespan=lifespan)
 
@@ -396,4 +408,4 @@ def create_app(
 
 
 #: ``uvicorn examples.server_app:app``: the default set-up.
-app = create_app()
+app = create_app(ServerConfig(freeze_gc=True))

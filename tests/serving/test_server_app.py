@@ -4,6 +4,7 @@ devices in host memory: its streams run on worker threads)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -255,3 +256,21 @@ async def test_shutdown_finishes_the_requests_in_flight() -> None:
         assert not pool.models  # the pool closed after the request ended
     assert [a.status_code for a in answers] == [200]
     assert len(answers[0].json()["tokens"]) == 21
+
+
+@pytest.mark.allow_loop_stall  # the start-up's full collection, and gc.get_objects, on purpose
+async def test_freeze_gc_freezes_what_start_up_made_and_unfreezes_at_shutdown() -> None:
+    # The example's own app (uvicorn's) freezes; a made one does not unless asked.
+    assert example.app is not None
+    gc.unfreeze()
+    async with served(make_app()) as running:
+        assert gc.get_freeze_count() == 0
+        assert (await running.client.post("/embed/llama-a", json={"prompt_len": 4})).is_success
+    async with served(make_app(freeze_gc=True)) as running:
+        # The models were built before the freeze: they are in the frozen set, which the
+        # collector (and gc.get_objects) leaves out.
+        assert gc.get_freeze_count() > 0
+        module = running.pool.module("llama-a").module
+        assert not any(obj is module for obj in gc.get_objects())
+        assert (await running.client.post("/embed/llama-a", json={"prompt_len": 4})).is_success
+    assert gc.get_freeze_count() == 0
