@@ -18,6 +18,18 @@ _CUDA_RE: Final = re.compile(r"cuda:(0|[1-9][0-9]*)")
 _KIND_ORDER: Final = {"pageable-host": 0, "pinned-host": 1, "cuda": 2}
 
 
+def _hint(value: str) -> str:
+    """What an unknown location string should have been: torch's own device names get a
+    sentence of their own (a user of torch writes them first)."""
+    expected = "expected 'pageable-host', 'pinned-host' or 'cuda:N' (N a device index)"
+    name = value.strip().lower()
+    if name == "cuda":
+        return f"{expected}; 'cuda' has no index: write 'cuda:0' (or another index), not guessed"
+    if name == "cpu":
+        return f"{expected}; host memory is 'pageable-host' (torch's 'cpu') or 'pinned-host'"
+    return expected
+
+
 @dataclass(frozen=True, slots=True, order=False)
 class Location:
     """One place a materialization can live.
@@ -65,10 +77,7 @@ class Location:
                 if len(_PARSED) < 1024:  # a few strings name every location a program uses
                     _PARSED[value] = parsed
                 return parsed
-            raise ValueError(
-                f"unknown location {value!r}: expected 'pageable-host', 'pinned-host' or "
-                "'cuda:N' (N a device index)"
-            )
+            raise ValueError(f"unknown location {value!r}: {_hint(value)}")
         # torch.device, duck-typed so that this module needs no torch import.
         device_type = getattr(value, "type", None)
         if isinstance(device_type, str) and hasattr(value, "index"):

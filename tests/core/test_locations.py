@@ -88,6 +88,27 @@ def test_bad_location_string_is_a_value_error_that_names_the_value(text):
     assert "cuda:N" in str(info.value)  # says what would have been accepted
 
 
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        pytest.param("cuda", "write 'cuda:0'", id="bare-cuda-word"),
+        ("CUDA", "write 'cuda:0'"),
+        ("cpu", "'pageable-host' (torch's 'cpu')"),
+        (" CPU", "'pageable-host' (torch's 'cpu')"),
+    ],
+)
+def test_torchs_device_names_get_a_hint_at_the_location_meant(text, hint):
+    with pytest.raises(ValueError, match="unknown location") as info:
+        Location.parse(text)
+    assert hint in str(info.value)
+
+
+def test_other_bad_strings_get_no_torch_hint():
+    with pytest.raises(ValueError) as info:
+        Location.parse("gpu:0")
+    assert "torch" not in str(info.value) and "write" not in str(info.value)
+
+
 @pytest.mark.parametrize("value", [0, 1.5, None, b"cuda:0", ("cuda", 0), object()])
 def test_non_location_objects_are_a_value_error_that_names_the_value(value):
     with pytest.raises(ValueError) as info:
