@@ -89,6 +89,7 @@ from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, changed_since_yielded, feed_async
+from .kept import KeptAfterRelease
 from .lifetime import HostWaits, closed_under_pass, watch_close
 from .reclaim import release_shared
 from .staging import StagedFill, TensorSpec, staged_layout
@@ -156,16 +157,26 @@ class Slot:
         return f"<ring slot #{self.number} {format_nbytes(self.nbytes)} {self.state}>"
 
 
-def _poison_views(views: list[torch.Tensor]) -> None:
+def _regions(buffer: torch.Tensor, views: list[torch.Tensor]) -> list[tuple[int, int, Any]]:
+    """Where each of ``views`` lies in its slot's byte ``buffer``: (offset, bytes, dtype)."""
+    base = buffer.data_ptr()
+    return [
+        (view.data_ptr() - base, view.numel() * view.element_size(), view.dtype)
+        for view in views
+        if view.numel()
+    ]
+
+
+def _poison_regions(buffer: torch.Tensor, regions: list[tuple[int, int, Any]]) -> None:
     """NaN into floating and complex tensors, the byte 0xA5 into the others (the simulated
-    backend's poison)."""
-    for view in views:
-        if not view.numel():
-            continue
-        if view.is_floating_point() or view.is_complex():
-            view.fill_(float("nan"))
+    backend's poison). The regions, not the batch's own tensors, so that the poison waiting
+    in stream order keeps none of them alive (:mod:`~aresidency.loader.kept`)."""
+    for offset, nbytes, dtype in regions:
+        region = buffer[offset : offset + nbytes]
+        if dtype.is_floating_point or dtype.is_complex:
+            region.view(dtype).fill_(float("nan"))
         else:
-            view.reshape(-1).view(torch.uint8).fill_(POISON_BYTE)
+            region.fill_(POISON_BYTE)
 
 
 @dataclass(slots=True)
@@ -281,6 +292,7 @@ class RingEpoch:
         # consumer is handed a batch only while at most ``run_ahead`` of them are incomplete.
         # Those of the pass before (``after``) count too: the device may still run its steps.
         self._behind: deque[list[Any]] = deque() if after is None else deque(after._behind)
+        self.kept = KeptAfterRelease()  # batches still referenced after their release
 
     def __repr__(self) -> str:
         with self._cond:
@@ -950,6 +962,7 @@ class RingEpoch:
                 raise self.closed_error()
             raise StopAsyncIteration
         counters = self.counters
+        counters.kept_after_release += self.kept.requested(self.loader.name, self.number)
         self.release_unkept()
         await self._catch_up()
         began = time.perf_counter()
@@ -1099,10 +1112,16 @@ class RingEpoch:
         (its next copy waits for them on the device). The host does not wait."""
         if self._out.pop(id(out.slot), None) is None:
             return
+        handed, views = out.handed, out.views
+        # Nothing of the ring refers to the batch's tensors from here on: the consumer's
+        # references are then the only ones left for the check of kept batches to see.
+        out.handed, out.views = None, []
+        if handed is not None:
+            self.kept.released(handed.index, views)
         readers: list[Any] = []
         if self.manager.running:  # else the device stopped: nothing reads or copies any more
             if self.host_wait:
-                self._poison(out)
+                self._poison(out.slot, out.streams, views)
             backend = self.backend
             readers = [backend.device_event(stream) for stream in out.streams]
             if readers:
@@ -1116,20 +1135,21 @@ class RingEpoch:
             self._cond.notify_all()
         self._give_back()
 
-    def _poison(self, out: _Out) -> None:
+    def _poison(self, slot: Slot, streams: list[Any], views: list[torch.Tensor]) -> None:
         """Where compute runs on the host (the simulation): overwrite the batch's tensors in
         the slot with poison (NaN, or the byte 0xA5) after the kernels its reader streams
         have so far, before the slot's next copy (which waits for the reader events recorded
         after this), so that a read after the release shows up as poison, never as another
         batch's data. The host does not wait. Never on CUDA (it would cost a kernel)."""
-        streams = [s for s in out.streams if s is not None]
-        if not streams or not out.views:
+        streams = [s for s in streams if s is not None]
+        regions = _regions(slot.buffer, views)
+        if not streams or not regions:
             return
         backend = self.backend
         first = streams[0]
         for other in streams[1:]:
             backend.stream_wait(first, backend.record_event(other))
-        backend.run_in_stream_order(first, functools.partial(_poison_views, out.views))
+        backend.run_in_stream_order(first, functools.partial(_poison_regions, slot.buffer, regions))
 
     def release_unkept(self) -> None:
         """Release every batch handed out that no ``async with`` block keeps."""

@@ -93,6 +93,10 @@ class LoaderStats:
       in host memory (charged to ``pinned-host`` as a named reservation until the loader
       closes) and the seconds locking them took; ``direct_bytes``: bytes copied to the device
       straight out of them (no host copy; the source's own time is then none).
+    * ``kept_after_release``: batches the ring handed out whose tensors the consumer still
+      referred to two requests after their release (their memory is reused for later
+      batches: ``.clone()`` what you keep; the first of a pass is also a ``RuntimeWarning``;
+      see :mod:`~aresidency.loader.kept`).
     * ``released_shared_bytes``: bytes of batches in shared memory (a ``DataLoader``'s
       workers') the ring's thread gave back without holding the interpreter lock (see
       :mod:`~aresidency.loader.reclaim`).
@@ -120,6 +124,7 @@ class LoaderStats:
     locked_file_bytes: int = 0
     lock_s: float = 0.0
     direct_bytes: int = 0
+    kept_after_release: int = 0
 
     @property
     def batches_per_s(self) -> float | None:
@@ -198,6 +203,11 @@ class LoaderStats:
                 f"packed into pinned twins: {format_nbytes(self.packed_bytes)} (twins at most "
                 f"{format_nbytes(self.twin_peak_bytes)} pinned)"
             )
+        if self.kept_after_release:
+            lines.append(
+                f"batches still referenced after their release: {self.kept_after_release} "
+                "(their memory went to later batches: .clone() what you keep)"
+            )
         if self.released_shared_bytes:
             lines.append(
                 "shared memory given back without the interpreter lock: "
@@ -236,6 +246,7 @@ class LoaderCounters:
         self.twin_bytes = 0  # the ring's pinned twins now (reserved at pinned-host)
         self.twin_peak = 0
         self.released_shared_bytes = 0
+        self.kept_after_release = 0
         self.first_request: float | None = None
         self.last_hand_out: float | None = None
 
@@ -269,4 +280,5 @@ class LoaderCounters:
             locked_file_bytes=self.locked_file_bytes,
             lock_s=self.lock_s,
             direct_bytes=self.direct_bytes,
+            kept_after_release=self.kept_after_release,
         )

@@ -252,3 +252,21 @@ async def test_worker_processes_batches_arrive_bit_identical_and_their_memory_go
     for n, batch in enumerate(got):
         for j in range(2):
             assert torch.equal(batch[j], expected(2 * n + j, numel))
+
+
+async def test_a_tensor_kept_past_its_release_on_the_gpu_is_warned_about_and_counted() -> None:
+    """Through the ring on CUDA nothing is written at a release, so a kept tensor silently
+    takes a later batch's bytes once its slot is reused: the loader warns (once) and counts
+    every kept batch, and a consumer that clones what it keeps gets the data it was given."""
+    rows = Rows(12, 1024)
+    async with ResidencyManager(budgets={"cuda:0": 64 * MiB}) as m:
+        async with DeviceLoader(m, DataLoader(rows, batch_size=2), "cuda:0", prefetch=2) as loader:
+            kept, cloned = [], []
+            with pytest.warns(RuntimeWarning, match="still referenced two requests after"):
+                async for batch in loader:
+                    kept.append(batch["i"])
+                    cloned.append(batch["i"].clone())
+            assert loader.stats().kept_after_release == 4  # batches 0..3 looked at, of 6
+            torch.cuda.synchronize()
+            assert [c.tolist() for c in cloned] == [[2 * b, 2 * b + 1] for b in range(6)]
+        assert_nothing_left(m)

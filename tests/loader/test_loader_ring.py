@@ -9,6 +9,7 @@ errors, cancellation) is tested for both in ``test_loader.py``."""
 from __future__ import annotations
 
 import random
+import warnings
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -618,7 +619,7 @@ async def test_the_next_pass_starts_while_the_device_still_runs_the_last_ones_st
                 await anext(first)
             with anyio.fail_after(5):
                 second = aiter(loader)
-                got = await anext(second)
+                got = (await anext(second)).clone()
             assert torch.equal(got, data[0])
             assert any(" ring e1 " in name for name in live_slots(m)), live_slots(m)
             gate.set()
@@ -751,9 +752,10 @@ async def test_a_batch_read_after_its_release_reads_the_simulations_poison() -> 
     async with ResidencyManager(backend=SimBackend()) as m:
         async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
             kept = []
-            async for batch in loader.batches():
-                assert torch.equal(batch.data["f"], data[batch.index]["f"])
-                kept.append(batch)
+            with pytest.warns(RuntimeWarning, match="still referenced"):  # and it says so
+                async for batch in loader.batches():
+                    assert torch.equal(batch.data["f"], data[batch.index]["f"])
+                    kept.append(batch)
             await loader.drain()  # every release passed on the device
             for batch in kept:
                 assert batch.released
@@ -933,3 +935,59 @@ async def test_run_ahead_holds_across_passes(monkeypatch: pytest.MonkeyPatch) ->
             gate.set()
         assert_nothing_left(m)
     assert len(got) == 5 and all(torch.equal(g, data[0]) for g in got)
+
+
+async def test_a_tensor_kept_past_its_release_is_counted_and_warned_about_once() -> None:
+    """``labels.append(batch["y"])``: the ring reuses the slot of a released batch, so the
+    kept tensor changes (here: poison; on CUDA: a later batch). Two requests after the
+    release the loader sees it still referenced, counts it, and warns once per pass, naming
+    the loader, the pass and the batch."""
+    data = [{"x": torch.full((8,), float(i)), "y": torch.full((2,), i)} for i in range(8)]
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, name="kept") as loader:
+            labels = []
+            with pytest.warns(RuntimeWarning) as warned:
+                async for batch in loader:
+                    labels.append(batch["y"])
+            assert len(warned) == 1, [str(w.message) for w in warned]
+            assert warned[0].filename == __file__  # points at the consumer's `async for`
+            message = str(warned[0].message)
+            assert "'kept', pass 1: batch 0 is still referenced" in message
+            assert ".clone()" in message and "kept_after_release" in message
+            # Batches 0..5 were looked at (two requests after each release); 6 and 7 not yet.
+            assert loader.stats().kept_after_release == 6
+            assert "still referenced after their release: 6" in str(loader.stats())
+            await loader.drain()
+            assert (labels[0].view(torch.uint8) == 0xA5).all()  # what was kept is gone
+        assert_nothing_left(m)
+
+
+@pytest.mark.parametrize("way", ["loop variables", "clones", "async with", "explicit release"])
+async def test_a_consumer_that_keeps_nothing_past_the_release_gets_no_warning(way: str) -> None:
+    """The loop's own variables (``batch``, ``x = batch["x"]``) still refer to a batch while
+    the next one is asked for: that is not keeping it. Nor is a clone, a batch kept with
+    ``async with``, or one released explicitly and not used after."""
+    data = [{"x": torch.full((8,), float(i)), "y": torch.full((2,), i)} for i in range(8)]
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+            kept: list[Any] = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                if way == "loop variables":
+                    async for batch in loader:
+                        x, y = batch["x"], batch["y"]
+                        kept.append(float(x.sum()) + float(y.sum()))
+                elif way == "clones":
+                    async for batch in loader:
+                        kept.append(batch["y"].clone())
+                elif way == "async with":
+                    async for held in loader.batches():
+                        async with held as data_:
+                            kept.append(data_["y"].sum().item())
+                else:
+                    async for held in loader.batches():
+                        kept.append(held.data["x"].sum().item())
+                        held.release()
+            assert len(kept) == 8
+            assert loader.stats().kept_after_release == 0
+        assert_nothing_left(m)
