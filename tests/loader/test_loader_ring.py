@@ -9,8 +9,8 @@ errors, cancellation) is tested for both in ``test_loader.py``."""
 from __future__ import annotations
 
 import random
-import warnings
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
