@@ -259,7 +259,10 @@ async def test_shutdown_finishes_the_requests_in_flight() -> None:
 
 
 @pytest.mark.allow_loop_stall  # the start-up's full collection, and gc.get_objects, on purpose
-async def test_freeze_gc_freezes_what_start_up_made_and_unfreezes_at_shutdown() -> None:
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the collector's, not the loop's
+async def test_freeze_gc_freezes_what_start_up_made_and_unfreezes_at_shutdown(
+    anyio_backend: str,
+) -> None:
     # The example's own app (uvicorn's) freezes; a made one does not unless asked.
     assert example.app is not None
     gc.unfreeze()
