@@ -596,11 +596,16 @@ async def run_size(
 
     async def shards(pin: bool = False) -> Result:
         shard_dir = tmp / f"{batch_bytes}B{'-pinned' if pin else ''}"
-        shard_dir.mkdir()
+        written = shard_dir.exists()  # the second pass of rate_then_lag: the same files
+        shard_dir.mkdir(exist_ok=True)
         # At most 1 GiB of files (each new pass over them starts with an empty pipeline, so
         # more batches per pass mean fewer refills; 64 MiB batches: 16 per pass).
         in_files = min(steps, max(16, (1 << 30) // batch_bytes))
-        paths = write_shards(shard_dir, in_files, batch_bytes)
+        paths = (
+            sorted(shard_dir.glob("x-*.npy"))
+            if written
+            else write_shards(shard_dir, in_files, batch_bytes)
+        )
         with ShardSource(
             paths, batch_size=batch_bytes // (ROW * 4), drop_last=True, workers=SHARD_WORKERS[0]
         ) as source:
