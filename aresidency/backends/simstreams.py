@@ -72,6 +72,7 @@ class SimStream:
         self._cond = threading.Condition()
         self._queue: list[Callable[[], object]] = []
         self._closing = False
+        self._closed = threading.Event()  # set by close: a simulated kernel's sleep ends
         self._running = False
         self._thread: threading.Thread | None = None
         self._seq = itertools.count(1)
@@ -90,8 +91,13 @@ class SimStream:
             self._cond.notify()
 
     def sleep(self, seconds: float) -> None:
-        """Enqueue ``seconds`` of simulated device work (the worker sleeps)."""
-        self.submit(functools.partial(time.sleep, seconds))
+        """Enqueue ``seconds`` of simulated device work (the worker sleeps; closing the stream
+        ends the sleep, as it drops the work queued after it)."""
+        self.submit(functools.partial(self._sleep, seconds))
+
+    def _sleep(self, seconds: float) -> None:
+        if self._closed.wait(seconds):
+            raise _StreamClosed
 
     def record_event(self) -> SimEvent:
         """An event that completes when the worker reaches this point. Host does not wait."""
@@ -153,6 +159,7 @@ class SimStream:
         """Stop the worker; queued work that has not started is dropped."""
         with self._cond:
             self._closing = True
+            self._closed.set()
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():

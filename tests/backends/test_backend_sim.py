@@ -386,3 +386,19 @@ def test_an_idle_stream_keeps_no_reference_to_its_last_work_item() -> None:
         assert ref() is None  # the idle worker holds nothing of the last item
     finally:
         stream.close()
+
+
+def test_closing_a_stream_ends_the_simulated_kernel_it_is_running() -> None:
+    """A stream closed while its worker runs a long simulated kernel (``sleep``) stops at
+    once: the kernel ends, the work queued after it is dropped (its event never completes),
+    and the worker has exited when ``close`` returns."""
+    stream = SimStream("t", 0, "compute")
+    stream.sleep(60.0)
+    event = stream.record_event()
+    started = time.monotonic()
+    while not stream.queued or not stream._running:  # the worker is inside the sleep
+        assert time.monotonic() - started < 10
+        time.sleep(0.001)
+    stream.close(join_timeout=30.0)
+    assert stream._thread is not None and not stream._thread.is_alive()
+    assert not event.query()
