@@ -48,10 +48,10 @@ class KeptAfterRelease:
         if refs:
             self._recent.append((index, refs))
 
-    def requested(self, loader: str, number: int, reused: bool = True) -> int:
+    def requested(self, loader: str, number: int) -> int:
         """The consumer asks for a batch: the batches released before the request before
-        this one that are still referenced are counted (and the first of the pass reported,
-        ``reused``: their memory is given to later batches); returns how many."""
+        this one that are still referenced are counted (and the first of the pass reported);
+        returns how many."""
         kept = [index for index, refs in self._older if any(r() is not None for r in refs)]
         self._older, self._recent = self._recent, []
         if kept:
@@ -60,14 +60,9 @@ class KeptAfterRelease:
                 self.warned = True
                 warnings.warn(
                     f"DeviceLoader {loader!r}, pass {number}: batch {kept[0]} is still "
-                    "referenced two requests after its release"
-                    + (
-                        " and its device memory is being reused for later batches, so the "
-                        "tensors kept will change under you"
-                        if reused
-                        else ""
-                    )
-                    + ". .clone() what you keep past the step, or keep the batch with "
+                    "referenced two requests after its release, and its device memory is "
+                    "being reused for later batches, so the tensors kept will change under "
+                    "you. .clone() what you keep past the step, or keep the batch with "
                     "`async for batch in loader.batches(): async with batch as data:` "
                     "(stats().kept_after_release counts these batches)",
                     RuntimeWarning,
