@@ -404,3 +404,65 @@ async def test_a_call_cancelled_while_it_waits_for_its_admission_turn_leaves_not
         for streamed in (a, b):
             await streamed.drain()
             await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "managed"])
+async def test_a_call_cancelled_while_a_kept_block_arrives_keeps_only_what_is_here(
+    ring: bool,
+) -> None:
+    """A call cancelled while the copy of a block it plans to keep is in flight: once the
+    module drained, ``residency()["kept"]`` names exactly the groups at the device (the
+    arrival the cancellation aborted is not kept), and the next call is exact."""
+    model = frozen(Planned(3, [0, 1, 2], 5))
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(model)
+    backend = SimBackend(copy_gbps=0.002)  # a block's copy takes a while
+    budget = resident + 6 * block  # every block can stay beside the window
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring, name="s")
+        first = streamed.handles[0]
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(streamed, x)
+            await until(m, lambda: m.copy_issued(first, "cuda:0"))
+            tasks.cancel_scope.cancel()
+        backend.copy_gbps = None
+        await streamed.drain()
+        snap = m.snapshot()
+        kept = set(streamed.residency()["kept"])
+        for handle in streamed.handles:
+            here = "cuda:0" in [str(loc) for loc in snap.value(handle).locations]
+            assert here == (handle.name in kept), (handle.name, kept)
+        assert torch.equal(await streamed(x), expected)
+        await streamed.aclose()
+    assert backend.memory_allocated("cuda:0") == 0
+
+
+async def test_drain_forgets_a_kept_group_that_is_not_at_the_device() -> None:
+    """Whatever left the module's plan naming a group that is no longer at the device (a
+    release or an aborted arrival that settled between calls), ``drain`` ends with ``kept``
+    naming only groups there: what ``residency()`` reports and the stress test checks."""
+    model = frozen(Planned(3, [0, 1, 2], 6))
+    x = torch.randn(2, 16)
+    block, resident = await sizes(model)
+    async with ResidencyManager(budgets={"cuda:0": resident + 2 * block}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=0, ring=False, name="s")
+        await streamed(x)
+        await streamed.drain()
+        names = {h.name: i for i, h in enumerate(streamed.handles)}
+        snap = m.snapshot()
+        gone = [
+            names[h.name]
+            for h in streamed.handles
+            if "cuda:0" not in [str(loc) for loc in snap.value(h).locations]
+        ]
+        assert gone, "the budget keeps only part of the model"
+        streamed.kept.add(gone[0])  # the plan names it, the device does not hold it
+        await streamed.drain()
+        assert gone[0] not in streamed.kept
+        assert set(streamed.residency()["kept"]) == {
+            h.name
+            for h in streamed.handles
+            if "cuda:0" in [str(loc) for loc in m.snapshot().value(h).locations]
+        }
+        await streamed.aclose()

@@ -667,6 +667,11 @@ class StreamedModule:
                 await self.manager.wait_for_change()  # an event reaped is a change
             else:
                 break
+        if self.current_call is None:
+            # A group the last call planned to keep was still arriving when the call ended
+            # (it stayed kept then); a cancelled call's arrival is aborted once it settled:
+            # now that everything settled, a kept group that is not here is not kept.
+            self._forget_gone_kept()
         errors, self._release_errors = self._release_errors, []
         raised, self._raised = self._raised, set()
         for error in errors:
