@@ -292,7 +292,8 @@ class RingEpoch:
         # consumer is handed a batch only while at most ``run_ahead`` of them are incomplete.
         # Those of the pass before (``after``) count too: the device may still run its steps.
         self._behind: deque[list[Any]] = deque() if after is None else deque(after._behind)
-        self.kept = KeptAfterRelease()  # batches still referenced after their release
+        # Batches still referenced after their release (not those ``async with`` keeps).
+        self._kept_after_release = KeptAfterRelease()
 
     def __repr__(self) -> str:
         with self._cond:
@@ -962,7 +963,9 @@ class RingEpoch:
                 raise self.closed_error()
             raise StopAsyncIteration
         counters = self.counters
-        counters.kept_after_release += self.kept.requested(self.loader.name, self.number)
+        counters.kept_after_release += self._kept_after_release.requested(
+            self.loader.name, self.number
+        )
         self.release_unkept()
         await self._catch_up()
         began = time.perf_counter()
@@ -1117,7 +1120,7 @@ class RingEpoch:
         # references are then the only ones left for the check of kept batches to see.
         out.handed, out.views = None, []
         if handed is not None:
-            self.kept.released(handed.index, views)
+            self._kept_after_release.released(handed.index, views)
         readers: list[Any] = []
         if self.manager.running:  # else the device stopped: nothing reads or copies any more
             if self.host_wait:

@@ -652,8 +652,9 @@ class StreamedModule:
         readers' events completed and the release committed), every prefetch a call no
         longer needed has settled, and the readers of the replicas kept resident are done
         (their events reaped: on CUDA, the last call's kernels on the compute stream ran).
-        The host does not block: this awaits the manager's completions. Raises the first
-        release error, or a copy failure no call reported."""
+        The host does not block: this awaits the manager's completions. Between calls it
+        ends with ``kept`` naming only groups at the device. Raises the first release error,
+        or a copy failure no call reported."""
         while True:
             if self.settling:
                 await next(iter(self.settling)).wait_settled()
@@ -668,9 +669,8 @@ class StreamedModule:
             else:
                 break
         if self.current_call is None:
-            # A group the last call planned to keep was still arriving when the call ended
-            # (it stayed kept then); a cancelled call's arrival is aborted once it settled:
-            # now that everything settled, a kept group that is not here is not kept.
+            # Every release and arrival has settled and no call runs: a group the plan still
+            # names but the device no longer holds (however it left) is not kept.
             self._forget_gone_kept()
         errors, self._release_errors = self._release_errors, []
         raised, self._raised = self._raised, set()
