@@ -27,6 +27,14 @@ try:
 except ImportError:  # pragma: no cover - trio is in the test extra
     trio = None
 
+# One intra-op thread for the whole run, set before any thread starts. Torch reads the count
+# once per thread (at the thread's first parallel op) and trio reuses its worker threads from
+# test to test: a count set per test left a cached worker thread with another count than the
+# loop's thread, where the same matmul rounded differently (shared calls then differed from
+# their reference in the last bits, now and then, under trio). One thread also keeps the
+# simulated streams' threads, each with its own OpenMP team, from starving a two-core machine.
+torch.set_num_threads(1)
+
 # (backend name, options) as anyio's plugin takes them, one pytest.param per event loop.
 ASYNCIO_BACKENDS = [pytest.param(("asyncio", {}), id="asyncio")]
 if uvloop is not None:

@@ -16,7 +16,9 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aresidency"
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -237,3 +239,11 @@ def test_long_modules_say_why_at_the_top(path: Path) -> None:
         f"{_module_name(path)} has {len(lines)} lines: split it along its jobs, or say at its top "
         "why it is one module ('Why this module is long: ...')"
     )
+
+
+@pytest.mark.anyio
+async def test_worker_threads_compute_with_the_loop_threads_intra_op_thread_count() -> None:
+    """Torch keeps the intra-op thread count per thread and trio reuses its worker threads
+    across tests: the count is set once for the run (tests/conftest.py), so a worker thread
+    (where shared calls and loads run) rounds a matmul as the loop's thread does."""
+    assert await anyio.to_thread.run_sync(torch.get_num_threads) == torch.get_num_threads() == 1

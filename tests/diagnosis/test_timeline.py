@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,19 +136,6 @@ async def test_an_aborted_copy_is_a_duration_that_says_so() -> None:
     assert copy["args"]["outcome"] == "aborted" and copy["name"].endswith("(aborted)")
 
 
-@pytest.fixture
-def one_intra_op_thread() -> Iterator[None]:
-    """The blocks run on the simulated streams' threads: one intra-op thread each keeps a
-    small machine from stalling the loop (as in tests/integrations)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("one_intra_op_thread")
 async def test_a_streamed_module_run_exports_a_valid_timeline_within_its_budget(
     tmp_path: Path,
 ) -> None:

@@ -1,5 +1,5 @@
-"""Serving tests: the loop-stall guard of tests/_loop_guard.py, and one intra-op thread (the
-models' blocks run on the simulated streams' worker threads: see tests/integrations)."""
+"""Serving tests: the loop-stall guard of tests/_loop_guard.py (one intra-op thread for the
+whole run: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,6 @@ import torch
 from _loop_guard import loop_never_blocked, loop_stall_guard
 
 __all__ = ["loop_never_blocked", "loop_stall_guard"]
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
