@@ -41,6 +41,9 @@ which the alternatives (no loop) do not pay: each aresidency method runs twice, 
 time and pinned memory from a pass without the ticker, the lag from a second pass with it
 (``--lag-in-the-same-pass``: one pass, the ticker running; ``--no-ticker``: no lag at all).
 Batches under 16 MiB run eight times the steps, so that the measured span is about a second.
+``--repeat N`` runs every method N times, in turn (A B C, A B C, ...), and gives each one's
+median pass with the range of its rounds: one pass's rate moved by 10-15% between calls where
+every method is bound by the ``DataLoader``'s workers.
 
 Goals: aresidency's step rate >= every alternative at each size; with the shard source >= 0.9x
 the compute-only rate at 16 and 64 MiB; GPU idle <= 2% when the copies take less than the
@@ -250,6 +253,9 @@ class Result:
     pinned_bytes: int | None = None
     loop_lag_p99_ms: float | None = None
     error: str | None = None
+    #: with ``--repeat``: every pass's steps per second, in the order they ran (this result is
+    #: the pass with the median rate)
+    rates: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- the methods
@@ -567,11 +573,29 @@ def write_shards(directory: Path, batches: int, batch_bytes: int) -> list[Path]:
 # ---------------------------------------------------------------- the run
 
 
+def median_result(results: list[Result]) -> Result:
+    """The pass with the median rate (the lower middle one of an even count), carrying every
+    pass's rate; an error if any pass failed."""
+    failed = [r for r in results if r.error or r.steps_per_s is None]
+    if failed:
+        return failed[0]
+    ranked = sorted(results, key=lambda r: r.steps_per_s or 0.0)
+    middle = ranked[(len(ranked) - 1) // 2]
+    return replace(middle, rates=[r.steps_per_s or 0.0 for r in results])
+
+
 async def run_size(
-    dev: Device, mib: float, steps: int, warmup: int, workers: int, tmp: Path
+    dev: Device,
+    mib: float,
+    steps: int,
+    warmup: int,
+    workers: int,
+    tmp: Path,
+    step: Step | None = None,
 ) -> dict[str, Result]:
     batch_bytes = int(mib * MiB) // (ROW * 4) * (ROW * 4)
-    step = calibrate(dev, batch_bytes)
+    if step is None:
+        step = calibrate(dev, batch_bytes)
     dataset = FloatBatches(steps, batch_bytes // 4)
     results: dict[str, Result] = {}
     runs: dict[str, Callable[[], Any]] = {
@@ -668,8 +692,13 @@ def markdown(report: dict[str, dict[str, Result]], env: str) -> str:
                 return "-"
             return f"{max(0.0, 100.0 * (1.0 - r.steps_per_s / compute)):.1f}"
 
+        def rate(r: Result) -> str:
+            if len(r.rates) < 2:
+                return f"{r.steps_per_s:.1f}"
+            return f"{r.steps_per_s:.1f} ({min(r.rates):.1f}-{max(r.rates):.1f})"
+
         for what, cell in (
-            ("steps/s", lambda r: f"{r.steps_per_s:.1f}"),
+            ("steps/s", rate),
             ("GPU idle %", idle),
             ("gaps between steps %", lambda r: f"{r.gpu_idle_pct:.1f}"),
             ("pinned", lambda r: format_nbytes(r.pinned_bytes or 0)),
@@ -739,6 +768,13 @@ async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
         log(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms")
+    if args.sharing_strategy is not None:
+        # every method's DataLoader hands its batches over this way (torch's default on Linux:
+        # file_descriptor, a descriptor passed per tensor through a socket)
+        torch.multiprocessing.set_sharing_strategy(args.sharing_strategy)
+    log(f"sharing strategy {torch.multiprocessing.get_sharing_strategy()}")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if not dev.sim and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --backend sim for the smoke test")
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -757,9 +793,23 @@ async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             label = f"{mib:g} MiB"
             if dev.sim:
                 label += f" (sim: {format_nbytes(int(mib * scale * MiB))})"
-            report[label] = await run_size(
-                dev, mib * scale, steps_here, warmup, args.workers, Path(tmp)
-            )
+            # --repeat: the methods run in turn, round after round (A B C, A B C, ...), with
+            # one calibrated step, so that a slow spell of the host falls on every method
+            batch_bytes = int(mib * scale * MiB) // (ROW * 4) * (ROW * 4)
+            step = calibrate(dev, batch_bytes)
+            rounds: dict[str, list[Result]] = {}
+            for round_number in range(args.repeat):
+                if args.repeat > 1:
+                    log(f"{label}: round {round_number + 1} of {args.repeat}")
+                got = await run_size(
+                    dev, mib * scale, steps_here, warmup, args.workers, Path(tmp), step
+                )
+                for method, result in got.items():
+                    rounds.setdefault(method, []).append(result)
+            report[label] = {m: median_result(rs) for m, rs in rounds.items()}
+    if args.repeat > 1:
+        env += f", the median of {args.repeat} rounds (their range in brackets)"
+    env += f", sharing strategy {torch.multiprocessing.get_sharing_strategy()}"
     text = markdown(report, env)
     print("\n" + text, flush=True)
     data = {
@@ -777,6 +827,19 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
+    parser.add_argument(
+        "--sharing-strategy",
+        choices=["file_descriptor", "file_system"],
+        default=None,
+        help="torch.multiprocessing's sharing strategy for the DataLoader workers' batches",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every method, in turn; the table gives each method's median pass "
+        "(and the range of the rounds)",
     )
     parser.add_argument(
         "--methods",

@@ -17,6 +17,13 @@ parts. Each row is the median of ``--rounds`` rounds, in microseconds per copy:
 
 The GB/s column is the size over the row's time per copy.
 
+``bench_copy.py`` times the same tasks lower than this script's ``tasks`` row; two ways its
+cells differ can be put here one at a time: ``--release-with tasks|plan`` releases every row's
+copies the one way (by default the task rows release with a task each and the plan rows with
+one plan), and ``--second-backend`` starts a second ``CudaBackend`` beside the manager's, as
+``bench_copy.py`` does for its backend column, and runs a round of copies through it before
+each row. ``--only`` names the rows to run (comma-separated, as printed).
+
     python3 benchmarks/diag_manager_copies.py                 # CUDA if present, else sim
     python3 benchmarks/diag_manager_copies.py --size 4MiB --count 64 --rounds 15
 
@@ -151,7 +158,20 @@ async def main(args: argparse.Namespace) -> None:
             t3 = time.perf_counter()
             return {"nowait issue": t1 - t0, "nowait total": t2 - t0, "release nowait": t3 - t2}
 
+        async def release_tasks(which: list[Any]) -> None:
+            async with anyio.create_task_group() as tasks:
+                for h in which:
+                    tasks.start_soon(m.release, h, dev)
+
+        async def release_plan(which: list[Any]) -> None:
+            await m.execute(ResidencyPlan(reclaim=[Release(h, dev) for h in which]))
+
+        def releaser(default: Callable[[list[Any]], Awaitable[None]]) -> Any:
+            return {"tasks": release_tasks, "plan": release_plan}.get(args.release_with, default)
+
         def tasks_round(which: list[Any], label: str) -> Callable[[], Awaitable[dict[str, float]]]:
+            release = releaser(release_tasks)
+
             async def run() -> dict[str, float]:
                 _sync(gpu)
                 t0 = time.perf_counter()
@@ -159,34 +179,57 @@ async def main(args: argparse.Namespace) -> None:
                     for h in which:
                         tasks.start_soon(m.materialize, h, dev)
                 t1 = time.perf_counter()
-                async with anyio.create_task_group() as tasks:
-                    for h in which:
-                        tasks.start_soon(m.release, h, dev)
+                await release(which)
                 return {label: t1 - t0}
 
             run.__name__ = label
             return run
 
         def plan_round(which: list[Any], label: str) -> Callable[[], Awaitable[dict[str, float]]]:
+            release = releaser(release_plan)
+
             async def run() -> dict[str, float]:
                 _sync(gpu)
                 t0 = time.perf_counter()
                 await m.execute(ResidencyPlan(enter=[Materialize(h, dev) for h in which]))
                 t1 = time.perf_counter()
-                await m.execute(ResidencyPlan(reclaim=[Release(h, dev) for h in which]))
+                await release(which)
                 return {label: t1 - t0}
 
             run.__name__ = label
             return run
 
-        for fn in (
+        second: Any = None
+        if args.second_backend and gpu:
+            from aresidency.backends import CudaBackend as Second
+
+            second = Second()
+            second.start()
+
+        async def second_round() -> None:
+            transfers = [second.copy(s, host, dev) for s in big]
+            for t in transfers:
+                await t.wait()
+            for t in transfers:
+                second.free(t.tensor, dev)
+
+        rows_to_run = [
             backend_round,
             nowait_round,
             tasks_round(handles, "tasks"),
             tasks_round(small, "4 KiB tasks"),
             plan_round(handles, "one plan"),
             plan_round(small, "4 KiB one plan"),
-        ):
+        ]
+        only = {o.strip() for o in args.only.split(",")} if args.only else set()
+        unknown = only - {getattr(fn, "__name__", "") for fn in rows_to_run}
+        if unknown:
+            raise SystemExit(f"--only: no row named {sorted(unknown)}")
+        for fn in rows_to_run:
+            if only and getattr(fn, "__name__", "") not in only:
+                continue
+            if second is not None:
+                await second_round()
             if args.gc == "freeze":
                 gc.collect()
                 gc.freeze()
@@ -201,11 +244,14 @@ async def main(args: argparse.Namespace) -> None:
                 gc.enable()
             name = getattr(fn, "__name__", "")
             print(f"{name}: {clock.summary((args.rounds + 1) * count)}")
+    if second is not None:
+        await second.aclose()
     where = "cuda" if gpu else "sim (simulation, not a measurement)"
     print(
         f"{count} copies of {format_nbytes(nbytes)} at once, {where}, torch {torch.__version__}, "
         f"median of {args.rounds} rounds, waiter {args.waiter}, switch interval "
-        f"{sys.getswitchinterval() * 1e3:.2f} ms"
+        f"{sys.getswitchinterval() * 1e3:.2f} ms, released with {args.release_with}"
+        f"{', a second backend beside it' if second is not None else ''}"
     )
     print("| part | us per copy | GB/s |")
     print("|---|---|---|")
@@ -232,6 +278,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the cyclic garbage collector during the rounds: as it is, every object alive "
         "before them frozen (gc.freeze), or disabled",
     )
+    parser.add_argument(
+        "--release-with",
+        choices=("default", "tasks", "plan"),
+        default="default",
+        help="how every row releases its copies after each round (default: a task each "
+        "after the task rows, one plan after the plan rows)",
+    )
+    parser.add_argument(
+        "--second-backend",
+        action="store_true",
+        help="a second CudaBackend started beside the manager's, with a round of copies "
+        "through it before each row (as bench_copy.py's cells run)",
+    )
+    parser.add_argument("--only", default="", help="only these rows (comma-separated names)")
     return parser.parse_args(argv)
 
 
