@@ -14,6 +14,9 @@ worker processes (or, for one row, shards on disk). Methods, each timed in steps
   ahead, ordered by events (hand-written double buffering);
 * ``aresidency``: ``DeviceLoader(manager, dataloader, prefetch=4)`` under a device budget
   (through its ring: device slots it owns, filled by its thread, no per-batch work on the loop);
+* ``aresidency pinned batches``: the same fed by ``DataLoader(pin_memory=True)`` (the
+  DataLoader's pin-memory thread takes the workers' batches and pins them; the ring copies
+  them by DMA);
 * ``aresidency values``: the same with ``ring=False`` (every batch a managed value, on the loop);
 * ``aresidency shards``: ``DeviceLoader(manager, ShardSource(...))``: ``.npy`` shards written to
   a temporary directory first, read memory-mapped by the loader's threads straight into its
@@ -101,6 +104,7 @@ METHODS = [
     "pin+non_blocking",
     "pin+side stream",
     "aresidency",
+    "aresidency pinned batches",
     "aresidency twins",
     "aresidency values",
     "aresidency shards",
@@ -113,7 +117,7 @@ SHARD_WORKERS: list[int | None] = [None]  # --shard-workers (None: ShardSource's
 DUMP_TASKS_AT: list[float] = []  # --dump-after: when to print every task's stack
 
 
-PREFETCH_FACTOR = 2  # the DataLoader's default
+PREFETCH_FACTOR: list[int] = [2]  # the DataLoader's default; --prefetch-factor
 
 
 def log(message: str) -> None:
@@ -267,7 +271,7 @@ def dataloader(dataset: Dataset[torch.Tensor], workers: int, pin: bool) -> DataL
         batch_size=None,
         num_workers=workers,
         pin_memory=pin,
-        prefetch_factor=PREFETCH_FACTOR if workers else None,
+        prefetch_factor=PREFETCH_FACTOR[0] if workers else None,
         persistent_workers=False,
         # Workers forked from a process that initialized CUDA crash on their first CUDA call
         # (freeing an inherited pinned tensor is one): start them from a clean server.
@@ -325,7 +329,7 @@ def run_sync(dev: Device, step: Step, loader: DataLoader[Any], warmup: int) -> R
 
 
 def pinned_estimate(workers: int, batch_bytes: int) -> int:
-    return (max(1, workers) * PREFETCH_FACTOR + 1) * batch_bytes
+    return (max(1, workers) * PREFETCH_FACTOR[0] + 1) * batch_bytes
 
 
 def run_pinned(
@@ -643,6 +647,9 @@ async def run_size(
         "aresidency": lambda: run_aresidency(
             dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes
         ),
+        "aresidency pinned batches": lambda: run_aresidency(
+            dev, step, dataloader(dataset, workers, not dev.sim), warmup, steps, batch_bytes
+        ),
         "aresidency twins": lambda: run_aresidency(
             dev,
             step,
@@ -810,6 +817,7 @@ async def main(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.repeat > 1:
         env += f", the median of {args.repeat} rounds (their range in brackets)"
     env += f", sharing strategy {torch.multiprocessing.get_sharing_strategy()}"
+    env += f", DataLoader prefetch_factor {PREFETCH_FACTOR[0]}"
     text = markdown(report, env)
     print("\n" + text, flush=True)
     data = {
@@ -833,6 +841,12 @@ if __name__ == "__main__":
         choices=["file_descriptor", "file_system"],
         default=None,
         help="torch.multiprocessing's sharing strategy for the DataLoader workers' batches",
+    )
+    parser.add_argument(
+        "--prefetch-factor",
+        type=int,
+        default=2,
+        help="every method's DataLoader(prefetch_factor=...): batches each worker works ahead",
     )
     parser.add_argument(
         "--repeat",
@@ -909,6 +923,9 @@ if __name__ == "__main__":
     if arguments.min_piece_mib is not None:
         shards_module.MIN_PIECE = int(arguments.min_piece_mib * MiB)
     COMPUTE_FACTOR[0] = arguments.compute_factor
+    if arguments.prefetch_factor < 1:
+        raise SystemExit(f"--prefetch-factor must be >= 1, got {arguments.prefetch_factor}")
+    PREFETCH_FACTOR[0] = arguments.prefetch_factor
     SAMPLE_THREADS[0] = arguments.sample_threads
     TICKER[0] = not arguments.no_ticker
     SEPARATE_LAG_PASS[0] = not arguments.lag_in_the_same_pass
