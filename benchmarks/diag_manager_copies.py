@@ -132,17 +132,21 @@ async def main(args: argparse.Namespace) -> None:
             for i, s in enumerate(sources(4096))
         ]
 
-        async def backend_round() -> dict[str, float]:
+        async def copy_round(through: Any) -> dict[str, float]:
+            """Every source copied to the device by ``through`` (a backend), awaited, freed."""
             _sync(gpu)
             t0 = time.perf_counter()
-            transfers = [backend.copy(s, host, dev) for s in big]
+            transfers = [through.copy(s, host, dev) for s in big]
             t1 = time.perf_counter()
             for t in transfers:
                 await t.wait()
             t2 = time.perf_counter()
             for t in transfers:
-                backend.free(t.tensor, dev)
+                through.free(t.tensor, dev)
             return {"backend issue": t1 - t0, "backend total": t2 - t0}
+
+        async def backend_round() -> dict[str, float]:
+            return await copy_round(backend)
 
         async def nowait_round() -> dict[str, float]:
             _sync(gpu)
@@ -201,17 +205,8 @@ async def main(args: argparse.Namespace) -> None:
 
         second: Any = None
         if args.second_backend and gpu:
-            from aresidency.backends import CudaBackend as Second
-
-            second = Second()
+            second = type(backend)()
             second.start()
-
-        async def second_round() -> None:
-            transfers = [second.copy(s, host, dev) for s in big]
-            for t in transfers:
-                await t.wait()
-            for t in transfers:
-                second.free(t.tensor, dev)
 
         rows_to_run = [
             backend_round,
@@ -229,7 +224,7 @@ async def main(args: argparse.Namespace) -> None:
             if only and getattr(fn, "__name__", "") not in only:
                 continue
             if second is not None:
-                await second_round()
+                await copy_round(second)
             if args.gc == "freeze":
                 gc.collect()
                 gc.freeze()
