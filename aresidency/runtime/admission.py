@@ -94,14 +94,23 @@ class AdmissionQueue:
         self._rt = runtime
         self._queue: deque[_Waiter] = deque()
         self._closed: str | None = None
-        runtime.signal.add_listener(self._wake_head)
+        # Listening only while someone waits: most changes have nobody queued to wake.
+        self._unlisten: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self._queue)
 
+    def _enqueue(self, waiter: _Waiter) -> None:
+        self._queue.append(waiter)
+        if self._unlisten is None:
+            self._unlisten = self._rt.signal.add_listener(self._wake_head)
+
     def _wake_head(self) -> None:
         if self._queue:
             self._queue[0].wake()
+        elif self._unlisten is not None:  # the queue emptied: listen again with the next
+            self._unlisten()
+            self._unlisten = None
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -148,19 +157,19 @@ class AdmissionQueue:
             or await self._sliced(lambda: plan_fits_steps(state, plan))
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
-            self._queue.append(waiter)
+            self._enqueue(waiter)
             return waiter
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
-            self._queue.append(waiter)
+            self._enqueue(waiter)
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
         deadline = None if timeout is None else anyio.current_time() + timeout
-        self._queue.append(waiter)
+        self._enqueue(waiter)
         try:
             while True:
                 if self._queue[0] is waiter:
@@ -271,7 +280,7 @@ class AdmissionQueue:
             # waiting behind it could never end. It goes ahead (it still must fit).
             return
         waiter = _Waiter(None, wanted)
-        self._queue.append(waiter)
+        self._enqueue(waiter)
         try:
             while True:
                 ahead = list(self._queue)[: list(self._queue).index(waiter)]

@@ -122,6 +122,32 @@ class PhaseRun:
     committed or aborted by then.
     """
 
+    __slots__ = (
+        "__weakref__",
+        "_blocking",
+        "_callbacks",
+        "_done",
+        "_errors",
+        "_gen",
+        "_known",
+        "_open",
+        "_reads",
+        "_ready",
+        "_request",
+        "_rt",
+        "_single",
+        "_ticket",
+        "_transfers",
+        "_unlisten",
+        "actions",
+        "cancel_requested",
+        "error",
+        "finished",
+        "phase",
+        "started",
+        "transitions",
+    )
+
     def __init__(self, runtime: Runtime, phase: str, actions: Sequence[Action]) -> None:
         self._rt = runtime
         self.phase = phase

@@ -58,7 +58,7 @@ class PayloadTable:
 
     def __init__(self) -> None:
         self._by_value: dict[ValueHandle, dict[Location, Payload]] = {}
-        self._storages: dict[tuple[str, int], tuple[ValueHandle, Location]] = {}
+        self._storages: dict[tuple[bool, int], tuple[ValueHandle, Location]] = {}
 
     def get(self, handle: ValueHandle, location: Location) -> Payload | None:
         per = self._by_value.get(handle)
@@ -115,8 +115,12 @@ class PayloadTable:
         return sum(len(per) for per in self._by_value.values())
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+def _storage_key(tensor: torch.Tensor) -> tuple[bool, int] | None:
+    """The key of the storage ``tensor`` views: a data pointer is unique among the live
+    storages of one kind of memory (host, or CUDA's one virtual address space for every
+    device), so the pointer and whether it is device memory name it (``str(tensor.device)``
+    would cost more than the rest of the lookup)."""
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return None
-    return (str(tensor.device), storage.data_ptr())
+    return (tensor.is_cuda, storage.data_ptr())

@@ -66,6 +66,9 @@ class ChangeSignal:
         if self._notifying:
             self._again = True
             return
+        if self._event is None and not self._listeners:
+            self.count += 1  # nobody to wake (most changes): no loop to run
+            return
         self._notifying = True
         try:
             while True:
