@@ -16,3 +16,9 @@ head -n 3 "$OUT/scope_cuda.txt"
 python3 benchmarks/profile_manager_copies.py --backend cuda --rounds 10 \
   --dump "$OUT/copies_cuda.prof" > "$OUT/copies_cuda.txt" 2>&1
 head -n 2 "$OUT/copies_cuda.txt"
+step python3 benchmarks/diag_copy_timeline.py --size 64MiB --count 1 --rounds 9
+step python3 benchmarks/diag_copy_timeline.py --size 4MiB --count 64 --rounds 7
+if [ -n "${WITH_BENCH_COPY:-}" ]; then
+  timeout 300 python3 benchmarks/bench_copy.py --markdown "$OUT/bench_copy.md" > "$OUT/bench_copy.txt" 2>&1
+  echo "== bench_copy rc=$?"; cat "$OUT/bench_copy.md"
+fi
