@@ -5,7 +5,10 @@ started while the device still runs the previous pass's steps."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +23,14 @@ from ._support import MiB, assert_nothing_left
 pytestmark = [pytest.mark.anyio, pytest.mark.cuda]
 
 SLEEP_CYCLES = 20_000_000  # about 10 ms of a spinning kernel on an H200
+
+Pair = namedtuple("Pair", ["empty", "flags"])
+
+
+@dataclasses.dataclass
+class Tagged:
+    x: torch.Tensor
+    tag: str
 
 
 class Rows(Dataset[dict[str, torch.Tensor]]):
@@ -73,6 +84,73 @@ async def test_a_dataloader_feeds_the_gpu_bit_identical_in_order_within_budget(
         assert batch["i"].tolist() == [2 * n, 2 * n + 1]
         for j in range(2):
             assert torch.equal(batch["x"][j].cpu(), expected(2 * n + j, numel))
+    torch.cuda.synchronize()
+
+
+def odd_batches(pin: bool) -> list[Any]:
+    """Batches as odd as a user's: one tensor twice, views at offsets of one storage, a strided
+    view, a transposed one, empty and 0-d tensors, bool, complex, bfloat16 and float8 data,
+    non-tensor leaves, namedtuples and dataclasses; page-locked when ``pin`` (a view keeps its
+    storage's page-locking, a copy made contiguous does not)."""
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if pin else t
+
+    base = host(torch.arange(64, dtype=torch.float32))
+    twice = host(torch.arange(8.0))
+    wide = host(torch.randn(48, 40, generator=torch.Generator().manual_seed(3)))
+    return [
+        {"same": twice, "again": twice},
+        [base[:16], base[16:48], base[48:]],
+        (base[::3],),
+        Pair(host(torch.zeros(0)), host(torch.tensor([True, False, True]))),
+        Tagged(wide.t(), "meta"),
+        {"n": 5, "s": "text", "none": None, "nested": {"deep": [host(torch.tensor(7))]}},
+        host(torch.tensor([1 + 2j, 3 - 1j, -0.5j])),
+        host(torch.arange(6.0).to(torch.bfloat16)),
+        host(torch.arange(5.0).to(torch.float8_e4m3fn)),
+        wide[3:9, 5:30],
+    ]
+
+
+def leaves(batch: Any) -> list[Any]:
+    """Every leaf of a batch, in order (tensors and the rest)."""
+    if isinstance(batch, dict):
+        return [x for v in batch.values() for x in leaves(v)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [x for f in dataclasses.fields(batch) for x in leaves(getattr(batch, f.name))]
+    if isinstance(batch, (list, tuple)):
+        return [x for v in batch for x in leaves(v)]
+    return [batch]
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["pageable", "pinned"])
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_odd_batches_reach_the_gpu_bit_identical_with_their_structure(
+    pin: bool, ring: bool
+) -> None:
+    batches = odd_batches(pin)
+    async with ResidencyManager(budgets={"cuda:0": 8 * MiB}) as m:
+        n = 0
+        async with DeviceLoader(m, batches, "cuda:0", prefetch=2, ring=ring) as loader:
+            async for batch in loader:
+                want = batches[n]
+                assert type(batch) is type(want)
+                for got, exp in zip(leaves(batch), leaves(want), strict=True):
+                    if not isinstance(exp, torch.Tensor):
+                        assert got == exp
+                        continue
+                    assert got.device == torch.device("cuda", 0)
+                    assert (got.shape, got.dtype) == (exp.shape, exp.dtype)
+                    host = got.cpu()
+                    # bit for bit, float8 and complex included (no arithmetic on them)
+                    assert torch.equal(
+                        host.contiguous().view(-1).view(torch.uint8),
+                        exp.contiguous().view(-1).view(torch.uint8),
+                    ), f"batch {n}"
+                n += 1
+        assert n == len(batches)
+        assert_nothing_left(m)
     torch.cuda.synchronize()
 
 
