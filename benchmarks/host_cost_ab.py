@@ -15,6 +15,12 @@ runtime's own host work. Rows, µs per operation, median of ``--rounds`` rounds:
   cost, which any anyio program pays);
 * ``in turn``: one value materialized and released, 64 times in a row.
 
+The manager made second ran 3-5% faster on the scope and in-turn rows with the same code
+(``--base HEAD`` on a clean tree, 60 rounds, on the 2-core development CPU), so by default each
+order runs in an interpreter of its own and the ratio is the geometric mean of the two. Even
+then a ratio from identical code lands anywhere within about 0.9-1.1 on the task rows and
+0.97-1.03 on the others: run ``--base HEAD`` first to see the spread on your machine.
+
     python benchmarks/host_cost_ab.py --base HEAD~1 --rounds 60
 """
 
@@ -26,6 +32,7 @@ import contextlib
 import gc
 import importlib
 import io
+import json
 import statistics
 import subprocess
 import sys
@@ -182,11 +189,15 @@ async def rows_for(pkg: ModuleType, stack: contextlib.AsyncExitStack) -> Rows:
     }
 
 
-async def main(args: argparse.Namespace) -> None:
+async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Median µs per operation of each row, ``(base, this)``, with the managers made in
+    ``args.order`` (the one made second ran a few percent faster with the same code)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = export_base(args.base, Path(tmp))
         async with contextlib.AsyncExitStack() as stack:
-            rows = {"base": await rows_for(base, stack), "this": await rows_for(aresidency, stack)}
+            rows: dict[str, Rows] = {}
+            for who in ("base", "this") if args.order == "base-first" else ("this", "base"):
+                rows[who] = await rows_for(base if who == "base" else aresidency, stack)
             for per in rows.values():
                 for fn in per.values():
                     for _ in range(5):
@@ -199,23 +210,57 @@ async def main(args: argparse.Namespace) -> None:
                 for key in rows["base"]:
                     for who in order:
                         out[who][key].append(await rows[who][key]())
+    return {
+        key: (statistics.median(out["base"][key]), statistics.median(out["this"][key]))
+        for key in out["base"]
+    }
+
+
+def one_order(args: argparse.Namespace, order: str) -> dict[str, tuple[float, float]]:
+    """:func:`measure` in a fresh interpreter (each order gets a process of its own)."""
+    command = [sys.executable, __file__, "--base", args.base, "--rounds", str(args.rounds)]
+    command += ["--order", order, "--json"]
+    result = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
+    return {k: (v[0], v[1]) for k, v in json.loads(result.stdout.splitlines()[-1]).items()}
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.order != "both":
+        medians = asyncio.run(measure(args))
+        if args.json:
+            print(json.dumps(medians))
+            return
+        per_order = {args.order: medians}
+    else:
+        per_order = {order: one_order(args, order) for order in ("base-first", "this-first")}
     print(
         f"host cost per operation, µs (instant simulation), {args.base} against this checkout, "
         f"median of {args.rounds} alternating rounds, torch {torch.__version__}"
     )
-    print(f"| row | {args.base} | this checkout | ratio |")
-    print("|---|---|---|---|")
-    for key in out["base"]:
-        b, t = statistics.median(out["base"][key]), statistics.median(out["this"][key])
-        print(f"| {key} | {b:.1f} | {t:.1f} | {t / b:.3f} |")
+    orders = list(per_order)
+    print("| row | " + " | ".join(f"{args.base} / this ({o})" for o in orders) + " | ratio |")
+    print("|---|" + "---|" * len(orders) + "---|")
+    for key in per_order[orders[0]]:
+        cells = [per_order[o][key] for o in orders]
+        ratio = statistics.geometric_mean(t / b for b, t in cells)
+        text = " | ".join(f"{b:.1f} / {t:.1f}" for b, t in cells)
+        print(f"| {key} | {text} | {ratio:.3f} |")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--base", default="HEAD~1", help="the git revision to compare against")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument(
+        "--order",
+        choices=("both", "base-first", "this-first"),
+        default="both",
+        help="which manager is made first; both (the default): each order in a process of its "
+        "own, and the ratio their geometric mean",
+    )
+    parser.add_argument("--json", action="store_true", help="(one order) print the medians")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    main(parse())

@@ -364,7 +364,11 @@ async def feed_async(
     its scope to stop it). Preparation runs on the loop unless it has tensors to copy (only
     with ``own_memory``, see :func:`prepare`), which go to a worker thread. Closes an async
     generator in this same task when done."""
-    iterator = source.__aiter__()
+    try:
+        iterator = source.__aiter__()
+    except BaseException as error:  # as an error of its first batch: the consumer's
+        await arrivals.put_async(End(0, error))
+        return
     index = 0
     try:
         while not arrivals.stopped:

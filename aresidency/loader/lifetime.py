@@ -58,6 +58,20 @@ def ended_by_newer_pass(loader: str, number: int, newer: int) -> RuntimeError:
     )
 
 
+def ended_by_cancelled_wait(loader: str, number: int, handed: int) -> RuntimeError:
+    """The error of a later ``__anext__`` on an iterator whose wait for a batch was cancelled
+    (a deadline around one ``anext`` that expired, the cancellation caught): the cancellation
+    ended the pass, and a consumer told only "end of iteration" would take the truncated pass
+    for the whole source."""
+    return RuntimeError(
+        f"pass {number} of {loader} ended when a wait for its next batch was cancelled, after "
+        f"{handed} batch(es): a cancelled wait ends the pass and gives back everything it held, "
+        f"so this iterator cannot go on and the rest of the source was not read. Start a new "
+        f"pass ('async for' over the loader again), or put the deadline around the whole loop "
+        f"rather than around one batch"
+    )
+
+
 def watch_close(backend: Backend, label: str, callback: Callable[[], None]) -> Callable[[], None]:
     """Call ``callback()`` on the loop once ``backend`` closes (the manager's close ends with
     it). Returns the function that disarms it (loop; the watch then ends quietly)."""

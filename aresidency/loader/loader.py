@@ -3,7 +3,6 @@ docstring for the design and the lifetimes)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import weakref
@@ -20,7 +19,7 @@ from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
-from .lifetime import end_on_loop, ended_by_newer_pass
+from .lifetime import end_on_loop, ended_by_cancelled_wait, ended_by_newer_pass
 from .pinnedfiles import PinnedFiles
 from .pipeline import Epoch
 from .ring import RingEpoch
@@ -429,8 +428,20 @@ class DeviceLoader:
                 # The body's exception is not handed to the group (it would come back wrapped
                 # in an exception group); the feeder task was cancelled by the close.
                 tasks.cancel_scope.cancel()
-                with contextlib.suppress(Exception):
+                try:
                     await tasks.__aexit__(None, None, None)
+                except Exception as group:
+                    # A task of the loader failed: the group cancelled the body, and that
+                    # cancellation must not leave the block as if the caller were cancelled.
+                    if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
+                        raise _unwrapped(group) from None
+
+
+def _unwrapped(error: Exception) -> Exception:
+    """The one error of an exception group of one (as it was raised), else ``error``."""
+    while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 class _Iteration:
@@ -440,12 +451,16 @@ class _Iteration:
         self._loader = loader
         self._wrap = wrap
         self._epoch: Epoch | RingEpoch | None = None
+        self._handed = 0  # batches this iteration handed out
+        self._cancelled = False  # a wait for a batch was cancelled (which ended the pass)
 
     def __aiter__(self) -> _Iteration:
         return self
 
     async def __anext__(self) -> Any:
         epoch = self._epoch
+        if self._cancelled and epoch is not None:
+            raise ended_by_cancelled_wait(self._loader.name, epoch.number, self._handed)
         if epoch is None:
             epoch = self._epoch = await self._loader._begin()
         elif not self._loader.current(epoch):
@@ -458,6 +473,10 @@ class _Iteration:
             if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
                 raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by) from None
             raise
+        except anyio.get_cancelled_exc_class():
+            self._cancelled = True  # the pass ended (epoch.next releases everything)
+            raise
+        self._handed += 1
         return batch if self._wrap else batch.data
 
     def __del__(self) -> None:

@@ -312,3 +312,82 @@ async def test_a_break_inside_async_with_ends_the_pass_at_once(ring: bool | None
         await loader.drain()
         await until(lambda: nothing_charged(m))
         assert_nothing_left(m)
+
+
+# ---------------------------------------------------------------- errors that must not hide
+
+
+class _SourceError(Exception):
+    pass
+
+
+class _AsyncSourceThatCannotStart:
+    """An async iterable whose ``__aiter__`` itself raises (a client that cannot connect)."""
+
+    def __aiter__(self) -> Any:
+        raise _SourceError("the source cannot start")
+
+
+async def test_an_async_source_that_cannot_start_gives_the_consumer_its_error(
+    ring: bool | None,
+) -> None:
+    async with ResidencyManager(backend=SimBackend()) as m:
+        with anyio.fail_after(10), pytest.raises(_SourceError, match="cannot start"):
+            async with DeviceLoader(m, _AsyncSourceThatCannotStart(), "cuda:0", ring=ring) as L:
+                async for _ in L:
+                    pytest.fail("a batch from a source that never started")
+        assert_nothing_left(m)
+
+
+async def test_a_failing_task_of_the_loader_ends_the_block_with_its_error_not_a_cancellation(
+    ring: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader's task group cancels the block's body when one of its tasks fails; leaving
+    the block must raise that task's error, never the cancellation (which would look to the
+    caller as if it had been cancelled from outside)."""
+    from aresidency.loader import pipeline
+    from aresidency.loader import ring as ring_module
+
+    async def broken_feed(*args: Any, **kwargs: Any) -> None:
+        raise _SourceError("the feeding task failed")
+
+    monkeypatch.setattr(pipeline, "feed_async", broken_feed)
+    monkeypatch.setattr(ring_module, "feed_async", broken_feed)
+
+    async def source() -> Any:
+        yield torch.ones(4)
+
+    async with ResidencyManager(backend=SimBackend()) as m:
+        with anyio.fail_after(10), pytest.raises(_SourceError, match="feeding task failed"):
+            async with DeviceLoader(m, source(), "cuda:0", ring=ring) as loader:
+                async for _ in loader:
+                    pass
+        assert_nothing_left(m)
+
+
+async def test_a_cancelled_wait_for_a_batch_is_not_taken_for_the_end_of_the_source(
+    ring: bool | None,
+) -> None:
+    """A deadline around one ``anext`` that expires ends the pass (everything it held is given
+    back); the same iterator must then say so, not end quietly as if the source had run out."""
+    data = batches(6)
+    gate = Gate()
+    async with ResidencyManager(backend=SimBackend()) as m:
+        async with DeviceLoader(m, gated(data, gate, 2), "cuda:0", prefetch=2, ring=ring) as L:
+            it = aiter(L)
+            first = [(await anext(it)).clone(), (await anext(it)).clone()]
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(anext, it)  # waits for batch 2, held at the gate
+                    await anyio.to_thread.run_sync(gate.reached.wait, 10)
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+            gate.open.set()
+            assert scope.cancelled_caught
+            with pytest.raises(RuntimeError, match="cancelled, after 2 batch") as raised:
+                await anext(it)
+            assert "the rest of the source was not read" in str(raised.value)
+            with pytest.raises(RuntimeError, match="ended when a wait"):  # and again
+                await anext(it)
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(first, data, strict=False))
