@@ -769,7 +769,7 @@ class ResidencyManager:
         loc = Location.parse(location)
         rt.backend.check_location(loc)
         self._refuse_reservation(rt, name, loc, nbytes)
-        self._state.reserve(name, loc, nbytes, owner="direct")
+        self._state.reserve(name, loc, nbytes, owner="block")
         rt.settle()
         try:
             yield
@@ -796,17 +796,38 @@ class ResidencyManager:
 
     @staticmethod
     def _refuse_reservation(rt: Runtime, name: str, location: Location, nbytes: Any) -> None:
-        """A direct reservation cannot wait: refused while a scope waits for room there."""
-        if len(rt.admission) and isinstance(nbytes, int) and nbytes > 0:
-            rt.admission.refuse_nowait(
-                {location: (nbytes, "reservation")}, lambda: f"reservation {name!r}"
-            )
+        """A direct reservation cannot wait: refused while a scope waits for room there (its
+        size read as the reservation will read it: ``"8KiB"`` and ``8192.0`` too)."""
+        if len(rt.admission):
+            size = parse_nbytes(nbytes, f"reservation {name!r}")
+            if size > 0:
+                rt.admission.refuse_nowait(
+                    {location: (size, "reservation")}, lambda: f"reservation {name!r}"
+                )
 
     def unreserve_nowait(self, name: str, location: LocationLike) -> int:
-        """End the reservation ``name`` at ``location``; returns its bytes. ``ValueError`` if
-        none is active. Loop thread."""
+        """End the reservation ``name`` at ``location`` that :meth:`reserve_nowait` made;
+        returns its bytes. ``ValueError`` if none is active, and for one that a scope, a
+        :meth:`reservation` block or the backend holds (each ends its own). Loop thread."""
         rt = self._running()
-        nbytes = self._state.unreserve(name, location)
+        loc = Location.parse(location)
+        rt.backend.check_location(loc)
+        ledger = self._state.find_ledger(loc)
+        entry = None if ledger is None else ledger.reservations.get(name)
+        if entry is not None and entry[1] != "direct":
+            owner = entry[1]
+            held_by = (
+                "the backend, for the manager's lifetime"
+                if owner == "backend"
+                else "a 'manager.reservation' block, which ends it when the block ends"
+                if owner == "block"
+                else f"{owner!r}, which ends it when its body ends"
+            )
+            raise ValueError(
+                f"the reservation {name!r} at {loc} was not made by reserve_nowait: it is held "
+                f"by {held_by}; unreserve_nowait ends only reservations reserve_nowait made"
+            )
+        nbytes = self._state.unreserve(name, loc)
         rt.settle()
         return nbytes
 

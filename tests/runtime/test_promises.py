@@ -641,7 +641,37 @@ async def test_an_operation_that_cannot_wait_is_refused_by_the_queue_with_true_f
                 async with m.reservation("x", "cuda:0", 4 * KiB):
                     pytest.fail("a reservation overtook a waiting scope")
             assert (info.value.kind, info.value.requested_bytes) == ("reservation", 4 * KiB)
-            with pytest.raises(ResidencyBudgetError, match="come first"):
-                m.reserve_nowait("x", "cuda:0", 4 * KiB)
+            # the size as every reservation takes it: a string, a float of whole bytes
+            for size in (4 * KiB, "4KiB", float(4 * KiB)):
+                with pytest.raises(ResidencyBudgetError, match="come first"):
+                    m.reserve_nowait("x", "cuda:0", size)  # type: ignore[arg-type]
+                with pytest.raises(ResidencyBudgetError, match="come first"):
+                    async with m.reservation("x", "cuda:0", size):  # type: ignore[arg-type]
+                        pytest.fail("a reservation overtook a waiting scope")
             assert m.state_version == version  # refused before anything changed
             hold.release()
+
+
+async def test_unreserve_nowait_ends_only_what_reserve_nowait_made() -> None:
+    """A scope's plan reservation, a ``reservation`` block's and the backend's own staging are
+    ended by their owners; ``unreserve_nowait`` refuses them, changing nothing."""
+    async with ResidencyManager(backend=SimBackend(), budgets={"cuda:0": 64 * KiB}) as m:
+        plan = ResidencyPlan(reserve=[MemoryReservation("act", "cuda:0", 32 * KiB)])
+        async with m.scope(plan):
+            version = m.state_version
+            with pytest.raises(ValueError, match="'act' at cuda:0 was not made by reserve_nowait"):
+                m.unreserve_nowait("act", "cuda:0")
+            assert m.state_version == version
+            assert m.snapshot().location("cuda:0").reserved_bytes == 32 * KiB
+        async with m.reservation("blk", "cuda:0", KiB):
+            with pytest.raises(ValueError, match=r"'manager\.reservation' block"):
+                m.unreserve_nowait("blk", "cuda:0")
+        m.state.reserve("aresidency.staging", "pinned-host", KiB, owner="backend")  # as on CUDA
+        with pytest.raises(ValueError, match="the backend, for the manager's lifetime"):
+            m.unreserve_nowait("aresidency.staging", "pinned-host")
+        m.state.unreserve("aresidency.staging", "pinned-host")
+        with pytest.raises(ValueError, match="does not exist"):
+            m.unreserve_nowait("mine", "cuda:7")
+        m.reserve_nowait("mine", "cuda:0", "2KiB")
+        assert m.unreserve_nowait("mine", "cuda:0") == 2 * KiB
+        assert m.snapshot().location("cuda:0").reserved_bytes == 0
