@@ -247,24 +247,34 @@ class SimBackend(Backend):
             )
         tensor = torch.empty(tuple(shape), dtype=dtype)
         poison_(tensor)
-        nbytes = tensor.untyped_storage().nbytes()
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
         if nbytes:
+            ptr = storage.data_ptr()
             with self._lock:
-                self._owned[tensor.untyped_storage().data_ptr()] = loc
+                self._owned[ptr] = loc
                 if loc.is_cuda:
                     used = self._device_bytes.get(loc, 0) + nbytes
                     self._device_bytes[loc] = used
                     if used > self._device_peak.get(loc, 0):
                         self._device_peak[loc] = used
-            if loc.is_cuda:
-                # Views keep their base tensor object alive, so this runs when the last
-                # reference to the memory dies, in whatever thread drops it.
-                weakref.finalize(tensor, self._device_tensor_died, loc, nbytes)
+            # The storage's Python object lives as long as the memory does (every tensor that
+            # shares it, a view, a ``.view(dtype)``, a ``.detach()``, a ``set_`` alias keeps
+            # it), so this runs when the memory is given back, in whatever thread drops the
+            # last reference. A buffer dropped without :meth:`free` is forgotten then: the
+            # allocator may hand its address to a new host tensor, which must not be taken
+            # for this simulation's memory.
+            weakref.finalize(storage, self._storage_died, ptr, loc, nbytes)
         return tensor
 
-    def _device_tensor_died(self, location: Location, nbytes: int) -> None:
+    def _storage_died(self, ptr: int, location: Location, nbytes: int) -> None:
         with self._lock:
-            self._device_bytes[location] -= nbytes
+            # The address cannot have been handed out again while this storage lived, so an
+            # entry for it is this allocation's (unless free() forgot it already).
+            if self._owned.get(ptr) is location:
+                del self._owned[ptr]
+            if location.is_cuda:
+                self._device_bytes[location] -= nbytes
 
     def memory_allocated(self, location: LocationLike) -> int:
         """SIMULATED device memory in use at a cuda location: the bytes of the live tensors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import threading
@@ -201,6 +202,34 @@ def test_free_leaves_a_users_own_pageable_tensor_alone() -> None:
     assert backend.place(mine, Location.parse("pageable-host")) is mine
     backend.free(mine, Location.parse("pageable-host"))
     assert torch.equal(mine, torch.ones(10))
+
+
+@pytest.mark.parametrize("where", ["cuda:0", "pinned-host"])
+def test_memory_dropped_without_free_is_forgotten_when_its_storage_dies(where: str) -> None:
+    """A buffer dropped without ``free`` (its last reference gone) stops being this
+    simulation's memory: the allocator gives its address to new host tensors, and a user's
+    tensor there must read as the pageable host memory it is (else the runtime would hand it
+    out uncopied as a cuda:0 tensor, and poison it on release). The memory is forgotten only
+    once every tensor sharing its storage is gone, not when the first one is."""
+    backend = SimBackend()
+    loc = Location.parse(where)
+    before = backend.memory_allocated("cuda:0")
+    buffer = backend.allocate((4096,), torch.uint8, loc)
+    alias = buffer.view(torch.float32)  # not a view with a ``_base``: shares the storage only
+    ptr = buffer.data_ptr()
+    del buffer
+    gc.collect()
+    assert backend.owned_location(alias) == loc  # the memory still lives
+    assert backend.memory_allocated("cuda:0") == before + (4096 if loc.is_cuda else 0)
+    del alias
+    gc.collect()
+    assert backend.memory_allocated("cuda:0") == before
+    # The allocator may hand the address to the next host tensor (whether it does depends on
+    # its free lists): stand for that tensor with one at the same address, never read.
+    there = torch.frombuffer((ctypes.c_char * 4096).from_address(ptr), dtype=torch.uint8)
+    assert there.data_ptr() == ptr
+    assert backend.owned_location(there) is None
+    assert backend.location_of(there) == Location.parse("pageable-host")
 
 
 async def test_read_after_release_without_the_reader_event_sees_poison(sim: SimBackend) -> None:

@@ -807,16 +807,22 @@ async def test_a_wait_far_shorter_than_predicted_is_woken_by_its_notification(
         await _until(lambda: not poller.entries)
         hits, launched, calls = waiter.timer_hits, driver.launched, []
         called_at: list[float] = []
+        called = anyio.Event()
 
         def note(error: BaseException | None) -> None:
             called_at.append(time.monotonic())
             calls.append(error)
+            called.set()
 
         short = QueriedEvent(0.005, driver)
         waiter.arm(short, FakeStream(28))
         waiter.watch(short, LoopBridge.current(), note)
         watched = time.monotonic()  # watch() queries as it begins (a loaded machine may
-        await _until(lambda: calls)  # stretch that): the loop's polls come after this
+        # stretch that): the loop's polls come after this. The loop sleeps until the call:
+        # spinning on it would hold the GIL from the threads that complete the fake event
+        # and post its notification, and delay both by tens of milliseconds.
+        with anyio.fail_after(5):
+            await called.wait()
         assert calls == [None] and driver.launched == launched + 1
         loop = threading.get_ident()
         polls = [t for t, w in zip(short.queries, short.threads) if w == loop]

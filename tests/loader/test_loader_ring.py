@@ -992,3 +992,24 @@ async def test_a_consumer_that_keeps_nothing_past_the_release_gets_no_warning(wa
             assert len(kept) == 8
             assert loader.stats().kept_after_release == 0
         assert_nothing_left(m)
+
+
+async def test_fresh_tensors_after_a_ring_pass_are_copied_and_left_intact() -> None:
+    """The ring drops its slots' buffers at the end of a pass; the host allocator then hands
+    their addresses to new tensors. A pass of managed values over fresh tensors made after
+    that copies every one of them (none is taken for a slot's simulated device memory and
+    handed out as is) and leaves the user's tensors bit for bit as they were."""
+    async with ResidencyManager(backend=SimBackend()) as m:
+        for _ in range(8):
+            async with DeviceLoader(m, batches(4), "cuda:0", prefetch=2) as loader:
+                assert [b.shape async for b in loader] == [torch.Size([256])] * 4
+                await loader.drain()  # the slots are freed
+            fresh = batches(8, seed=1)
+            kept = [t.clone() for t in fresh]
+            async with DeviceLoader(m, fresh, "cuda:0", prefetch=2, ring=False) as loader:
+                async for batch in loader.batches():
+                    assert batch.data is not fresh[batch.index]
+                    assert torch.equal(batch.data, kept[batch.index])
+                await loader.drain()
+            assert all(torch.equal(a, b) for a, b in zip(fresh, kept, strict=True))
+        assert_nothing_left(m)
