@@ -238,6 +238,8 @@ class TransferRequest:
 
     tickets: tuple[CopyTicket, ...]
     action_indexes: tuple[int, ...]
+    #: An action that failed to begin (the phase ends with it, whatever the transfers do).
+    failure: ActionFailed | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,7 +491,7 @@ def _carry_out(
 ) -> Generator[PhaseRequest, Any, ActionFailed | None]:
     if not tickets:
         return failure
-    request = TransferRequest(tuple(t for _, t in tickets), tuple(i for i, _ in tickets))
+    request = TransferRequest(tuple(t for _, t in tickets), tuple(i for i, _ in tickets), failure)
     committed: set[int] = set()  # committed early, at a CommitNow answer
     by_id: dict[int, CopyTicket] = {}
     while True:

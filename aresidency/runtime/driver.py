@@ -18,7 +18,9 @@ A run is a synchronous state machine with a thin async wrapper (trio's ``*_nowai
   that completed commits at once, with the others of its batch, while later batches are in
   flight (a move only when no other copy of the phase reads its source); a move commits only
   once its source's readers completed; a failed copy is aborted only once nothing uses, holds
-  or reads its destination any more;
+  or reads its destination any more (a run whose only work left is such aborts waiting for a
+  lease or hold is finished already: its outcome is known, and its awaiter may be the task
+  holding the lease; see :meth:`PhaseRun._decide_early`);
 * :meth:`PhaseRun.wait` parks the calling task until the run finished and raises its error
   (after one turn of the loop first: a small copy has usually completed by then, and the run
   finishes without an event to wait on).
@@ -118,8 +120,10 @@ class PhaseRun:
     (set while the run waits for a state change), ``transitions`` (what this run committed,
     in order), ``finished``/``error``, ``cancel_requested``.
     Invariants: while not finished, every begun ticket is either open or has its outcome in
-    ``_errors``; the run finishes only after the generator ended, so every ticket it began is
-    committed or aborted by then.
+    ``_errors``; the run ends (``_ended``) only after the generator ended, so every ticket it
+    began is committed or aborted by then. It finishes (``finished``: its outcome is known, its
+    awaiters are woken) when it ends, or earlier when all that is left is aborting failed
+    copies that a lease or hold protects (see :meth:`_decide_early`).
     """
 
     __slots__ = (
@@ -127,6 +131,7 @@ class PhaseRun:
         "_blocking",
         "_callbacks",
         "_done",
+        "_ended",
         "_errors",
         "_gen",
         "_known",
@@ -136,6 +141,7 @@ class PhaseRun:
         "_request",
         "_rt",
         "_single",
+        "_thrown",
         "_ticket",
         "_transfers",
         "_unlisten",
@@ -175,6 +181,8 @@ class PhaseRun:
         self.transitions: list[Transition] = []
         self.started = False
         self.finished = False
+        self._ended = False
+        self._thrown: BaseException | None = None  # the cancellation thrown into the generator
         self.error: BaseException | None = None
         self.cancel_requested = False
 
@@ -495,28 +503,78 @@ class PhaseRun:
     def _poll_commit(self) -> None:
         request = self._request
         if request is _SINGLE:
-            if self.finished or self._open:
+            if self._ended or self._open:
                 return
             if self._blocking:
                 ticket = self._ticket
                 assert ticket is not None
                 if not self._may_commit(ticket):
                     self._listen(self._poll_commit)
+                    self._decide_early([ticket], ActionFailed)
                     return
                 self._blocking.clear()
             self._end_single()
             return
-        if self.finished or self._open or not isinstance(request, TransferRequest):
+        if self._ended or self._open or not isinstance(request, TransferRequest):
             return
         if self._blocking:
             tickets = {t.ticket_id: t for t in request.tickets if t.ticket_id in self._blocking}
             self._blocking = {i for i, t in tickets.items() if not self._may_commit(t)}
             if self._blocking:
                 self._listen(self._poll_commit)
+                self._decide_early([tickets[i] for i in self._blocking], request)
                 return
         self._unlisten_now()
         self._ready = []  # the final answer commits them with the rest
         self._advance(dict(self._errors))
+
+    def _decide_early(
+        self, blocked: list[CopyTicket], request: TransferRequest | type[ActionFailed]
+    ) -> None:
+        """Every transfer completed and what is left is aborting failed copies whose
+        destinations a lease or hold protects (the task that entered it decides when that
+        ends, and may be the one awaiting this run): the outcome is known, so the run is
+        finished now, its awaiters get the error and closing the manager does not wait for
+        it. The aborts follow when the protections end (:meth:`_poll_commit` still listens),
+        or never, if the manager closes first (its state is final then). A copy still read
+        by the device (consumer events) or a move waiting for its source's readers keeps the
+        run unfinished: those end by themselves."""
+        if self.finished:
+            return
+        state = self._rt.state
+        errors: list[BaseException] = []
+        for ticket in blocked:
+            error = self._errors.get(ticket.ticket_id)
+            value = state.find_value(ticket.handle)
+            mat = None if value is None else value.materializations.get(ticket.destination)
+            if error is None or mat is None or mat.pending_event_count:
+                return
+            errors.append(error)
+        if isinstance(request, TransferRequest):
+            if self.cancel_requested and self._thrown is None:
+                return  # cannot happen (cancel() throws or finds no open transfer) but is safe
+            # What the phase generator will end with (see core.plans._carry_out): a
+            # cancellation thrown in, else the first action that failed to begin, else the
+            # first failed copy in the request's order.
+            outcome: BaseException
+            if self._thrown is not None:
+                outcome = self._thrown
+            elif request.failure is not None:
+                outcome = request.failure
+            else:
+                first = next(
+                    i
+                    for i, t in enumerate(request.tickets)
+                    if self._errors.get(t.ticket_id) is not None
+                )
+                outcome = ActionFailed(
+                    request.action_indexes[first],
+                    None,
+                    self._errors[request.tickets[first].ticket_id],  # type: ignore[arg-type]
+                )
+        else:
+            outcome = ActionFailed(0, None, errors[0])
+        self._announce(outcome)
 
     def _listen(self, poll: Callable[[], None]) -> None:
         if self._unlisten is None:
@@ -528,10 +586,17 @@ class PhaseRun:
             self._unlisten = None
 
     def _finish(self, error: BaseException | None) -> None:
-        self.finished = True
-        self.error = error
+        """Every ticket the run began is committed or aborted."""
+        self._ended = True
         self._unlisten_now()
         self._rt.state.origin_recorders.pop(self, None)
+        if not self.finished:  # else finished early (see _decide_early), with this outcome
+            self._announce(error)
+
+    def _announce(self, error: BaseException | None) -> None:
+        """The outcome is known: wake the awaiters, call the done callbacks."""
+        self.finished = True
+        self.error = error
         self._rt.end_work()
         if self._done is not None:
             self._done.set()
@@ -604,7 +669,8 @@ class PhaseRun:
             # carries out (cancelled above) what a checkpoint had handed out already.
             self._unlisten_now()
             self._request = None  # a pending resume of the checkpoint does nothing
-            self._advance(None, throw=PhaseCancelledError(f"{self.phase} was cancelled"))
+            self._thrown = PhaseCancelledError(f"{self.phase} was cancelled")
+            self._advance(None, throw=self._thrown)
 
     def _cancel_transfers(self) -> None:
         """Cancel every open transfer whose destination no lease or hold reads."""

@@ -16,11 +16,13 @@ class PendingOperation:
 
     It completes whether or not anyone awaits it (a transfer commits, or aborts if it failed;
     a release commits once its readers finished): nothing stays incoming because a caller went
-    away. ``await pending`` parks until
-    then and raises the transfer's error; cancelling that await cancels the materialization
-    (unless a lease was entered on the incoming copy: then it completes) and re-raises the
-    cancellation once it settled. ``done()``, ``cancelled()``, ``exception()``, ``cancel()`` and
-    ``add_done_callback(fn)`` mirror a future's, on the manager's loop.
+    away. A copy that failed while a lease or hold protects its destination is done at once
+    (its error known); the destination is dropped when that lease or hold ends.
+    ``await pending`` parks until done and raises the transfer's error; cancelling that await
+    cancels the materialization (unless a lease was entered on the incoming copy: then it
+    completes) and re-raises the cancellation once it settled. ``done()``, ``cancelled()``,
+    ``exception()``, ``cancel()`` and ``add_done_callback(fn)`` mirror a future's, on the
+    manager's loop.
     """
 
     __slots__ = ("_run",)

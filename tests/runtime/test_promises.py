@@ -138,6 +138,107 @@ async def test_a_lease_entered_on_a_copy_that_fails_says_so_at_exit() -> None:
         quiet(m)
 
 
+def cuda0(m: ResidencyManager, h: Any) -> tuple[int, list[str]]:
+    """cuda:0's charged bytes, and the states of ``h``'s materialization there (if any)."""
+    snap = m.snapshot()
+    states = [r.state.value for r in snap.value(h).materializations if str(r.location) == "cuda:0"]
+    return snap.location("cuda:0").charged_bytes, states
+
+
+async def test_a_copy_failing_under_a_hold_is_reported_at_once_and_dropped_when_it_ends() -> None:
+    """The task that holds the incoming copy awaits it: the copy's failure reaches it as soon
+    as the copy failed (the hold cannot end while its owner waits, so waiting for the hold
+    would never end); the failed destination stays charged, protected by the hold, and is
+    dropped when the hold ends."""
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(tensor(), name="w")
+        backend.faults.fail_transfer_at = 1
+        pending = m.materialize_nowait(h, "cuda:0")
+        hold = m.hold(h, "cuda:0")
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="injected transfer failure"):
+            await pending
+        assert pending.done() and isinstance(pending.exception(), RuntimeError)
+        assert cuda0(m, h) == (4 * 4096, ["incoming"])  # still charged: the hold protects it
+        assert m.held_tensor(h, "cuda:0") is None  # nothing there to read
+        hold.release()
+        assert cuda0(m, h) == (0, [])
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["pageable-host"]
+        quiet(m)
+        await m.materialize(h, "cuda:0")  # the value is intact: it goes there again
+        assert torch.equal(m.tensor(h, "cuda:0"), tensor())
+
+
+async def test_awaiting_a_failed_copy_inside_a_lease_on_it_raises_its_error() -> None:
+    """A lease entered on the incoming copy, and the copy awaited inside it: the failure is
+    raised there (not a wait for the lease to end, which the awaiting task itself ends)."""
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        h = m.register(tensor(), name="w")
+        backend.faults.fail_transfer_at = 1
+        pending = m.materialize_nowait(h, "cuda:0")
+        stream = backend.current_stream("cuda:0")
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="injected transfer failure"):
+            async with m.acquire(h, "cuda:0", stream=stream):
+                await pending
+        await settle(m)  # the lease's reader event passed: the destination is dropped
+        assert cuda0(m, h) == (0, [])
+        quiet(m)
+
+
+async def test_closing_with_a_hold_on_a_copy_that_failed_does_not_wait_for_the_hold() -> None:
+    """The manager closes while a hold protects a copy that failed: closing does not wait for
+    the hold (nothing would end it); the hold's release afterwards changes nothing and says
+    the manager closed. The same with the copy's operation awaited after the close."""
+    backend = SimBackend()
+    with anyio.fail_after(5):
+        async with ResidencyManager(backend=backend) as m:
+            h = m.register(tensor(), name="w")
+            backend.faults.fail_transfer_at = 1
+            pending = m.materialize_nowait(h, "cuda:0")
+            hold = m.hold(h, "cuda:0")
+            await pending.wait_settled()  # the copy failed (nobody awaited it with a timeout)
+    assert isinstance(pending.exception(), RuntimeError)
+    with pytest.raises(RuntimeError, match="injected transfer failure"):
+        await pending
+    with pytest.raises(ManagerClosedError, match="the hold on"):
+        hold.release()
+
+
+async def test_a_scope_whose_copy_fails_under_anothers_hold_fails_at_once() -> None:
+    """A scope bringing two values in, one of whose copies fails while another task's hold
+    protects it: the scope's entry fails with the copy's error right away, names the
+    action, and the failed copy is dropped when the hold ends."""
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        a = m.register(tensor(seed=1), name="a")
+        b = m.register(tensor(seed=2), name="b")
+        backend.faults.fail_transfer_at = 2
+        entered = m.scope(ResidencyPlan(enter=[Materialize(a, "cuda:0"), Materialize(b, "cuda:0")]))
+        holds: list[Any] = []
+
+        def hold_incoming() -> None:  # the moment b's copy is begun, another holder holds it
+            value = m.state.find_value(b)
+            if (
+                value is not None
+                and not holds
+                and any(str(loc) == "cuda:0" for loc in value.materializations)
+            ):
+                holds.append(m.hold(b, "cuda:0"))
+
+        remove = m.add_change_listener(hold_incoming)
+        with anyio.fail_after(5), pytest.raises(ResidencyPlanExecutionError) as failed:
+            async with entered:
+                pass
+        remove()
+        assert holds, "the hold was never made"
+        assert "b" in str(failed.value) and "injected transfer failure" in str(failed.value)
+        holds[0].release()
+        await settle(m)
+        assert [str(loc) for loc in m.snapshot().value(b).locations] == ["pageable-host"]
+        quiet(m)
+
+
 async def test_a_write_lease_stops_another_task_from_making_a_replica() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
