@@ -4,8 +4,12 @@ A scope whose plan does not fit now waits here, in arrival order, as long as onl
 state stands in its way: leases, holds, pending consumer events, transfers in flight and the
 reservations of other scopes or ``manager.reservation`` blocks (they all end on their own). A
 plan that resident values block (nobody protects them, so nothing will move them) or that
-could never fit fails at once with the explanation's reason. Only the head of the queue is
-checked, on every state change, so a later scope never overtakes an earlier one.
+could never fit fails at once with the explanation's reason. A scope is checked, on every
+state change, only once it is first among the waiters it contends with (those that charge a
+location it charges, where a budget applies), so a later scope never overtakes an earlier one
+for the same room, and a scope for another device does not wait behind it (a scope waiting on
+``cuda:1`` behind one waiting on ``cuda:0`` could otherwise wait for room that the first one's
+holder, waiting itself for ``cuda:1``, keeps).
 
 Direct operations queue too, so that they cannot starve a waiting scope: one that would charge
 a location where a waiting scope will charge bytes (``materialize``, ``move``, ``execute``)
@@ -106,11 +110,45 @@ class AdmissionQueue:
             self._unlisten = self._rt.signal.add_listener(self._wake_head)
 
     def _wake_head(self) -> None:
+        """Wake every waiter that is first among those it contends with."""
         if self._queue:
-            self._queue[0].wake()
+            for waiter in self._firsts():
+                waiter.wake()
         elif self._unlisten is not None:  # the queue emptied: listen again with the next
             self._unlisten()
             self._unlisten = None
+
+    def _budgeted(self, locations: frozenset[Location]) -> frozenset[Location]:
+        """The locations of ``locations`` where room can run short (a budget applies)."""
+        state = self._rt.state
+        out = []
+        for loc in locations:
+            ledger = state.find_ledger(loc)
+            if ledger is not None and ledger.budget_bytes is not None:
+                out.append(loc)
+        return frozenset(out)
+
+    def _firsts(self) -> list[_Waiter]:
+        """The waiters that no earlier waiter contends with (charging a budgeted location
+        they charge too), in queue order: the queue's head and every waiter for other room."""
+        claimed: set[Location] = set()
+        firsts = []
+        for waiter in self._queue:
+            wants = self._budgeted(waiter.short_of)
+            if not wants & claimed:
+                firsts.append(waiter)
+            claimed |= wants
+        return firsts
+
+    def _is_first(self, waiter: _Waiter) -> bool:
+        """Whether no waiter ahead of ``waiter`` contends with it."""
+        wants = self._budgeted(waiter.short_of)
+        for other in self._queue:
+            if other is waiter:
+                return True
+            if wants & self._budgeted(other.short_of):
+                return False
+        return False
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -172,7 +210,7 @@ class AdmissionQueue:
         self._enqueue(waiter)
         try:
             while True:
-                if self._queue[0] is waiter:
+                if self._is_first(waiter):
                     self._check_stale(expected_version)
                     if plan_fits_at_once(state, plan) or await self._sliced(
                         lambda: plan_fits_steps(state, plan)
@@ -209,7 +247,11 @@ class AdmissionQueue:
     ) -> tuple[str, BaseException | None]:
         """The timeout's message, and the error that stood in the way (the explanation's
         blocking error; ``None`` when only earlier waiters did)."""
-        ahead = list(self._queue).index(waiter)
+        wants = self._budgeted(waiter.short_of)
+        queue = list(self._queue)
+        ahead = sum(
+            1 for other in queue[: queue.index(waiter)] if wants & self._budgeted(other.short_of)
+        )
         plan = waiter.plan
         fits = plan is not None and drain(plan_fits_steps(self._rt.state, plan))
         if explanation.feasible or fits:

@@ -443,3 +443,93 @@ async def test_an_exclusive_value_asked_twice_in_a_phase_is_refused_before_any_a
         assert not isinstance(info.value, ResidencyPlanExecutionError)
         assert m.state_version == version  # nothing began
         assert [str(x) for x in m.snapshot().value(b).locations] == ["pageable-host"]
+
+
+async def test_a_scope_for_another_device_does_not_wait_behind_a_waiting_one() -> None:
+    """Scope A waits for room at cuda:0 (a hold fills it), then scope B for room at cuda:1 (a
+    hold fills that too). When cuda:1's hold ends, B is admitted while A still waits: B never
+    contended with A for any room (FIFO holds among the scopes that want the same budgeted
+    location; the host both exit to has no budget). Waiting behind A instead could deadlock:
+    the holder of cuda:0 may be the task that waits in B."""
+    budgets = {"cuda:0": 16 * KiB, "cuda:1": 16 * KiB}
+    async with ResidencyManager(budgets=budgets, backend="sim") as m:
+        full0 = m.register(tensor(seed=1), name="full0", location="cuda:0")
+        full1 = m.register(tensor(seed=2), name="full1", location="cuda:1")
+        a = m.register(tensor(seed=3), name="a", location="pinned-host")
+        b = m.register(tensor(seed=4), name="b", location="pinned-host")
+        hold0, hold1 = m.hold(full0, "cuda:0"), m.hold(full1, "cuda:1")
+        entered: list[str] = []
+        b_inside = anyio.Event()
+
+        async def scope(name: str, handle: object, device: str, done: anyio.Event) -> None:
+            plan = ResidencyPlan(
+                reclaim=[Move(full0 if device == "cuda:0" else full1, "pinned-host")],
+                enter=[Move(handle, device)],
+                exit=[Move(handle, "pinned-host")],
+            )
+            async with m.scope(plan, timeout=None):
+                entered.append(name)
+                done.set()
+
+        a_inside = anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(scope, "a", a, "cuda:0", a_inside)
+            await anyio.wait_all_tasks_blocked()  # queueing is no transition: until parked
+            assert m.waiting == 1
+            tasks.start_soon(scope, "b", b, "cuda:1", b_inside)
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 2
+            hold1.release()
+            with anyio.fail_after(5):
+                await b_inside.wait()
+            assert entered == ["b"] and m.waiting == 1  # A still waits for cuda:0
+            hold0.release()
+            with anyio.fail_after(5):
+                await a_inside.wait()
+        assert entered == ["b", "a"]
+        assert_no_leak(m)
+
+
+async def test_scopes_for_the_same_device_stay_first_come_first_served() -> None:
+    """The same set-up, both scopes for cuda:0: the second fits once room appears for one,
+    but the first came first and gets it; the second follows when the first exits."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        full = m.register(tensor(seed=1), name="full", location="cuda:0")
+        rest = m.register(tensor(seed=2), name="rest", location="cuda:0")
+        a = m.register(tensor(32 * KiB, seed=3), name="a", location="pinned-host")  # needs all
+        b = m.register(tensor(seed=4), name="b", location="pinned-host")  # needs half
+        holds = [m.hold(full, "cuda:0"), m.hold(rest, "cuda:0")]
+        entered: list[str] = []
+        gate = anyio.Event()
+
+        async def scope(name: str, handle: object) -> None:
+            reclaim = [Move(rest, "pinned-host")]  # b needs only rest's room
+            if name == "a":
+                reclaim.insert(0, Move(full, "pinned-host"))
+            plan = ResidencyPlan(
+                reclaim=reclaim,
+                enter=[Move(handle, "cuda:0")],
+                exit=[Move(handle, "pinned-host")],
+            )
+            async with m.scope(plan, timeout=None):
+                entered.append(name)
+                if name == "a":
+                    await gate.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(scope, "a", a)
+            await anyio.wait_all_tasks_blocked()  # queueing is no transition: until parked
+            assert m.waiting == 1
+            tasks.start_soon(scope, "b", b)
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 2
+            holds.pop().release()  # rest's: room for b, not for a: b still waits behind a
+            await anyio.wait_all_tasks_blocked()
+            assert entered == [] and m.waiting == 2
+            holds.pop().release()
+            with anyio.fail_after(5):
+                while entered != ["a"]:
+                    await m.wait_for_change()
+            gate.set()
+        assert entered == ["a", "b"]
+        assert_no_leak(m)
