@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -117,8 +117,7 @@ class DeviceLoader:
         if not isinstance(manager, ResidencyManager):
             raise TypeError(f"DeviceLoader needs a ResidencyManager, got {type(manager).__name__}")
         manager.check_thread()
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        _check_count(prefetch, "prefetch", 0)
         self.manager = manager
         self.device = Location.parse(device)
         backend = manager.backend
@@ -144,6 +143,15 @@ class DeviceLoader:
         self.source = source
         self.is_staged = isinstance(source, StagedSource)
         self.is_async_source = not self.is_staged and hasattr(source, "__aiter__")
+        if isinstance(source, (str, bytes, bytearray, memoryview, Mapping)):
+            what = "a mapping (iterated, it yields its keys)"
+            if not isinstance(source, Mapping):
+                what = f"a {type(source).__name__} (iterated, it yields characters or bytes)"
+            raise TypeError(
+                f"DeviceLoader reads an iterable of batches, got {what}: pass a list, a "
+                "generator or a DataLoader of batches (a dict of tensors is one batch: wrap it "
+                "in a list)"
+            )
         if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
             raise TypeError(
                 f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
@@ -151,15 +159,10 @@ class DeviceLoader:
             )
         if read_ahead is None:
             read_ahead = prefetch + 1
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
-            raise ValueError(f"read_ahead must be an int >= 1, got {read_ahead!r}")
+        _check_count(read_ahead, "read_ahead", 1)
         self.read_ahead = read_ahead
-        if staging_slots is not None and (
-            isinstance(staging_slots, bool)
-            or not isinstance(staging_slots, int)
-            or staging_slots < 1
-        ):
-            raise ValueError(f"staging_slots must be an int >= 1, got {staging_slots!r}")
+        if staging_slots is not None:
+            _check_count(staging_slots, "staging_slots", 1)
         if staging_slots is not None and not self.is_staged:
             raise ValueError(
                 "staging_slots is for staged sources (such as ShardSource), which read into the "
@@ -200,8 +203,7 @@ class DeviceLoader:
         self.pin_source = pin_source
         if run_ahead is None:
             run_ahead = 2 * (prefetch + 1)
-        if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
-            raise ValueError(f"run_ahead must be an int >= 1 or None, got {run_ahead!r}")
+        _check_count(run_ahead, "run_ahead", 1, "or None")
         self.run_ahead = run_ahead
         self.counters = LoaderCounters()
         self.staging: StagingSlots | None = None
@@ -492,3 +494,13 @@ class _Iteration:
         if epoch is not None and self._loader.current(epoch):
             epoch.shutdown()
             await finish_shielded(epoch.drain)
+
+
+def _check_count(value: object, what: str, minimum: int, also: str = "") -> None:
+    """``value`` is an int (not a bool) of at least ``minimum``: ``TypeError`` when it is no
+    int, ``ValueError`` when it is too small, naming the argument and what it got."""
+    wanted = f"{what} must be an int >= {minimum}{' ' + also if also else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{wanted}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{wanted}, got {value!r}")

@@ -583,6 +583,18 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
             DeviceLoader(m, [], "cuda:0", prefetch=-1, ring=ring)
         with pytest.raises(TypeError, match="iterable or async iterable"):
             DeviceLoader(m, 42, "cuda:0", ring=ring)
+        # Iterable, but not of batches: refused rather than iterated into characters or keys.
+        for text in ("batches", b"batches"):
+            with pytest.raises(TypeError, match="yields characters or bytes"):
+                DeviceLoader(m, text, "cuda:0", ring=ring)
+        with pytest.raises(TypeError, match="a dict of tensors is one batch"):
+            DeviceLoader(m, {"x": torch.ones(4)}, "cuda:0", ring=ring)
+        for bad in ("abc", 2.0, None, True):  # the wrong type is a TypeError, naming it
+            with pytest.raises(TypeError, match=r"prefetch must be an int >= 0, got .*\("):
+                DeviceLoader(m, [], "cuda:0", prefetch=bad, ring=ring)  # type: ignore[arg-type]
+        for name in ("read_ahead", "run_ahead"):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1.*, got 0"):
+                DeviceLoader(m, [], "cuda:0", ring=ring, **{name: 0})
         with pytest.raises(ValueError, match="does not exist"):
             DeviceLoader(m, [], "cuda:7", ring=ring)
         with pytest.raises(ValueError, match="staging_slots is for staged sources"):

@@ -846,8 +846,8 @@ async def test_a_consumer_cancelled_while_parked_for_the_device_ends_its_pass_cl
 
 async def test_run_ahead_is_refused_unless_a_positive_int() -> None:
     async with ResidencyManager(backend=SimBackend()) as m:
-        for bad in (0, -1, 1.5, True):
-            with pytest.raises(ValueError, match="run_ahead must be an int >= 1"):
+        for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="run_ahead must be an int >= 1"):
                 DeviceLoader(m, batches(1), "cuda:0", run_ahead=bad)  # type: ignore[arg-type]
         assert DeviceLoader(m, batches(1), "cuda:0", prefetch=3).run_ahead == 8
 
