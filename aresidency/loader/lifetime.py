@@ -24,12 +24,22 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import anyio
+
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
 from ..backends.events import HostEvent
 from ..runtime.signal import ManagerClosedError
 
-__all__ = ["HostWaits", "closed_under_pass", "end_on_loop", "ended_by_newer_pass", "watch_close"]
+__all__ = [
+    "HostWaits",
+    "closed_under_pass",
+    "end_on_loop",
+    "ended_by_cancelled_wait",
+    "ended_by_close",
+    "ended_by_newer_pass",
+    "watch_close",
+]
 
 
 def closed_under_pass(
@@ -55,6 +65,19 @@ def ended_by_newer_pass(loader: str, number: int, newer: int) -> RuntimeError:
         f"the loader began: a loader runs one pass at a time. Iterate it from one task (and "
         f"hand its batches to other tasks yourself), or end a pass (break out, or aclose() its "
         f"iterator) before you start the next"
+    )
+
+
+def ended_by_close(loader: str, number: int, handed: int) -> anyio.ClosedResourceError:
+    """The error of a consumer of pass ``number`` once the loader was closed (``aclose()``,
+    or the end of its ``async with``) before the pass ended: as a channel closed under its
+    receiver, because a consumer told only "end of iteration" would take the truncated pass
+    for the whole source."""
+    return anyio.ClosedResourceError(
+        f"{loader} was closed while pass {number} ran, after {handed} batch(es) of it reached "
+        f"this iterator: the rest of the source was not read. Close the loader after its "
+        f"consumers finished (their loops inside its 'async with' block), or break out of "
+        f"the loop to end a pass early"
     )
 
 

@@ -19,7 +19,12 @@ from ..core.timeouts import check_timeout
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
-from .lifetime import end_on_loop, ended_by_cancelled_wait, ended_by_newer_pass
+from .lifetime import (
+    end_on_loop,
+    ended_by_cancelled_wait,
+    ended_by_close,
+    ended_by_newer_pass,
+)
 from .pinnedfiles import PinnedFiles
 from .pipeline import Epoch
 from .ring import RingEpoch
@@ -373,6 +378,8 @@ class DeviceLoader:
         epoch = self._epoch
         try:
             if epoch is not None:
+                # Its consumer (another task's loop, or a later anext) is told, not stopped.
+                epoch.ended_by_close = epoch.status == "running"
                 epoch.shutdown()
                 await finish(epoch.drain)
                 deferred = epoch.take_deferred()
@@ -468,12 +475,16 @@ class _Iteration:
         elif not self._loader.current(epoch):
             if epoch.ended_by is not None:
                 raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
-            raise StopAsyncIteration  # the loader's close ended this one
+            if epoch.ended_by_close:
+                raise ended_by_close(self._loader.name, epoch.number, self._handed)
+            raise StopAsyncIteration
         try:
             batch = await epoch.next()
         except StopAsyncIteration:
             if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
                 raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by) from None
+            if epoch.ended_by_close:  # the loader closed while this consumer waited
+                raise ended_by_close(self._loader.name, epoch.number, self._handed) from None
             raise
         except anyio.get_cancelled_exc_class():
             self._cancelled = True  # the pass ended (epoch.next releases everything)

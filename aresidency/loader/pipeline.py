@@ -91,6 +91,7 @@ class Epoch:
         self.loader = loader
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
+        self.ended_by_close = False  # the loader's close ended it while it ran
         self.manager = loader.manager
         self.device = loader.device
         self.counters = loader.counters

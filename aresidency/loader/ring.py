@@ -246,6 +246,7 @@ class RingEpoch:
         self.loader = loader
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
+        self.ended_by_close = False  # the loader's close ended it while it ran
         self.manager = loader.manager
         self.backend = loader.manager.backend
         self.device: Location = loader.device

@@ -705,8 +705,54 @@ async def test_aclose_without_async_with_releases_everything(ring: bool | None) 
         await anext(iterator)
         await loader.aclose()
         assert_nothing_left(m)
-        with pytest.raises(StopAsyncIteration):
+        # The pass was cut short: its iterator says so rather than end as if the source did.
+        with pytest.raises(anyio.ClosedResourceError, match="after 2 batch"):
             await anext(iterator)
+
+
+async def test_a_consumer_in_another_task_is_told_when_the_loader_closes_under_it(
+    ring: bool | None,
+) -> None:
+    """One task iterates, another closes the loader while the consumer waits for a batch (the
+    source is held back): the consumer's loop raises ``ClosedResourceError`` naming how far it
+    got, instead of ending as if the source were exhausted. A pass that ended with the source
+    closes quietly, as before."""
+    gate = Gate()
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, gated(batches(6), gate, at=3), "cuda:0", ring=ring)
+        got: list[int] = []
+        errors: list[BaseException] = []
+        three = anyio.Event()
+
+        async def consume() -> None:
+            try:
+                async for batch in loader.batches():
+                    got.append(batch.index)
+                    if len(got) == 3:
+                        three.set()
+            except anyio.ClosedResourceError as error:
+                errors.append(error)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consume)
+            with anyio.fail_after(10):
+                await three.wait()
+            await anyio.to_thread.run_sync(gate.reached.wait)
+            await anyio.wait_all_tasks_blocked()  # the consumer waits for batch 3
+            tasks.start_soon(loader.aclose)
+            await anyio.wait_all_tasks_blocked()  # the pass ended; the close waits for the
+            assert errors and loader.status == "closed"  # source's thread, held at the gate
+            gate.open.set()
+        assert got == [0, 1, 2]
+        assert len(errors) == 1 and "after 3 batch(es)" in str(errors[0])
+        assert_nothing_left(m)
+        whole = DeviceLoader(m, batches(3), "cuda:0", ring=ring)
+        it = aiter(whole)
+        assert len([b async for b in it]) == 3
+        await whole.aclose()  # after the source's end: nothing to report
+        with pytest.raises(StopAsyncIteration):  # the whole pass reached it: still ended
+            await anext(it)
+        assert_nothing_left(m)
 
 
 async def test_cancelled_before_the_first_batch_releases_everything(ring: bool | None) -> None:
