@@ -46,6 +46,7 @@ __all__ = [
     "drain",
     "explain_plan",
     "explain_plan_steps",
+    "fails_while_kept_steps",
     "plan_fits",
     "plan_fits_at_once",
     "plan_fits_steps",
@@ -441,3 +442,23 @@ def _is_transient(
     ):
         return False
     return (yield from _simulate_plan(state.settled(plan.handles(), scoped), plan)) is None
+
+
+def fails_while_kept_steps(
+    state: ResidencyState,
+    plan: ResidencyPlan,
+    *,
+    scoped: Iterable[ValueHandle] = (),
+    kept: Iterable[tuple[ValueHandle, Location]] = (),
+    kept_reservations: Iterable[tuple[str, Location]] = (),
+) -> Steps[tuple[str, BaseException] | None]:
+    """Where (``"enter #0"``) and why the plan would still fail once everything transient
+    ended except ``kept`` and ``kept_reservations`` (what the task that would wait for it
+    holds itself: see :meth:`ResidencyState.settled`); ``None`` when it would fit then.
+    ``scoped``: the values of scopes *other* tasks entered (their exit may move them)."""
+    settled = state.settled(plan.handles(), scoped, kept=kept, kept_reservations=kept_reservations)
+    failure = yield from _simulate_plan(settled, plan)
+    if failure is None:
+        return None
+    phase, index, error = failure
+    return (f"{phase} #{index}" if index is not None else phase), error

@@ -864,7 +864,12 @@ class ResidencyState:
         return self._next_id - 1
 
     def settled(
-        self, handles: Iterable[ValueHandle], scoped: Iterable[ValueHandle] = ()
+        self,
+        handles: Iterable[ValueHandle],
+        scoped: Iterable[ValueHandle] = (),
+        *,
+        kept: Iterable[tuple[ValueHandle, Location]] = (),
+        kept_reservations: Iterable[tuple[str, Location]] = (),
     ) -> ResidencyState:
         """A partial copy (``handles`` only) of what this state becomes once everything
         *transient* has ended: every transfer in flight completed (its destination resident,
@@ -875,8 +880,14 @@ class ResidencyState:
         them) assumed gone. Resident values that nothing protects stay where they are and
         stay charged: nothing moves them on its own.
 
+        ``kept`` (materializations as ``(handle, location)``) and ``kept_reservations``
+        (``(name, location)``) are exempt: what a task that would wait holds itself (its
+        leases, holds and scopes' reservations) does not end while it waits, so they stay
+        protected and charged.
+
         A plan that fails on this copy could not be admitted by waiting. O(len(handles) +
-        len(scoped) + open transfers + locations), whatever the number of values."""
+        len(scoped) + len(kept) + open transfers + locations), whatever the number of
+        values."""
         keep = dict.fromkeys(handles)
         other = self.clone(keep)
         ledgers = other._locations
@@ -889,6 +900,14 @@ class ResidencyState:
             for mat in value.materializations.values():
                 if mat.protected:  # the plan's own values stay: count them back
                     ledgers[mat.location].used_bytes += mat.charged_bytes
+        kept_mats: dict[tuple[ValueHandle, Location], Materialization] = {}
+        for handle, location in kept:
+            found = self._find_mat(handle, location)
+            if found is not None and found.protected:
+                kept_mats[handle, location] = found
+        for (handle, location), held in kept_mats.items():
+            if handle not in keep:  # not copied: its bytes stay charged, as opaque use
+                ledgers[location].used_bytes += held.charged_bytes
         for ticket in self._tickets.values():
             if ticket.move and ticket.source is not None:
                 src = self._values[ticket.handle].materializations[ticket.source]
@@ -901,6 +920,7 @@ class ResidencyState:
             for mat in value.materializations.values():
                 if not mat.protected and mat.state is not MaterializationState.OUTGOING:
                     ledgers[mat.location].used_bytes -= mat.charged_bytes
+        kept_names = set(kept_reservations)
         other._tickets.clear()
         other._reads.clear()
         for entry in ledgers.values():
@@ -908,7 +928,9 @@ class ResidencyState:
             entry.protected_bytes = 0
             # Reservations of the backend itself (the staging pool) never go away.
             entry.reservations = {
-                name: held for name, held in entry.reservations.items() if held[1] == "backend"
+                name: held
+                for name, held in entry.reservations.items()
+                if held[1] == "backend" or (name, entry.location) in kept_names
             }
             entry.reserved_bytes = sum(nbytes for nbytes, _ in entry.reservations.values())
         for value in other._values.values():
@@ -919,8 +941,15 @@ class ResidencyState:
                     continue
                 mat.state = MaterializationState.RESIDENT
                 mat.use_count = mat.hold_count = mat.pending_event_count = mat.write_count = 0
+                if (value.handle, loc) in kept_mats:  # still held by the task that waits
+                    mat.hold_count = 1
+                    ledgers[loc].protected_bytes += mat.charged_bytes
         other.reset_peaks()
         return other
+
+    def _find_mat(self, handle: ValueHandle, location: Location) -> Materialization | None:
+        value = self._values.get(handle)
+        return None if value is None else value.materializations.get(location)
 
     def isolated(self, handles: Iterable[ValueHandle]) -> ResidencyState:
         """A copy holding only ``handles``, unprotected, with no reservations but the

@@ -4,7 +4,9 @@ A scope whose plan does not fit now waits here, in arrival order, as long as onl
 state stands in its way: leases, holds, pending consumer events, transfers in flight and the
 reservations of other scopes or ``manager.reservation`` blocks (they all end on their own). A
 plan that resident values block (nobody protects them, so nothing will move them) or that
-could never fit fails at once with the explanation's reason. A scope is checked, on every
+could never fit fails at once with the explanation's reason, and so does one that only the
+entering task's own entered scopes, leases and holds keep out (they end only when that task
+goes on: it would wait for itself). A scope is checked, on every
 state change, only once it is first among the waiters it contends with (those that charge a
 location it charges, where a budget applies), so a later scope never overtakes an earlier one
 for the same room, and a scope for another device does not wait behind it (a scope waiting on
@@ -16,7 +18,9 @@ a location where a waiting scope will charge bytes (``materialize``, ``move``, `
 waits for the scopes ahead of it, then runs (it never waits for room itself: it either fits
 then or raises ``ResidencyBudgetError``; ``execute`` a ``ResidencyPlanError``). Two
 exceptions keep that from deadlocking or lying: a caller that holds a lease or hold of this
-manager does not wait (the scope may be waiting for exactly that protection) and goes ahead;
+manager does not wait (the scope may be waiting for exactly that protection) and goes ahead
+(a scope of a task that holds one, or has entered a scope, does not queue behind the waiting
+ones either, for the same reason);
 and an operation that cannot wait (``materialize_nowait``, ``reserve_nowait``,
 ``manager.reservation``) is refused with a ``ResidencyBudgetError`` whose byte fields are the
 true ledger and request and whose ``waiting_scopes`` says how many scopes it would overtake.
@@ -40,6 +44,7 @@ from ..core.explain import (
     Steps,
     drain,
     explain_plan_steps,
+    fails_while_kept_steps,
     plan_fits_at_once,
     plan_fits_steps,
 )
@@ -62,13 +67,18 @@ MAX_RESTARTS = 8
 class _Waiter:
     """One entry of the queue: a scope's plan, or a direct operation waiting for its turn."""
 
-    __slots__ = ("event", "plan", "short_of")
+    __slots__ = ("ahead", "event", "plan", "short_of")
 
-    def __init__(self, plan: ResidencyPlan | None, short_of: frozenset[Location]) -> None:
+    def __init__(
+        self, plan: ResidencyPlan | None, short_of: frozenset[Location], *, ahead: bool = False
+    ) -> None:
         self.plan = plan
         # Where it will charge bytes: a waiting scope's claim, which later direct operations
         # charging the same locations do not overtake.
         self.short_of = short_of
+        # Its task holds room itself (leases, holds, entered scopes): it waits behind no one,
+        # since an earlier waiter may wait for exactly that room.
+        self.ahead = ahead
         self.event: anyio.Event | None = None
 
     def wake(self) -> None:
@@ -135,13 +145,15 @@ class AdmissionQueue:
         firsts = []
         for waiter in self._queue:
             wants = self._budgeted(waiter.short_of)
-            if not wants & claimed:
+            if waiter.ahead or not wants & claimed:
                 firsts.append(waiter)
             claimed |= wants
         return firsts
 
     def _is_first(self, waiter: _Waiter) -> bool:
         """Whether no waiter ahead of ``waiter`` contends with it."""
+        if waiter.ahead:
+            return True
         wants = self._budgeted(waiter.short_of)
         for other in self._queue:
             if other is waiter:
@@ -187,9 +199,13 @@ class AdmissionQueue:
         self._check_stale(expected_version)
         charged = self.charged_by(plan)
         # A plan that charges nothing where a waiting scope will overtakes no one (an empty
-        # plan, a plan for another device): it does not wait behind them.
+        # plan, a plan for another device): it does not wait behind them. Nor does one whose
+        # task holds room itself: an earlier waiter may wait for exactly that room.
+        task = current_task()
         queued = not overtake and self.must_queue(charged)
-        waiter = _Waiter(plan, charged)
+        ahead = queued and self._holds_room(task)
+        queued = queued and not ahead
+        waiter = _Waiter(plan, charged, ahead=ahead)
         if not queued and (
             plan_fits_at_once(state, plan)
             or await self._sliced(lambda: plan_fits_steps(state, plan))
@@ -206,6 +222,8 @@ class AdmissionQueue:
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
+        if not explanation.feasible:
+            await self._refuse_waiting_on_itself(plan, task, expected_version)
         deadline = None if timeout is None else anyio.current_time() + timeout
         self._enqueue(waiter)
         try:
@@ -232,6 +250,65 @@ class AdmissionQueue:
         except BaseException:
             self.release(waiter)
             raise
+
+    def _holds_room(self, task: object | None) -> bool:
+        """Whether ``task`` holds a lease or hold of this manager, or has entered a scope."""
+        if task is None:
+            return False
+        if lease_owners(self._rt).task_protects(task):
+            return True
+        return any(getattr(scope, "task", None) is task for scope in self._rt.scopes)
+
+    async def _refuse_waiting_on_itself(
+        self, plan: ResidencyPlan, task: object | None, expected_version: int | None
+    ) -> None:
+        """Raise ``ResidencyPlanError`` if ``plan`` could not fit even once everything
+        transient ended but what ``task`` (the one about to wait) holds itself: the scopes it
+        entered (their values and reservations), its leases and holds. Those end only when
+        the task goes on, so the wait would never end."""
+        if task is None:
+            return
+        rt = self._rt
+        own = [scope for scope in rt.scopes if getattr(scope, "task", None) is task]
+        kept = lease_owners(rt).protected_by(task)
+        if not own and not kept:
+            return
+        others = [scope for scope in rt.scopes if getattr(scope, "task", None) is not task]
+        reservations = [held for scope in own for held in scope.reservations_held]
+
+        def steps() -> Steps[tuple[str, BaseException] | None]:
+            return fails_while_kept_steps(
+                rt.state,
+                plan,
+                scoped=[h for scope in others for h in scope.plan.handles()],
+                kept=kept,
+                kept_reservations=reservations,
+            )
+
+        failure = await self._sliced(steps)
+        self._check_stale(expected_version)
+        if failure is None:
+            return
+        where, error = failure
+        held = []
+        if own:
+            names = sorted({h.name for scope in own for h in scope.plan.handles()})
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            held.append(
+                f"{len(own)} entered scope(s) (values {shown})"
+                if names
+                else f"{len(own)} entered scope(s)"
+            )
+        if kept:
+            pairs = sorted({f"{h.name} at {loc}" for h, loc in kept})
+            shown = ", ".join(pairs[:6]) + (f" and {len(pairs) - 6} more" if len(pairs) > 6 else "")
+            held.append(f"{len(kept)} lease(s) or hold(s) ({shown})")
+        raise ResidencyPlanError(
+            f"infeasible at {where}: {error}; only what the waiting task holds itself stands "
+            f"in the way ({'; '.join(held)}), and that ends only when the task goes on, so "
+            "waiting would never end. Exit those scopes or leases first, or put these values "
+            "in one plan"
+        ) from error
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""

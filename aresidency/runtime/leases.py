@@ -83,30 +83,41 @@ class LeaseOwners:
     active lease (``kind`` ``"read lease"`` or ``"write lease"``) or hold (``"hold"``), in
     entry order. Invariant: a materialization's list has ``use_count + hold_count`` entries
     (what leases and holds made through the runtime added); empty lists are dropped. One list
-    append and one removal per lease: cheap on the lease hot path.
+    append and one removal per lease: cheap on the lease hot path. ``_tasks``: task object ->
+    ``[(handle, location), ...]``, what each task protects (admission's self-wait check reads
+    it).
     """
 
     __slots__ = ("_entries", "_tasks")
 
     def __init__(self) -> None:
         self._entries: dict[tuple[ValueHandle, Location], list[tuple[str, str]]] = {}
-        # task -> how many leases and holds it entered and has not ended (the task object is
-        # kept only while it protects something)
-        self._tasks: dict[object, int] = {}
+        # task -> the materializations it holds leases and holds on, one entry each (the task
+        # object is kept only while it protects something)
+        self._tasks: dict[object, list[tuple[ValueHandle, Location]]] = {}
 
-    def add_task(self, task: object | None) -> None:
+    def add_task(self, task: object | None, handle: ValueHandle, location: Location) -> None:
         if task is not None:
-            self._tasks[task] = self._tasks.get(task, 0) + 1
+            self._tasks.setdefault(task, []).append((handle, location))
 
-    def remove_task(self, task: object | None) -> None:
-        if task is not None and task in self._tasks:
-            self._tasks[task] -= 1
-            if not self._tasks[task]:
-                del self._tasks[task]
+    def remove_task(self, task: object | None, handle: ValueHandle, location: Location) -> None:
+        keys = self._tasks.get(task) if task is not None else None
+        if keys is None:
+            return
+        try:
+            keys.remove((handle, location))
+        except ValueError:
+            return
+        if not keys:
+            del self._tasks[task]
 
     def task_protects(self, task: object | None) -> bool:
         """Whether ``task`` holds an active lease or hold of this runtime."""
         return task is not None and task in self._tasks
+
+    def protected_by(self, task: object | None) -> tuple[tuple[ValueHandle, Location], ...]:
+        """The materializations ``task`` holds leases or holds on (one per lease or hold)."""
+        return () if task is None else tuple(self._tasks.get(task, ()))
 
     def add(self, handle: ValueHandle, location: Location, kind: str, owner: str) -> None:
         self._entries.setdefault((handle, location), []).append((kind, owner))
@@ -265,7 +276,7 @@ class Lease:
         table = lease_owners(rt)
         table.add(self.handle, self.location, self._kind, owner)
         self._task = current_task()
-        table.add_task(self._task)
+        table.add_task(self._task, self.handle, self.location)
         self.status = "entering"
         rt.settle()  # a write lease may have invalidated other replicas
         return rt.payloads.get(self.handle, self.location)
@@ -368,7 +379,7 @@ class Lease:
         if self.owner is not None:
             table = lease_owners(self._rt)
             table.remove(self.handle, self.location, self._kind, self.owner)
-            table.remove_task(self._task)
+            table.remove_task(self._task, self.handle, self.location)
             self._task = None
 
     # ------------------------------------------------------------------ exit
@@ -478,7 +489,7 @@ class Hold:
         table = lease_owners(runtime)
         table.add(handle, location, "hold", owner)
         self._task = current_task()
-        table.add_task(self._task)
+        table.add_task(self._task, handle, location)
         self.active = True
         runtime.settle()
 
@@ -491,7 +502,7 @@ class Hold:
         self._rt.state.unhold(self.handle, self.location)
         table = lease_owners(self._rt)
         table.remove(self.handle, self.location, "hold", self.owner)
-        table.remove_task(self._task)
+        table.remove_task(self._task, self.handle, self.location)
         self._task = None
         self.active = False
         self._rt.settle()

@@ -49,7 +49,7 @@ from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
 from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, Transition
 from .driver import PhaseRun
-from .leases import add_owners
+from .leases import add_owners, current_task
 from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
@@ -99,6 +99,14 @@ class Scope:
         self._reserved: list[tuple[str, Location]] = []
         self.exit_error: BaseException | None = None
         self.status = "new"
+        # The task that entered it: while that task waits for room, this scope does not exit
+        # (admission counts what it keeps as the waiter's own, see AdmissionQueue.admit).
+        self.task: object | None = None
+
+    @property
+    def reservations_held(self) -> tuple[tuple[str, Location], ...]:
+        """The reservations it made and holds, as ``(name, location)``."""
+        return tuple(self._reserved)
 
     @property
     def report(self) -> ExecutionReport:
@@ -239,6 +247,7 @@ class Scope:
         # already cancelled enters nothing; see __aexit__ for the other end.
         await anyio.lowlevel.checkpoint_if_cancelled()
         self.status = "entering"
+        self.task = current_task()
         plan = self.plan
         try:
             for action in (*plan.reclaim, *plan.enter, *plan.exit, *plan.reserve):

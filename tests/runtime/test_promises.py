@@ -12,6 +12,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from _holders import held_by_another_task
 
 from aresidency import (
     CallableSource,
@@ -403,13 +404,12 @@ async def test_a_timed_out_scope_says_why_it_waited() -> None:
     async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
         a = m.register(tensor(), name="a", location="cuda:0")
         b = m.register(tensor(seed=1), name="b")
-        hold = m.hold(a, "cuda:0")
         plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
-        with pytest.raises(TimeoutError, match="protected by") as info:
-            async with m.scope(plan, timeout=0.05):
-                pass
+        async with held_by_another_task(m, a, "cuda:0"):
+            with pytest.raises(TimeoutError, match="protected by") as info:
+                async with m.scope(plan, timeout=0.05):
+                    pass
         assert ": feasible" not in str(info.value)  # the reason it waited, not a stale verdict
-        hold.release()
         quiet(m)
 
 

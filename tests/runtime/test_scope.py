@@ -4,11 +4,13 @@ admission (FIFO, timeouts, never-fits), cancellation."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from _holders import held_by_another_task
 
 from aresidency import (
     Materialize,
@@ -17,6 +19,7 @@ from aresidency import (
     Release,
     ReplicaMode,
     ResidencyBudgetError,
+    ResidencyError,
     ResidencyManager,
     ResidencyPlan,
     ResidencyPlanError,
@@ -264,15 +267,14 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
     async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
         a = m.register(tensor(), name="a")
         b = m.register(tensor(seed=1), name="b")
-        async with m.scope(ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")])):
-            hold = m.hold(a, "cuda:0")
+        await m.materialize(a, "cuda:0")
+        async with held_by_another_task(m, a, "cuda:0"):
             with pytest.raises(TimeoutError):
                 async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0.05):
                     pass
             with pytest.raises(ResidencyPlanError):
                 async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0):
                     pass
-            hold.release()
         assert m.waiting == 0
         assert_no_leak(m)
 
@@ -532,4 +534,125 @@ async def test_scopes_for_the_same_device_stay_first_come_first_served() -> None
                     await m.wait_for_change()
             gate.set()
         assert entered == ["a", "b"]
+        assert_no_leak(m)
+
+
+# ------------------------------------------------------- room held by the waiting task itself
+
+
+def _own_holding(kind: str, m: ResidencyManager, a: Any) -> Any:
+    """What the test's own task keeps while it enters the next scope: 16 KiB at cuda:0."""
+    if kind == "scope":
+        return m.scope(ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")]))
+    if kind == "reservation":
+        return m.scope(ResidencyPlan(reserve=[MemoryReservation("mine", "cuda:0", 16 * KiB)]))
+    if kind == "lease":
+        return m.acquire(a, "cuda:0")
+    assert kind == "hold"
+    return m.hold(a, "cuda:0")
+
+
+@pytest.mark.parametrize("kind", ["scope", "reservation", "lease", "hold"])
+async def test_a_scope_waiting_for_room_its_own_task_holds_is_refused_at_once(kind: str) -> None:
+    """The waiting task keeps what stands in the way (an entered scope's value or reservation,
+    a lease, a hold): it would end only when the task goes on, so even ``timeout=None`` does
+    not wait (that wait never ended). The error names what the task holds; nothing changed,
+    and once the task let go the same plan enters."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(32 * KiB, seed=1), name="b")
+        if kind in ("lease", "hold"):
+            await m.materialize(a, "cuda:0")
+        # Under a lease or hold, ``a`` itself is in the way: the plan moves it out first.
+        reclaim = [Move(a, "pinned-host")] if kind in ("lease", "hold") else []
+        plan = ResidencyPlan(
+            reclaim=reclaim, enter=[Move(b, "cuda:0")], exit=[Move(b, "pinned-host")]
+        )
+        holding = _own_holding(kind, m, a)
+        if kind == "hold":
+            holding_cm: Any = None
+        else:
+            holding_cm = holding
+            await holding_cm.__aenter__()
+        try:
+            before = m.state_version
+            with anyio.fail_after(10), pytest.raises(ResidencyPlanError) as info:
+                async with m.scope(plan, timeout=None):
+                    pass
+            message = str(info.value)
+            assert "only what the waiting task holds itself" in message, message
+            assert ("1 entered scope(s)" in message) == (kind in ("scope", "reservation"))
+            assert ("a at cuda:0" in message) == (kind in ("lease", "hold"))
+            assert isinstance(info.value.__cause__, ResidencyError)
+            assert m.state_version == before and m.waiting == 0
+        finally:
+            if holding_cm is not None:
+                await holding_cm.__aexit__(None, None, None)
+            else:
+                holding.release()
+        async with m.scope(plan):
+            assert m.snapshot().values[b].materializations  # entered once the task let go
+        assert_no_leak(m)
+
+
+async def test_the_same_room_held_by_another_task_is_waited_for() -> None:
+    """Held by another task, the same room is transient: the scope waits (``timeout=None``),
+    and enters once that task releases it."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(32 * KiB, seed=1), name="b")
+        await m.materialize(a, "cuda:0")
+        entered = anyio.Event()
+
+        async def enter() -> None:
+            plan = ResidencyPlan(
+                reclaim=[Move(a, "pinned-host")],
+                enter=[Move(b, "cuda:0")],
+                exit=[Move(b, "pinned-host")],
+            )
+            async with m.scope(plan, timeout=None):
+                entered.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                async with held_by_another_task(m, a, "cuda:0"):
+                    tasks.start_soon(enter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert m.waiting == 1 and not entered.is_set()
+                await entered.wait()
+        assert_no_leak(m)
+
+
+async def test_a_task_holding_room_is_not_queued_behind_a_scope_waiting_for_that_room() -> None:
+    """Task A's entered scope keeps ``a`` at the device; task B's scope waits for that room.
+    A's next scope fits and does not queue behind B (B waits for A, so that queue would never
+    move): A goes on, leaves both its scopes, and then B enters."""
+    async with ResidencyManager(budgets={"cuda:0": 48 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(32 * KiB, seed=1), name="b")
+        c = m.register(tensor(seed=2), name="c")
+        order: list[str] = []
+        a_entered = anyio.Event()
+
+        async def task_b() -> None:
+            await a_entered.wait()
+            plan = ResidencyPlan(
+                enter=[Move(b, "cuda:0"), Move(c, "cuda:0")],
+                exit=[Move(b, "pinned-host"), Move(c, "pinned-host")],
+            )
+            async with m.scope(plan, timeout=None):
+                order.append("B")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task_b)
+                outer = ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")])
+                async with m.scope(outer):
+                    a_entered.set()
+                    await anyio.wait_all_tasks_blocked()
+                    assert m.waiting == 1  # B waits for the room a takes
+                    inner = ResidencyPlan(enter=[Move(c, "cuda:0")], exit=[Move(c, "pinned-host")])
+                    async with m.scope(inner, timeout=None):
+                        order.append("A's inner")
+        assert order == ["A's inner", "B"]
         assert_no_leak(m)
