@@ -8,6 +8,7 @@ from typing import Any
 
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
+from ..runtime.leases import current_task
 
 __all__ = ["DeviceBatch"]
 
@@ -42,10 +43,20 @@ class DeviceBatch:
     declared with :meth:`register_stream` before the release.
 
     State: ``_release`` (the loader's callback, ``None`` once released), ``_entered`` (open
-    ``async with`` blocks), ``_register`` (adds a reader stream to the leases).
+    ``async with`` blocks), ``_keeper`` (the task
+    that entered them), ``_register (adds a reader stream to the leases).
     """
 
-    __slots__ = ("_entered", "_register", "_release", "data", "device", "index", "nbytes")
+    __slots__ = (
+        "_entered",
+        "_keeper",
+        "_register",
+        "_release",
+        "data",
+        "device",
+        "index",
+        "nbytes",
+    )
 
     def __init__(
         self,
@@ -63,6 +74,7 @@ class DeviceBatch:
         self._release: Callable[[], None] | None = release
         self._register = register_stream
         self._entered = 0
+        self._keeper: object | None = None  # the task whose ``async with`` keeps it
 
     @property
     def released(self) -> bool:
@@ -72,6 +84,12 @@ class DeviceBatch:
     def kept(self) -> bool:
         """Whether an ``async with`` block holds the batch (the next step does not release it)."""
         return self._entered > 0 and self._release is not None
+
+    @property
+    def kept_by(self) -> object | None:
+        """The task whose open ``async with`` blocks keep the batch (``None`` when none does,
+        when blocks of several tasks do, or outside a task)."""
+        return self._keeper if self.kept else None
 
     def release(self) -> None:
         """Release the batch now (see the class docstring); later calls do nothing. Loop
@@ -94,6 +112,11 @@ class DeviceBatch:
         """Keep the batch until the block ends; returns :attr:`data`."""
         if self._release is None:
             raise RuntimeError(f"{self!r} was released: its tensors may hold another batch")
+        task = current_task()
+        if self._entered == 0:
+            self._keeper = task
+        elif self._keeper is not task:
+            self._keeper = None  # kept from several tasks: any of them may end it
         self._entered += 1
         return self.data
 

@@ -10,7 +10,7 @@ from ..core.sizes import format_nbytes
 from ..runtime.manager import ResidencyManager
 from .records import BatchRecord
 
-__all__ = ["never_fits", "room", "timeout_error"]
+__all__ = ["kept_by_waiter", "never_fits", "room", "timeout_error"]
 
 
 def room(manager: ResidencyManager, location: Location, need: int) -> bool:
@@ -71,4 +71,43 @@ def timeout_error(
         f"{format_nbytes(ledger.used_bytes)} used + {format_nbytes(ledger.reserved_bytes)} "
         f"reserved of a {budget} budget left too little{scopes}; release batches you keep, "
         "or give the loader more room"
+    )
+
+
+def kept_by_waiter(
+    manager: ResidencyManager,
+    device: Location,
+    need: int,
+    index: int,
+    kept: list[tuple[int, int]],
+    name: str,
+    kind: str = "materialization",
+) -> ResidencyBudgetError | None:
+    """The error for batch ``index`` (``need`` bytes at ``device``) when the batches the
+    waiting consumer keeps itself (``kept``: ``(index, bytes)`` of those its own ``async
+    with`` blocks hold) leave too little of the budget for it ever to fit: they end only when
+    that task goes on, so its wait for room would never end. ``None`` otherwise."""
+    ledger = manager.state.find_ledger(device)
+    held = sum(nbytes for _, nbytes in kept)
+    if not kept or ledger is None or ledger.budget_bytes is None:
+        return None
+    if held + need <= ledger.budget_bytes:
+        return None
+    indices = ", ".join(f"#{i}" for i, _ in kept[:8]) + (" ..." if len(kept) > 8 else "")
+    return ResidencyBudgetError(
+        device,
+        ledger.budget_bytes,
+        ledger.used_bytes,
+        ledger.reserved_bytes,
+        need,
+        kind=kind,
+        what=(
+            f"batch {index} of {name}: it needs {format_nbytes(need)} at {device}, but the "
+            f"task asking for it keeps {len(kept)} earlier batch(es) of the loader in open "
+            f"'async with batch' blocks ({indices}: {format_nbytes(held)}) of a "
+            f"{format_nbytes(ledger.budget_bytes)} budget, and only that task can release "
+            "them, so waiting for room would never end; release batches before asking for "
+            "the next one (end their 'async with', or .clone() what you keep), or raise the "
+            "budget"
+        ),
     )

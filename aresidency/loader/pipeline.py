@@ -46,12 +46,12 @@ from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.values import MaterializationState, value_charge
-from ..runtime.leases import LeaseWouldWait
+from ..runtime.leases import LeaseWouldWait, current_task
 from ..runtime.pending import PendingOperation
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .budget import never_fits, room, timeout_error
+from .budget import kept_by_waiter, never_fits, room, timeout_error
 from .feeder import (
     Arrivals,
     End,
@@ -605,6 +605,11 @@ class Epoch:
                         raise self._end.error
                     raise StopAsyncIteration
                 cause = self._cause(head)
+                if cause == "budget" and head is not None:
+                    stuck = self._kept_by_me(head)
+                    if stuck is not None:
+                        head.error = stuck
+                        raise stuck
                 deadline = None
                 timeout = self.loader.timeout
                 if cause == "budget" and timeout is not None and head is not None:
@@ -622,6 +627,20 @@ class Epoch:
         finally:
             self._consumer_waiting = False
             counters.wait_s += time.perf_counter() - began
+
+    def _kept_by_me(self, head: BatchRecord) -> ResidencyBudgetError | None:
+        """The error when the batches the waiting consumer task keeps itself leave ``head``
+        too little room ever to fit (see :func:`~.budget.kept_by_waiter`)."""
+        task = current_task()
+        if task is None:
+            return None
+        kept = [
+            (batch.index, sum(part.charge for part in batch.parts))
+            for batch in self._out
+            if batch.handed is not None and batch.handed.kept_by is task
+        ]
+        need = sum(part.charge for part in head.parts)
+        return kept_by_waiter(self.manager, self.device, need, head.index, kept, self.loader.name)
 
     async def _wait(self, deadline: float | None) -> bool:
         """Park until the pump made progress; True if ``deadline`` passed first."""

@@ -85,9 +85,11 @@ from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.values import value_charge
+from ..runtime.leases import current_task
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
+from .budget import kept_by_waiter
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, changed_since_yielded, feed_async
 from .kept import KeptAfterRelease
 from .lifetime import HostWaits, closed_under_pass, watch_close
@@ -1003,6 +1005,10 @@ class RingEpoch:
                         raise item.error
                     return self._hand_out(item)
                 cause = "budget" if blocked is not None else "source"
+                if blocked is not None and request is not None:
+                    stuck = self._kept_by_me(request)
+                    if stuck is not None:
+                        raise stuck
                 if cause == "source" and (
                     self._direct or (self._arrivals is not None and len(self._arrivals))
                 ):
@@ -1052,6 +1058,23 @@ class RingEpoch:
             raise
         finally:
             self.counters.device_wait_s += time.perf_counter() - start
+
+    def _kept_by_me(self, request: _Request) -> ResidencyBudgetError | None:
+        """The error when the slots of the batches the waiting consumer task keeps itself
+        leave the blocked request too little room ever to fit (see
+        :func:`~.budget.kept_by_waiter`)."""
+        task = current_task()
+        if task is None:
+            return None
+        kept = [
+            (out.handed.index, out.slot.charge)
+            for out in self._out.values()
+            if out.handed is not None and out.handed.kept_by is task
+        ]
+        need = -(-request.nbytes // ALIGN) * ALIGN
+        return kept_by_waiter(
+            self.manager, self.device, need, request.index, kept, self.loader.name, "reservation"
+        )
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         with self._cond:

@@ -451,6 +451,71 @@ async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_e
         assert_nothing_left(m)
 
 
+async def test_keeping_more_batches_than_the_budget_holds_is_an_error_not_a_hang(
+    ring: bool | None,
+) -> None:
+    """The consumer keeps every batch in an open ``async with`` (as gradient accumulation
+    might): the fourth cannot fit a budget of three while its own task keeps the first three,
+    and only that task can release them. It gets a ``ResidencyBudgetError`` naming the kept
+    batches, with ``timeout=None`` too (it waited forever), and nothing is left behind."""
+    async with ResidencyManager(budgets={"cuda:0": 3 * CHARGE}, backend=sim()) as m:
+        kept: list[DeviceBatch] = []
+        async with DeviceLoader(m, batches(8), "cuda:0", prefetch=2, ring=ring) as loader:
+            with anyio.fail_after(10), pytest.raises(ResidencyBudgetError) as info:
+                async for batch in loader.batches():
+                    await batch.__aenter__()
+                    kept.append(batch)
+            message = str(info.value)
+            assert "batch 3 of" in message and "keeps 3 earlier batch(es)" in message, message
+            assert "#0, #1, #2" in message, message
+            assert info.value.budget_bytes == 3 * CHARGE
+            assert all(batch.released for batch in kept)  # the failed pass released them
+            for batch in kept:
+                await batch.__aexit__(None, None, None)
+        assert [b.index for b in kept] == [0, 1, 2]
+        assert_nothing_left(m)
+
+
+async def test_batches_kept_by_another_task_are_waited_for(ring: bool | None) -> None:
+    """The same keeping, but by a worker task the consumer hands each batch to (three at a
+    time, then it releases them): the worker can release them while the consumer waits for
+    room, so the consumer waits (no error) and every batch arrives, in order."""
+    async with ResidencyManager(budgets={"cuda:0": 3 * CHARGE}, backend=sim()) as m:
+        send, receive = anyio.create_memory_object_stream[tuple[DeviceBatch, anyio.Event]](8)
+        done: list[int] = []
+
+        async def worker() -> None:
+            held: list[DeviceBatch] = []
+
+            async def release_held() -> None:
+                for kept in held:
+                    done.append(kept.index)
+                    await kept.__aexit__(None, None, None)
+                held.clear()
+
+            async with receive:
+                async for batch, entered in receive:
+                    await batch.__aenter__()
+                    entered.set()
+                    held.append(batch)
+                    if len(held) == 3:
+                        await anyio.wait_all_tasks_blocked()  # the consumer waits for room
+                        await release_held()
+                await release_held()
+
+        async with DeviceLoader(m, batches(8), "cuda:0", prefetch=2, ring=ring) as loader:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(worker)
+                    async with send:
+                        async for batch in loader.batches():
+                            entered = anyio.Event()
+                            await send.send((batch, entered))
+                            await entered.wait()  # the worker keeps it now
+        assert done == list(range(8))
+        assert_nothing_left(m)
+
+
 # ---------------------------------------------------------------- errors
 
 
