@@ -28,7 +28,7 @@ from ..core.state import ResidencyState
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import StreamedModule
 from ..integrations.streaming.packing import TensorGroup
-from ..integrations.streaming.runners import TorchState
+from ..integrations.streaming.runners import TorchState, run_once
 from ..runtime.leases import Lease, LeaseWouldWait
 
 __all__ = ["Mode", "ModelEntry", "ModelStats", "PooledStreamedModule", "fixed_reserved_bytes"]
@@ -157,15 +157,18 @@ class PooledStreamedModule(StreamedModule):
             self.shared_peak = max(self.shared_peak, self.shared_calls)
             self.calls += 1
             try:
-                work = functools.partial(
-                    self._threaded.run_direct,
-                    stream,
-                    TorchState.capture(),
-                    self.module,
-                    args,
-                    kwargs,
-                )
-                result, reader = await anyio.to_thread.run_sync(work)
+                # The worker thread lets go of the call before it returns (see run_once).
+                work: list[Callable[[], tuple[Any, Any]]] = [
+                    functools.partial(
+                        self._threaded.run_direct,
+                        stream,
+                        TorchState.capture(),
+                        self.module,
+                        args,
+                        kwargs,
+                    )
+                ]
+                result, reader = await anyio.to_thread.run_sync(run_once, work)
             finally:
                 self.shared_calls -= 1
                 if self.shared_calls == 0:

@@ -10,6 +10,7 @@ device passed the previous one takes its ring over instead of waiting."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Any
 
@@ -411,3 +412,54 @@ async def test_random_calls_beside_another_tenant_and_cancellations(seed: int) -
         assert_nothing_left(m, streamed)
         await streamed.aclose()
     assert backend.memory_allocated("cuda:0") == 0
+
+
+class LingeringExecutor(concurrent.futures.Executor):
+    """Runs each call in a thread of its own that, once the future completed, keeps the work it
+    ran (as a thread pool's worker keeps its work item until it takes the next) until
+    ``let_go`` is set."""
+
+    def __init__(self) -> None:
+        self.let_go = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        work = [fn, args, kwargs]
+
+        def thread() -> None:
+            try:
+                future.set_result(work[0](*work[1], **work[2]))
+            except BaseException as error:
+                future.set_exception(error)
+            self.let_go.wait(30)
+            work.clear()
+
+        self.threads.append(threading.Thread(target=thread, daemon=True))
+        self.threads[-1].start()
+        return future
+
+
+async def test_the_thread_that_ran_a_call_keeps_nothing_of_its_device_memory() -> None:
+    """The thread that ran a call drops it before the call returns: once the module closed,
+    no device memory is left allocated (the call's resident tensors were), even while that
+    thread lives on holding what it was given to run."""
+    model = Net(n=3)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    backend = SimBackend()
+    executor = LingeringExecutor()
+    try:
+        async with ResidencyManager(backend=backend) as m:
+            streamed = stream_module(m, model, prefetch=1)
+            assert streamed.ring and streamed.resident_group is not None
+            streamed.call_executor = lambda: executor  # type: ignore[method-assign]
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+            await streamed.aclose()
+            assert not executor.let_go.is_set() and executor.threads[0].is_alive()
+            assert backend.memory_allocated("cuda:0") == 0
+    finally:
+        executor.let_go.set()
+        for thread in executor.threads:
+            thread.join(5)

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -184,6 +185,24 @@ def _inert_hook() -> Callable[..., None]:
     return _inert
 
 
+def run_once(box: list[Callable[[], T]]) -> T:
+    """The worker thread: run the one callable in ``box``, dropping every reference to it (and
+    so to the tensors it holds) before returning or raising. The executor's work item keeps
+    its arguments until the thread takes its next item, which is after the future completed:
+    had it held the work itself, a ring slot or a replica the call used would stay allocated
+    on the device for a moment after the loop freed it and reused its room."""
+    work = box.pop()
+    try:
+        return work()
+    except BaseException as error:
+        # The error goes to the loop; the locals of the frames it passed through (a block's
+        # weights, the call's slots) need not go with it.
+        traceback.clear_frames(error.__traceback__)
+        raise
+    finally:
+        del work
+
+
 class ThreadedRunner:
     """Runs a module's own forward in one worker thread; forward hooks on its blocks take each
     block's weights from the call's pipeline and hand them back (see the pipeline module).
@@ -242,7 +261,8 @@ class ThreadedRunner:
         """Run ``work()`` in :meth:`executor` and await it without blocking the loop. When the
         await is cancelled, call ``on_cancel()`` (if given), wait (shielded) until the thread
         is done with ``work``, then raise: nothing of the call outlives the await."""
-        future = self.executor().submit(work)
+        future = self.executor().submit(run_once, [work])
+        del work  # the thread's reference is the only one: it drops it before the future ends
         done = anyio.Event()
         bridge = self.streamed.manager.bridge
         future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
