@@ -1,6 +1,7 @@
 """Shared test set-up: every async test runs on asyncio, on asyncio+uvloop and on trio (anyio's
-pytest plugin, through the parametrized ``anyio_backend`` fixture below); GPU tests are marked
-``cuda`` (one GPU) or ``cuda2`` (two GPUs) and skipped where the hardware is missing.
+pytest plugin, through the parametrized ``anyio_backend`` fixture below; the uvloop runs of
+the parts named in ``UVLOOP_ONLY_WITH_ALL`` only with ``ARESIDENCY_TEST_UVLOOP=all``); GPU tests
+are marked ``cuda`` (one GPU) or ``cuda2`` (two GPUs) and skipped where the hardware is missing.
 
 An async test takes part by being marked ``pytest.mark.anyio`` (a module's ``pytestmark``).
 A test about asyncio itself would narrow the loops with its own
@@ -52,7 +53,27 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     return request.param  # type: ignore[no-any-return]
 
 
+#: Where the uvloop runs are left out unless ``ARESIDENCY_TEST_UVLOOP=all``: the parts built on
+#: the runtime's public calls only (streaming, serving, diagnosis, the test plugin, the
+#: controller). What depends on the loop itself (event waits, thread-safe wake-ups, timers,
+#: admission, the loader's tasks) is in the backends', runtime's and loader's tests, which run
+#: on uvloop always; the rest runs on asyncio and trio, and the whole of it on uvloop with the
+#: variable set (the CPU-only CI would pass ten minutes with it).
+UVLOOP_ONLY_WITH_ALL = ("controller", "diagnosis", "integrations", "serving", "testing")
+
+
+def _left_out_on_uvloop(item: pytest.Item) -> bool:
+    if os.environ.get("ARESIDENCY_TEST_UVLOOP") == "all" or "[uvloop" not in item.nodeid:
+        return False
+    parts = item.nodeid.split("/")
+    return len(parts) > 2 and parts[0] == "tests" and parts[1] in UVLOOP_ONLY_WITH_ALL
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    left_out = [item for item in items if _left_out_on_uvloop(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not _left_out_on_uvloop(item)]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip1 = pytest.mark.skip(reason="needs a CUDA GPU")
     skip2 = pytest.mark.skip(reason="needs two CUDA GPUs")

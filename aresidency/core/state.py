@@ -119,6 +119,10 @@ class ResidencyState:
     def locations(self) -> list[Location]:
         return sorted(self._locations)
 
+    def ledgers_by_location(self) -> Iterable[tuple[Location, LocationLedger]]:
+        """(location, ledger) of every location the state has a ledger for (a live view)."""
+        return self._locations.items()
+
     def value(self, handle: Any) -> Value:
         """The value for ``handle``; raises for a foreign, unknown or discarded handle."""
         if not isinstance(handle, ValueHandle):

@@ -151,18 +151,19 @@ async def test_prefetch_starts_copies_ahead_of_the_running_block() -> None:
             await streamed(torch.randn(2, 32))
         await streamed.drain()
         trace = [(t.kind, t.handle.name if t.handle else "") for t in m.trace().transitions]
-        # The first block's kernels are enqueued right behind its copy (its reader event is
-        # recorded when it is handed back); the prefetches are issued once it is on its way,
-        # so the next block finds two more already copying.
-        first_done = trace.index(("event_recorded", "net.block0"))
+        # The first block's kernels are enqueued right behind its copy (it is handed back,
+        # with its reader event unless the device already passed it, once they are); the
+        # prefetches are issued once it is on its way, so the next block finds two more
+        # already copying.
+        first_done = trace.index(("unlease", "net.block0"))
         begun = {name for kind, name in trace[:first_done] if kind == "copy_begin"}
         assert begun == {"net.block0"}
-        second_done = trace.index(("event_recorded", "net.block1"))
+        second_done = trace.index(("unlease", "net.block1"))
         begun = {name for kind, name in trace[:second_done] if kind == "copy_begin"}
         assert begun == {"net.block0", "net.block1", "net.block2", "net.block3"}
         for i in range(2, 5):
             assert trace.index(("copy_begin", f"net.block{i + 1}")) < trace.index(
-                ("event_recorded", f"net.block{i}")
+                ("unlease", f"net.block{i}")
             )
 
 
