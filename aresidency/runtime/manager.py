@@ -394,7 +394,8 @@ class ResidencyManager:
         larger ``charge_bytes`` (an int or a size such as ``"4MiB"``); it is fixed for the
         value's life and the same everywhere. A tensor whose storage the manager already holds
         (what ``manager.tensor`` returned, or a tensor registered before) is refused: two values
-        must not share memory."""
+        must not share memory. Refused with ``ResidencyBudgetError`` when it would take room at
+        a budgeted ``location`` that a waiting scope needs first (it cannot wait its turn)."""
         rt = self._running()
         _check_tensor(tensor)
         if charge_bytes is not None:
@@ -411,7 +412,13 @@ class ResidencyManager:
         storage = max(tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size())
         charge = value_charge(storage, charge_bytes, self._state.granularity)
         label = name if name is not None else f"value-{id(tensor):x}"
-        self._state.ledger(loc).check_admit(charge, f"registering {label!r}")
+        ledger = self._state.ledger(loc)
+        ledger.check_admit(charge, f"registering {label!r}")
+        if ledger.budget_bytes is not None:
+            # It cannot wait its turn: the room a waiting scope waits for is not taken first.
+            rt.admission.refuse_nowait(
+                {loc: (charge, "materialization")}, lambda: f"registering {label!r} at {loc}"
+            )
         if loc == here:
             placed = tensor
         else:

@@ -154,8 +154,8 @@ async def test_a_scope_that_waited_and_became_infeasible_chains_the_blocking_err
                 tasks.start_soon(enter)
                 while not m.waiting:
                     await anyio.wait_all_tasks_blocked()
-                # A resident value nobody protects takes room: waiting cannot help any more.
-                m.register(tensor(seed=3), name="d", location="cuda:0")
+                # The budget shrinks below what the plan needs: waiting cannot help any more.
+                m.set_budget("cuda:0", 8 * KiB)
             blocking = m.explain(plan).blocking_error
         (error,) = errors
         # The first blocking fact of the explanation (the hold, at the reclaim), chained.

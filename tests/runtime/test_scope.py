@@ -204,7 +204,7 @@ async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -
             enter=[Move(a, "cuda:0")],
         )
         # Admitted (16 + 8 + 16 fit once b left); then, while the reclaim phase waits for b's
-        # reader, another task takes 20 KiB: the second reservation fails after preflight.
+        # reader, the budget shrinks to 20 KiB: the second reservation fails after preflight.
         scope = m.scope(plan)
         entered = anyio.Event()
         errors: list[ResidencyPlanExecutionError] = []
@@ -221,9 +221,9 @@ async def test_reserve_failure_names_the_reservation_and_releases_the_prefix() -
             tasks.start_soon(enter)
             while m.state.ledger("cuda:0").outgoing_bytes == 0:
                 await m.wait_for_change()  # until the reclaim phase began its move
-            # (A reservation would be refused here: the admitted scope's claim comes first.
-            # A registration straight onto the device takes the room.)
-            m.register(tensor(20 * KiB, seed=5), name="other", location="cuda:0")
+            # (A reservation or a registration onto the device would be refused here: the
+            # admitted scope's claim comes first. The budget shrinking takes the room.)
+            m.set_budget("cuda:0", 20 * KiB)
             await entered.wait()  # the entry failed
             (error,) = errors
             assert error.phase == "reserve"
@@ -276,6 +276,43 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
                 async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=0):
                     pass
         assert m.waiting == 0
+        assert_no_leak(m)
+
+
+async def test_registering_at_the_device_never_overtakes_a_waiting_scope() -> None:
+    """Registering at a budgeted location cannot wait either: while a scope waits for room
+    there it is refused, naming the value, and registers nothing; host registrations go on;
+    once the queue is empty it goes ahead."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        b = m.register(tensor(seed=1), name="b")
+        await m.materialize(a, "cuda:0")
+        hold = m.hold(a, "cuda:0")
+        entered = anyio.Event()
+
+        async def waiting_scope() -> None:
+            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+            async with m.scope(plan, timeout=5):
+                entered.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(waiting_scope)
+            await anyio.wait_all_tasks_blocked()
+            assert m.waiting == 1
+            version = m.state_version
+            with pytest.raises(
+                ResidencyBudgetError,
+                match=r"registering 'd' at cuda:0.*scope\(s\) waiting for room there come first",
+            ):
+                m.register(tensor(seed=3), name="d", location="cuda:0")
+            assert m.state_version == version  # nothing changed
+            assert sorted(v.name for v in m.snapshot().values.values()) == ["a", "b"]
+            m.register(tensor(seed=4), name="e")  # host memory: nobody waits for it
+            hold.release()
+            await entered.wait()
+        assert m.waiting == 0
+        d = m.register(tensor(seed=3), name="d", location="cuda:0")  # nobody waits now
+        assert "cuda:0" in {str(x.location) for x in m.snapshot().values[d].materializations}
         assert_no_leak(m)
 
 
