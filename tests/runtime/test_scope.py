@@ -3,7 +3,9 @@ admission (FIFO, timeouts, never-fits), cancellation."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -279,26 +281,38 @@ async def test_waiting_scope_times_out_and_leaves_nothing_behind() -> None:
         assert_no_leak(m)
 
 
+@contextlib.asynccontextmanager
+async def a_scope_waiting_for_room(m: ResidencyManager) -> AsyncIterator[None]:
+    """Registers ``a`` and ``b``, holds ``a`` at cuda:0, and yields once a scope (in a task of
+    its own) waits to move ``a`` out and ``b`` in (the hold is transient state: it waits); on
+    leaving, releases the hold and waits until the scope was entered."""
+    a = m.register(tensor(), name="a")
+    b = m.register(tensor(seed=1), name="b")
+    await m.materialize(a, "cuda:0")
+    hold = m.hold(a, "cuda:0")
+    entered = anyio.Event()
+
+    async def waiting_scope() -> None:
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
+        async with m.scope(plan, timeout=5):
+            entered.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waiting_scope)
+        await anyio.wait_all_tasks_blocked()
+        assert m.waiting == 1
+        yield
+        hold.release()
+        await entered.wait()
+    assert m.waiting == 0
+
+
 async def test_registering_at_the_device_never_overtakes_a_waiting_scope() -> None:
     """Registering at a budgeted location cannot wait either: while a scope waits for room
     there it is refused, naming the value, and registers nothing; host registrations go on;
     once the queue is empty it goes ahead."""
     async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
-        a = m.register(tensor(), name="a")
-        b = m.register(tensor(seed=1), name="b")
-        await m.materialize(a, "cuda:0")
-        hold = m.hold(a, "cuda:0")
-        entered = anyio.Event()
-
-        async def waiting_scope() -> None:
-            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
-            async with m.scope(plan, timeout=5):
-                entered.set()
-
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(waiting_scope)
-            await anyio.wait_all_tasks_blocked()
-            assert m.waiting == 1
+        async with a_scope_waiting_for_room(m):
             version = m.state_version
             with pytest.raises(
                 ResidencyBudgetError,
@@ -308,9 +322,6 @@ async def test_registering_at_the_device_never_overtakes_a_waiting_scope() -> No
             assert m.state_version == version  # nothing changed
             assert sorted(v.name for v in m.snapshot().values.values()) == ["a", "b"]
             m.register(tensor(seed=4), name="e")  # host memory: nobody waits for it
-            hold.release()
-            await entered.wait()
-        assert m.waiting == 0
         d = m.register(tensor(seed=3), name="d", location="cuda:0")  # nobody waits now
         assert "cuda:0" in {str(x.location) for x in m.snapshot().values[d].materializations}
         assert_no_leak(m)
@@ -321,24 +332,8 @@ async def test_materialize_nowait_never_overtakes_a_waiting_scope() -> None:
     device it is refused, naming the value and the waiting scope, and changes nothing; once the
     queue is empty it goes ahead."""
     async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
-        a = m.register(tensor(), name="a")
-        b = m.register(tensor(seed=1), name="b")
         c = m.register(tensor(seed=2), name="c", replica_mode=ReplicaMode.REPLICABLE)
-        await m.materialize(a, "cuda:0")
-        hold = m.hold(a, "cuda:0")
-        entered = anyio.Event()
-
-        async def waiting_scope() -> None:
-            # a's hold stands in the way of its move out: the scope waits (transient state)
-            plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(b, "cuda:0")])
-            async with m.scope(plan, timeout=5):
-                entered.set()
-
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(waiting_scope)
-            with anyio.fail_after(5):
-                while m.waiting == 0:
-                    await anyio.lowlevel.checkpoint()
+        async with a_scope_waiting_for_room(m):
             version = m.state_version
             with pytest.raises(
                 ResidencyBudgetError,
@@ -349,9 +344,6 @@ async def test_materialize_nowait_never_overtakes_a_waiting_scope() -> None:
             assert "cuda:0" not in {
                 str(x.location) for x in m.snapshot().values[c].materializations
             }
-            hold.release()
-            await entered.wait()
-        assert m.waiting == 0
         await m.materialize_nowait(c, "cuda:0")  # nobody waits: it goes ahead
         assert_no_leak(m)
 
