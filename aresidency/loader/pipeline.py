@@ -45,7 +45,9 @@ import anyio.lowlevel
 from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
 from ..core.locations import Location
+from ..core.sizes import format_nbytes
 from ..core.values import MaterializationState, value_charge
+from ..runtime.admission import Kept
 from ..runtime.leases import LeaseWouldWait, current_task
 from ..runtime.pending import PendingOperation
 from ..runtime.shield import finish_shielded
@@ -118,6 +120,10 @@ class Epoch:
         self._feeding = False
         self._ending = False  # end_soon: stop listening once nothing is left
         self.bridge: LoopBridge | None = None
+        # The task that asked for the last batch: the batches copied ahead and handed out move
+        # only when it goes on (admission counts them as its own: :meth:`_kept_for`).
+        self._consumer: object | None = None
+        self._unkeep: Callable[[], None] | None = None
         self.closed_by_manager = False  # the manager closed while the pass ran
         self.closed_reported = False  # ... and the consumer was told so
 
@@ -135,6 +141,7 @@ class Epoch:
         self.status = "running"
         self.bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self.pump)
+        self._unkeep = self.manager.add_task_keeper(self._kept_for)
         self._unwatch = watch_close(self.manager.backend, loader.name, self.manager_closed)
         wake = bridge_wake(self.bridge, self.pump)
         if plans is not None:
@@ -304,6 +311,10 @@ class Epoch:
             batch.error = too_big
             return False
         if not room(self.manager, self.device, sum(p.charge for p in waiting)):
+            return self._blocked(batch)
+        if manager.waiting_for_room(self.device):
+            # A scope, or a streamed call (``want_room``), waits for room here: it comes
+            # first (a scope would refuse the materialization below anyway).
             return self._blocked(batch)
         host_needs: dict[Location, int] = {}
         for part in waiting:
@@ -567,6 +578,7 @@ class Epoch:
         await anyio.lowlevel.checkpoint()
         if self.status != "running":
             raise StopAsyncIteration
+        self._consumer = current_task()
         counters = self.counters
         self.release_unkept()
         if self._deferred:
@@ -627,6 +639,36 @@ class Epoch:
         finally:
             self._consumer_waiting = False
             counters.wait_s += time.perf_counter() - began
+
+    def _kept_for(self, task: object) -> Kept | None:
+        """For admission: the device copies of the batches copied ahead and handed out, when
+        ``task`` is the consumer: they leave only when it asks for the next batch (or ends
+        the pass), so a wait of its own for their room would never end. Loop."""
+        if task is not self._consumer or self.status != "running":
+            return None
+        batches = [b for b in self._queue if b.state == COPYING] + self._out
+        kept = tuple(
+            (part.handle, self.device)
+            for batch in batches
+            for part in batch.parts
+            if part.handle is not None
+        )
+        if not kept:
+            return None
+        charge = sum(part.charge for batch in batches for part in batch.parts)
+        out = len(self._out)
+        return Kept(
+            what=(
+                f"{len(batches)} batch(es) of {self.loader.name} ({format_nbytes(charge)} at "
+                f"{self.device}: {len(batches) - out} copied ahead, {out} handed out), which "
+                "leave only when this task asks for the next batch"
+            ),
+            materializations=kept,
+            hint=(
+                f"Lower {self.loader.name}'s prefetch, or raise the budget of {self.device} "
+                "to hold the loader's window and what a step needs together."
+            ),
+        )
 
     def _kept_by_me(self, head: BatchRecord) -> ResidencyBudgetError | None:
         """The error when the batches the waiting consumer task keeps itself leave ``head``
@@ -871,6 +913,9 @@ class Epoch:
         unlisten, self._unlisten = self._unlisten, None
         if unlisten is not None:
             unlisten()
+        unkeep, self._unkeep = self._unkeep, None
+        if unkeep is not None:
+            unkeep()
         unwatch, self._unwatch = self._unwatch, None
         if unwatch is not None:
             unwatch()

@@ -85,6 +85,7 @@ from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.values import value_charge
+from ..runtime.admission import Kept
 from ..runtime.leases import current_task
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
@@ -297,6 +298,10 @@ class RingEpoch:
         self._behind: deque[list[Any]] = deque() if after is None else deque(after._behind)
         # Batches still referenced after their release (not those ``async with`` keeps).
         self._kept_after_release = KeptAfterRelease()
+        # The task that asked for the last batch: the slots in use move only when it goes on
+        # (admission counts them as its own: :meth:`_kept_for`).
+        self._consumer: object | None = None
+        self._unkeep: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         with self._cond:
@@ -321,6 +326,7 @@ class RingEpoch:
         self.status = "running"
         self._bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self._service)
+        self._unkeep = self.manager.add_task_keeper(self._kept_for)
         self._unwatch = watch_close(self.backend, loader.name, self.manager_closed)
         self._direct = (
             plans is not None and loader.pinned_files is not None and loader.source.reads_direct
@@ -872,6 +878,34 @@ class RingEpoch:
             self.slots = [s for s in self.slots if s.state != FREE]
         self._retire(free)
 
+    def _kept_for(self, task: object) -> Kept | None:
+        """For admission: the slots in use (batches copied ahead and handed out), and their
+        pinned twins, when ``task`` is the consumer: they free only when it asks for the
+        next batch (or ends the pass), so a wait of its own for their room would never end.
+        Loop."""
+        if task is not self._consumer or self.status != "running":
+            return None
+        with self._cond:
+            used = [s for s in self.slots if s.state != FREE]
+        if not used:
+            return None
+        out = sum(1 for s in used if s.state == OUT)
+        reservations = [(s.reservation, self.device) for s in used]
+        reservations += [(s.host_reservation, PINNED) for s in used if s.host_reservation]
+        charge = sum(s.charge for s in used)
+        return Kept(
+            what=(
+                f"{len(used)} ring slot(s) of {self.loader.name} ({format_nbytes(charge)} at "
+                f"{self.device}: {len(used) - out} batch(es) copied ahead, {out} handed out), "
+                "which free only when this task asks for the next batch"
+            ),
+            reservations=tuple(reservations),
+            hint=(
+                f"Lower {self.loader.name}'s prefetch, or raise the budget of {self.device} "
+                "to hold the loader's window and what a step needs together."
+            ),
+        )
+
     def _never_fits(self, request: _Request, charge: int) -> ResidencyBudgetError | None:
         ledger = self.manager.state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None or charge <= ledger.budget_bytes:
@@ -965,6 +999,7 @@ class RingEpoch:
             if self.closed_by_manager:
                 raise self.closed_error()
             raise StopAsyncIteration
+        self._consumer = current_task()
         counters = self.counters
         counters.kept_after_release += self._kept_after_release.requested(
             self.loader.name, self.number
@@ -1335,6 +1370,9 @@ class RingEpoch:
         unlisten, self._unlisten = self._unlisten, None
         if unlisten is not None:
             unlisten()
+        unkeep, self._unkeep = self._unkeep, None
+        if unkeep is not None:
+            unkeep()
         unwatch, self._unwatch = self._unwatch, None
         if unwatch is not None:
             unwatch()

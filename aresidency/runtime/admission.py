@@ -6,7 +6,10 @@ reservations of other scopes or ``manager.reservation`` blocks (they all end on 
 plan that resident values block (nobody protects them, so nothing will move them) or that
 could never fit fails at once with the explanation's reason, and so does one that only the
 entering task's own entered scopes, leases and holds keep out (they end only when that task
-goes on: it would wait for itself). A scope is checked, on every
+goes on: it would wait for itself). The same holds for what a tenant keeps on the task's behalf
+and gives back only when the task goes on (a loader's batches copied ahead, which move only
+when their consumer asks for the next one): a tenant tells the queue through a *keeper*
+(:meth:`AdmissionQueue.add_keeper`), and it counts as the task's own. A scope is checked, on every
 state change, only once it is first among the waiters it contends with (those that charge a
 location it charges, where a budget applies), so a later scope never overtakes an earlier one
 for the same room, and a scope for another device does not wait behind it (a scope waiting on
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -49,19 +53,100 @@ from ..core.explain import (
     plan_fits_steps,
 )
 from ..core.locations import Location
-from ..core.plans import Release, ResidencyPlan
+from ..core.plans import MemoryReservation, Release, ResidencyPlan
+from ..core.values import ValueHandle
 from .leases import current_task, lease_owners
 from .signal import ManagerClosedError
 
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["AdmissionQueue"]
+__all__ = ["AdmissionQueue", "Kept", "Keeper"]
 
 T = TypeVar("T")
 
 #: Sliced simulations restarted because the state moved, before one runs in one go.
 MAX_RESTARTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What a tenant keeps on a task's behalf that ends only when the task goes on (a
+    loader's batches copied ahead and handed out, which move only when their consumer asks
+    for the next one): ``materializations`` as ``(handle, location)``, ``reservations`` as
+    ``(name, location)``; ``what`` names them in an error (``"3 slots of loader 'train'
+    ..."``), ``hint`` says how to make room, as a sentence (``"Lower its prefetch."``)."""
+
+    what: str
+    materializations: tuple[tuple[ValueHandle, Location], ...] = ()
+    reservations: tuple[tuple[str, Location], ...] = ()
+    hint: str = ""
+
+
+#: ``keeper(task)``: what a tenant keeps for ``task`` (``None``: nothing). Called on the loop,
+#: when a task is about to wait for room; it must not raise or await.
+Keeper = Callable[[object], "Kept | None"]
+
+
+class _HeldBy:
+    """What one task holds itself, which ends only when it goes on: the scopes it entered
+    (``own``), its leases and holds (``leased``), and what keepers keep for it (``tenants``);
+    ``scoped``: the values of the other tasks' entered scopes (their exit may move them)."""
+
+    __slots__ = ("kept", "leased", "own", "reservations", "scoped", "tenants")
+
+    def __init__(
+        self,
+        own: list[Any],
+        leased: tuple[tuple[ValueHandle, Location], ...],
+        tenants: list[Kept],
+        scoped: list[ValueHandle],
+    ) -> None:
+        self.own = own
+        self.tenants = tenants
+        self.scoped = scoped
+        self.kept = [*leased, *(pair for tenant in tenants for pair in tenant.materializations)]
+        self.reservations = [held for scope in own for held in scope.reservations_held]
+        self.reservations += [pair for tenant in tenants for pair in tenant.reservations]
+        # A tenant's own leases (a loader's, entered while this task ran it) are named as the
+        # tenant's, not as the task's.
+        theirs = {pair for tenant in tenants for pair in tenant.materializations}
+        self.leased = tuple(pair for pair in leased if pair not in theirs)
+
+    def describe(self, location: Location | None) -> str:
+        """What stands in the way, naming what is charged at ``location`` (``None``:
+        everything), and what to do."""
+        leased = [p for p in self.leased if location is None or p[1] == location]
+        tenants = [
+            t
+            for t in self.tenants
+            if location is None
+            or any(loc == location for _, loc in (*t.materializations, *t.reservations))
+        ]
+        held: list[str] = []
+        hints: list[str] = []
+        if self.own:
+            names = sorted({h.name for scope in self.own for h in scope.plan.handles()})
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            scopes = f"{len(self.own)} entered scope(s)"
+            held.append(f"{scopes} (values {shown})" if names else scopes)
+        if leased:
+            pairs = sorted({f"{h.name} at {loc}" for h, loc in leased})
+            shown = ", ".join(pairs[:6]) + (f" and {len(pairs) - 6} more" if len(pairs) > 6 else "")
+            held.append(f"{len(leased)} lease(s) or hold(s) ({shown})")
+        if self.own or leased:
+            hints.append("Exit those scopes or leases first, or put these values in one plan.")
+        for tenant in tenants:
+            held.append(tenant.what)
+            if tenant.hint:
+                hints.append(tenant.hint)
+        if not held and location is not None:
+            return self.describe(None)  # nothing charged there: name everything
+        return (
+            f"only what the waiting task holds itself stands in the way ({'; '.join(held)}), "
+            "and that ends only when the task goes on, so waiting would never end. "
+            + " ".join(hints)
+        ).rstrip()
 
 
 class _Waiter:
@@ -110,6 +195,29 @@ class AdmissionQueue:
         self._closed: str | None = None
         # Listening only while someone waits: most changes have nobody queued to wake.
         self._unlisten: Callable[[], None] | None = None
+        self._keepers: list[Keeper] = []
+
+    def add_keeper(self, keeper: Keeper) -> Callable[[], None]:
+        """Count what ``keeper(task)`` returns as ``task``'s own (see the module docstring)
+        until the returned function is called."""
+        self._keepers.append(keeper)
+
+        def remove() -> None:
+            if keeper in self._keepers:
+                self._keepers.remove(keeper)
+
+        return remove
+
+    def kept_for(self, task: object | None) -> list[Kept]:
+        """What the keepers keep on ``task``'s behalf (each non-empty answer)."""
+        if task is None or not self._keepers:
+            return []
+        found = []
+        for keeper in list(self._keepers):
+            kept = keeper(task)
+            if kept is not None and (kept.materializations or kept.reservations):
+                found.append(kept)
+        return found
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -254,37 +362,35 @@ class AdmissionQueue:
             raise
 
     def _holds_room(self, task: object | None) -> bool:
-        """Whether ``task`` holds a lease or hold of this manager, or has entered a scope."""
+        """Whether ``task`` holds a lease or hold of this manager, has entered a scope, or
+        a keeper keeps something on its behalf."""
         if task is None:
             return False
         if lease_owners(self._rt).task_protects(task):
             return True
-        return any(getattr(scope, "task", None) is task for scope in self._rt.scopes)
+        if any(getattr(scope, "task", None) is task for scope in self._rt.scopes):
+            return True
+        return bool(self.kept_for(task))
 
     async def _refuse_waiting_on_itself(
         self, plan: ResidencyPlan, task: object | None, expected_version: int | None
     ) -> None:
         """Raise ``ResidencyPlanError`` if ``plan`` could not fit even once everything
         transient ended but what ``task`` (the one about to wait) holds itself: the scopes it
-        entered (their values and reservations), its leases and holds. Those end only when
-        the task goes on, so the wait would never end."""
-        if task is None:
+        entered (their values and reservations), its leases and holds, and what keepers keep
+        on its behalf. Those end only when the task goes on, so the wait would never end."""
+        own = self._held_by(task)
+        if own is None:
             return
-        rt = self._rt
-        own = [scope for scope in rt.scopes if getattr(scope, "task", None) is task]
-        kept = lease_owners(rt).protected_by(task)
-        if not own and not kept:
-            return
-        others = [scope for scope in rt.scopes if getattr(scope, "task", None) is not task]
-        reservations = [held for scope in own for held in scope.reservations_held]
+        state = self._rt.state
 
         def steps() -> Steps[tuple[str, BaseException] | None]:
             return fails_while_kept_steps(
-                rt.state,
+                state,
                 plan,
-                scoped=[h for scope in others for h in scope.plan.handles()],
-                kept=kept,
-                kept_reservations=reservations,
+                scoped=own.scoped,
+                kept=own.kept,
+                kept_reservations=own.reservations,
             )
 
         failure = await self._sliced(steps)
@@ -292,25 +398,67 @@ class AdmissionQueue:
         if failure is None:
             return
         where, error = failure
-        held = []
-        if own:
-            names = sorted({h.name for scope in own for h in scope.plan.handles()})
-            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            held.append(
-                f"{len(own)} entered scope(s) (values {shown})"
-                if names
-                else f"{len(own)} entered scope(s)"
-            )
-        if kept:
-            pairs = sorted({f"{h.name} at {loc}" for h, loc in kept})
-            shown = ", ".join(pairs[:6]) + (f" and {len(pairs) - 6} more" if len(pairs) > 6 else "")
-            held.append(f"{len(kept)} lease(s) or hold(s) ({shown})")
         raise ResidencyPlanError(
-            f"infeasible at {where}: {error}; only what the waiting task holds itself stands "
-            f"in the way ({'; '.join(held)}), and that ends only when the task goes on, so "
-            "waiting would never end. Exit those scopes or leases first, or put these values "
-            "in one plan"
+            f"infeasible at {where}: {error}; {own.describe(getattr(error, 'location', None))}"
         ) from error
+
+    def budget_waiting_on_itself(
+        self,
+        need: int,
+        location: Location,
+        what: str,
+        task: object | None,
+        exempt: frozenset[ValueHandle] = frozenset(),
+    ) -> ResidencyBudgetError | None:
+        """The error for a tenant about to wait, for ``task``, for ``need`` bytes at
+        ``location`` that only what the task holds itself keeps out (see
+        :meth:`ResidencyManager.waiting_on_itself`); ``None`` when the wait may end. Runs the
+        simulation in one go: a single reservation against a partial copy of the state."""
+        own = self._held_by(task, exempt)
+        if own is None:
+            return None
+        state = self._rt.state
+        plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
+        failure = drain(
+            fails_while_kept_steps(
+                state,
+                plan,
+                scoped=own.scoped,
+                kept=own.kept,
+                kept_reservations=own.reservations,
+            )
+        )
+        if failure is None:
+            return None
+        ledger = state.ledger(location)
+        error = ResidencyBudgetError(
+            location,
+            ledger.budget_bytes,
+            ledger.used_bytes,
+            ledger.reserved_bytes,
+            need,
+            kind="reservation",
+            what=f"{what}; {own.describe(location)}",
+        )
+        error.__cause__ = failure[1]
+        return error
+
+    def _held_by(
+        self, task: object | None, exempt: frozenset[ValueHandle] = frozenset()
+    ) -> _HeldBy | None:
+        """What ``task`` holds itself (``None``: nothing). The values in ``exempt`` (a
+        tenant's own, which it gives back itself) count as transient, leased or not."""
+        if task is None:
+            return None
+        rt = self._rt
+        own = [scope for scope in rt.scopes if getattr(scope, "task", None) is task]
+        leased = tuple(p for p in lease_owners(rt).protected_by(task) if p[0] not in exempt)
+        tenants = self.kept_for(task)
+        if not own and not leased and not tenants:
+            return None
+        others = [scope for scope in rt.scopes if getattr(scope, "task", None) is not task]
+        scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
+        return _HeldBy(own, leased, tenants, scoped)
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""
@@ -394,9 +542,11 @@ class AdmissionQueue:
         wanted = frozenset(locations)
         if not self.must_queue(wanted):
             return
-        if lease_owners(self._rt).task_protects(current_task()):
-            # The caller holds a lease or hold: a waiting scope may wait for exactly that, so
-            # waiting behind it could never end. It goes ahead (it still must fit).
+        task = current_task()
+        if lease_owners(self._rt).task_protects(task) or self.kept_for(task):
+            # The caller holds a lease or hold (or a keeper keeps room for it): a waiting
+            # scope may wait for exactly that, so waiting behind it could never end. It goes
+            # ahead (it still must fit).
             return
         waiter = _Waiter(None, wanted)
         self._enqueue(waiter)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
@@ -61,9 +61,10 @@ from ..core.values import (
     value_charge,
 )
 from ..progress import progress_if_large
+from .admission import Keeper
 from .context import Runtime
 from .driver import PhaseRun
-from .leases import Hold, Lease, add_owners, lease_owners
+from .leases import Hold, Lease, add_owners, current_task, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
@@ -187,6 +188,8 @@ class ResidencyManager:
         self._rt: Runtime | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._status = "new"  # new -> running -> closing -> closed
+        # Tenants waiting for room outside the admission queue, per location (want_room).
+        self._wanting: dict[Location, int] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -235,7 +238,35 @@ class ResidencyManager:
         rt = self._rt
         if rt is None or self._status != "running":
             return False
-        return Location.parse(location) in rt.admission.short_of()
+        loc = Location.parse(location)
+        return loc in rt.admission.short_of() or self._wanting.get(loc, 0) > 0
+
+    def want_room(self, location: LocationLike) -> Callable[[], None]:
+        """For a tenant that waits for room at ``location`` outside the admission queue (a
+        streamed call waiting for a block's room): until the returned function is called,
+        :meth:`waiting_for_room` says so, so that tenants that could take that room first
+        hold back and give back what they can (a loader's free buffers), as they do for a
+        waiting scope. Notifies the change listeners at once. Loop thread."""
+        rt = self._running()
+        loc = Location.parse(location)
+        self._wanting[loc] = self._wanting.get(loc, 0) + 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            left = self._wanting.get(loc, 0) - 1
+            if left > 0:
+                self._wanting[loc] = left
+            else:
+                self._wanting.pop(loc, None)
+                if self._status == "running":
+                    rt.signal.notify()  # those that held back may go on
+
+        rt.signal.notify()
+        return release
 
     async def __aenter__(self) -> ResidencyManager:
         if self._status != "new":
@@ -357,6 +388,42 @@ class ResidencyManager:
         the returned function is called. For state machines that advance without a task of
         their own (a prefetch pipeline); the callback must not raise and must not await."""
         return self._running().signal.add_listener(callback)
+
+    def add_task_keeper(self, keeper: Keeper) -> Callable[[], None]:
+        """Tell admission what a tenant keeps on a task's behalf, until the returned function
+        is called: ``keeper(task)`` returns a :class:`~aresidency.runtime.admission.Kept`
+        (materializations and reservations that end only when ``task`` goes on, such as a
+        loader's batches copied ahead of its consumer) or ``None``. A scope of that task that
+        could fit only once they ended is refused at once instead of waiting for ever, and
+        the task does not queue behind scopes that may wait for that room (as with its own
+        leases). Loop thread; the keeper must not raise or await."""
+        return self._running().admission.add_keeper(keeper)
+
+    def waiting_on_itself(
+        self,
+        need: int,
+        location: LocationLike,
+        *,
+        what: str,
+        task: object | None = None,
+        exempt: Iterable[ValueHandle] = (),
+    ) -> ResidencyBudgetError | None:
+        """For a tenant about to wait for ``need`` bytes of room at ``location`` on behalf of
+        ``task`` (default: the calling task), such as a streamed block: the error to raise
+        instead when that room could appear only once what the task holds itself ended (its
+        scopes, leases and holds, and what keepers keep on its behalf), so that the wait
+        would never end; ``None`` when waiting may end. ``exempt``: the tenant's own values,
+        which it gives back itself (counted as transient, leased or not). ``what`` names the
+        need in the error (``kind="reservation"``, the ledger as it is). Loop thread; never
+        waits."""
+        rt = self._running()
+        return rt.admission.budget_waiting_on_itself(
+            need,
+            Location.parse(location),
+            what,
+            current_task() if task is None else task,
+            frozenset(exempt),
+        )
 
     def copy_issued(self, handle: ValueHandle, location: LocationLike) -> bool:
         """Whether a lease at ``location`` could order its stream after the data now: the data

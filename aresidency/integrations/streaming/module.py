@@ -322,15 +322,30 @@ class StreamedModule:
         if record.budget_bytes is None:
             return
         need = self._largest + self.resident_bytes
-        # Rings (ours, or another streamed module's at this device: a finished call's, or
-        # that of a call in flight) leave, or are taken over, once their call ended and the
-        # device passed them: not in the way for long (a call waits for their room).
-        idle = sum(
-            other._ring_bytes()
-            for other in list(_by_manager.get(self.manager, ()))
-            if other.device == self.device
+        # Only the backend's own reservations (its staging) stay for ever. The others (rings,
+        # ours or another streamed module's; scopes; reservation blocks; a loader's buffers)
+        # end on their own, and a call waits for their room; what the calling task keeps
+        # itself is checked below.
+        reserved = sum(
+            nbytes for nbytes, owner in record.reservations.values() if owner == "backend"
         )
-        reserved = record.reserved_bytes - idle
+        own = None
+        if need <= record.budget_bytes - reserved and need > record.budget_bytes - (
+            record.reserved_bytes - self._all_ring_bytes()
+        ):
+            # Room only once reservations end: none of them may be this task's own.
+            own = self.manager.waiting_on_itself(
+                need,
+                self.device,
+                exempt=self.handles,
+                what=(
+                    f"{self.name}: a call needs room for its largest block "
+                    f"({self._largest} B) plus the tensors outside the blocks "
+                    f"({self.resident_bytes} B)"
+                ),
+            )
+        if own is not None:
+            raise own
         if need > record.budget_bytes - reserved:
             largest = self._largest
             block = max(self._groups, key=lambda g: g.charge_bytes, default=None)
@@ -338,9 +353,17 @@ class StreamedModule:
             raise ValueError(
                 f"{self.name}: the largest block ({which}{largest} B) plus the tensors outside the "
                 f"blocks ({self.resident_bytes} B) need {need} B at {self.device}, more than its "
-                f"budget ({record.budget_bytes} B) less its reservations "
+                f"budget ({record.budget_bytes} B) less the backend's own reservations "
                 f"({reserved} B); streaming could never run"
             )
+
+    def _all_ring_bytes(self) -> int:
+        """Bytes the rings of every streamed module of the manager at our device reserve."""
+        return sum(
+            other._ring_bytes()
+            for other in list(_by_manager.get(self.manager, ()))
+            if other.device == self.device
+        )
 
     def _idle_ring_bytes(self) -> int:
         """Bytes reserved by the rings of our finished calls not retired yet."""

@@ -55,7 +55,7 @@ import torch
 
 from ...core.errors import ResidencyBudgetError
 from ...core.values import MaterializationState
-from ...runtime.leases import Lease, LeaseWouldWait
+from ...runtime.leases import Lease, LeaseWouldWait, current_task
 from ...runtime.pending import PendingOperation
 from .packing import TensorGroup
 
@@ -65,6 +65,10 @@ if TYPE_CHECKING:
 __all__ = ["CallAborted", "CallPipeline", "Slot"]
 
 _RESIDENT = MaterializationState.RESIDENT
+
+
+def _asking() -> None:
+    """The placeholder of :meth:`CallPipeline._want_room` while ``want_room`` runs."""
 
 
 class CallAborted(Exception):
@@ -144,6 +148,13 @@ class CallPipeline:
         self.streamed = streamed
         self.manager = streamed.manager
         self.bridge = streamed.manager.bridge  # consumer threads call back through it
+        # The task awaiting the call (made there): what it keeps itself (a loader's batches
+        # copied ahead) ends only when the call returns.
+        self.task = current_task()
+        # Set while the block the call needs next waits for room (want_room's release): the
+        # tenants that could take that room first (a loader) hold back meanwhile.
+        self._wanting: Callable[[], None] | None = None
+        self._head_blocked = False
         self.stream = stream
         self.host_wait = host_wait
         self.keep = keep
@@ -192,6 +203,7 @@ class CallPipeline:
         try:
             while self.active:
                 self._pump_again = False
+                self._head_blocked = False
                 if self._returns:
                     self._take_returns()
                 blocked = self._advance()
@@ -199,6 +211,7 @@ class CallPipeline:
                     break
         finally:
             self._pumping = False
+        self._want_room(self._head_blocked and self.active)
         if blocked and self.active:
             if self._unlisten is None:
                 self._unlisten = self.manager.add_change_listener(self.pump)
@@ -258,6 +271,8 @@ class CallPipeline:
             if started is None:
                 return "stop"  # failed: the consumer raises it
             if not started:
+                if self._waits_on_itself(slot):
+                    return "stop"  # failed: the consumer raises it
                 return "blocked"  # no room: keep block order, wait for a change
         if slot.state == "starting" and not self._make_ready(slot):
             pending = slot.pending
@@ -265,6 +280,49 @@ class CallPipeline:
                 return "next"  # _materialized pumps when the copy completed
             return "listen"
         return "next"
+
+    def _waits_on_itself(self, slot: Slot) -> bool:
+        """``slot`` found no room: fail it (``ResidencyBudgetError``) if the call needs it
+        next (the resident group, or the window's first block) and only what the call's task
+        keeps itself stands in the way, which ends only when the call returns. Whether it
+        failed."""
+        group = slot.group
+        if group is not self.streamed.resident_group:
+            order = self.order
+            if not order or order[self.pos % len(order)] != group.index:
+                return False  # a prefetch: it waits for the blocks before it to leave
+        error = self.manager.waiting_on_itself(
+            group.charge_bytes,
+            self.streamed.device,
+            exempt=self.streamed.handles,
+            what=f"{self.streamed.name}: {group.name} waits for room",
+            task=self.task,
+        )
+        if error is None:
+            self._head_blocked = True
+            return False
+        self._fail(slot, error)
+        return True
+
+    def _want_room(self, wanted: bool) -> None:
+        """Say (or stop saying) that the call waits for room for the block it needs next.
+        ``want_room`` notifies, which may pump again from inside it: that nested pump sees
+        the placeholder, and if it stopped wanting meanwhile the token goes back at once."""
+        if wanted == (self._wanting is not None):
+            return
+        if not wanted:
+            release, self._wanting = self._wanting, None
+            if release is not None:
+                release()
+            return
+        if not self.manager.running:
+            return
+        self._wanting = _asking
+        release = self.manager.want_room(self.streamed.device)
+        if self._wanting is _asking:
+            self._wanting = release
+        else:
+            release()  # a nested pump stopped wanting meanwhile
 
     def _give_up_kept(self) -> bool:
         """No room for the next block: release one this call planned to keep that it has run
@@ -617,6 +675,7 @@ class CallPipeline:
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
+        self._want_room(False)
         backend = self.manager.backend
         streamed = self.streamed
         end: Any = None  # one event after everything the consumer enqueued, for every lease

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -148,6 +149,8 @@ class RingCall:
         self.manager = streamed.manager
         self.backend = streamed.manager.backend
         self.device = streamed.device
+        # Set while open() waits for room (want_room's release).
+        self._wanting: Callable[[], None] | None = None
         self.stream = stream
         self.host_wait = host_wait
         self.keep = keep
@@ -185,7 +188,17 @@ class RingCall:
 
     async def open(self) -> None:
         """Admit what the call needs (see the module docstring): the groups held for the whole
-        call, then the ring. Waits for room (``TimeoutError`` past the module's timeout)."""
+        call, then the ring. Waits for room (``TimeoutError`` past the module's timeout);
+        while it does, tenants that could take that room first hold back
+        (:meth:`ResidencyManager.want_room`), until the call has it all or gave up."""
+        try:
+            await self._open()
+        finally:
+            release, self._wanting = self._wanting, None
+            if release is not None:
+                release()
+
+    async def _open(self) -> None:
         streamed = self.streamed
         deadline = streamed.deadline()
         needed: list[TensorGroup] = []
@@ -240,6 +253,7 @@ class RingCall:
             state = self._state_here(group)
             if state is _RESIDENT:
                 return None
+            need = None  # the replica settling: nothing to make room for
             if state is None:
                 assert group.handle is not None
                 try:
@@ -247,19 +261,38 @@ class RingCall:
                 except ResidencyBudgetError:
                     if not required:
                         return None
-            await self._wait_for_room(deadline, group)  # (or for the replica to settle)
+                need = group.charge_bytes
+            await self._wait_for_room(deadline, group, need)
 
-    async def _wait_for_room(self, deadline: float | None, group: TensorGroup | None) -> None:
+    async def _wait_for_room(
+        self, deadline: float | None, group: TensorGroup | None, need: int | None
+    ) -> None:
+        """Wait for a change that may make room for ``need`` bytes (``None``: that settles a
+        replica arriving or leaving). While it waits for room, tenants that could take it
+        first (a loader) hold back (:meth:`ResidencyManager.want_room`); it raises
+        ``ResidencyBudgetError`` at once when only what the calling task keeps itself (a
+        loader's batches copied ahead of it) stands in the way."""
         streamed = self.streamed
         if streamed.ask_others_for_room():  # their kept blocks leave: try again first
             await anyio.lowlevel.checkpoint()
             return
+        what = group if group is not None else streamed.groups[0]
+        if need is not None:
+            own = self.manager.waiting_on_itself(
+                need,
+                self.device,
+                exempt=streamed.handles,
+                what=f"{streamed.name}: {what.name} waits for room",
+            )
+            if own is not None:
+                raise own
+            if self._wanting is None:  # held until open() ends
+                self._wanting = self.manager.want_room(self.device)
         if deadline is None:
             await self.manager.wait_for_change()
             return
         remaining = deadline - anyio.current_time()
         if remaining <= 0 or not await self.manager.wait_for_change(remaining):
-            what = group if group is not None else streamed.groups[0]
             raise TimeoutError(streamed.timeout_message(what))
 
     def _stream_instead(self, group: TensorGroup) -> None:
@@ -311,7 +344,7 @@ class RingCall:
                 # blocks hold.
                 want = self._size_ring()
                 continue
-            await self._wait_for_room(deadline, streamed.group(self.sequence[0]))
+            await self._wait_for_room(deadline, streamed.group(self.sequence[0]), self.charge)
         try:
             # One tensor per slot (as one block per value would be): the caching allocator
             # reuses such blocks exactly from one call to the next.
