@@ -33,6 +33,12 @@ Used for a module whose weights are in pinned host memory (no staging, no checkp
 on a backend with :meth:`~aresidency.backends.base.Backend.copy_into`; everything else goes
 through the managed values. On the simulation (compute on the host), a consumer thread waits
 for its block's copy on the host before running it.
+
+Why this module is long: one call's ring is one state machine, from admission (the groups held
+for the call and the ring's reservation, waiting for room and saying so with ``want_room``, or
+refusing a wait the calling task itself keeps from ending) through the copies issued ahead and
+the slots' reuse to the retirement of the ring; each step reads the slots' state the others
+write.
 """
 
 from __future__ import annotations
