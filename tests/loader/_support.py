@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import torch
 
 from aresidency import ResidencyManager, ResidencyTrace
@@ -18,6 +19,14 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 _BATCH = re.compile(r"/b(\d+)")
+
+
+async def until(condition: Any, seconds: float = 5.0) -> None:
+    """Wait (polling the loop, with a deadline) until ``condition()`` holds: for changes nobody
+    tells the loop about (the ring's thread while nobody waits, threads ending, statistics)."""
+    with anyio.fail_after(seconds):
+        while not condition():  # noqa: ASYNC110 - nothing announces these changes
+            await anyio.sleep(0.001)
 
 
 def batches(count: int, numel: int = 256, *, seed: int = 0) -> list[torch.Tensor]:

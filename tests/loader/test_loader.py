@@ -39,6 +39,7 @@ from ._support import (
     batches,
     gated,
     max_charge,
+    until,
 )
 
 pytestmark = pytest.mark.anyio
@@ -853,8 +854,7 @@ async def test_cancelled_while_waiting_for_a_batch_mid_pass_releases_everything(
 
                 async def cancel_when_blocked() -> None:
                     await anyio.to_thread.run_sync(gate.reached.wait)
-                    while len(got) < 5:
-                        await m.wait_for_change()
+                    await until(lambda: len(got) == 5)  # (the consumer's own list)
                     await anyio.wait_all_tasks_blocked()
                     scope.cancel()
 

@@ -19,7 +19,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader
 from aresidency.runtime.signal import ManagerClosedError
 
-from ._support import Gate, assert_nothing_left, batches, gated
+from ._support import Gate, assert_nothing_left, batches, gated, until
 
 pytestmark = pytest.mark.anyio
 
@@ -34,14 +34,6 @@ def nothing_charged(manager: ResidencyManager) -> bool:
     reservations aside: see ``assert_nothing_left``)."""
     record = manager.snapshot().location("cuda:0")
     return not list(manager.state.values()) and not record.used_bytes and not record.reserved_bytes
-
-
-async def until(condition: Any, seconds: float = 5.0) -> None:
-    """Wait, with a deadline, until ``condition()`` holds (threads end, the device passes
-    events: changes nobody tells the loop about)."""
-    with anyio.fail_after(seconds):
-        while not condition():  # noqa: ASYNC110 - threads ending tell no one
-            await anyio.sleep(0.001)
 
 
 # ---------------------------------------------------------------------- the manager's close

@@ -26,7 +26,7 @@ from aresidency.loader import DeviceLoader
 from aresidency.loader.lifetime import HostWaits
 from aresidency.loader.ring import RingEpoch
 
-from ._support import KiB, assert_nothing_left, batches, max_charge
+from ._support import KiB, assert_nothing_left, batches, max_charge, until
 
 pytestmark = pytest.mark.anyio
 
@@ -72,14 +72,6 @@ def waiting_for_room(loader: DeviceLoader) -> bool:
         return False
     request = epoch._request
     return request is not None and request.blocked_since is not None
-
-
-async def until(condition: Any, seconds: float = 5.0) -> None:
-    """Wait (polling the loop, with a deadline) until ``condition()`` holds: the ring's thread
-    changes its state without telling the loop unless the consumer waits."""
-    with anyio.fail_after(seconds):
-        while not condition():  # noqa: ASYNC110 - the thread tells no one while nobody waits
-            await anyio.sleep(0.001)
 
 
 def copied_ahead(loader: DeviceLoader) -> int:

@@ -20,7 +20,7 @@ from aresidency.core.errors import ResidencyPlanError
 from aresidency.integrations import stream_module
 from aresidency.loader import DeviceLoader
 
-from ._support import KiB, assert_nothing_left, batches
+from ._support import KiB, assert_nothing_left, batches, until
 
 pytestmark = pytest.mark.anyio
 
@@ -34,11 +34,9 @@ def model() -> nn.Sequential:
 
 async def window_filled(m: ResidencyManager, loader: DeviceLoader, got: int, ahead: int) -> None:
     """Until the loader has read ``ahead`` batches past the ``got`` handed out, and settled.
-    Polled, with a deadline: the ring's thread tells the loop nothing while nobody waits."""
-    with anyio.fail_after(5):
-        while loader.stats().source_batches < got + ahead:  # noqa: ASYNC110 - see above
-            await anyio.sleep(0.001)
-        await anyio.wait_all_tasks_blocked()
+    Polled: the ring's thread tells the loop nothing while nobody waits."""
+    await until(lambda: loader.stats().source_batches >= got + ahead)
+    await anyio.wait_all_tasks_blocked()
 
 
 async def test_a_step_scope_that_only_the_loaders_window_keeps_out_is_refused_at_once(
@@ -186,12 +184,14 @@ async def test_while_a_streamed_call_waits_for_room_the_loader_holds_back(
     async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
         streamed = stream_module(m, net, "cuda:0", prefetch=0, ring=False, keep_resident=False)
         outcome: list[object] = []
+        returned = anyio.Event()  # (no state change need follow the call's return)
         blocker = m.reservation("other", "cuda:0", block)
         await blocker.__aenter__()
 
         async def call() -> None:
             with torch.no_grad():
                 outcome.append(await streamed(x))
+            returned.set()
 
         data = batches(12)
         async with (
@@ -210,8 +210,7 @@ async def test_while_a_streamed_call_waits_for_room_the_loader_holds_back(
             async for batch in iterator:
                 got.append(batch.clone())
             with anyio.fail_after(5):
-                while not outcome:
-                    await m.wait_for_change()
+                await returned.wait()
         assert torch.equal(outcome[0], net(x).detach())  # type: ignore[arg-type]
         assert not m.waiting_for_room("cuda:0")
         assert all(torch.equal(a, b) for a, b in zip(got, data)) and len(got) == 12

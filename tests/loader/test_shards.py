@@ -24,7 +24,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.loader import DeviceLoader, ShardSource, TensorSpec, shardfiles
 from aresidency.loader import shards as shards_module
 
-from ._support import KiB, assert_nothing_left, max_charge
+from ._support import KiB, assert_nothing_left, max_charge, until
 
 pytestmark = pytest.mark.anyio
 
@@ -495,8 +495,8 @@ async def test_a_pass_after_breaking_out_of_one_gets_every_staging_buffer_back(
                     for _attempt in range(3):  # each pass stops with buffers filled ahead
                         async for _batch in loader:
                             # Wait until both buffers hold batches (one handed out, one filled).
-                            while loader.stats().source_batches < 2 * _attempt + 2:
-                                await m.wait_for_change()
+                            filled = 2 * _attempt + 2
+                            await until(lambda n=filled: loader.stats().source_batches >= n)
                             break
                     got = [batch["x"].clone() async for batch in loader]
             assert_nothing_left(m)

@@ -532,6 +532,7 @@ async def test_scopes_for_the_same_device_stay_first_come_first_served() -> None
         holds = [m.hold(full, "cuda:0"), m.hold(rest, "cuda:0")]
         entered: list[str] = []
         gate = anyio.Event()
+        a_entered = anyio.Event()  # (no state change need follow the body's first step)
 
         async def scope(name: str, handle: object) -> None:
             reclaim = [Move(rest, "pinned-host")]  # b needs only rest's room
@@ -545,6 +546,7 @@ async def test_scopes_for_the_same_device_stay_first_come_first_served() -> None
             async with m.scope(plan, timeout=None):
                 entered.append(name)
                 if name == "a":
+                    a_entered.set()
                     await gate.wait()
 
         async with anyio.create_task_group() as tasks:
@@ -559,8 +561,8 @@ async def test_scopes_for_the_same_device_stay_first_come_first_served() -> None
             assert entered == [] and m.waiting == 2
             holds.pop().release()
             with anyio.fail_after(5):
-                while entered != ["a"]:
-                    await m.wait_for_change()
+                await a_entered.wait()
+            assert entered == ["a"]
             gate.set()
         assert entered == ["a", "b"]
         assert_no_leak(m)
