@@ -23,7 +23,7 @@ from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
-from .errors import ResidencyBudgetError, ResidencyError, ResidencyInUseError
+from .errors import ResidencyBudgetError, ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location
 from .plans import (
     ActionFailed,
@@ -37,7 +37,7 @@ from .plans import (
 )
 from .state import ResidencyState
 from .trace import Transition
-from .values import DuplicateReservationError, ReplicaMode, ValueHandle
+from .values import DuplicateReservationError, MaterializationState, ReplicaMode, ValueHandle
 
 __all__ = [
     "PeakLedger",
@@ -328,8 +328,13 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
         holders = value.holders()
         if not holders or any(m.write_count for m in holders):
             return False
-        if action.location in value.materializations:
+        present = value.materializations.get(action.location)
+        if present is not None:
+            if present.state is MaterializationState.OUTGOING:
+                return False  # moving out of there: it cannot also stay (the simulation says)
             continue  # already there (or arriving): nothing charged
+        if not any(m.state is MaterializationState.RESIDENT for m in holders):
+            return False  # only moving out: no copy to read until that move commits
         moves = isinstance(action, Move) or value.replica_mode is ReplicaMode.EXCLUSIVE
         if moves and any(m.use_count or m.hold_count for m in holders):
             return False
@@ -438,7 +443,10 @@ def _is_transient(
     transfers in flight, the reservations of scopes and blocks)? Resident values that nobody
     protects stay: nothing moves them on its own (see ``ResidencyState.settled``)."""
     if not isinstance(
-        error, (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError)
+        error,
+        # (a ResidencyPlanError: a value only moving out now has no copy to read until that
+        # move commits; the simulation on the settled state tells it from a plan never valid)
+        (ResidencyBudgetError, ResidencyInUseError, DuplicateReservationError, ResidencyPlanError),
     ):
         return False
     return (yield from _simulate_plan(state.settled(plan.handles(), scoped), plan)) is None

@@ -41,6 +41,7 @@ from .values import (
     CopyTicket,
     MaterializationState,
     ReplicaMode,
+    Value,
     ValueHandle,
 )
 
@@ -373,6 +374,17 @@ def _release_step(
     state.release(action.handle, action.location)
 
 
+def _moving(value: Value) -> str | None:
+    """``"moving from X to Y"`` while ``value``'s one copy moves out of X, else None."""
+    mats = value.materializations
+    out = [loc for loc, m in mats.items() if m.state is MaterializationState.OUTGOING]
+    into = [loc for loc, m in mats.items() if m.state is MaterializationState.INCOMING]
+    if not out or any(m.state is MaterializationState.RESIDENT for m in mats.values()):
+        return None
+    to = f" to {', '.join(str(loc) for loc in sorted(into))}" if into else ""
+    return f"moving from {', '.join(str(loc) for loc in sorted(out))}{to}"
+
+
 def begin_placement(
     state: ResidencyState, action: Materialize | Move, wanted: set[Location] | frozenset[Location]
 ) -> CopyTicket | None:
@@ -405,6 +417,12 @@ def begin_placement(
             move = isinstance(action, Move) and source not in wanted
         return state.begin_copy(action.handle, source, action.location, move=move)
     if not value.has_source or value.source_location is None:
+        moving = _moving(value)
+        if moving is not None:
+            raise ResidencyPlanError(
+                f"{action.handle} cannot reach {action.location} now: it is {moving}, and no "
+                "copy can be read until that move commits (ask once it has)"
+            )
         where = ", ".join(str(loc) for loc in sorted(value.materializations)) or "nowhere"
         raise ResidencyPlanError(
             f"{action.handle} cannot reach {action.location}: no resident copy to read (it is "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from aresidency import (
     ResidencyPlanExecutionError,
     ResidencyStaleStateError,
 )
+from aresidency.backends.sim import SimBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -474,6 +476,64 @@ async def test_an_exclusive_value_asked_twice_in_a_phase_is_refused_before_any_a
         assert not isinstance(info.value, ResidencyPlanExecutionError)
         assert m.state_version == version  # nothing began
         assert [str(x) for x in m.snapshot().value(b).locations] == ["pageable-host"]
+
+
+@pytest.mark.parametrize("how", ["execute", "scope", "scope that may wait"])
+@pytest.mark.parametrize("to", ["cuda:1", "pinned-host"])
+async def test_a_value_whose_move_is_in_flight_is_refused_before_any_action_or_waited_for(
+    how: str, to: str
+) -> None:
+    """``a`` is moving from pinned-host to cuda:0 (the copy held up): a plan that moves it on
+    (to cuda:1: nothing can be read until the move commits; back to pinned-host: it is moving
+    out of there) is what ``explain`` calls infeasible, so ``execute`` and a scope that may
+    not wait refuse it with ``ResidencyPlanError`` before any action, as the preflight does,
+    not as a failure in the middle. It ends on its own: a scope that may wait enters once
+    the move committed."""
+    backend = SimBackend()
+    gate = threading.Event()
+    async with ResidencyManager(backend=backend) as m:
+        data = tensor(seed=1)
+        a = m.register(data.clone(), name="a", location="pinned-host")
+        b = m.register(tensor(seed=2), name="b")
+        backend._devices[0].h2d.submit(lambda: gate.wait(10))  # the move waits behind this
+        moving = m.materialize_nowait(a, "cuda:0")
+        plan = ResidencyPlan(reclaim=[Move(b, "cuda:0")], enter=[Move(a, to)])
+        explanation = m.explain(plan)
+        assert not explanation.feasible and explanation.transient, explanation.reason
+        version = m.state_version
+        entered = anyio.Event()
+        try:
+            if how == "scope that may wait":
+                async with anyio.create_task_group() as tasks:
+
+                    async def enter() -> None:
+                        async with m.scope(plan, timeout=None):
+                            assert moving.done()
+                            assert [str(x) for x in m.snapshot().value(a).locations] == [to]
+                            entered.set()
+
+                    tasks.start_soon(enter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert m.waiting == 1 and not entered.is_set()
+                    assert m.state_version == version  # it waits before any action
+                    gate.set()
+                assert entered.is_set()
+            else:
+                with pytest.raises(ResidencyPlanError, match="moving") as info:
+                    if how == "execute":
+                        await m.execute(plan)
+                    else:
+                        async with m.scope(plan, timeout=0):
+                            raise AssertionError("the body ran")
+                assert not isinstance(info.value, ResidencyPlanExecutionError)
+                assert m.state_version == version  # nothing began (b stays where it is)
+                assert [str(x) for x in m.snapshot().value(b).locations] == ["pageable-host"]
+        finally:
+            gate.set()
+        await moving
+        (where,) = m.snapshot().value(a).locations
+        assert torch.equal(m.tensor(a, where), data)
+        assert_no_leak(m)
 
 
 async def test_a_scope_for_another_device_does_not_wait_behind_a_waiting_one() -> None:
