@@ -364,7 +364,9 @@ class ResidencyInUseError(ResidencyError):
 
     ``owners`` names the tasks holding leases and holds on that materialization when the
     runtime raised the error (empty from the pure model, or when only pending events protect
-    it)."""
+    it). ``transfer`` is set when a transfer in flight is (also) in the way: ``"incoming"``
+    (the copy there is still arriving) or ``"outgoing"`` (the value is moving out of there,
+    or this phase's own copy reads it); ``None`` otherwise."""
 
     FIELDS = (
         "handle",
@@ -374,8 +376,10 @@ class ResidencyInUseError(ResidencyError):
         "pending_event_count",
         "operation",
         "owners",
+        "transfer",
     )
     owners: tuple[str, ...] = ()
+    transfer: str | None = None
 
     def __init__(
         self,
@@ -387,7 +391,10 @@ class ResidencyInUseError(ResidencyError):
         *,
         operation: str = "remove",
         owners: tuple[str, ...] = (),
+        transfer: str | None = None,
     ) -> None:
+        if transfer not in (None, "incoming", "outgoing"):
+            raise ValueError(f"transfer must be None, 'incoming' or 'outgoing', not {transfer!r}")
         self.handle = handle
         self.location = location
         self.use_count = use_count
@@ -395,6 +402,7 @@ class ResidencyInUseError(ResidencyError):
         self.pending_event_count = pending_event_count
         self.operation = operation
         self.owners = tuple(owners)
+        self.transfer = transfer
         super().__init__()
 
     def with_owners(self, owners: tuple[str, ...]) -> ResidencyInUseError:
@@ -411,11 +419,30 @@ class ResidencyInUseError(ResidencyError):
             if owners
             else ""
         )
+        counts = (
+            f"use_count={self.use_count}, hold_count={self.hold_count}, "
+            f"pending_event_count={self.pending_event_count}{held}"
+        )
+        transfer = self.__dict__.get("transfer")
+        if transfer is not None:
+            what = (
+                "its copy there is still arriving (an incoming transfer is in flight)"
+                if transfer == "incoming"
+                else "an outgoing transfer out of it is in flight"
+            )
+            protected = (
+                f"; it is also protected by {counts}"
+                if self.use_count or self.hold_count or self.pending_event_count or owners
+                else ""
+            )
+            return (
+                f"cannot {self.operation} {self.handle} at {self.location}: {what}{protected}; "
+                "await that transfer (or cancel it), then retry (or defer the removal)"
+            )
         return (
             f"cannot {self.operation} {self.handle} at {self.location}: it is protected by "
-            f"use_count={self.use_count}, hold_count={self.hold_count}, "
-            f"pending_event_count={self.pending_event_count}{held}; exit the lease, release "
-            "the hold, or wait for the consumer stream, then retry (or defer the removal)"
+            f"{counts}; exit the lease, release the hold, or wait for the consumer stream, then "
+            "retry (or defer the removal)"
         )
 
 

@@ -367,7 +367,8 @@ def _release_step(
             mat.use_count,
             mat.hold_count,
             mat.pending_event_count,
-            operation="release (a copy out of it is in flight)",
+            operation="release",
+            transfer="outgoing",
         )
     if mat.pending_event_count and not (mat.use_count or mat.hold_count):
         yield SettleRequest(action.handle, action.location, index)

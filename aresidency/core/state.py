@@ -437,7 +437,8 @@ class ResidencyState:
                         other.use_count,
                         other.hold_count,
                         other.pending_event_count,
-                        operation="invalidate (transfer in flight)",
+                        operation="invalidate",
+                        transfer=other.state.value,
                     )
             for other in sorted(others, key=lambda m: m.location):
                 del value.materializations[other.location]
@@ -512,7 +513,8 @@ class ResidencyState:
                 mat.use_count,
                 mat.hold_count,
                 mat.pending_event_count,
-                operation=f"release ({mat.state.value} transfer in flight)",
+                operation="release",
+                transfer=mat.state.value,
             )
         self._check_removable(value, mat, "release")
         self._check_not_last(value, loc, "release")
@@ -533,7 +535,8 @@ class ResidencyState:
                     mat.use_count,
                     mat.hold_count,
                     mat.pending_event_count,
-                    operation="discard (transfer in flight)",
+                    operation="discard",
+                    transfer=mat.state.value,
                 )
         freed = 0
         for mat in value.materializations.values():

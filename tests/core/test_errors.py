@@ -116,6 +116,10 @@ def _instances():
             ResidencyStaleStateError(10, 12),
             {"expected_version": 10, "actual_version": 12},
         ),
+        "in-use-transfer": (
+            ResidencyInUseError(HANDLE, CUDA0, 0, 0, 0, operation="release", transfer="incoming"),
+            {"handle": HANDLE, "location": CUDA0, "operation": "release", "transfer": "incoming"},
+        ),
         "in-use": (
             ResidencyInUseError(HANDLE, CUDA0, 1, 2, 3),
             {

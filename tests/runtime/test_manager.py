@@ -19,6 +19,7 @@ from aresidency import (
     ResidencyPlanError,
     ResidencyUnavailableError,
 )
+from aresidency.backends.sim import SimBackend
 from aresidency.core.locations import Location
 
 pytestmark = pytest.mark.anyio
@@ -151,6 +152,38 @@ async def test_active_lease_blocks_release_with_use_count() -> None:
             with pytest.raises(ResidencyInUseError) as info:
                 await m.release(h, "cuda:0")
             assert info.value.use_count == 1
+
+
+@pytest.mark.parametrize("how", ["release", "release_nowait"])
+async def test_removing_a_copy_still_arriving_says_so_and_changes_nothing(how: str) -> None:
+    # Nothing counted protects the incoming copy: the error says a transfer is in the way
+    # (not a lease to exit), and the removal works once the copy arrived.
+    backend = SimBackend()
+    gate = threading.Event()
+    async with ResidencyManager(backend=backend) as m:
+        data = random_tensor()
+        h = m.register(data.clone(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        backend._devices[0].h2d.submit(lambda: gate.wait(10))  # the copy waits behind this
+        try:
+            arriving = m.materialize_nowait(h, "cuda:0")
+            version = m.state_version
+            with pytest.raises(ResidencyInUseError) as info:
+                if how == "release":
+                    await m.release(h, "cuda:0")
+                else:
+                    m.release_nowait(h, "cuda:0")
+        finally:
+            gate.set()
+        error = info.value
+        assert error.transfer == "incoming" and str(error.location) == "cuda:0"
+        assert (error.use_count, error.hold_count, error.pending_event_count) == (0, 0, 0)
+        assert "still arriving" in str(error) and "exit the lease" not in str(error)
+        assert error.to_dict()["transfer"] == "incoming"
+        assert m.state_version == version
+        await arriving
+        assert torch.equal(m.tensor(h, "cuda:0"), data)
+        await m.release(h, "cuda:0")
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
 
 
 async def test_reconstruction_charges_source_location_temporarily() -> None:
