@@ -90,10 +90,11 @@ Keeper = Callable[[object], "Kept | None"]
 
 class _HeldBy:
     """What one task holds itself, which ends only when it goes on: the scopes it entered
-    (``own``), its leases and holds (``leased``), and what keepers keep for it (``tenants``);
+    (``own``), its leases and holds (``leased``), the reservation blocks it is in
+    (``blocks``, as ``(name, location)``), and what keepers keep for it (``tenants``);
     ``scoped``: the values of the other tasks' entered scopes (their exit may move them)."""
 
-    __slots__ = ("kept", "leased", "own", "reservations", "scoped", "tenants")
+    __slots__ = ("blocks", "kept", "leased", "own", "reservations", "scoped", "tenants")
 
     def __init__(
         self,
@@ -101,13 +102,16 @@ class _HeldBy:
         leased: tuple[tuple[ValueHandle, Location], ...],
         tenants: list[Kept],
         scoped: list[ValueHandle],
+        blocks: list[tuple[str, Location]] | None = None,
     ) -> None:
         self.own = own
         self.tenants = tenants
         self.scoped = scoped
+        self.blocks = blocks or []
         self.kept = [*leased, *(pair for tenant in tenants for pair in tenant.materializations)]
         self.reservations = [held for scope in own for held in scope.reservations_held]
         self.reservations += [pair for tenant in tenants for pair in tenant.reservations]
+        self.reservations += self.blocks
         # A tenant's own leases (a loader's, entered while this task ran it) are named as the
         # tenant's, not as the task's.
         theirs = {pair for tenant in tenants for pair in tenant.materializations}
@@ -123,6 +127,7 @@ class _HeldBy:
             if location is None
             or any(loc == location for _, loc in (*t.materializations, *t.reservations))
         ]
+        blocks = [b for b in self.blocks if location is None or b[1] == location]
         held: list[str] = []
         hints: list[str] = []
         if self.own:
@@ -136,6 +141,12 @@ class _HeldBy:
             held.append(f"{len(leased)} lease(s) or hold(s) ({shown})")
         if self.own or leased:
             hints.append("Exit those scopes or leases first, or put these values in one plan.")
+        if blocks:
+            names = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in blocks))
+            held.append(f"{len(blocks)} reservation block(s) ({names})")
+            hints.append(
+                "End those reservation blocks first, or reserve that room in the plan itself."
+            )
         for tenant in tenants:
             held.append(tenant.what)
             if tenant.hint:
@@ -362,13 +373,15 @@ class AdmissionQueue:
             raise
 
     def _holds_room(self, task: object | None) -> bool:
-        """Whether ``task`` holds a lease or hold of this manager, has entered a scope, or
-        a keeper keeps something on its behalf."""
+        """Whether ``task`` holds a lease or hold of this manager, has entered a scope or
+        a reservation block, or a keeper keeps something on its behalf."""
         if task is None:
             return False
         if lease_owners(self._rt).task_protects(task):
             return True
         if any(getattr(scope, "task", None) is task for scope in self._rt.scopes):
+            return True
+        if any(owner is task for owner in self._rt.blocks.values()):
             return True
         return bool(self.kept_for(task))
 
@@ -454,11 +467,12 @@ class AdmissionQueue:
         own = [scope for scope in rt.scopes if getattr(scope, "task", None) is task]
         leased = tuple(p for p in lease_owners(rt).protected_by(task) if p[0] not in exempt)
         tenants = self.kept_for(task)
-        if not own and not leased and not tenants:
+        blocks = [key for key, owner in rt.blocks.items() if owner is task]
+        if not own and not leased and not tenants and not blocks:
             return None
         others = [scope for scope in rt.scopes if getattr(scope, "task", None) is not task]
         scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
-        return _HeldBy(own, leased, tenants, scoped)
+        return _HeldBy(own, leased, tenants, scoped, blocks)
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""

@@ -66,6 +66,8 @@ class Runtime:
         self.admission = AdmissionQueue(self)
         self.sources: dict[ValueHandle, Source] = {}
         self.scopes: set[Any] = set()  # entered scopes (their values: see scoped_values)
+        # Active reservation blocks (manager.reservation), (name, location) -> the task in it.
+        self.blocks: dict[tuple[str, Location], object] = {}
         self.closing = False
         # Set once the manager closed (after its last transfer): nothing changes the state any
         # more; what ends later (a lease, hold, scope, reservation block) raises instead.

@@ -844,14 +844,18 @@ class ResidencyManager:
         rt.backend.check_location(loc)
         self._refuse_reservation(rt, name, loc, nbytes)
         self._state.reserve(name, loc, nbytes, owner="block")
+        # The block's task keeps it: a scope or wait of that task never waits on its room.
+        rt.blocks[name, loc] = current_task()
         rt.settle()
         try:
             yield
         except BaseException:
+            rt.blocks.pop((name, loc), None)
             if not rt.frozen:
                 self._state.unreserve(name, loc)
                 rt.settle()
             raise
+        rt.blocks.pop((name, loc), None)
         rt.check_not_frozen(f"the reservation {name!r} at {loc}")
         self._state.unreserve(name, loc)
         rt.settle()

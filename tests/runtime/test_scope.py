@@ -637,18 +637,20 @@ def _own_holding(kind: str, m: ResidencyManager, a: Any) -> Any:
         return m.scope(ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")]))
     if kind == "reservation":
         return m.scope(ResidencyPlan(reserve=[MemoryReservation("mine", "cuda:0", 16 * KiB)]))
+    if kind == "block":
+        return m.reservation("mine", "cuda:0", 16 * KiB)
     if kind == "lease":
         return m.acquire(a, "cuda:0")
     assert kind == "hold"
     return m.hold(a, "cuda:0")
 
 
-@pytest.mark.parametrize("kind", ["scope", "reservation", "lease", "hold"])
+@pytest.mark.parametrize("kind", ["scope", "reservation", "block", "lease", "hold"])
 async def test_a_scope_waiting_for_room_its_own_task_holds_is_refused_at_once(kind: str) -> None:
     """The waiting task keeps what stands in the way (an entered scope's value or reservation,
-    a lease, a hold): it would end only when the task goes on, so even ``timeout=None`` does
-    not wait (that wait never ended). The error names what the task holds; nothing changed,
-    and once the task let go the same plan enters."""
+    a reservation block, a lease, a hold): it would end only when the task goes on, so even
+    ``timeout=None`` does not wait (that wait never ended). The error names what the task
+    holds; nothing changed, and once the task let go the same plan enters."""
     async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
         a = m.register(tensor(), name="a")
         b = m.register(tensor(32 * KiB, seed=1), name="b")
@@ -674,6 +676,7 @@ async def test_a_scope_waiting_for_room_its_own_task_holds_is_refused_at_once(ki
             assert "only what the waiting task holds itself" in message, message
             assert ("1 entered scope(s)" in message) == (kind in ("scope", "reservation"))
             assert ("a at cuda:0" in message) == (kind in ("lease", "hold"))
+            assert ("1 reservation block(s) ('mine' at cuda:0)" in message) == (kind == "block")
             assert isinstance(info.value.__cause__, ResidencyError)
             assert m.state_version == before and m.waiting == 0
         finally:
@@ -707,6 +710,27 @@ async def test_the_same_room_held_by_another_task_is_waited_for() -> None:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
                 async with held_by_another_task(m, a, "cuda:0"):
+                    tasks.start_soon(enter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert m.waiting == 1 and not entered.is_set()
+                await entered.wait()
+        assert_no_leak(m)
+
+
+async def test_room_a_reservation_block_of_another_task_keeps_is_waited_for() -> None:
+    """A block is its own task's (as a lease is): a scope of another task waits for its
+    room and enters once the block ended."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        b = m.register(tensor(32 * KiB, seed=1), name="b")
+        entered = anyio.Event()
+
+        async def enter() -> None:
+            async with m.scope(ResidencyPlan(enter=[Move(b, "cuda:0")]), timeout=None):
+                entered.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                async with m.reservation("theirs", "cuda:0", 16 * KiB):
                     tasks.start_soon(enter)
                     await anyio.wait_all_tasks_blocked()
                     assert m.waiting == 1 and not entered.is_set()
