@@ -142,8 +142,8 @@ class _HeldBy:
         if self.own or leased:
             hints.append("Exit those scopes or leases first, or put these values in one plan.")
         if blocks:
-            names = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in blocks))
-            held.append(f"{len(blocks)} reservation block(s) ({names})")
+            named = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in blocks))
+            held.append(f"{len(blocks)} reservation block(s) ({named})")
             hints.append(
                 "End those reservation blocks first, or reserve that room in the plan itself."
             )
