@@ -392,6 +392,7 @@ class PooledModel:
                 "calls inside the block that admitted the request"
             )
         entry = request.entry
+        self._refuse_stale(entry)
         stats = entry.stats
         started = time.perf_counter()
         request.calls += 1  # the block's exit waits for this call (see ModelPool._leave)
@@ -433,6 +434,23 @@ class PooledModel:
             request.calls -= 1
             if not request.calls and request.calls_done is not None:
                 request.calls_done.set()
+
+    def _refuse_stale(self, entry: ModelEntry) -> None:
+        """Raise if the model's weights were written in place (``load_state_dict``, ``copy_``
+        under ``no_grad``) while requests hold its device replicas: the call would run the
+        replicas as they were copied. A group not held is copied again by the call itself.
+        ``ValueError`` (from the check) for a tensor replaced instead of written."""
+        changed = entry.streamed._changed_groups()
+        held = [g for g in changed if entry.held[g.index]]
+        if held:
+            names = ", ".join(entry.streamed.block_label(g) for g in held[:4])
+            more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+            raise RuntimeError(
+                f"{self.name!r}: weights of {names}{more} were written in place while requests "
+                "hold them on the device, so this call would run the old weights; write them "
+                "between requests (the next request admitted once the model's active requests "
+                "ended copies them again)"
+            )
 
     def __repr__(self) -> str:
         state = "active" if self._request.active else "ended"
@@ -736,9 +754,22 @@ class ModelPool:
                 request.why = f"{entry.name!r} to finish its {other} requests"
                 await self._park(request, before, frozenset({entry.name}))
                 continue
+            # Weights written in place since the model's replicas were copied (ValueError for
+            # a tensor replaced instead): the stale replicas go once no request holds them.
+            changed = entry.streamed._changed_groups()
+            if changed and entry.active[mode]:
+                request.why = (
+                    f"{entry.name!r} to finish its requests (its weights were written in place "
+                    "since they were copied: its device replicas are stale)"
+                )
+                await self._park(request, before, frozenset({entry.name}))
+                continue
             joining = entry.active[mode] > 0
             if not joining:
                 await self._settle(entry)
+                if changed:
+                    await entry.streamed._refresh(changed)  # (nothing holds them: idle)
+                    await self._settle(entry)  # the stale replicas' releases finish first
             # Every judgement below reads the state as it is now: the room a park waits to see
             # grow is measured from here (or from the refusal itself), never from before an
             # await (see _wait_for_progress).
@@ -925,6 +956,8 @@ class ModelPool:
             return False
         if self.manager.waiting_for_room(self.device):
             return False
+        if entry.streamed._changed_groups():
+            return False  # written in place: the request waits for the model to be idle
         if self._mode_for(entry, request.reserve)[0] != "resident":
             return False
         headroom = self._headroom()

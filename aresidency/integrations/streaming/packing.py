@@ -172,11 +172,14 @@ class TensorGroup:
     def changes(self) -> tuple[PackedTensor | None, bool]:
         """Since :meth:`note`: the first entry whose tensor was replaced (its module holds
         another tensor in its place, or it has other memory now), and whether any was
-        written in place (its version moved). Runs at every call: one pass, no allocation."""
+        written in place (its version moved). Runs at every call: one pass, no allocation.
+        While a call has its device tensors swapped in (a model pool's calls run beside each
+        other), the module holds those in the tensors' places: only the versions are read."""
         originals = self._originals
-        for slots, attr, i in self._slots:
-            if slots.get(attr) is not originals[i]:
-                return self.entries[i], False
+        if self.swapped_storage() is None:
+            for slots, attr, i in self._slots:
+                if slots.get(attr) is not originals[i]:
+                    return self.entries[i], False
         assert self.seen is not None
         stale = False
         for i, (ptr, version) in enumerate(self.seen):
