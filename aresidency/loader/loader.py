@@ -358,6 +358,11 @@ class DeviceLoader:
         if self.status == "closed":
             return
         self.status = "closed"
+        # Said now, before any await: a consumer that asks for its next batch meanwhile sees
+        # the loader closed and must learn why (never a quiet end of the pass).
+        running = self._epoch
+        if running is not None and running.status == "running":
+            running.ended_by_close = True
         deferred: list[BaseException] = []
         cancelled: BaseException | None = None
 
@@ -379,7 +384,7 @@ class DeviceLoader:
         try:
             if epoch is not None:
                 # Its consumer (another task's loop, or a later anext) is told, not stopped.
-                epoch.ended_by_close = epoch.status == "running"
+                epoch.ended_by_close = epoch.ended_by_close or epoch.status == "running"
                 epoch.shutdown()
                 await finish(epoch.drain)
                 deferred = epoch.take_deferred()

@@ -776,6 +776,26 @@ async def test_aclose_without_async_with_releases_everything(ring: bool | None) 
             await anext(iterator)
 
 
+async def test_a_batch_asked_for_while_another_task_begins_the_close_says_closed(
+    ring: bool | None,
+) -> None:
+    """Another task's ``aclose`` has begun (the loader is closed, the close at its first
+    await) when the consumer asks for its next batch: that ``anext`` raises
+    ``ClosedResourceError``, never a quiet end that makes a cut pass look complete."""
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, batches(50), "cuda:0", prefetch=2, ring=ring)
+        iterator = aiter(loader)
+        with anyio.fail_after(10):
+            await anext(iterator)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(loader.aclose)
+                while loader.status != "closed":  # until the close began (at its first await)
+                    await anyio.lowlevel.checkpoint()
+                with pytest.raises(anyio.ClosedResourceError, match="after 1 batch"):
+                    await anext(iterator)
+        assert_nothing_left(m)
+
+
 async def test_a_consumer_in_another_task_is_told_when_the_loader_closes_under_it(
     ring: bool | None,
 ) -> None:
