@@ -261,6 +261,11 @@ class RingEpoch:
         self._ready: deque[_Ready | End] = deque()
         self._request: _Request | None = None
         self._consumer_waiting = False
+        # Set (loop, under _cond) when admission asks what the consumer keeps while slots are
+        # free: the thread fills no free slot until the loop cleared it (no scope waits for
+        # room here, or the consumer waits for a batch), so the free slots admission counted
+        # as transient are given back, not filled under a scope that then waits for ever.
+        self._withheld = False
         self._stopped = False
         self._out: dict[int, _Out] = {}
         self._streams: list[Any] = []
@@ -715,7 +720,7 @@ class RingEpoch:
                 ahead = sum(1 for s in self.slots if s.state in (FILLING, READY))
                 ahead -= 1 if request is not None and request.grow is not None else 0
                 window = max(self.loader.prefetch, 1 if self._consumer_waiting else 0)
-                if ahead < window:
+                if ahead < window and not (self._withheld and not self._consumer_waiting):
                     free = [s for s in self.slots if s.state == FREE]
                     twin = pageable and self._twins
                     fits = [
@@ -870,6 +875,10 @@ class RingEpoch:
         their reservations ended, once the device passed them): the ring shrinks to the slots
         in use and takes new ones only when no one waits (FIFO, as every tenant)."""
         if not self.manager.waiting_for_room(self.device):
+            if self._withheld:
+                with self._cond:
+                    self._withheld = False
+                    self._cond.notify_all()
             return
         with self._cond:
             free = [s for s in self.slots if s.state == FREE]
@@ -887,6 +896,9 @@ class RingEpoch:
             return None
         with self._cond:
             used = [s for s in self.slots if s.state != FREE]
+            if len(used) < len(self.slots) and not self._withheld:
+                self._withheld = True  # counted as transient: not filled meanwhile
+                self.bridge.call_soon_quietly(self._service)  # cleared if nobody waits
         if not used:
             return None
         out = sum(1 for s in used if s.state == OUT)
@@ -1000,6 +1012,10 @@ class RingEpoch:
                 raise self.closed_error()
             raise StopAsyncIteration
         self._consumer = current_task()
+        if self._withheld:  # its own step is over (admitted, refused or given up): read on
+            with self._cond:
+                self._withheld = False
+                self._cond.notify_all()
         counters = self.counters
         counters.kept_after_release += self._kept_after_release.requested(
             self.loader.name, self.number

@@ -10,6 +10,7 @@ Every test runs through the ring and through managed values (the ``ring`` fixtur
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from torch import nn
@@ -85,6 +86,42 @@ async def test_a_step_scope_that_fits_beside_the_window_gets_in(ring: bool | Non
         assert entered == 6
         assert m.snapshot().location("cuda:0").peak_bytes <= 6 * CHARGE
         assert_nothing_left(m)
+
+
+@pytest.mark.parametrize("copy_gbps", [None, 0.01])
+async def test_a_step_scope_that_needs_a_free_slot_gets_it_or_is_refused_never_waits(
+    copy_gbps: float | None,
+) -> None:
+    """The ring's slots: one handed out, one copied ahead, one free (the thread about to
+    fill it). The consumer's scope needs less than the free slot's room: admission counts
+    that slot as given back, so the thread must not fill it meanwhile (it did, and the scope
+    then waited for ever, since only the consumer's own slots stood in the way). Each time the
+    scope gets in, or (when the slot was filled before the scope asked) is refused at once."""
+    for attempt in range(8):
+        data = batches(8, seed=attempt)
+        budget = 3 * CHARGE + 64  # the ring of prefetch=2: no room for a step beside it
+        async with ResidencyManager(
+            budgets={"cuda:0": budget}, backend=SimBackend(copy_gbps=copy_gbps)
+        ) as m:
+            async with DeviceLoader(m, data, "cuda:0", prefetch=2, ring=True) as loader:
+                got = 0
+                async for batch in loader:
+                    assert torch.equal(batch, data[got])
+                    if got == 3:
+                        plan = ResidencyPlan(
+                            reserve=[MemoryReservation("ws", "cuda:0", CHARGE // 2)]
+                        )
+                        try:
+                            with anyio.fail_after(5):
+                                async with m.scope(plan, timeout=None):
+                                    pass
+                        except ResidencyPlanError as error:
+                            assert "only what the waiting task holds itself" in str(error)
+                    got += 1
+                    await anyio.lowlevel.checkpoint()
+                assert got == 8
+                assert m.snapshot().location("cuda:0").peak_bytes <= budget
+            assert_nothing_left(m)
 
 
 async def test_the_same_scope_in_another_task_waits_for_the_consumer(ring: bool | None) -> None:
