@@ -521,6 +521,8 @@ class ModelPool:
         if not self.device.is_cuda:
             raise ValueError(f"a pool serves from a cuda device, got {self.device}")
         manager.backend.check_location(self.device)
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self.demand = DemandTracker(demand_half_life, clock=clock)
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()

@@ -27,6 +27,7 @@ from aresidency import (
 )
 from aresidency.backends.sim import SimBackend
 from aresidency.core.sizes import format_nbytes
+from aresidency.integrations import stream_module
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, greedy, max_charge, reference, tiny_llama
@@ -346,6 +347,40 @@ async def test_add_refuses_a_module_already_pooled_under_another_name(again: str
             pool.add("b", second)
         assert pool.models == ["a"]
         await pool.aclose()
+
+
+@pytest.mark.parametrize("first", ["stream_module", "another pool"])
+async def test_a_module_this_manager_streams_already_is_refused_and_the_first_goes_on(
+    first: str,
+) -> None:
+    # Registered twice, its tensors would take twice the device bytes, and the first
+    # streamed module would find its tensors swapped out (a misleading "was replaced").
+    async with ResidencyManager(backend="sim") as m:
+        module = TinyLM()
+        expected = reference(module, TOKENS)
+        other = ModelPool(m)
+        if first == "stream_module":
+            streamed = stream_module(m, module, "cuda:0")
+        else:
+            other.add("a", module)
+            streamed = other.module("a")
+        values = len(list(m.state.values()))
+        pool = ModelPool(m)
+        with pytest.raises(ValueError, match="streams already"):
+            pool.add("b", module)
+        with pytest.raises(ValueError, match="streams already"):
+            stream_module(m, torch.nn.Sequential(module), "cuda:0")
+        assert pool.models == [] and len(list(m.state.values())) == values
+        assert torch.equal(await streamed(TOKENS), expected)  # the first is intact
+        await pool.aclose()
+        await other.aclose()
+        await streamed.aclose()
+
+
+async def test_a_clock_that_is_not_callable_is_refused() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(TypeError, match="clock must be a callable"):
+            ModelPool(m, clock=5)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ concurrency

@@ -204,6 +204,7 @@ class StreamedModule:
         # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
         self.copies = 0
         self.copied_bytes = 0
+        self._refuse_streamed_twice()
         try:
             self._register_all()
             self._check_budget()
@@ -215,6 +216,21 @@ class StreamedModule:
         _by_manager.setdefault(manager, weakref.WeakSet()).add(self)
 
     # -- set-up
+
+    def _refuse_streamed_twice(self) -> None:
+        """``ValueError`` if the module (or a submodule of it) is streamed already by this
+        manager (``stream_module`` again, a model pool's): its tensors would be registered
+        and charged twice, and the first streamed module would find them swapped out."""
+        mine = {id(sub) for sub in self.module.modules()}
+        for other in list(_by_manager.get(self.manager, ())):
+            if other._closed or other is self:
+                continue
+            if any(id(sub) in mine for sub in other.module.modules()):
+                raise ValueError(
+                    f"{type(self.module).__name__} is (or shares submodules with) a module this "
+                    f"manager streams already ({other.name}); use that one, aclose() it first, "
+                    "or stream a separate copy (copy.deepcopy)"
+                )
 
     def group(self, index: int) -> TensorGroup:
         return self._by_index[index]
