@@ -5,8 +5,8 @@ state stands in its way: leases, holds, pending consumer events, transfers in fl
 reservations of other scopes or ``manager.reservation`` blocks (they all end on their own). A
 plan that resident values block (nobody protects them, so nothing will move them) or that
 could never fit fails at once with the explanation's reason, and so does one that only the
-entering task's own entered scopes, leases and holds keep out (they end only when that task
-goes on: it would wait for itself). The same holds for what a tenant keeps on the task's behalf
+entering task's own entered scopes, reservation blocks, leases and holds keep out (they end
+only when that task goes on: it would wait for itself). The same holds for what a tenant keeps on the task's behalf
 and gives back only when the task goes on (a loader's batches copied ahead, which move only
 when their consumer asks for the next one): a tenant tells the queue through a *keeper*
 (:meth:`AdmissionQueue.add_keeper`), and it counts as the task's own. A scope is checked, on every
@@ -30,6 +30,12 @@ true ledger and request and whose ``waiting_scopes`` says how many scopes it wou
 One that charges nothing there (a release, a move out to the host) runs at once: it may be
 what the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an
 empty plan, a plan for another device) does not queue either.
+
+Why this module is long: the queue, the refusals of the operations that cannot wait, and the
+account of what a waiting task holds itself (``Kept``, ``_HeldBy``) are one policy: each asks
+the others (a refusal names the scopes it would overtake, a wait is refused when only the
+task's own holdings stand in the way, a task holding room passes the queue), and split apart
+they would share the queue's private state.
 """
 
 from __future__ import annotations
