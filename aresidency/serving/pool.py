@@ -53,7 +53,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
-from ..runtime.leases import Hold
+from ..runtime.leases import Hold, current_task
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
 from ..runtime.scopes import Scope
@@ -301,6 +301,10 @@ class _Request:
         self.why = "its turn (first come, first served)"
         self.drain: str | None = None
         self.no_wait = False  # timeout=0: admitted at once or TimeoutError, never parked
+        # The task that made the request, and whether it already held an admitted request of
+        # the pool then (a nested request: it does not queue in the line, see ModelPool.use).
+        self.task = current_task()
+        self.nested = False
         self.mode: Mode = "resident"
         self.prefetch = 0
         self.scope: Scope | None = None
@@ -490,10 +494,12 @@ class ModelPool:
     :class:`~aresidency.serving.demand.DemandView`), ``controller``, ``decisions``;
     ``_entries`` (name -> :class:`~aresidency.serving.entry.ModelEntry`), ``_owner`` (value
     handle -> entry), ``_line`` (admission, first come first served), ``_requests`` (requests
-    between arrival and end), ``_admitted``, ``_ended`` (requests ended so far), ``_wake``
-    (the head of the line's park: it waits for the manager's next change, and is cut short at
-    the end of every request and when the pool closes). Invariants: one request at a time
-    decides and enters (the holder of ``_line``); every hold the pool takes belongs to an
+    between arrival and end), ``_admitted``, ``_active`` (the admitted requests by id),
+    ``_ended`` (requests ended so far), ``_wakes`` (the parked requests' waits for the
+    manager's next change, cut short at the end of every request and when the pool closes),
+    ``_deciding`` (held by the request that decides and enters: the head of the line, or a
+    nested request; released while it parks). Invariants: one request at a time decides and
+    enters (the holder of ``_deciding``); every hold the pool takes belongs to an
     admitted request and is released when it ends; the device budget is the manager's, never
     exceeded.
     """
@@ -561,9 +567,13 @@ class ModelPool:
         self._idle.set()
         self._closed = False
         self._ended = 0
-        # The head's park (a cancel scope around its wait for a change): cancelled to make
-        # it look again at once (a request ended, the pool closes).
-        self._wake: anyio.CancelScope | None = None
+        # The parks (cancel scopes around each parked request's wait for a change): cancelled
+        # to make them look again at once (a request ended, the pool closes).
+        self._wakes: set[anyio.CancelScope] = set()
+        # Admitted requests (id -> request), and the lock held by the request that decides and
+        # enters (the head of the line, or a nested request), released while it parks.
+        self._active: dict[int, _Request] = {}
+        self._deciding = anyio.Lock()
 
     # ------------------------------------------------------------------ models
 
@@ -670,7 +680,13 @@ class ModelPool:
         smallest streaming footprint plus its reserve exceed the budget: the message gives
         the bytes); ``TimeoutError`` if not admitted within ``timeout`` seconds; a failed load
         raises its error to this request only. Cancellation at any point (waiting, loading,
-        in the body) leaves no reservation, hold or transfer behind."""
+        in the body) leaves no reservation, hold or transfer behind.
+
+        A request made by a task that holds one already (nested blocks) is judged against
+        the room the task's own requests leave (they end only when it goes on): resident if
+        the model fits there whole, streamed if its smallest footprint does, else
+        ``ResidencyPlanError`` at once; it joins the task's request for the same model, and
+        does not queue behind the line's head (which may wait for what the task holds)."""
         self._check_open()
         self.manager.check_thread()
         entry = self._entry(name)
@@ -678,10 +694,11 @@ class ModelPool:
         timeout = check_timeout(timeout)
         request = _Request(next(self._ids), entry, nbytes)
         request.no_wait = timeout == 0
+        request.nested = bool(self._own_requests(request.task))
         self.demand.record(name)
         entry.stats.requests += 1
         try:
-            self._mode_for(entry, nbytes)  # a request that could never fit fails now
+            self._mode_for(entry, nbytes, request.task)  # one that could never fit fails now
         except ResidencyPlanError:
             entry.stats.failures += 1
             raise
@@ -712,6 +729,14 @@ class ModelPool:
             # timeout=0 sets no deadline: such a request never parks (see _park), and what
             # it does await (the decision, its copies) is not a wait for admission.
             with anyio.fail_after(None if request.no_wait else timeout):
+                if request.nested:
+                    # Its task holds an admitted request: in the line, it could wait behind
+                    # a head that waits for what that request holds, which ends only once
+                    # this one was admitted. It takes its turn to decide at once instead.
+                    request.why = "its admission (deciding, and entering with the manager)"
+                    async with self._deciding:
+                        await self._admit_in_turn(request)
+                    return
                 place = self._line.join()
                 try:
                     while not self._line.first(place):
@@ -723,7 +748,8 @@ class ModelPool:
                             raise TimeoutError
                         await place.wait()
                     request.why = "its admission (deciding, and entering with the manager)"
-                    await self._admit_in_turn(request)
+                    async with self._deciding:
+                        await self._admit_in_turn(request)
                 finally:
                     self._line.leave(place)
         except ManagerClosedError as error:
@@ -749,7 +775,7 @@ class ModelPool:
         while True:
             # A request that arrived before the pool closed is served (aclose waits for it).
             before = self._progress()
-            mode, prefetch = self._mode_for(entry, request.reserve)
+            mode, prefetch = self._mode_for(entry, request.reserve, request.task)
             other: Mode = "streamed" if mode == "resident" else "resident"
             if entry.active[other]:
                 # Holds of one mode would make the other's releases fail: switch when idle.
@@ -859,7 +885,7 @@ class ModelPool:
             request.scope = scope
             request.mode, request.prefetch = mode, prefetch
             try:
-                if self.express_joins and mode == "resident":
+                if self.express_joins and mode == "resident" and not request.nested:
                     # Its copies only remain: the requests in line may join models that are
                     # there meanwhile (room is theirs only if it is free beside the copies; a
                     # streamed head's window is not charged yet, so it lets nobody by).
@@ -897,16 +923,23 @@ class ModelPool:
         with ``timeout=0`` raises ``TimeoutError`` instead (its message is ``request.why``)."""
         if request.no_wait:
             raise TimeoutError
-        self._head_blockers = blockers
-        self._head_why = (
-            f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
-        )
-        if blockers is not None and self.express_joins:
-            self._line.wake_all()  # the requests in line may look for a way past now
+        self._deciding.release()  # a nested request may decide meanwhile
         try:
-            await self._wait_for_progress(before)
+            if request.nested:  # (the line's head, if it parks too, names its own blockers)
+                await self._wait_for_progress(before)
+                return
+            self._head_blockers = blockers
+            self._head_why = (
+                f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
+            )
+            if blockers is not None and self.express_joins:
+                self._line.wake_all()  # the requests in line may look for a way past now
+            try:
+                await self._wait_for_progress(before)
+            finally:
+                self._head_blockers = None
         finally:
-            self._head_blockers = None
+            await self._reacquire_deciding()
 
     def _drain_target(self, request: _Request, mode: Mode, headroom: int) -> frozenset[str] | None:
         """For a head that waits for room to load its model resident: the model it waits to
@@ -960,7 +993,7 @@ class ModelPool:
             return False
         if entry.streamed._changed_groups():
             return False  # written in place: the request waits for the model to be idle
-        if self._mode_for(entry, request.reserve)[0] != "resident":
+        if self._mode_for(entry, request.reserve, request.task)[0] != "resident":
             return False
         headroom = self._headroom()
         if not self._is_hit(entry, request.reserve, headroom):
@@ -1095,33 +1128,86 @@ class ModelPool:
             if incoming < before[3] or queued < before[4] or self._closed != closed:
                 return
             with anyio.move_on_after(_RECHECK_S) as wake:
-                self._wake = wake
+                self._wakes.add(wake)
                 try:
                     await self.manager.wait_for_change()
                 finally:
-                    self._wake = None
+                    self._wakes.discard(wake)
+
+    async def _reacquire_deciding(self) -> None:
+        """Take ``_deciding`` back after a park, even when cancelled meanwhile (the caller's
+        ``async with`` releases it on the way out), then raise the cancellation."""
+        with anyio.CancelScope(shield=True):
+            await self._deciding.acquire()
 
     def _poke(self) -> None:
-        """Make the parked head look again now (a request ended, the pool closes)."""
-        if self._wake is not None:
-            self._wake.cancel()
+        """Make the parked requests look again now (a request ended, the pool closes)."""
+        for wake in self._wakes:
+            wake.cancel()
 
     # -- the parts of an admission
 
-    def _mode_for(self, entry: ModelEntry, reserve: int) -> tuple[Mode, int]:
+    def _own_requests(self, task: object | None) -> list[_Request]:
+        """The admitted requests of ``task`` (they end only when it goes on)."""
+        if task is None:
+            return []
+        return [r for r in self._active.values() if r.task is task]
+
+    def _kept_bytes(self, request: _Request) -> int:
+        """What an admitted request keeps charged at the device: its held groups, its
+        workspace reservation, its prefetch window."""
+        groups = {group.index: group for group in request.entry.groups}
+        held = sum(groups[index].charge_bytes for index in request.kept if index in groups)
+        return held + request.reserve + request.entry.windows.get(request.id, 0)
+
+    def _mode_for(
+        self, entry: ModelEntry, reserve: int, task: object | None = None
+    ) -> tuple[Mode, int]:
         """``("resident", 0)`` when the whole model plus ``reserve`` fit the budget; else
         ``("streamed", prefetch)`` with the deepest prefetch (up to the model's) that fits
         beside the tensors outside the blocks and the reserve. ``ResidencyPlanError`` when not
-        even one block fits: the request could never run."""
+        even one block fits: the request could never run.
+
+        For a request of a ``task`` that holds admitted requests of the pool already (nested
+        ``use`` blocks), the budget is what those leave (they end only when the task goes
+        on); a nested request for a model the task uses already takes that request's mode."""
+        own = self._own_requests(task)
+        for request in own:
+            if request.entry is entry:
+                return request.mode, request.prefetch
         state = self.manager.state
         ledger = state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None:
             return "resident", 0
         fixed = fixed_reserved_bytes(state, self.device)
-        available = ledger.budget_bytes - fixed
+        kept = sum(self._kept_bytes(request) for request in own)
+        available = ledger.budget_bytes - fixed - kept
         if entry.total_bytes + reserve <= available:
             return "resident", 0
         floor = entry.outside_bytes + entry.largest_block + reserve
+        if floor > available and own:
+            names = ", ".join(sorted({f"{r.entry.name!r} ({r.mode})" for r in own}))
+            cause = ResidencyBudgetError(
+                self.device,
+                ledger.budget_bytes,
+                kept,
+                fixed,
+                floor,
+                what=f"the smallest streaming footprint of {entry.name!r} plus the reserve",
+                kind="reservation",
+            )
+            raise ResidencyPlanError(
+                f"the request for {entry.name!r} can never fit {self.device} while this task "
+                f"holds its request(s) for {names}: they keep {format_nbytes(kept)} there "
+                f"and end only when the task goes on, and {entry.name!r} needs at least "
+                f"{format_nbytes(floor)} (its tensors outside the blocks, "
+                f"{format_nbytes(entry.outside_bytes)}, its largest block, "
+                f"{format_nbytes(entry.largest_block)}, and the reserve, "
+                f"{format_nbytes(reserve)}) of the budget's "
+                f"{format_nbytes(ledger.budget_bytes)} less fixed reservations "
+                f"({format_nbytes(fixed)}); leave the outer block first, or make the request "
+                "from another task"
+            ) from cause
         if floor > available:
             # The bytes as fields, on the cause (as the manager's infeasible plans carry them):
             # the device empty but for its fixed reservations, the request's smallest need.
@@ -1320,6 +1406,7 @@ class ModelPool:
             entry.windows[request.id] = entry.window_bytes(request.prefetch)
         request.active = True
         self._admitted += 1
+        self._active[request.id] = request
         return loaded
 
     def _record(
@@ -1387,6 +1474,7 @@ class ModelPool:
         cancelled: BaseException | None = None
         if request.active:
             request.active = False  # no call starts from now on
+            self._active.pop(request.id, None)
             if request.calls:
                 request.calls_done = anyio.Event()
                 # (a native asyncio cancellation meanwhile is raised once the request ended)

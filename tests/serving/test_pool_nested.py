@@ -1,0 +1,174 @@
+"""``ModelPool``: a task that makes a request while it holds one (nested ``pool.use`` blocks: a
+draft model beside a target model, a router beside an expert). Simulated backend (CUDA
+simulated in host memory); every test bounds itself with ``fail_after`` and waits on
+conditions, never on a sleep.
+
+The outer request ends only when the task goes on, so the inner one must never wait for it:
+it is given the room the outer one leaves (streamed when the whole model does not fit beside
+it), refused at once when not even that fits, and it does not queue behind another task's
+request that waits for the outer one's room."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ResidencyManager, ResidencyPlanError
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, reference
+from .test_pool import BLOCK, OUTSIDE, TOKENS, TOTAL, eventually
+
+pytestmark = pytest.mark.anyio
+
+
+def pool_of(m: ResidencyManager, names: str) -> ModelPool:
+    pool = ModelPool(m)
+    for seed, name in enumerate(names):
+        pool.add(name, TinyLM(seed=seed))
+    return pool
+
+
+async def test_a_nested_request_streams_in_the_room_the_outer_one_leaves() -> None:
+    # Room for one model and a half: 'b' alone would be resident, but beside 'a' it streams.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        with anyio.fail_after(10):
+            async with pool.use("a") as a:
+                assert a.mode == "resident"
+                async with pool.use("b") as b:
+                    assert b.mode == "streamed"
+                    assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
+                    assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+                async with pool.use("a") as again:  # the same model: joins the outer request
+                    assert again.mode == "resident"
+            async with pool.use("b") as b:  # alone again: resident
+                assert b.mode == "resident"
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("outer_streams", [False, True])
+async def test_a_nested_request_that_cannot_fit_beside_the_outer_one_fails_at_once(
+    outer_streams: bool,
+) -> None:
+    # Not even the smallest streaming footprint of 'b' fits beside what 'a' keeps: waiting
+    # would never end (it waits for its own task), so it is refused at once, naming 'a'.
+    budget = (OUTSIDE + 2 * BLOCK + OUTSIDE + BLOCK // 2) if outer_streams else TOTAL + BLOCK
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        with anyio.fail_after(10):
+            async with pool.use("a") as a:
+                assert a.mode == ("streamed" if outer_streams else "resident")
+                with pytest.raises(ResidencyPlanError, match="while this task holds") as caught:
+                    async with pool.use("b", timeout=None):
+                        pass
+                assert "'a'" in str(caught.value)
+                assert pool.waiting == 0 and pool.admitted == 1
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+            assert pool.stats()["b"]["failures"] == 1
+            async with pool.use("b") as b:  # the outer request ended: 'b' fits now
+                assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_nested_request_does_not_queue_behind_a_head_that_waits_for_its_task() -> None:
+    # Task 1 holds 'a'; task 2's request for 'c' is at the head of the line, waiting for the
+    # room 'a' holds. Task 1 then asks for 'b': in the line, it would wait behind task 2, which
+    # waits for task 1. It is admitted past the line; once task 1 ends, 'c' is admitted.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = pool_of(m, "abc")
+        holding, nested_done, c_admitted = anyio.Event(), anyio.Event(), anyio.Event()
+        order: list[str] = []
+
+        async def task_1() -> None:
+            async with pool.use("a") as a:
+                holding.set()
+                await eventually(lambda: pool.waiting == 1)  # task 2 waits in line
+                async with pool.use("b") as b:
+                    order.append(f"b {b.mode}")
+                    assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+                nested_done.set()
+
+        async def task_2() -> None:
+            await holding.wait()
+            async with pool.use("c") as c:
+                order.append(f"c {c.mode}")
+                assert torch.equal(await c(TOKENS), reference(c.module, TOKENS))
+                c_admitted.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task_1)
+                tasks.start_soon(task_2)
+                await c_admitted.wait()
+        assert nested_done.is_set()
+        assert order == ["b streamed", "c resident"]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("ending", ["the other request ends", "cancelled", "timeout"])
+async def test_a_nested_request_that_waits_for_another_task(ending: str) -> None:
+    # Task 1 holds 'a' resident; task 2 holds 'b' (resident too): the room 'c' needs beside
+    # 'a' is 'b''s, which ends on its own. Task 1's nested request for 'c' waits for it (it
+    # parks: the line's head may decide meanwhile), and is admitted resident when 'b' ends,
+    # or leaves nothing behind when cancelled or timed out; 'a' stays usable throughout.
+    budget = 2 * TOTAL + OUTSIDE + 2 * BLOCK
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "abc")
+        b_held, release_b, nested_started = anyio.Event(), anyio.Event(), anyio.Event()
+        outcome: list[str] = []
+
+        async def holder() -> None:
+            async with pool.use("b") as b:
+                assert b.mode == "resident"
+                b_held.set()
+                await release_b.wait()
+
+        async def nested(cancel: anyio.CancelScope) -> None:
+            await b_held.wait()
+            async with pool.use("a") as a:
+                assert a.mode == "resident"
+                nested_started.set()
+                timeout = 0.05 if ending == "timeout" else None
+                with cancel:
+                    try:
+                        async with pool.use("c", timeout=timeout) as c:
+                            outcome.append(c.mode)
+                            assert torch.equal(await c(TOKENS), reference(c.module, TOKENS))
+                    except TimeoutError as error:
+                        outcome.append(f"timeout: {error}")
+                if cancel.cancelled_caught:
+                    outcome.append("cancelled")
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(holder)
+                cancel = anyio.CancelScope()
+                tasks.start_soon(nested, cancel)
+                await nested_started.wait()
+                await eventually(lambda: pool.waiting == 1)  # the nested request parked
+                await anyio.wait_all_tasks_blocked()
+                assert pool.waiting == 1 and not outcome
+                if ending == "the other request ends":
+                    release_b.set()
+                elif ending == "cancelled":
+                    cancel.cancel()
+                if ending != "the other request ends":
+                    await eventually(lambda: bool(outcome))
+                    release_b.set()
+        if ending == "the other request ends":
+            assert outcome == ["resident"]
+        elif ending == "cancelled":
+            assert outcome == ["cancelled"]
+        else:
+            assert len(outcome) == 1 and "'c' was not admitted within 0.05 s" in outcome[0]
+        assert_nothing_leaked(m, pool)
+        async with pool.use("c") as c:  # the pool still decides (its lock was given back)
+            assert torch.equal(await c(TOKENS), reference(c.module, TOKENS))
+        await pool.aclose()
