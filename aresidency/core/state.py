@@ -386,14 +386,29 @@ class ResidencyState:
         self._commit("unreserve", None, loc, -nbytes, name)
         return nbytes
 
-    def hold(self, handle: ValueHandle, location: LocationLike) -> None:
+    def hold(self, handle: ValueHandle, location: LocationLike) -> Materialization:
+        """Hold the materialization (returned: give it to :meth:`unhold`)."""
         mat = self._usable(handle, location, "hold")
         was = mat.protected
         mat.hold_count += 1
         self._protection_changed(mat, was)
         self._commit("hold", handle, mat.location, 0)
+        return mat
 
-    def unhold(self, handle: ValueHandle, location: LocationLike) -> None:
+    def is_current(self, handle: ValueHandle, location: LocationLike, mat: Materialization) -> bool:
+        """Whether ``mat`` is still the value's materialization at ``location`` (a copy given
+        up before its data existed drops its destination, leases and holds with it; a later
+        copy there makes a new one, which they must not count down)."""
+        value = self._values.get(handle)
+        return value is not None and value.materializations.get(Location.parse(location)) is mat
+
+    def unhold(
+        self, handle: ValueHandle, location: LocationLike, mat: Materialization | None = None
+    ) -> bool:
+        """End a hold; with ``mat`` (what :meth:`hold` returned), nothing changes and the
+        result is ``False`` when that materialization is gone (its hold went with it)."""
+        if mat is not None and not self.is_current(handle, location, mat):
+            return False
         mat = self.materialization(handle, location)
         if mat.hold_count <= 0:
             raise ValueError(f"{handle} has no hold at {mat.location}")
@@ -401,6 +416,7 @@ class ResidencyState:
         mat.hold_count -= 1
         self._protection_changed(mat, was)
         self._commit("unhold", handle, mat.location, 0)
+        return True
 
     def _usable(self, handle: ValueHandle, location: LocationLike, what: str) -> Materialization:
         mat = self.materialization(handle, location)
@@ -410,9 +426,12 @@ class ResidencyState:
             )
         return mat
 
-    def lease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
-        """Begin a use. A write lease on a REPLICABLE value first invalidates the other replicas
-        (each removal is its own ``invalidate`` transition, all validated before any commits)."""
+    def lease(
+        self, handle: ValueHandle, location: LocationLike, mode: str = "read"
+    ) -> Materialization:
+        """Begin a use of the materialization (returned: give it to :meth:`unlease`). A write
+        lease on a REPLICABLE value first invalidates the other replicas (each removal is its
+        own ``invalidate`` transition, all validated before any commits)."""
         if mode not in ("read", "write"):
             raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
         mat = self._usable(handle, location, "lease")
@@ -458,10 +477,21 @@ class ResidencyState:
         mat.use_count += 1
         self._protection_changed(mat, was)
         self._commit("lease", handle, mat.location, 0)
+        return mat
 
-    def unlease(self, handle: ValueHandle, location: LocationLike, mode: str = "read") -> None:
+    def unlease(
+        self,
+        handle: ValueHandle,
+        location: LocationLike,
+        mode: str = "read",
+        mat: Materialization | None = None,
+    ) -> bool:
+        """End a use; with ``mat`` (what :meth:`lease` returned), nothing changes and the
+        result is ``False`` when that materialization is gone (its use went with it)."""
         if mode not in ("read", "write"):
             raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
+        if mat is not None and not self.is_current(handle, location, mat):
+            return False
         mat = self.materialization(handle, location)
         if mat.use_count <= 0:
             raise ValueError(f"{handle} has no active lease at {mat.location}")
@@ -479,6 +509,7 @@ class ResidencyState:
         mat.use_count -= 1
         self._protection_changed(mat, was)
         self._commit("unlease", handle, mat.location, 0)
+        return True
 
     def record_events(self, handle: ValueHandle, location: LocationLike, count: int = 1) -> None:
         """``count`` consumer events were recorded against the materialization."""

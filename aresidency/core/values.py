@@ -126,8 +126,13 @@ class DuplicateReservationError(ValueError):
 
 
 class Materialization:
+    """One value's bytes at one location. ``fill_failure``: for an INCOMING one, the error of
+    the transfer or load that was filling it when that failed before its data existed (it is
+    aborted once nothing protects it; a lease waiting for its data reads this instead)."""
+
     __slots__ = (
         "charged_bytes",
+        "fill_failure",
         "hold_count",
         "location",
         "pending_event_count",
@@ -144,6 +149,7 @@ class Materialization:
         self.write_count = 0
         self.hold_count = 0
         self.pending_event_count = 0
+        self.fill_failure: BaseException | None = None
 
     @property
     def protected(self) -> bool:
@@ -158,6 +164,7 @@ class Materialization:
         twin.write_count = self.write_count
         twin.hold_count = self.hold_count
         twin.pending_event_count = self.pending_event_count
+        twin.fill_failure = self.fill_failure
         return twin
 
 

@@ -451,6 +451,14 @@ class PhaseRun:
                 payload.failure = error  # leases entered on the incoming copy report it
             else:
                 payload.transfer = None  # its data is there (committed with the request)
+        elif error is not None:
+            # Failed before its data existed (a load, a copy that could not start): a lease
+            # waiting for that data must stop waiting (the abort waits for it to end).
+            value = self._rt.state.find_value(ticket.handle)
+            mat = None if value is None else value.materializations.get(ticket.destination)
+            if mat is not None and mat.protected:
+                mat.fill_failure = error
+                self._rt.signal.notify()
         del payload  # the commit below may free it (an abort): hold nothing of it
         if not self._may_commit(ticket):
             self._blocking.add(ticket.ticket_id)

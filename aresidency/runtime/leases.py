@@ -22,7 +22,7 @@ import torch
 
 from ..core.errors import ResidencyInUseError, ResidencyUnavailableError
 from ..core.locations import Location
-from ..core.values import ValueHandle
+from ..core.values import Materialization, ValueHandle
 from .payloads import Payload
 from .signal import ManagerClosedError
 
@@ -194,7 +194,11 @@ class Lease:
     reaper sees them complete, so it cannot be removed while a kernel may still read it. The
     use ends whatever happens while recording. If the lease was entered on an incoming copy,
     exiting then waits for that copy (without blocking the loop) and raises
-    ``ResidencyUnavailableError`` if it failed: what the body read was not the value.
+    ``ResidencyUnavailableError`` if it failed: what the body read was not the value. Entered
+    before any data exists there (a load from the source still running, a copy its phase has
+    not issued yet), it waits for the data, and raises ``ResidencyUnavailableError`` instead
+    once that will not come (the load or copy failed, or was given up and the materialization
+    dropped: a later copy there is a new one, which this lease never counts down).
 
     For pipelines whose consumer runs on another thread (weight streaming), a lease can also
     be entered without ordering any stream (``order_stream=False``: the consumer makes its own
@@ -237,6 +241,7 @@ class Lease:
         self._streams: list[Any] = [] if stream is None else [stream]
         self._tensor: torch.Tensor | None = None
         self._payload: Payload | None = None
+        self._mat: Materialization | None = None  # what the use counts on (set at entry)
         self.owner: str | None = None  # the task that entered it (set at entry)
         self._task: object | None = None  # that task itself, while the lease is active
         self.status = "new"
@@ -268,7 +273,7 @@ class Lease:
         rt.check_thread()
         owner = current_owner()  # before the state changes: nothing after it may fail
         try:
-            rt.state.lease(self.handle, self.location, self.mode)
+            self._mat = rt.state.lease(self.handle, self.location, self.mode)
         except ResidencyInUseError as error:
             add_owners(rt, error)
             raise
@@ -348,10 +353,11 @@ class Lease:
         payload = self._begin()
         rt = self._rt
         try:
-            while payload is None:  # a load from the source is still running
-                rt.state.materialization(self.handle, self.location)  # raises once it failed
+            while payload is None:  # a load from the source (or a copy) is not issued yet
+                self._check_filling()
                 await rt.signal.wait()
                 payload = rt.payloads.get(self.handle, self.location)
+            self._check_filling()  # (the data of a later copy there is not this lease's)
             transfer = payload.transfer
             if transfer is not None and not self._ready(payload):
                 if self.location.is_cuda:
@@ -366,12 +372,33 @@ class Lease:
             raise
         return self
 
+    def _check_filling(self) -> None:
+        """Raise ``ResidencyUnavailableError`` if the materialization this lease counts on,
+        entered before its data existed, will never get it: the copy or load filling it
+        failed (it is aborted once this lease ends), or was given up and the materialization
+        dropped (a copy that came there later made a new one, which is not this lease's)."""
+        mat = self._mat
+        assert mat is not None
+        if not self._rt.state.is_current(self.handle, self.location, mat):
+            raise ResidencyUnavailableError(
+                self.handle,
+                self.location,
+                "the copy that was bringing it there was given up (cancelled, or it failed) "
+                "before its data existed; materialize it again",
+            )
+        if mat.fill_failure is not None:
+            raise ResidencyUnavailableError(
+                self.handle,
+                self.location,
+                f"the transfer bringing it there failed: {mat.fill_failure}",
+            ) from mat.fill_failure
+
     def _abandon(self) -> None:
         """End a use whose entry failed (nothing was handed out, so no reader to record)."""
         self.status = "exited"
         if self._rt.frozen:
             return  # the manager closed meanwhile: its state is final
-        self._rt.state.unlease(self.handle, self.location, self.mode)
+        self._rt.state.unlease(self.handle, self.location, self.mode, self._mat)
         self._forget_owner()
         self._rt.settle()
 
@@ -415,11 +442,12 @@ class Lease:
                 events = [rt.backend.record_event(stream) for stream in self._streams]
         except BaseException as exc:  # a closing backend: the use still ends
             error = exc
+        mat, self._mat = self._mat, None
         try:
-            if events:
+            if events and mat is not None and rt.state.is_current(self.handle, self.location, mat):
                 rt.reaper.track_readers(self.handle, self.location, events)
         finally:
-            rt.state.unlease(self.handle, self.location, self.mode)
+            rt.state.unlease(self.handle, self.location, self.mode, mat)
             self._forget_owner()
             rt.settle()
         return error
@@ -484,7 +512,7 @@ class Hold:
         self.handle = handle
         self.location = location
         owner = current_owner()  # before the state changes: nothing after it may fail
-        runtime.state.hold(handle, location)
+        self._mat: Materialization | None = runtime.state.hold(handle, location)
         self.owner = owner
         table = lease_owners(runtime)
         table.add(handle, location, "hold", owner)
@@ -499,7 +527,8 @@ class Hold:
         if self._rt.frozen:
             self.active = False
             self._rt.check_not_frozen(f"the hold on {self.handle} at {self.location}")
-        self._rt.state.unhold(self.handle, self.location)
+        mat, self._mat = self._mat, None
+        self._rt.state.unhold(self.handle, self.location, mat)
         table = lease_owners(self._rt)
         table.remove(self.handle, self.location, "hold", self.owner)
         table.remove_task(self._task, self.handle, self.location)

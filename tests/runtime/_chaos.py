@@ -20,6 +20,8 @@ What it checks:
 from __future__ import annotations
 
 import random
+import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +254,21 @@ class Chaos:
             for r in v.materializations
         ):
             await m.wait_for_change(5)
+
+    def describe_unexpected(self) -> str:
+        """The unexpected errors (up to three) with their tracebacks, and the last transitions
+        of the values each one names: what a failure report needs to be read off the GPU."""
+        parts = [f"{len(self.unexpected)} unexpected error(s)"]
+        transitions = self.manager.trace().transitions
+        for error in self.unexpected[:3]:
+            parts.append("".join(traceback.format_exception(error)))
+            names = set(re.findall(r"\bvalue (v\d+)", str(error)))
+            for name in sorted(names):
+                mine = [
+                    str(t) for t in transitions if t.handle is not None and t.handle.name == name
+                ]
+                parts.append(f"the last transitions of {name}:\n" + "\n".join(mine[-40:]))
+        return "\n".join(parts)
 
     def verify_reads(self, resolve: Callable[[Any], float]) -> int:
         """Every recorded read equals its expected checksum; returns how many were checked."""

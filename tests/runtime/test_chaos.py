@@ -35,7 +35,7 @@ async def test_random_tasks_never_read_garbage_and_leave_nothing_behind(seed: in
         await chaos.settle()
         for stream in (m.backend.current_stream("cuda:0"), m.backend.current_stream("cuda:1")):
             await m.backend.wait(m.backend.record_event(stream))
-        assert not chaos.unexpected, chaos.unexpected[:3]
+        assert not chaos.unexpected, chaos.describe_unexpected()
         assert chaos.verify_reads(resolve) > 0
         await chaos.verify_final()
         assert chaos.outcomes.get("done", 0) > 0 and chaos.outcomes.get("cancelled", 0) > 0
@@ -51,7 +51,7 @@ async def test_random_tasks_under_injected_failures_never_read_garbage(seed: int
         await chaos.settle()
         for stream in (m.backend.current_stream("cuda:0"), m.backend.current_stream("cuda:1")):
             await m.backend.wait(m.backend.record_event(stream))
-        assert not chaos.unexpected, chaos.unexpected[:3]
+        assert not chaos.unexpected, chaos.describe_unexpected()
         chaos.verify_reads(resolve)
         await chaos.verify_final()
         assert (
@@ -72,5 +72,5 @@ async def test_closing_the_manager_under_random_tasks_ends_every_task(seed: int)
                     await m.wait_for_change(5)
             # the manager closed here, under the running tasks
     assert not m.running
-    assert not chaos.unexpected, chaos.unexpected[:3]
+    assert not chaos.unexpected, chaos.describe_unexpected()
     assert chaos.outcomes.get("closed", 0) > 0

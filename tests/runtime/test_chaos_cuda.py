@@ -7,6 +7,8 @@ task ends, nothing left behind."""
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 import torch
@@ -44,13 +46,17 @@ async def test_gpu_random_tasks_never_read_garbage_and_leave_nothing_behind(seed
             await chaos.run()
             await chaos.settle()
         await anyio.to_thread.run_sync(torch.cuda.synchronize)
-        assert not chaos.unexpected, chaos.unexpected[:3]
+        assert not chaos.unexpected, chaos.describe_unexpected()
         assert chaos.verify_reads(resolve) > 0
         await chaos.verify_final()
         assert chaos.outcomes.get("done", 0) > 0 and chaos.outcomes.get("cancelled", 0) > 0
 
 
-@pytest.mark.parametrize("seed", range(3))
+# More seeds on demand (ARESIDENCY_CHAOS_SEEDS=40), to hunt a rare failure on the GPU.
+FAULT_SEEDS = int(os.environ.get("ARESIDENCY_CHAOS_SEEDS", "3"))
+
+
+@pytest.mark.parametrize("seed", range(FAULT_SEEDS))
 async def test_gpu_random_tasks_under_injected_failures_never_read_garbage(seed: int) -> None:
     async with ResidencyManager(budgets=BUDGETS, backend="cuda") as m:
         chaos = Chaos(m, 400 + seed, faults=True, checksum=slow_checksum, locations=LOCATIONS)
@@ -60,7 +66,7 @@ async def test_gpu_random_tasks_under_injected_failures_never_read_garbage(seed:
             m.backend.faults.oom_at_allocation = None
             await chaos.settle()
         await anyio.to_thread.run_sync(torch.cuda.synchronize)
-        assert not chaos.unexpected, chaos.unexpected[:3]
+        assert not chaos.unexpected, chaos.describe_unexpected()
         chaos.verify_reads(resolve)
         await chaos.verify_final()
 
@@ -74,5 +80,5 @@ async def test_gpu_closing_the_manager_under_random_tasks_ends_every_task() -> N
                 while sum(chaos.outcomes.values()) < 10:
                     await m.wait_for_change(5)
     assert not m.running
-    assert not chaos.unexpected, chaos.unexpected[:3]
+    assert not chaos.unexpected, chaos.describe_unexpected()
     assert chaos.outcomes.get("closed", 0) > 0

@@ -53,7 +53,7 @@ async def test_random_tasks_through_the_waiter_end_and_leave_nothing_behind(
             await chaos.settle()
             for stream in (backend.current_stream("cuda:0"), backend.current_stream("cuda:1")):
                 await backend.wait(backend.record_event(stream))
-            assert not chaos.unexpected, chaos.unexpected[:3]
+            assert not chaos.unexpected, chaos.describe_unexpected()
             assert chaos.verify_reads(resolve) > 0
             await chaos.verify_final()
             assert chaos.outcomes.get("done", 0) > 0
