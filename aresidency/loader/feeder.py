@@ -17,6 +17,7 @@ traceback of the ``next`` call that raised it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -31,6 +32,10 @@ from ..backends.bridge import LoopBridge
 from ..runtime.manager import tensor_problem
 from .stats import BusyClock
 from .structure import Structure, flatten
+
+# Whether a tensor's storage is a managed value already, one the loader did not make (any
+# thread: a dictionary read): such a tensor is copied into memory of its own.
+Managed = Callable[[torch.Tensor], bool]
 
 __all__ = [
     "Arrivals",
@@ -81,12 +86,12 @@ def _owns_its_memory(tensor: torch.Tensor) -> bool:
     return storage.nbytes() == tensor.numel() * tensor.element_size()
 
 
-def needs_copy(tensors: list[Any]) -> bool:
+def needs_copy(tensors: list[Any], managed: Managed | None = None) -> bool:
     """Whether :func:`prepare` would copy any of these tensors (cheap; for async sources, whose
     preparation runs on the loop unless it has a copy to make)."""
     seen: set[int] = set()
     for tensor in tensors:
-        if not _owns_its_memory(tensor):
+        if not _owns_its_memory(tensor) or (managed is not None and managed(tensor)):
             return True
         if tensor.untyped_storage().nbytes():
             key = tensor.untyped_storage().data_ptr()
@@ -149,15 +154,18 @@ def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int)
             )
 
 
-def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
+def prepare(
+    item: Any, index: int, *, own_memory: bool = True, managed: Managed | None = None
+) -> HostBatch:
     """Take the tensors out of ``item`` (any thread; copies block it).
 
     With ``own_memory`` (the managed values), a tensor that is a view into a larger storage (a
     slice of a bigger tensor) or shares its storage with an earlier tensor of the batch is
     copied into memory of its own first: a value must own its memory (the manager charges the
-    whole storage, and two values cannot share one); the ring copies every tensor to the device
-    at once and needs no such copy. The same tensor object twice is one part. Tensors requiring
-    grad are detached."""
+    whole storage, and two values cannot share one); so is one whose storage ``managed`` says
+    is a value already (one the application registered itself). The ring copies every tensor
+    to the device at once and needs no such copy. The same tensor object twice is one part.
+    Tensors requiring grad are detached."""
     tensors, structure = flatten(item)
     check_tensors(tensors, structure, index)
     parts: list[torch.Tensor] = []
@@ -174,7 +182,8 @@ def prepare(item: Any, index: int, *, own_memory: bool = True) -> HostBatch:
         part = tensor.detach()
         key = (str(part.device), part.untyped_storage().data_ptr())
         shared = part.untyped_storage().nbytes() > 0 and key in storages
-        if own_memory and (shared or not _owns_its_memory(part)):
+        registered = managed is not None and managed(part)
+        if own_memory and (shared or registered or not _owns_its_memory(part)):
             part = part.clone(memory_format=torch.contiguous_format)
             key = (str(part.device), part.untyped_storage().data_ptr())
             copies += 1
@@ -301,9 +310,11 @@ class ThreadFeeder:
         name: str,
         *,
         own_memory: bool = True,
+        managed: Managed | None = None,
     ) -> None:
         self.source = source
         self.own_memory = own_memory
+        self.managed = managed
         self.arrivals = arrivals
         self.clock = clock
         self._stop = threading.Event()
@@ -337,7 +348,7 @@ class ThreadFeeder:
                 except StopIteration:
                     self.arrivals.put(End(index))
                     return
-                batch = prepare(item, index, own_memory=self.own_memory)
+                batch = prepare(item, index, own_memory=self.own_memory, managed=self.managed)
                 end = time.perf_counter()
                 batch.start, batch.end = start, end
                 self.clock.add(start, end)
@@ -358,7 +369,12 @@ class ThreadFeeder:
 
 
 async def feed_async(
-    source: AsyncIterable[Any], arrivals: Arrivals, clock: BusyClock, *, own_memory: bool = True
+    source: AsyncIterable[Any],
+    arrivals: Arrivals,
+    clock: BusyClock,
+    *,
+    own_memory: bool = True,
+    managed: Managed | None = None,
 ) -> None:
     """Iterate an async iterable into ``arrivals`` (a task of the loader's task group; cancel
     its scope to stop it). Preparation runs on the loop unless it has tensors to copy (only
@@ -377,8 +393,10 @@ async def feed_async(
                 item = await iterator.__anext__()
                 tensors, structure = flatten(item)
                 check_tensors(tensors, structure, index)
-                if own_memory and needs_copy(tensors):
-                    batch = await anyio.to_thread.run_sync(prepare, item, index)
+                if own_memory and needs_copy(tensors, managed):
+                    batch = await anyio.to_thread.run_sync(
+                        functools.partial(prepare, item, index, managed=managed)
+                    )
                 else:
                     batch = prepare(item, index, own_memory=own_memory)
             except StopAsyncIteration:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+import torch
 
 from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
@@ -160,7 +161,11 @@ class Epoch:
         else:
             self._arrivals = Arrivals(loader.read_ahead, wake)
             self._feeder = ThreadFeeder(
-                loader.source, self._arrivals, self.counters.source_clock, loader.name
+                loader.source,
+                self._arrivals,
+                self.counters.source_clock,
+                loader.name,
+                managed=self._registered_elsewhere,
             )
             self._feeder.start()
         self.pump()
@@ -172,9 +177,27 @@ class Epoch:
         try:
             with scope:
                 if not arrivals.stopped:  # a pass ended before its task started reads nothing
-                    await feed_async(self.loader.source, arrivals, self.counters.source_clock)
+                    await feed_async(
+                        self.loader.source,
+                        arrivals,
+                        self.counters.source_clock,
+                        managed=self._registered_elsewhere,
+                    )
         finally:
             fed.set()
+
+    def _registered_elsewhere(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is a host value the loader did not register (the
+        application's own: the batch gets a copy). A storage the loader registered for an
+        earlier batch is not: that batch waits for its copy instead (see :meth:`_try_admit`);
+        nor is a device value's (a copy in the feeder's thread would not be ordered after
+        the stream writing it: it stays refused, with the manager's message). Any thread
+        (dictionary reads)."""
+        owner = self.manager.storage_owner(tensor)
+        if owner is None or not owner[1].is_host:
+            return False
+        part = self._host_storages.get((str(tensor.device), tensor.untyped_storage().data_ptr()))
+        return part is None or part.handle != owner[0]
 
     # ------------------------------------------------------------------ the pump
 

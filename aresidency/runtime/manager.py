@@ -443,6 +443,16 @@ class ResidencyManager:
         self._state.set_budget(loc, budget_bytes)
         rt.settle()
 
+    def storage_owner(self, tensor: torch.Tensor) -> tuple[ValueHandle, Location] | None:
+        """The value and location whose storage ``tensor`` shares (what :meth:`register`
+        would refuse it for), or ``None``. Any thread (a dictionary read: a value registered
+        or released meanwhile on the loop may or may not be seen); ``None`` once the manager
+        is not running."""
+        rt = self._rt
+        if rt is None or self._status != "running":
+            return None
+        return rt.payloads.owner_of(tensor)
+
     def register(
         self,
         tensor: torch.Tensor,

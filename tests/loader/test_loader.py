@@ -167,6 +167,35 @@ async def test_views_into_a_larger_tensor_are_copied_to_memory_of_their_own() ->
     assert torch.equal(torch.cat(got), big)
 
 
+@pytest.mark.parametrize("source", ["sync", "async"])
+async def test_a_tensor_the_application_registered_is_copied_into_its_batch(
+    ring: bool | None, source: str
+) -> None:
+    # A batch may hold a tensor whose storage the application registered with the manager
+    # itself (an embedding table, a mask): the batch gets a copy of it (a value of its own),
+    # and the application's value is left where it was, untouched.
+    data = batches(3, 64)
+    table = torch.randn(32)
+    items = [{"x": x, "table": table} for x in data]
+
+    async def agen() -> Any:
+        for item in items:
+            yield item
+
+    async with ResidencyManager(backend=sim()) as m:
+        handle = m.register(table, name="app-table")
+        loader = DeviceLoader(m, items if source == "sync" else agen(), "cuda:0", ring=ring)
+        async with loader:
+            got = [(b["x"].clone(), b["table"].clone()) async for b in loader]
+            if ring is False:
+                assert loader.stats().host_copies == 3  # one per batch: the table
+        assert [str(loc) for loc in m.snapshot().value(handle).locations] == ["pageable-host"]
+        assert [v.handle.name for v in m.state.values()] == ["app-table"]
+        await m.discard(handle)
+        assert_nothing_left(m)
+    assert all(torch.equal(x, a) and torch.equal(t, table) for (x, t), a in zip(got, data))
+
+
 async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time(
     ring: bool | None,
 ) -> None:
@@ -218,8 +247,9 @@ async def test_a_batch_the_source_changed_after_yielding_it_raises_at_its_place(
 
 
 async def test_a_tensor_the_manager_refuses_as_a_value_is_named_by_its_batch_and_place() -> None:
-    """Through managed values each tensor is registered: one that is another value's memory
-    is refused with the manager's message, and a note names the batch and the tensor."""
+    """Through managed values each tensor is registered: one that is a device value's memory
+    is refused with the manager's message, and a note names the batch and the tensor (a host
+    value's is copied: see the test above)."""
     async with ResidencyManager(backend=sim()) as m:
         other = m.register(torch.arange(8.0), name="w", location="cuda:0")
         async with m.acquire(other, "cuda:0") as lease:
