@@ -183,32 +183,45 @@ class _Waiter:
         self.ahead = ahead
         self.event: anyio.Event | None = None
 
-    def wake(self) -> None:
-        event, self.event = self.event, None
-        if event is not None:
-            event.set()
-
-    async def sleep(self, deadline: float | None) -> None:
+    def arm(self) -> None:
+        """Before the checks that decide whether to sleep: a wake-up that comes while they
+        run (a sliced simulation awaits) is kept, and the sleep that follows returns at once
+        (without it, room freed during the checks, after they looked, was never looked at)."""
         if self.event is None:
             self.event = anyio.Event()
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.set()
+
+    async def sleep(self, deadline: float | None) -> None:
+        """Until woken since it was armed (at once if it was already), or ``deadline``."""
+        self.arm()
         event = self.event
-        if deadline is None:
-            await event.wait()
-        else:
-            with anyio.move_on_at(deadline):
+        assert event is not None
+        try:
+            if deadline is None:
                 await event.wait()
+            else:
+                with anyio.move_on_at(deadline):
+                    await event.wait()
+        finally:
+            if self.event is event:
+                self.event = None  # consumed: the next round arms a new one
 
 
 class AdmissionQueue:
     """Waiting scopes and direct operations, first come first served (loop thread only).
 
-    State: ``_queue`` (waiters in arrival order; the head is the one checked), ``_closed``
+    State: ``_queue`` (waiters in arrival order; the head is the one checked), ``_judging``
+    (what scopes charge that are judged, in slices, before they queue), ``_closed``
     (the manager closed: every waiter and later arrival gets ``ManagerClosedError``).
     """
 
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
         self._queue: deque[_Waiter] = deque()
+        self._judging: list[frozenset[Location]] = []  # where scopes about to wait charge
         self._closed: str | None = None
         # Listening only while someone waits: most changes have nobody queued to wake.
         self._unlisten: Callable[[], None] | None = None
@@ -294,10 +307,13 @@ class AdmissionQueue:
             raise ManagerClosedError(self._closed)
 
     def short_of(self) -> frozenset[Location]:
-        """Locations some waiting scope is short of."""
+        """Locations some waiting scope is short of (or where one about to wait is being
+        judged: see :meth:`admit`)."""
         out: set[Location] = set()
         for waiter in self._queue:
             out |= waiter.short_of
+        for charged in self._judging:
+            out |= charged
         return frozenset(out)
 
     # -- scopes
@@ -350,11 +366,22 @@ class AdmissionQueue:
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
         if not explanation.feasible:
-            await self._refuse_waiting_on_itself(plan, task, expected_version)
+            # Judged in slices for a large plan: meanwhile this scope counts as waiting for
+            # room (tenants that would fill room the judgement counts as given back, a
+            # loader's free ring slots, hold back), as it will once queued.
+            self._judging.append(charged)
+            try:
+                await self._refuse_waiting_on_itself(plan, task, expected_version)
+            except BaseException:
+                self._rt.signal.notify()  # (refused: those tenants may go on)
+                raise
+            finally:
+                self._judging.remove(charged)
         deadline = None if timeout is None else anyio.current_time() + timeout
         self._enqueue(waiter)
         try:
             while True:
+                waiter.arm()
                 if self._is_first(waiter):
                     self._check_stale(expected_version)
                     if plan_fits_at_once(state, plan) or await self._sliced(
@@ -572,6 +599,7 @@ class AdmissionQueue:
         self._enqueue(waiter)
         try:
             while True:
+                waiter.arm()
                 ahead = list(self._queue)[: list(self._queue).index(waiter)]
                 if not any(other.short_of & wanted for other in ahead):
                     return

@@ -15,7 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from aresidency import MemoryReservation, ResidencyBudgetError, ResidencyManager, ResidencyPlan
+from aresidency import (
+    Materialize,
+    MemoryReservation,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlan,
+)
 from aresidency.backends.sim import SimBackend
 from aresidency.core.errors import ResidencyPlanError
 from aresidency.integrations import stream_module
@@ -89,27 +95,32 @@ async def test_a_step_scope_that_fits_beside_the_window_gets_in(ring: bool | Non
 
 
 @pytest.mark.parametrize("copy_gbps", [None, 0.01])
+@pytest.mark.parametrize("host_values", [0, 300], ids=["small", "sliced"])
 async def test_a_step_scope_that_needs_a_free_slot_gets_it_or_is_refused_never_waits(
-    copy_gbps: float | None,
+    copy_gbps: float | None, host_values: int
 ) -> None:
     """The ring's slots: one handed out, one copied ahead, one free (the thread about to
     fill it). The consumer's scope needs less than the free slot's room: admission counts
     that slot as given back, so the thread must not fill it meanwhile (it did, and the scope
     then waited for ever, since only the consumer's own slots stood in the way). Each time the
-    scope gets in, or (when the slot was filled before the scope asked) is refused at once."""
+    scope gets in, or (when the slot was filled before the scope asked) is refused at once.
+    ``sliced``: the plan also enters hundreds of host values, so admission judges it in
+    slices, letting the loop (and the ring's service) run in between."""
     for attempt in range(8):
         data = batches(8, seed=attempt)
         budget = 3 * CHARGE + 64  # the ring of prefetch=2: no room for a step beside it
         async with ResidencyManager(
             budgets={"cuda:0": budget}, backend=SimBackend(copy_gbps=copy_gbps)
         ) as m:
+            host = [m.register(torch.zeros(4), name=f"h{i}") for i in range(host_values)]
             async with DeviceLoader(m, data, "cuda:0", prefetch=2, ring=True) as loader:
                 got = 0
                 async for batch in loader:
                     assert torch.equal(batch, data[got])
                     if got == 3:
                         plan = ResidencyPlan(
-                            reserve=[MemoryReservation("ws", "cuda:0", CHARGE // 2)]
+                            reserve=[MemoryReservation("ws", "cuda:0", CHARGE // 2)],
+                            enter=[Materialize(h, "pageable-host") for h in host],
                         )
                         try:
                             with anyio.fail_after(5):
@@ -121,6 +132,8 @@ async def test_a_step_scope_that_needs_a_free_slot_gets_it_or_is_refused_never_w
                     await anyio.lowlevel.checkpoint()
                 assert got == 8
                 assert m.snapshot().location("cuda:0").peak_bytes <= budget
+            for h in host:
+                await m.discard(h)
             assert_nothing_left(m)
 
 
