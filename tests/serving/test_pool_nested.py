@@ -172,3 +172,46 @@ async def test_a_nested_request_that_waits_for_another_task(ending: str) -> None
         async with pool.use("c") as c:  # the pool still decides (its lock was given back)
             assert torch.equal(await c(TOKENS), reference(c.module, TOKENS))
         await pool.aclose()
+
+
+@pytest.mark.parametrize("budget", [TOTAL + TOTAL // 2, 3 * TOTAL], ids=["streams", "resident"])
+async def test_cancelling_a_nested_request_at_each_of_its_steps_leaks_nothing(
+    budget: int,
+) -> None:
+    # The nested request cancelled after each number of loop steps (deciding, loading,
+    # calling, leaving): the outer request keeps working, and once it ends nothing stays
+    # admitted, held or reserved.
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        admitted = 0
+        for steps in range(40):
+            async with pool.use("a") as a:
+                scope = anyio.CancelScope()
+
+                async def nested(scope: anyio.CancelScope) -> None:
+                    nonlocal admitted
+                    with scope:
+                        async with pool.use("b") as b:
+                            admitted += 1
+                            assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
+
+                with anyio.fail_after(10):
+                    async with anyio.create_task_group() as tasks:
+                        # The nested request is this task's: run it here, cancelled by a
+                        # sibling after ``steps`` steps.
+                        async def cancel_after(
+                            scope: anyio.CancelScope = scope, steps: int = steps
+                        ) -> None:
+                            for _ in range(steps):
+                                await anyio.lowlevel.checkpoint()
+                            scope.cancel()
+
+                        tasks.start_soon(cancel_after)
+                        await nested(scope)
+                assert pool.admitted == 1 and pool.waiting == 0
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+            assert_nothing_leaked(m, pool)
+        assert 0 < admitted < 40, "cancelled before, during and after the admission"
+        async with pool.use("b") as b:
+            assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
+        await pool.aclose()
