@@ -4,13 +4,16 @@ it could ever fit, and the errors that say so with the numbers. Reads the live l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
+from ..core.values import ValueHandle
 from ..runtime.manager import ResidencyManager
 from .records import BatchRecord
 
-__all__ = ["kept_by_waiter", "never_fits", "room", "timeout_error"]
+__all__ = ["held_by_waiter", "kept_by_waiter", "never_fits", "room", "timeout_error"]
 
 
 def room(manager: ResidencyManager, location: Location, need: int) -> bool:
@@ -110,4 +113,33 @@ def kept_by_waiter(
             "the next one (end their 'async with', or .clone() what you keep), or raise the "
             "budget"
         ),
+    )
+
+
+def held_by_waiter(
+    manager: ResidencyManager,
+    device: Location,
+    need: int,
+    index: int,
+    name: str,
+    exempt: Iterable[ValueHandle] = (),
+) -> ResidencyBudgetError | None:
+    """The error for batch ``index`` (``need`` bytes at ``device``) when only what the waiting
+    consumer's task holds itself, besides the loader's batches, keeps it out: a request of a
+    model pool it is in, a scope it entered, its leases, holds and reservation blocks. Those
+    end only when that task goes on, so its wait for room would never end. ``None`` when the
+    wait may end, or when what nothing protects stands in the way too (resident values the
+    loader cannot evict, but another tenant may). ``exempt``: the loader's own values."""
+    ledger = manager.state.find_ledger(device)
+    if ledger is None or ledger.budget_bytes is None:
+        return None
+    fixed = sum(n for n, owner in ledger.reservations.values() if owner == "backend")
+    unprotected = ledger.used_bytes - ledger.protected_bytes - ledger.reconstruction_bytes
+    if need > ledger.budget_bytes - fixed - max(0, unprotected):
+        return None
+    return manager.waiting_on_itself(
+        need,
+        device,
+        exempt=exempt,
+        what=f"batch {index} of {name} ({format_nbytes(need)} at {device})",
     )

@@ -54,7 +54,7 @@ from ..runtime.pending import PendingOperation
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .budget import kept_by_waiter, never_fits, room, timeout_error
+from .budget import held_by_waiter, kept_by_waiter, never_fits, room, timeout_error
 from .feeder import (
     Arrivals,
     End,
@@ -666,10 +666,13 @@ class Epoch:
     def _kept_for(self, task: object) -> Kept | None:
         """For admission: the device copies of the batches copied ahead and handed out, when
         ``task`` is the consumer: they leave only when it asks for the next batch (or ends
-        the pass), so a wait of its own for their room would never end. Loop."""
+        the pass), so a wait of its own for their room would never end. A batch another
+        task keeps in its ``async with`` is that task's to release: not counted. Loop."""
         if task is not self._consumer or self.status != "running":
             return None
-        batches = [b for b in self._queue if b.state == COPYING] + self._out
+        batches = [b for b in self._queue if b.state == COPYING] + [
+            b for b in self._out if b.handed is None or b.handed.kept_by in (None, task)
+        ]
         kept = tuple(
             (part.handle, self.device)
             for batch in batches
@@ -679,7 +682,7 @@ class Epoch:
         if not kept:
             return None
         charge = sum(part.charge for batch in batches for part in batch.parts)
-        out = len(self._out)
+        out = sum(1 for b in batches if b.state != COPYING)
         return Kept(
             what=(
                 f"{len(batches)} batch(es) of {self.loader.name} ({format_nbytes(charge)} at "
@@ -694,8 +697,9 @@ class Epoch:
         )
 
     def _kept_by_me(self, head: BatchRecord) -> ResidencyBudgetError | None:
-        """The error when the batches the waiting consumer task keeps itself leave ``head``
-        too little room ever to fit (see :func:`~.budget.kept_by_waiter`)."""
+        """The error when the batches the waiting consumer task keeps itself, or what else
+        it holds, leave ``head`` too little room ever to fit (see
+        :func:`~.budget.kept_by_waiter` and :func:`~.budget.held_by_waiter`)."""
         task = current_task()
         if task is None:
             return None
@@ -705,7 +709,13 @@ class Epoch:
             if batch.handed is not None and batch.handed.kept_by is task
         ]
         need = sum(part.charge for part in head.parts)
-        return kept_by_waiter(self.manager, self.device, need, head.index, kept, self.loader.name)
+        stuck = kept_by_waiter(self.manager, self.device, need, head.index, kept, self.loader.name)
+        if stuck is not None:
+            return stuck
+        mine = [p.handle for b in (*self._queue, *self._out) for p in b.parts if p.handle]
+        return held_by_waiter(
+            self.manager, self.device, need, head.index, self.loader.name, exempt=mine
+        )
 
     async def _wait(self, deadline: float | None) -> bool:
         """Park until the pump made progress; True if ``deadline`` passed first."""

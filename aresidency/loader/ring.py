@@ -90,7 +90,7 @@ from ..runtime.leases import current_task
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .budget import kept_by_waiter
+from .budget import held_by_waiter, kept_by_waiter
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, changed_since_yielded, feed_async
 from .kept import KeptAfterRelease
 from .lifetime import HostWaits, closed_under_pass, watch_close
@@ -891,12 +891,18 @@ class RingEpoch:
         """For admission: the slots in use (batches copied ahead and handed out), and their
         pinned twins, when ``task`` is the consumer: they free only when it asks for the
         next batch (or ends the pass), so a wait of its own for their room would never end.
-        Loop."""
+        A batch another task keeps in its ``async with`` is that task's to release: not
+        counted. Loop."""
         if task is not self._consumer or self.status != "running":
             return None
+        others = {
+            id(out.slot)
+            for out in self._out.values()
+            if out.handed is not None and out.handed.kept_by not in (None, task)
+        }
         with self._cond:
-            used = [s for s in self.slots if s.state != FREE]
-            if len(used) < len(self.slots) and not self._withheld:
+            used = [s for s in self.slots if s.state != FREE and id(s) not in others]
+            if not self._withheld and any(s.state == FREE for s in self.slots):
                 self._withheld = True  # counted as transient: not filled meanwhile
                 self.bridge.call_soon_quietly(self._service)  # cleared if nobody waits
         if not used:
@@ -1111,9 +1117,9 @@ class RingEpoch:
             self.counters.device_wait_s += time.perf_counter() - start
 
     def _kept_by_me(self, request: _Request) -> ResidencyBudgetError | None:
-        """The error when the slots of the batches the waiting consumer task keeps itself
-        leave the blocked request too little room ever to fit (see
-        :func:`~.budget.kept_by_waiter`)."""
+        """The error when the slots of the batches the waiting consumer task keeps itself,
+        or what else it holds, leave the blocked request too little room ever to fit (see
+        :func:`~.budget.kept_by_waiter` and :func:`~.budget.held_by_waiter`)."""
         task = current_task()
         if task is None:
             return None
@@ -1123,9 +1129,12 @@ class RingEpoch:
             if out.handed is not None and out.handed.kept_by is task
         ]
         need = -(-request.nbytes // ALIGN) * ALIGN
-        return kept_by_waiter(
+        stuck = kept_by_waiter(
             self.manager, self.device, need, request.index, kept, self.loader.name, "reservation"
         )
+        if stuck is not None:
+            return stuck
+        return held_by_waiter(self.manager, self.device, need, request.index, self.loader.name)
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         with self._cond:

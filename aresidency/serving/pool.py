@@ -53,6 +53,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
+from ..runtime.admission import Kept
 from ..runtime.leases import Hold, current_task
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
@@ -574,6 +575,10 @@ class ModelPool:
         # enters (the head of the line, or a nested request), released while it parks.
         self._active: dict[int, _Request] = {}
         self._deciding = anyio.Lock()
+        # The groups a task's admitted requests hold count as that task's own for the
+        # manager (they end only when it goes on): its scopes, streamed calls and loaders
+        # that could fit only once they ended are refused at once instead of waiting.
+        self._unkeep = manager.add_task_keeper(self._kept_for)
 
     # ------------------------------------------------------------------ models
 
@@ -1153,6 +1158,29 @@ class ModelPool:
             return []
         return [r for r in self._active.values() if r.task is task]
 
+    def _kept_for(self, task: object) -> Kept | None:
+        """For admission: what ``task``'s admitted requests hold on the device."""
+        own = self._own_requests(task)
+        if not own:
+            return None
+        held = tuple(
+            (group.handle, self.device)
+            for request in own
+            for group in request.entry.groups
+            if group.index in request.kept and group.handle is not None
+        )
+        names = ", ".join(f"{r.id} for {r.entry.name!r}" for r in own)
+        kept = sum(self._kept_bytes(request) for request in own)
+        return Kept(
+            what=(
+                f"{len(own)} request(s) of the model pool ({names}: {format_nbytes(kept)} "
+                f"at {self.device}), which end only when this task leaves their 'pool.use' "
+                "block"
+            ),
+            materializations=held,
+            hint="Leave the pool.use block first, or do this from another task.",
+        )
+
     def _kept_bytes(self, request: _Request) -> int:
         """What an admitted request keeps charged at the device: its held groups, its
         workspace reservation, its prefetch window."""
@@ -1567,6 +1595,7 @@ class ModelPool:
         self._closed = True
         self._poke()
         await self._idle.wait()
+        self._unkeep()
         for entry in list(self._entries.values()):
             try:
                 await entry.streamed.aclose()

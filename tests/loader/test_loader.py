@@ -471,14 +471,48 @@ async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic(
 async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_error(
     ring: bool | None,
 ) -> None:
+    # Another task holds the room (its block ends on its own: the wait could end).
     async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=sim()) as m:
-        async with (
-            m.reservation("hog", "cuda:0", 2 * CHARGE),
-            DeviceLoader(m, batches(3), "cuda:0", timeout=0.05, ring=ring) as loader,
-        ):
-            with pytest.raises(TimeoutError, match=r"waited 0\.05 s for room at cuda:0"):
-                await collect(loader)
-            assert loader.stats().wait_budget_s > 0  # the consumer waited for room, not the source
+        holding, done = anyio.Event(), anyio.Event()
+
+        async def hog() -> None:
+            async with m.reservation("hog", "cuda:0", 2 * CHARGE):
+                holding.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(hog)
+            await holding.wait()
+            async with DeviceLoader(m, batches(3), "cuda:0", timeout=0.05, ring=ring) as loader:
+                with pytest.raises(TimeoutError, match=r"waited 0\.05 s for room at cuda:0"):
+                    await collect(loader)
+                assert loader.stats().wait_budget_s > 0  # it waited for room, not the source
+            done.set()
+        assert_nothing_left(m)
+
+
+async def test_a_batch_that_only_the_consumers_own_holdings_keep_out_fails_at_once(
+    ring: bool | None,
+) -> None:
+    # The consumer's own task holds the room (a reservation block, or a scope), which ends
+    # only when it goes on: the batch fails at once, naming what the task holds, even with
+    # no timeout.
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=sim()) as m:
+        for holding in ("block", "scope"):
+            held = (
+                m.reservation("hog", "cuda:0", 2 * CHARGE)
+                if holding == "block"
+                else m.scope(
+                    ResidencyPlan(reserve=[MemoryReservation("hog", "cuda:0", 2 * CHARGE)])
+                )
+            )
+            async with held, DeviceLoader(m, batches(3), "cuda:0", ring=ring) as loader:
+                with anyio.fail_after(10), pytest.raises(ResidencyBudgetError) as info:
+                    await collect(loader)
+            message = str(info.value)
+            assert "batch 0 of" in message, message
+            assert "only what the waiting task holds itself" in message, message
+            assert ("reservation block" if holding == "block" else "entered scope") in message
         assert_nothing_left(m)
 
 

@@ -14,7 +14,14 @@ import anyio
 import pytest
 import torch
 
-from aresidency import ResidencyManager, ResidencyPlanError
+from aresidency import (
+    MemoryReservation,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+)
+from aresidency.loader import DeviceLoader
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
@@ -215,3 +222,42 @@ async def test_cancelling_a_nested_request_at_each_of_its_steps_leaks_nothing(
         async with pool.use("b") as b:
             assert torch.equal(await b(TOKENS), reference(b.module, TOKENS))
         await pool.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_a_loader_or_scope_that_only_the_tasks_request_keeps_out_fails_at_once(
+    ring: bool,
+) -> None:
+    # Inside a request, the same task iterates a loader, or enters a scope, that could fit
+    # only once the request's model left the device: the request ends only when the task
+    # goes on, so each fails at once naming the pool's request (they waited for ever: the
+    # request's holds, taken in its copies' callbacks, were nobody's). With room beside the
+    # model, both run.
+    data = [torch.randn(1024) for _ in range(3)]  # 4 KiB each
+    for extra, fits in ((1024, False), (3 * 4096, True)):
+        async with ResidencyManager(budgets={"cuda:0": TOTAL + extra}, backend="sim") as m:
+            pool = pool_of(m, "a")
+            with anyio.fail_after(10):
+                async with pool.use("a") as a:
+                    assert a.mode == "resident"
+                    got = []
+                    try:
+                        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as lo:
+                            async for batch in lo:
+                                got.append(batch.clone())
+                        assert fits
+                    except ResidencyBudgetError as error:
+                        assert not fits
+                        assert "request(s) of the model pool (1 for 'a'" in str(error)
+                    plan = ResidencyPlan(reserve=[MemoryReservation("ws", "cuda:0", 4096)])
+                    try:
+                        async with m.scope(plan):
+                            pass
+                        assert fits
+                    except ResidencyPlanError as error:
+                        assert not fits
+                        assert "request(s) of the model pool (1 for 'a'" in str(error)
+                    assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+            assert len(got) == (3 if fits else 0)
+            assert_nothing_leaked(m, pool)
+            await pool.aclose()
