@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,10 @@ __all__ = [
     "Lease",
     "LeaseOwners",
     "LeaseWouldWait",
+    "TaskRef",
     "add_owners",
     "current_task",
+    "current_task_ref",
     "lease_owners",
 ]
 
@@ -74,6 +77,21 @@ def current_task() -> object | None:
         return trio.lowlevel.current_task()
     except (ImportError, RuntimeError):
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRef:
+    """A task as a hold records it: its ``name`` (for reports) and the ``task`` itself (what
+    admission counts by), taken in that task by :func:`current_task_ref`, so that a tenant
+    may take a hold on its behalf from a loop callback (a copy's completion)."""
+
+    name: str
+    task: object | None
+
+
+def current_task_ref() -> TaskRef:
+    """The task running now, as a hold records it (see :class:`TaskRef`)."""
+    return TaskRef(current_owner(), current_task())
 
 
 class LeaseOwners:
@@ -507,16 +525,23 @@ class Hold:
 
     State: ``handle``, ``location``, ``active``, ``owner`` (the task that made it)."""
 
-    def __init__(self, runtime: Runtime, handle: ValueHandle, location: Location) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        handle: ValueHandle,
+        location: Location,
+        on_behalf_of: TaskRef | None = None,
+    ) -> None:
         self._rt = runtime
         self.handle = handle
         self.location = location
-        owner = current_owner()  # before the state changes: nothing after it may fail
+        # Before the state changes: nothing after it may fail.
+        ref = current_task_ref() if on_behalf_of is None else on_behalf_of
         self._mat: Materialization | None = runtime.state.hold(handle, location)
-        self.owner = owner
+        self.owner = ref.name
         table = lease_owners(runtime)
-        table.add(handle, location, "hold", owner)
-        self._task = current_task()
+        table.add(handle, location, "hold", ref.name)
+        self._task = ref.task
         table.add_task(self._task, handle, location)
         self.active = True
         runtime.settle()

@@ -64,7 +64,7 @@ from ..progress import progress_if_large
 from .admission import Keeper
 from .context import Runtime
 from .driver import PhaseRun
-from .leases import Hold, Lease, add_owners, current_task, lease_owners
+from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
@@ -724,10 +724,19 @@ class ResidencyManager:
         self._state.materialization(handle, loc)  # fail fast, before 'async with'
         return Lease(rt, handle, loc, stream=stream, mode=mode, order_stream=order_stream)
 
-    def hold(self, handle: ValueHandle, location: LocationLike) -> Hold:
-        """Protect the materialization from removal until ``hold.release()``."""
+    def hold(
+        self,
+        handle: ValueHandle,
+        location: LocationLike,
+        *,
+        on_behalf_of: TaskRef | None = None,
+    ) -> Hold:
+        """Protect the materialization from removal until ``hold.release()``. The hold is
+        the calling task's (its name in reports; admission counts it as that task's own), or
+        ``on_behalf_of``'s: a :class:`~aresidency.runtime.leases.TaskRef` taken in a task by
+        ``current_task_ref()``, for a tenant that takes holds for it in a loop callback."""
         rt = self._running()
-        return Hold(rt, handle, Location.parse(location))
+        return Hold(rt, handle, Location.parse(location), on_behalf_of)
 
     def held_tensor(self, handle: ValueHandle, location: LocationLike) -> torch.Tensor | None:
         """The tensor behind a held materialization, when it can be read at once: its data is

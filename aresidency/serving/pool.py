@@ -54,7 +54,7 @@ from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
 from ..runtime.admission import Kept
-from ..runtime.leases import Hold, current_task
+from ..runtime.leases import Hold, current_task, current_task_ref
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
 from ..runtime.scopes import Scope
@@ -229,6 +229,9 @@ class _Loading:
         self.entry = entry
         self.holds: dict[int, Hold] = {}
         self.open = True
+        # The request's task (made in it): the holds are that task's, also those taken in
+        # a copy's done callback, where no task runs.
+        self.task = current_task_ref()
 
     def _hold(self, index: int) -> None:
         if not self.open or index in self.holds:
@@ -236,7 +239,7 @@ class _Loading:
         group = self.entry.streamed.group(index)
         assert group.handle is not None
         try:
-            self.holds[index] = self.manager.hold(group.handle, self.device)
+            self.holds[index] = self.manager.hold(group.handle, self.device, on_behalf_of=self.task)
         except ResidencyError:
             pass  # gone, or moving out: copied again in the next round
 

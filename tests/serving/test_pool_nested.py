@@ -261,3 +261,30 @@ async def test_a_loader_or_scope_that_only_the_tasks_request_keeps_out_fails_at_
             assert len(got) == (3 if fits else 0)
             assert_nothing_leaked(m, pool)
             await pool.aclose()
+
+
+async def test_a_requests_holds_are_its_tasks_even_those_taken_as_its_copies_land() -> None:
+    # The groups copied in for a request are held in the copies' completions (no task runs
+    # there): each hold still names the request's task, as diagnose and the manager's
+    # "waiting on itself" checks read it.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = pool_of(m, "a")
+        names: list[set[str]] = []
+
+        async def serve() -> None:
+            async with pool.use("a") as a:
+                assert a.decision.loaded_bytes == TOTAL  # copied in for this request
+                names.append(
+                    {
+                        owner
+                        for _, where, kind, owner in m.owners()
+                        if kind == "hold" and str(where) == "cuda:0"
+                    }
+                )
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(serve, name="request-task")
+        assert names == [{"request-task"}]
+        assert not [o for o in m.owners() if str(o[1]) == "cuda:0"]
+        await pool.aclose()
