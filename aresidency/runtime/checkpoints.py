@@ -48,6 +48,7 @@ import functools
 import json
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,27 @@ class _Shard:
     file: Path
     handle: Any  # safetensors.safe_open; None once closed
     lock: threading.Lock
+    fd: int  # our own descriptor of the mapped file (its inode, whatever the path becomes)
+    stat: os.stat_result  # that file as it was opened (and mapped)
+
+    def check_unchanged(self) -> None:
+        """``RuntimeError`` if the mapped file was written in place since it was opened: its
+        mapping then shows the new bytes (a torn mix of both checkpoints), and past a
+        truncation a read kills the process (``SIGBUS``). A path renamed over by another file,
+        or removed, is fine: the mapping keeps the opened file's data."""
+        with self.lock:  # (close() may give the descriptor back meanwhile)
+            if self.fd < 0:
+                return  # closed: the read fails on the closed handle
+            now = os.fstat(self.fd)
+        then = self.stat
+        if now.st_size != then.st_size or now.st_mtime_ns != then.st_mtime_ns:
+            raise RuntimeError(
+                f"{self.file} was written in place since the checkpoint was opened (size "
+                f"{then.st_size} B, now {now.st_size} B): its mapping no longer holds the "
+                "checkpoint that was opened, and reading past a truncation would kill the "
+                "process (SIGBUS). Replace a checkpoint by writing a new file and renaming it "
+                "over the old one (the open one keeps reading the old), or open it again"
+            )
 
 
 def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
@@ -174,6 +196,14 @@ def _safe_open(file: Path) -> Any:
         ) from error
 
 
+def _close_descriptors(shards: list[_Shard]) -> None:
+    for shard in shards:
+        with shard.lock:
+            fd, shard.fd = shard.fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+
 class Checkpoint:
     """A safetensors checkpoint (one file or shards), its tensors read into host tensors.
 
@@ -197,7 +227,13 @@ class Checkpoint:
         self._views: dict[str, torch.Tensor] = {}
         try:
             for file in self.files:
-                shard = _Shard(file, _safe_open(file), threading.Lock())
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    handle = _safe_open(file)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                shard = _Shard(file, handle, threading.Lock(), fd, os.fstat(fd))
                 self._shards.append(shard)
                 for name in shard.handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                     other = self._shard_of.setdefault(name, shard)
@@ -218,6 +254,8 @@ class Checkpoint:
         except BaseException:
             self.close()
             raise
+        # A checkpoint dropped without close() gives its descriptors back when collected.
+        weakref.finalize(self, _close_descriptors, self._shards)
 
     @classmethod
     def open(cls, path: StrPath) -> Checkpoint:
@@ -323,6 +361,7 @@ class Checkpoint:
             )
         self.check(name, tuple(out.shape), out.dtype)
         view = self._view(name)
+        self._shard_of[name].check_unchanged()
         with torch.no_grad():
             out.copy_(view)
 
@@ -345,6 +384,7 @@ class Checkpoint:
                 if handle is not None:
                     handle.__exit__(None, None, None)
         self._views.clear()
+        _close_descriptors(self._shards)
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -5,7 +5,10 @@ Synchronous tests: no event loop, no manager."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -326,3 +329,66 @@ def test_safetensors_source_of_a_missing_name_is_a_keyerror_naming_both(tmp_path
     save_file(tensors(), str(tmp_path / "w.safetensors"))
     with pytest.raises(KeyError, match=r"w\.safetensors has no tensor named 'ghost'"):
         SafetensorsSource(tmp_path / "w.safetensors", "ghost")
+
+
+# ---------------------------------------------------------------- the file changing under it
+
+
+def test_a_file_renamed_over_or_removed_keeps_reading_what_was_opened(tmp_path: Path) -> None:
+    # The safe way to replace a checkpoint (write a new file, rename it over the old one),
+    # and removing it: the open checkpoint's mapping keeps the opened file's data.
+    data = tensors()
+    path = tmp_path / "model.safetensors"
+    save_file(data, str(path))
+    with Checkpoint.open(path) as checkpoint:
+        new = tmp_path / "new.safetensors"
+        save_file({name: torch.zeros_like(t) for name, t in data.items()}, str(new))
+        new.replace(path)
+        assert_reads(checkpoint, data)
+        path.unlink()
+        assert_reads(checkpoint, data)
+
+
+def test_a_file_rewritten_in_place_is_refused_not_read_torn(tmp_path: Path) -> None:
+    # Rewritten in place, same size: the mapping would show the new bytes (a mix of both
+    # checkpoints for a read in progress). Refused, naming the file, until opened again.
+    data = tensors()
+    path = tmp_path / "model.safetensors"
+    save_file(data, str(path))
+    with Checkpoint.open(path) as checkpoint:
+        assert_reads(checkpoint, data)
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        stat = path.stat()
+        path.write_bytes(bytes(raw))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # coarse clocks
+        with pytest.raises(RuntimeError, match="was written in place since the checkpoint"):
+            checkpoint.read("a.weight")
+    with Checkpoint.open(path) as again:  # opened again: reads what the file holds now
+        assert again.read("a.weight").shape == data["a.weight"].shape
+
+
+def test_a_file_truncated_in_place_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    # Past a truncation, reading the mapping kills the process with SIGBUS: the read is
+    # refused first. Run in a child process, so that a crash fails this test, not the run.
+    data = tensors()
+    path = tmp_path / "model.safetensors"
+    save_file(data, str(path))
+    script = (
+        "import os, sys\n"
+        "from aresidency.runtime.checkpoints import Checkpoint\n"
+        f"checkpoint = Checkpoint.open({str(path)!r})\n"
+        "checkpoint.read('a.weight')\n"
+        f"os.truncate({str(path)!r}, 200)\n"
+        "try:\n"
+        "    checkpoint.read('b.weight')\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert "refused:" in done.stdout and "now 200 B" in done.stdout
