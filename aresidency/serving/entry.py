@@ -326,9 +326,12 @@ class ModelEntry:
     deepest window it streams with), ``stats``, ``active``
     (admitted requests per mode), ``windows`` (request id -> prefetch window bytes of each
     admitted streamed request), ``held`` (group index -> holds the active requests have on
-    its device replica), ``call_lock`` (pipeline calls on the module, first come first served).
-    Invariants: ``active`` has requests of one mode at a time (a model switches mode only
-    when idle); ``held`` counts exactly the holds of active requests.
+    its device replica), ``call_lock`` (pipeline calls on the module, first come first served),
+    ``in_flight`` (its requests between arrival and end), ``removing`` (set while
+    :meth:`ModelPool.remove <aresidency.serving.ModelPool.remove>` waits for them: the event
+    set when none is left), ``removed`` (set once it left the pool). Invariants: ``active``
+    has requests of one mode at a time (a model switches mode only when idle); ``held`` counts
+    exactly the holds of active requests.
     """
 
     def __init__(self, name: str, streamed: PooledStreamedModule, prefetch: int) -> None:
@@ -340,6 +343,9 @@ class ModelEntry:
         self.windows: dict[int, int] = {}
         self.held: Counter[int] = Counter()
         self.call_lock = anyio.Lock()
+        self.in_flight = 0
+        self.removing: anyio.Event | None = None
+        self.removed = anyio.Event()
         self.groups: list[TensorGroup] = streamed.all_groups
         self.handles: list[ValueHandle] = streamed.handles
         self.by_handle: dict[ValueHandle, TensorGroup] = {}

@@ -651,6 +651,46 @@ class ModelPool:
         )
         return streamed
 
+    async def remove(self, name: str) -> None:
+        """Take model ``name`` out of the pool: new requests for it get ``KeyError`` at once;
+        the ones that arrived before (waiting or admitted) are served first; then its values
+        leave the manager (device, pinned and host copies: its module gets its own host
+        tensors back, as at :meth:`aclose`) and its name is free for :meth:`add`. The other
+        models' requests go on meanwhile.
+
+        ``RuntimeError`` at once if the calling task is inside a request for it (the wait
+        would never end). Cancelled while it waits, the model stays in the pool, serving."""
+        self._check_open()
+        self.manager.check_thread()
+        entry = self._entry(name)
+        if any(r.entry is entry for r in self._own_requests(current_task())):
+            raise RuntimeError(
+                f"cannot remove model {name!r} from inside a request for it: the removal waits "
+                "for its requests to end, this one included; leave the pool.use block first"
+            )
+        if entry.removing is not None:  # another task removes it: wait for the same end
+            await entry.removed.wait()
+            return
+        entry.removing = anyio.Event()
+        if entry.in_flight == 0:
+            entry.removing.set()
+        try:
+            await entry.removing.wait()
+        except BaseException:
+            entry.removing = None  # (nothing else changed: it serves again)
+            raise
+        with anyio.CancelScope(shield=True):  # from here on, the removal completes
+            try:
+                await entry.streamed.aclose()
+            except ManagerClosedError:
+                pass  # the manager closed: its state is final, nothing left to give back
+            finally:
+                del self._entries[name]
+                for handle in entry.handles:
+                    self._owner.pop(handle, None)
+                entry.removed.set()
+        logger.info("pool: removed %r", name)
+
     @property
     def models(self) -> list[str]:
         return list(self._entries)
@@ -698,6 +738,10 @@ class ModelPool:
         self._check_open()
         self.manager.check_thread()
         entry = self._entry(name)
+        if entry.removing is not None:
+            raise KeyError(
+                f"model {name!r} is being removed from the pool: it takes no new requests"
+            )
         nbytes = parse_nbytes(reserve, "reserve")
         timeout = check_timeout(timeout)
         request = _Request(next(self._ids), entry, nbytes)
@@ -713,6 +757,7 @@ class ModelPool:
         if self._requests == 0:
             self._idle = anyio.Event()
         self._requests += 1
+        entry.in_flight += 1
         try:
             try:
                 await self._admit(request, timeout)
@@ -730,6 +775,9 @@ class ModelPool:
             self._requests -= 1
             if self._requests == 0:
                 self._idle.set()
+            entry.in_flight -= 1
+            if entry.in_flight == 0 and entry.removing is not None:
+                entry.removing.set()
 
     async def _admit(self, request: _Request, timeout: float | None) -> None:
         """Wait for the request's turn and admit it (see :meth:`use`)."""
