@@ -346,6 +346,7 @@ class ModelEntry:
         self.in_flight = 0
         self.removing: anyio.Event | None = None
         self.removed = anyio.Event()
+        self.closing: anyio.Event | None = None  # its streamed module's close (set: done)
         self.groups: list[TensorGroup] = streamed.all_groups
         self.handles: list[ValueHandle] = streamed.handles
         self.by_handle: dict[ValueHandle, TensorGroup] = {}

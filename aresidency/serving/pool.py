@@ -681,15 +681,28 @@ class ModelPool:
             raise
         with anyio.CancelScope(shield=True):  # from here on, the removal completes
             try:
-                await entry.streamed.aclose()
+                await self._close_entry(entry)  # (once, if aclose does it meanwhile)
             except ManagerClosedError:
                 pass  # the manager closed: its state is final, nothing left to give back
             finally:
-                del self._entries[name]
+                if self._entries.get(name) is entry:
+                    del self._entries[name]
                 for handle in entry.handles:
                     self._owner.pop(handle, None)
                 entry.removed.set()
         logger.info("pool: removed %r", name)
+
+    async def _close_entry(self, entry: ModelEntry) -> None:
+        """Close the model's streamed module once (a removal and the pool's close may both
+        ask); a second caller waits for the first."""
+        if entry.closing is not None:
+            await entry.closing.wait()
+            return
+        entry.closing = anyio.Event()
+        try:
+            await entry.streamed.aclose()
+        finally:
+            entry.closing.set()
 
     @property
     def models(self) -> list[str]:
@@ -1649,7 +1662,7 @@ class ModelPool:
         self._unkeep()
         for entry in list(self._entries.values()):
             try:
-                await entry.streamed.aclose()
+                await self._close_entry(entry)
             except Exception as error:
                 logger.warning("pool: closing %r: %s", entry.name, error)
         self._entries.clear()

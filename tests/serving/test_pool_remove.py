@@ -145,3 +145,41 @@ async def test_a_removal_cancelled_while_it_waits_leaves_the_model_serving(secon
         assert pool.models == [] and names_of(m) == set()
         await eventually(lambda: m.snapshot().location("cuda:0").used_bytes == 0)
         await pool.aclose()
+
+
+async def test_a_removal_and_the_pools_close_waiting_together_both_end() -> None:
+    # Both wait for the same request; when it ends, the model is closed once and both return.
+    async with ResidencyManager(budgets={"cuda:0": 3 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m)
+        module = TinyLM(seed=1)
+        pool.add("a", module)
+        pool.add("b", TinyLM(seed=2))
+        inside, go_on = anyio.Event(), anyio.Event()
+        ended: list[str] = []
+
+        async def request() -> None:
+            async with pool.use("a"):
+                inside.set()
+                await go_on.wait()
+
+        async def remove() -> None:
+            await pool.remove("a")
+            ended.append("remove")
+
+        async def close() -> None:
+            await pool.aclose()
+            ended.append("close")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request)
+                await inside.wait()
+                tasks.start_soon(remove)
+                await anyio.wait_all_tasks_blocked()
+                tasks.start_soon(close)
+                await anyio.wait_all_tasks_blocked()
+                assert ended == []
+                go_on.set()
+        assert sorted(ended) == ["close", "remove"]
+        assert pool.models == [] and names_of(m) == set()
+        assert torch.equal(module(TOKENS), reference(TinyLM(seed=1), TOKENS))
