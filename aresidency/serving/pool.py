@@ -54,6 +54,7 @@ from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
 from ..runtime.admission import Kept
+from ..runtime.checkpoints import Checkpoint
 from ..runtime.leases import Hold, current_task, current_task_ref
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
@@ -591,7 +592,7 @@ class ModelPool:
         module: nn.Module,
         *,
         host: HostKind = "pinned-host",
-        checkpoint: str | Path | None = None,
+        checkpoint: str | Path | Checkpoint | None = None,
         prefetch: int = 2,
         blocks: Sequence[nn.Module] | None = None,
     ) -> PooledStreamedModule:

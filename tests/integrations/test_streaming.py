@@ -25,6 +25,7 @@ from aresidency import (
 from aresidency.backends import CopyRequest, HostEvent, Transfer
 from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, find_blocks, stream_module
+from aresidency.runtime.checkpoints import Checkpoint
 
 from ._models import Block, Boom, Net, Sleepy, SleepyNet, linears, sequential
 
@@ -414,6 +415,29 @@ async def test_checkpoint_source_rebuilds_each_block_from_safetensors(tmp_path: 
         assert all(t.is_meta for t in own_tensors(skeleton))  # the module is left as it was
         kinds = kinds_for(m.trace(), "ckpt.block0")
         assert kinds.count("load_begin") == 2  # rebuilt for each call
+
+
+async def test_a_checkpoint_opened_off_the_loop_is_streamed_and_left_open(tmp_path: Path) -> None:
+    # Opening reads every shard's header: a server opens it in a worker thread and passes the
+    # opened Checkpoint. The streamed module reads it and leaves closing it to its owner.
+    model = sequential(n=4)
+    x = torch.randn(4, 32)
+    expected = reference(model, x)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        skeleton = sequential(n=4)
+    async with ResidencyManager(budgets={"cuda:0": 3 * 4608}, backend="sim") as m:
+        opened = await anyio.to_thread.run_sync(Checkpoint.open, path)
+        with opened:
+            streamed = stream_module(m, skeleton, prefetch=1, checkpoint=opened)
+            assert streamed.checkpoint == path
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), expected)
+            await streamed.aclose()
+            assert torch.equal(opened.read("0.weight"), model[0].weight)  # still open
+        with pytest.raises(RuntimeError, match="is closed"):
+            opened.read("0.weight")
 
 
 async def test_checkpoint_takes_what_the_file_lacks_from_the_module(tmp_path: Path) -> None:

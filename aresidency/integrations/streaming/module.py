@@ -114,7 +114,7 @@ class StreamedModule:
         device: LocationLike = "cuda:0",
         prefetch: int = 2,
         host: HostKind = "pinned-host",
-        checkpoint: str | Path | None = None,
+        checkpoint: str | Path | Checkpoint | None = None,
         blocks: Sequence[nn.Module] | None = None,
         stream: Any = None,
         timeout: float | None = None,
@@ -138,7 +138,14 @@ class StreamedModule:
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
         self.prefetch = prefetch
         self.keep_resident = bool(keep_resident)
-        self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        # An opened Checkpoint is the caller's (opened off the loop, closed by the caller);
+        # a path is opened at registration and closed with the module.
+        given = checkpoint if isinstance(checkpoint, Checkpoint) else None
+        self._owns_checkpoint = given is None
+        if isinstance(checkpoint, Checkpoint):
+            self.checkpoint: Path | None = checkpoint.path
+        else:
+            self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.host: HostKind | None = None if checkpoint is not None else host
         self.name = name or f"{type(module).__name__}-{id(module):x}"
         self._stream = stream
@@ -198,7 +205,7 @@ class StreamedModule:
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
-        self._checkpoint: Checkpoint | None = None
+        self._checkpoint: Checkpoint | None = given
         self.calls = 0
         # Copies to the device this module started (a block each time it is streamed in, the
         # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
@@ -890,9 +897,7 @@ class StreamedModule:
             self._restore_host_tensors()
             self._registered.clear()
             self.kept.clear()
-            if self._checkpoint is not None:
-                self._checkpoint.close()
-                self._checkpoint = None
+            self._close_checkpoint()
             return
         async with self._lock:
             self._closed = True
@@ -908,9 +913,13 @@ class StreamedModule:
                         await self.manager.discard(group.handle)
                 self._registered.clear()
                 self.kept.clear()
-                if self._checkpoint is not None:
-                    self._checkpoint.close()
-                    self._checkpoint = None
+                self._close_checkpoint()
+
+    def _close_checkpoint(self) -> None:
+        """Close the checkpoint this module opened (one given opened is the caller's)."""
+        opened, self._checkpoint = self._checkpoint, None
+        if opened is not None and self._owns_checkpoint:
+            opened.close()
 
     async def __aenter__(self) -> StreamedModule:
         return self
@@ -997,7 +1006,7 @@ def stream_module(
     device: LocationLike = "cuda:0",
     prefetch: int = 2,
     host: HostKind = "pinned-host",
-    checkpoint: str | Path | None = None,
+    checkpoint: str | Path | Checkpoint | None = None,
     *,
     blocks: Sequence[nn.Module] | None = None,
     stream: Any = None,
@@ -1012,7 +1021,10 @@ def stream_module(
     may allow fewer). ``host``: where the weights are kept (``"pinned-host"`` for full-speed
     copies, or ``"pageable-host"``, staged through the backend's pinned buffers);
     ``checkpoint``: a safetensors checkpoint to rebuild each block from instead: a file, a
-    directory of shards with its ``model.safetensors.index.json``, or that index (keys are the
+    directory of shards with its ``model.safetensors.index.json``, or that index (opened here,
+    reading every shard's header on the calling thread), or a
+    :class:`~aresidency.runtime.checkpoints.Checkpoint` opened already (off the loop: ``await
+    anyio.to_thread.run_sync(Checkpoint.open, path)``; the caller closes it) (keys are the
     module's ``state_dict`` names; dtypes are converted to the module's; a parameter or
     persistent buffer missing there is a ``KeyError`` naming it; non-persistent buffers, such
     as a rotary embedding's ``inv_freq``, are taken from the module, recovered when the module
