@@ -13,7 +13,14 @@ from ..core.values import ValueHandle
 from ..runtime.manager import ResidencyManager
 from .records import BatchRecord
 
-__all__ = ["held_by_waiter", "kept_by_waiter", "never_fits", "room", "timeout_error"]
+__all__ = [
+    "held_by_waiter",
+    "kept_by_waiter",
+    "never_fits",
+    "reclaim_for",
+    "room",
+    "timeout_error",
+]
 
 
 def room(manager: ResidencyManager, location: Location, need: int) -> bool:
@@ -143,3 +150,15 @@ def held_by_waiter(
         exempt=exempt,
         what=f"batch {index} of {name} ({format_nbytes(need)} at {device})",
     )
+
+
+def reclaim_for(manager: ResidencyManager, device: Location, need: int) -> int:
+    """For a consumer waiting for a batch that needs ``need`` more bytes at ``device`` than
+    are free: ask the tenants that cache data there (a model pool's idle models) to give the
+    shortfall back (:meth:`ResidencyManager.reclaim`). Returns the bytes whose release began
+    (0 when the batch fits, or nobody gave anything)."""
+    ledger = manager.state.find_ledger(device)
+    if ledger is None or ledger.budget_bytes is None:
+        return 0
+    short = ledger.charged_bytes + need - ledger.budget_bytes
+    return manager.reclaim(device, short) if short > 0 else 0

@@ -54,7 +54,14 @@ from ..runtime.pending import PendingOperation
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .budget import held_by_waiter, kept_by_waiter, never_fits, room, timeout_error
+from .budget import (
+    held_by_waiter,
+    kept_by_waiter,
+    never_fits,
+    reclaim_for,
+    room,
+    timeout_error,
+)
 from .feeder import (
     Arrivals,
     End,
@@ -645,6 +652,10 @@ class Epoch:
                     if stuck is not None:
                         head.error = stuck
                         raise stuck
+                    need = sum(p.charge for p in head.parts if p.pending is None)
+                    if reclaim_for(self.manager, self.device, need):
+                        self.pump()  # (the cache given back: admit it now if it fits)
+                        continue
                 deadline = None
                 timeout = self.loader.timeout
                 if cause == "budget" and timeout is not None and head is not None:

@@ -90,7 +90,7 @@ from ..runtime.leases import current_task
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
 from .batch import DeviceBatch
-from .budget import held_by_waiter, kept_by_waiter
+from .budget import held_by_waiter, kept_by_waiter, reclaim_for
 from .feeder import Arrivals, End, HostBatch, ThreadFeeder, changed_since_yielded, feed_async
 from .kept import KeptAfterRelease
 from .lifetime import HostWaits, closed_under_pass, watch_close
@@ -1066,6 +1066,9 @@ class RingEpoch:
                     stuck = self._kept_by_me(request)
                     if stuck is not None:
                         raise stuck
+                    need = -(-request.nbytes // ALIGN) * ALIGN
+                    if reclaim_for(self.manager, self.device, need):
+                        continue  # the cache given back: the thread is told by the change
                 if cause == "source" and (
                     self._direct or (self._arrivals is not None and len(self._arrivals))
                 ):

@@ -190,6 +190,7 @@ class ResidencyManager:
         self._status = "new"  # new -> running -> closing -> closed
         # Tenants waiting for room outside the admission queue, per location (want_room).
         self._wanting: dict[Location, int] = {}
+        self._reclaimers: list[Callable[[Location, int], int]] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -388,6 +389,41 @@ class ResidencyManager:
         the returned function is called. For state machines that advance without a task of
         their own (a prefetch pipeline); the callback must not raise and must not await."""
         return self._running().signal.add_listener(callback)
+
+    def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
+        """Offer what a tenant caches and could give back (a model pool's idle models on the
+        device), until the returned function is called: ``reclaimer(location, nbytes)``
+        begins releasing up to about ``nbytes`` at ``location`` of what nothing protects and
+        another copy keeps (``release_nowait``) and returns the bytes it began releasing.
+        Called by :meth:`reclaim`. Loop thread; it must not raise or await."""
+        self._running()
+        self._reclaimers.append(reclaimer)
+
+        def remove() -> None:
+            if reclaimer in self._reclaimers:
+                self._reclaimers.remove(reclaimer)
+
+        return remove
+
+    def reclaim(self, location: LocationLike, nbytes: int) -> int:
+        """For a tenant that waits for ``nbytes`` more room at ``location`` that only cached
+        data takes (a loader's next batch beside a pool's idle models): ask the reclaimers
+        (:meth:`add_reclaimer`), in the order they came, to give back that much. Returns the
+        bytes whose release began (they free as the releases commit: wait for the change).
+        Loop thread; never waits."""
+        rt = self._running()
+        loc = Location.parse(location)
+        freed = 0
+        for reclaimer in list(self._reclaimers):
+            if freed >= nbytes:
+                break
+            try:
+                freed += reclaimer(loc, nbytes - freed)
+            except Exception:  # a tenant's bug must not fail the caller's wait
+                _log.exception("reclaimer %r failed", reclaimer)
+        if freed:
+            rt.signal.notify()
+        return freed
 
     def add_task_keeper(self, keeper: Keeper) -> Callable[[], None]:
         """Tell admission what a tenant keeps on a task's behalf, until the returned function

@@ -583,6 +583,9 @@ class ModelPool:
         # manager (they end only when it goes on): its scopes, streamed calls and loaders
         # that could fit only once they ended are refused at once instead of waiting.
         self._unkeep = manager.add_task_keeper(self._kept_for)
+        # Idle models on the device are a cache: another tenant short of room there (a
+        # loader's next batch) may ask for it back (manager.reclaim).
+        self._unreclaim = manager.add_reclaimer(self._reclaim)
 
     # ------------------------------------------------------------------ models
 
@@ -1223,6 +1226,41 @@ class ModelPool:
             return []
         return [r for r in self._active.values() if r.task is task]
 
+    def _reclaim(self, location: Location, nbytes: int) -> int:
+        """For :meth:`ResidencyManager.reclaim`: begin releasing up to about ``nbytes`` of
+        idle models' groups at ``location`` (the least demanded model first; a model with a
+        request in flight, waiting or admitted, is left alone), each released only if nothing
+        protects it (its host copy stays). Returns the bytes whose release began."""
+        if location != self.device or self._closed:
+            return 0
+        state = self.manager.state
+        rates = self.demand.rates(list(self._entries))
+        freed = 0
+        for entry in sorted(self._entries.values(), key=lambda e: (rates[e.name], e.name)):
+            if entry.in_flight or entry.busy or entry.removing is not None:
+                continue
+            releasing = set(entry.streamed.releasing)
+            for group in entry.groups:
+                if freed >= nbytes:
+                    return freed
+                handle = group.handle
+                value = None if handle is None else state.find_value(handle)
+                if handle is None or value is None or group.index in releasing:
+                    continue
+                mat = value.materializations.get(location)
+                if mat is None or mat.state is not _RESIDENT or mat.protected:
+                    continue
+                if len(value.materializations) < 2:
+                    continue  # (its only copy: never, though a pool keeps a host one)
+                try:
+                    self.manager.release_nowait(handle, location)
+                except ResidencyError:
+                    continue
+                freed += mat.charged_bytes
+        if freed:
+            logger.info("pool: gave back %s of idle models at %s", format_nbytes(freed), location)
+        return freed
+
     def _kept_for(self, task: object) -> Kept | None:
         """For admission: what ``task``'s admitted requests hold on the device."""
         own = self._own_requests(task)
@@ -1661,6 +1699,7 @@ class ModelPool:
         self._poke()
         await self._idle.wait()
         self._unkeep()
+        self._unreclaim()
         for entry in list(self._entries.values()):
             try:
                 await self._close_entry(entry)

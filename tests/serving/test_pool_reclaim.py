@@ -1,0 +1,95 @@
+"""A model pool's idle models on the device are a cache: a ``DeviceLoader`` sharing the budget
+gets its batches by asking for that room back (``manager.reclaim``), instead of waiting for
+ever behind models nobody uses. Simulated backend (CUDA simulated in host memory); every test
+bounds itself with ``fail_after``."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ResidencyManager
+from aresidency.loader import DeviceLoader
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, reference
+from .test_pool import TOKENS, TOTAL
+
+pytestmark = pytest.mark.anyio
+
+BATCH = 1024  # float32 elements: 4 KiB a batch
+
+
+def at_device(m: ResidencyManager, model: str) -> int:
+    """Bytes of ``model``'s groups on cuda:0."""
+    snap = m.snapshot()
+    return sum(
+        record.charged_bytes
+        for value in snap.values.values()
+        if value.name.startswith(f"{model}.")
+        for record in value.materializations
+        if str(record.location) == "cuda:0"
+    )
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_a_loader_gets_room_that_idle_pooled_models_cached(ring: bool) -> None:
+    # Two models fill the budget but for 2 KiB; nobody uses them. The loader's batches need
+    # more: the least demanded model gives back as much as they need, the other stays.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL + 2048}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        with anyio.fail_after(10):
+            for name in ("b", "a", "a"):  # 'a' is in more demand
+                async with pool.use(name) as model:
+                    await model(TOKENS)
+            assert at_device(m, "a") == at_device(m, "b") == TOTAL
+            data = [torch.randn(BATCH) for _ in range(4)]
+            got = []
+            async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+                async for batch in loader:
+                    got.append(batch.clone())
+            assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+            assert at_device(m, "a") == TOTAL  # the hotter model stayed whole
+            assert 0 < TOTAL - at_device(m, "b") < TOTAL  # part of the colder one left
+            assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL + 2048
+            for name in ("a", "b"):  # both serve again (what left is copied back)
+                async with pool.use(name) as model:
+                    assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_a_model_in_use_is_never_given_back(ring: bool) -> None:
+    # 'a' is in use by another task for the whole pass; only 'b' (idle) may give room back.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL + 2048}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        holding, done = anyio.Event(), anyio.Event()
+
+        async def serve() -> None:
+            async with pool.use("a") as model:
+                holding.set()
+                await done.wait()
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+
+        with anyio.fail_after(10):
+            async with pool.use("b") as model:
+                await model(TOKENS)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(serve)
+                await holding.wait()
+                data = [torch.randn(BATCH) for _ in range(4)]
+                async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+                    count = 0
+                    async for _ in loader:
+                        count += 1
+                        assert at_device(m, "a") == TOTAL
+                assert count == 4 and at_device(m, "b") < TOTAL
+                done.set()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
