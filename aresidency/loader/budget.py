@@ -157,8 +157,4 @@ def reclaim_for(manager: ResidencyManager, device: Location, need: int) -> int:
     are free: ask the tenants that cache data there (a model pool's idle models) to give the
     shortfall back (:meth:`ResidencyManager.reclaim`). Returns the bytes whose release began
     (0 when the batch fits, or nobody gave anything)."""
-    ledger = manager.state.find_ledger(device)
-    if ledger is None or ledger.budget_bytes is None:
-        return 0
-    short = ledger.charged_bytes + need - ledger.budget_bytes
-    return manager.reclaim(device, short) if short > 0 else 0
+    return manager.reclaim_for(device, need)

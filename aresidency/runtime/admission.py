@@ -476,6 +476,12 @@ class AdmissionQueue:
         )
         if failure is None:
             return None
+        # Only if what the task holds is what keeps it out: with that ended too, would it fit?
+        # (Resident values nobody protects stay in both: they may leave by another tenant's
+        # hand, a pool giving its cache back, and the task's own holdings elsewhere are not
+        # the cause.)
+        if drain(fails_while_kept_steps(state, plan, scoped=own.scoped)) is not None:
+            return None
         ledger = state.ledger(location)
         error = ResidencyBudgetError(
             location,

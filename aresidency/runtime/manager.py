@@ -425,6 +425,17 @@ class ResidencyManager:
             rt.signal.notify()
         return freed
 
+    def reclaim_for(self, location: LocationLike, need: int) -> int:
+        """:meth:`reclaim` what ``need`` more bytes at ``location`` lack beside the charge
+        now (nothing when they fit, or there is no budget). Returns the bytes whose release
+        began. Loop thread; never waits."""
+        rt = self._running()
+        ledger = rt.state.find_ledger(Location.parse(location))
+        if ledger is None or ledger.budget_bytes is None:
+            return 0
+        short = ledger.charged_bytes + need - ledger.budget_bytes
+        return self.reclaim(location, short) if short > 0 else 0
+
     def add_task_keeper(self, keeper: Keeper) -> Callable[[], None]:
         """Tell admission what a tenant keeps on a task's behalf, until the returned function
         is called: ``keeper(task)`` returns a :class:`~aresidency.runtime.admission.Kept`

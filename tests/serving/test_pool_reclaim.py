@@ -9,7 +9,8 @@ import anyio
 import pytest
 import torch
 
-from aresidency import ResidencyManager
+from aresidency import ReplicaMode, ResidencyManager
+from aresidency.integrations import stream_module
 from aresidency.loader import DeviceLoader
 from aresidency.serving import ModelPool
 
@@ -93,3 +94,43 @@ async def test_a_model_in_use_is_never_given_back(ring: bool) -> None:
                 done.set()
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("ring", [None, False], ids=["ring", "values"])
+async def test_a_streamed_model_gets_room_that_idle_pooled_models_cached(
+    ring: bool | None,
+) -> None:
+    # A model streamed beside the pool (stream_module) waited for ever for a block's room
+    # that only the pool's idle models took (or was refused at once, blamed on the pool's
+    # host copies, which its task had registered): it asks for the room back too.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL + 2048}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        with anyio.fail_after(10):
+            for name in ("a", "b"):
+                async with pool.use(name) as model:
+                    await model(TOKENS)
+            other = TinyLM(seed=5)
+            streamed = stream_module(m, other, "cuda:0", prefetch=1, ring=ring)
+            with torch.no_grad():
+                assert torch.equal(await streamed(TOKENS), reference(other, TOKENS))
+            await streamed.aclose()
+            assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL + 2048
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_what_the_task_holds_elsewhere_is_not_blamed_for_room_a_cache_takes() -> None:
+    # The task holds a value at pinned-host; cuda:0 is full of a value nobody protects. A
+    # wait for room at cuda:0 may end (another tenant may release that value): it is not
+    # "waiting on itself", which only the task's own holdings at cuda:0 would make it.
+    async with ResidencyManager(budgets={"cuda:0": 8 * 1024}, backend="sim") as m:
+        pinned = m.register(torch.zeros(256), name="mine", location="pinned-host")
+        cached = m.register(torch.zeros(2048), name="cache", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(cached, "cuda:0")
+        with m.hold(pinned, "pinned-host"):
+            assert m.waiting_on_itself(4096, "cuda:0", what="a block") is None
+            with m.hold(cached, "cuda:0"):  # now the task's own hold is what keeps it out
+                error = m.waiting_on_itself(4096, "cuda:0", what="a block")
+                assert error is not None and "only what the waiting task holds" in str(error)

@@ -54,6 +54,7 @@ import anyio
 import torch
 
 from ...core.errors import ResidencyBudgetError
+from ...core.locations import Location
 from ...core.values import MaterializationState
 from ...runtime.leases import Lease, LeaseWouldWait, current_task
 from ...runtime.pending import PendingOperation
@@ -300,9 +301,18 @@ class CallPipeline:
         )
         if error is None:
             self._head_blocked = True
+            # Idle cached data (a pool's models) may give the room back: asked after this
+            # pump (its releases notify, which pumps again).
+            need = group.charge_bytes
+            device = self.streamed.device
+            self.manager.bridge.call_soon_quietly(self._reclaim, device, need)
             return False
         self._fail(slot, error)
         return True
+
+    def _reclaim(self, device: Location, need: int) -> None:
+        if self.manager.running and self._head_blocked:
+            self.manager.reclaim_for(device, need)
 
     def _want_room(self, wanted: bool) -> None:
         """Say (or stop saying) that the call waits for room for the block it needs next.

@@ -292,6 +292,9 @@ class RingCall:
             )
             if own is not None:
                 raise own
+            if self.manager.reclaim_for(self.device, need):  # a pool's idle cache left
+                await anyio.lowlevel.checkpoint()
+                return
             if self._wanting is None:  # held until open() ends
                 self._wanting = self.manager.want_room(self.device)
         if deadline is None:
