@@ -3,8 +3,10 @@
 A scope whose plan does not fit now waits here, in arrival order, as long as only *transient*
 state stands in its way: leases, holds, pending consumer events, transfers in flight and the
 reservations of other scopes or ``manager.reservation`` blocks (they all end on their own). A
-plan that resident values block (nobody protects them, so nothing will move them) or that could
-never fit fails at once with the explanation's reason, and so does one that only the entering
+plan that resident values block (nobody protects them, so nothing will move them) first asks
+the tenants that cache such values (*reclaimers*: a model pool's idle models) for the bytes it
+lacks, unless it was derived from a state (a decision chose its evictions); one they do not
+make room for, or that could never fit, fails at once with the explanation's reason, and so does one that only the entering
 task's own entered scopes, reservation blocks, leases and holds keep out (they end only when
 that task goes on: it would wait for itself). The same holds for what a tenant keeps on the
 task's behalf and gives back only when the task goes on (a loader's batches copied ahead, which
@@ -40,6 +42,7 @@ they would share the queue's private state.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -73,6 +76,11 @@ T = TypeVar("T")
 
 #: Sliced simulations restarted because the state moved, before one runs in one go.
 MAX_RESTARTS = 8
+#: Rounds of asking the reclaimers for room (and explaining again) before a plan that resident
+#: values nobody protects keep out is refused.
+_RECLAIM_ROUNDS = 3
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +234,7 @@ class AdmissionQueue:
         # Listening only while someone waits: most changes have nobody queued to wake.
         self._unlisten: Callable[[], None] | None = None
         self._keepers: list[Keeper] = []
+        self._reclaimers: list[Callable[[Location, int], int]] = []
 
     def add_keeper(self, keeper: Keeper) -> Callable[[], None]:
         """Count what ``keeper(task)`` returns as ``task``'s own (see the module docstring)
@@ -237,6 +246,53 @@ class AdmissionQueue:
                 self._keepers.remove(keeper)
 
         return remove
+
+    def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
+        """Offer a tenant's cache (see :meth:`ResidencyManager.add_reclaimer`) until the
+        returned function is called."""
+        self._reclaimers.append(reclaimer)
+
+        def remove() -> None:
+            if reclaimer in self._reclaimers:
+                self._reclaimers.remove(reclaimer)
+
+        return remove
+
+    def reclaim(self, location: Location, nbytes: int) -> int:
+        """Ask the reclaimers, in the order they came, to give back ``nbytes`` at
+        ``location``; the bytes whose release began (see :meth:`ResidencyManager.reclaim`)."""
+        freed = 0
+        for reclaimer in list(self._reclaimers):
+            if freed >= nbytes:
+                break
+            try:
+                freed += reclaimer(location, nbytes - freed)
+            except Exception:  # a tenant's bug must not fail the caller's wait
+                _log.exception("reclaimer %r failed", reclaimer)
+        if freed:
+            self._rt.signal.notify()
+        return freed
+
+    async def _reclaiming(
+        self, plan: ResidencyPlan, explanation: PlanExplanation, expected: int | None
+    ) -> PlanExplanation:
+        """For a plan that resident values nobody protects keep out (not transient): ask the
+        reclaimers for the bytes it lacks where it fails, and explain it again, a few rounds
+        at most. The explanation as it stands then. Not for a plan derived from a state
+        (``expected``): its decision chose what to evict, and a change would make it stale."""
+        state = self._rt.state
+        for _ in range(0 if expected is not None else _RECLAIM_ROUNDS):
+            error = explanation.blocking_error
+            if explanation.feasible or explanation.transient or not self._reclaimers:
+                break
+            if not isinstance(error, ResidencyBudgetError) or error.location is None:
+                break
+            if not self.reclaim(error.location, max(1, error.missing_bytes)):
+                break
+            explanation = await self._sliced(
+                lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
+            )
+        return explanation
 
     def kept_for(self, task: object | None) -> list[Kept]:
         """What the keepers keep on ``task``'s behalf (each non-empty answer)."""
@@ -359,6 +415,7 @@ class AdmissionQueue:
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )
+        explanation = await self._reclaiming(plan, explanation, expected_version)
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
             self._enqueue(waiter)
@@ -391,6 +448,7 @@ class AdmissionQueue:
                     explanation = await self._sliced(
                         lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
                     )
+                    explanation = await self._reclaiming(plan, explanation, expected_version)
                     if not explanation.feasible and not explanation.transient:
                         raise ResidencyPlanError(explanation.reason) from (
                             explanation.blocking_error

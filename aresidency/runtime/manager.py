@@ -190,7 +190,6 @@ class ResidencyManager:
         self._status = "new"  # new -> running -> closing -> closed
         # Tenants waiting for room outside the admission queue, per location (want_room).
         self._wanting: dict[Location, int] = {}
-        self._reclaimers: list[Callable[[Location, int], int]] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -395,15 +394,10 @@ class ResidencyManager:
         device), until the returned function is called: ``reclaimer(location, nbytes)``
         begins releasing up to about ``nbytes`` at ``location`` of what nothing protects and
         another copy keeps (``release_nowait``) and returns the bytes it began releasing.
-        Called by :meth:`reclaim`. Loop thread; it must not raise or await."""
-        self._running()
-        self._reclaimers.append(reclaimer)
-
-        def remove() -> None:
-            if reclaimer in self._reclaimers:
-                self._reclaimers.remove(reclaimer)
-
-        return remove
+        Called by :meth:`reclaim`, and by a scope's admission before it refuses a plan that
+        only resident values nobody protects keep out. Loop thread; it must not raise or
+        await."""
+        return self._running().admission.add_reclaimer(reclaimer)
 
     def reclaim(self, location: LocationLike, nbytes: int) -> int:
         """For a tenant that waits for ``nbytes`` more room at ``location`` that only cached
@@ -411,19 +405,7 @@ class ResidencyManager:
         (:meth:`add_reclaimer`), in the order they came, to give back that much. Returns the
         bytes whose release began (they free as the releases commit: wait for the change).
         Loop thread; never waits."""
-        rt = self._running()
-        loc = Location.parse(location)
-        freed = 0
-        for reclaimer in list(self._reclaimers):
-            if freed >= nbytes:
-                break
-            try:
-                freed += reclaimer(loc, nbytes - freed)
-            except Exception:  # a tenant's bug must not fail the caller's wait
-                _log.exception("reclaimer %r failed", reclaimer)
-        if freed:
-            rt.signal.notify()
-        return freed
+        return self._running().admission.reclaim(Location.parse(location), nbytes)
 
     def reclaim_for(self, location: LocationLike, need: int) -> int:
         """:meth:`reclaim` what ``need`` more bytes at ``location`` lack beside the charge

@@ -9,7 +9,13 @@ import anyio
 import pytest
 import torch
 
-from aresidency import ReplicaMode, ResidencyManager
+from aresidency import (
+    MemoryReservation,
+    ReplicaMode,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+)
 from aresidency.integrations import stream_module
 from aresidency.loader import DeviceLoader
 from aresidency.serving import ModelPool
@@ -134,3 +140,28 @@ async def test_what_the_task_holds_elsewhere_is_not_blamed_for_room_a_cache_take
             with m.hold(cached, "cuda:0"):  # now the task's own hold is what keeps it out
                 error = m.waiting_on_itself(4096, "cuda:0", what="a block")
                 assert error is not None and "only what the waiting task holds" in str(error)
+
+
+async def test_a_scope_gets_room_that_idle_pooled_models_cached() -> None:
+    # A scope whose workspace only the pool's idle models keep out was refused at once
+    # ("release or move values"): its admission asks for the room back first. A plan derived
+    # from a state (an expected_state_version) is not: its decision chose what to evict.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL + 2048}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        with anyio.fail_after(10):
+            for name in ("b", "a", "a"):
+                async with pool.use(name) as model:
+                    await model(TOKENS)
+            workspace = [MemoryReservation("ws", "cuda:0", 32 * 1024)]
+            derived = ResidencyPlan(reserve=workspace, expected_state_version=m.state_version)
+            with pytest.raises(ResidencyPlanError):
+                async with m.scope(derived):
+                    pass
+            assert at_device(m, "a") == at_device(m, "b") == TOTAL  # nothing given back
+            async with m.scope(ResidencyPlan(reserve=workspace)):
+                assert at_device(m, "a") == TOTAL and at_device(m, "b") < TOTAL
+            assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL + 2048
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
