@@ -6,17 +6,17 @@ reservations of other scopes or ``manager.reservation`` blocks (they all end on 
 plan that resident values block (nobody protects them, so nothing will move them) first asks
 the tenants that cache such values (*reclaimers*: a model pool's idle models) for the bytes it
 lacks, unless it was derived from a state (a decision chose its evictions); one they do not
-make room for, or that could never fit, fails at once with the explanation's reason, and so does one that only the entering
-task's own entered scopes, reservation blocks, leases and holds keep out (they end only when
-that task goes on: it would wait for itself). The same holds for what a tenant keeps on the
-task's behalf and gives back only when the task goes on (a loader's batches copied ahead, which
-move only when their consumer asks for the next one): a tenant tells the queue through a
-*keeper* (:meth:`AdmissionQueue.add_keeper`), and it counts as the task's own. A scope is
-checked, on every state change, only once it is first among the waiters it contends with (those
-that charge a location it charges, where a budget applies), so a later scope never overtakes an
-earlier one for the same room, and a scope for another device does not wait behind it (a scope
-waiting on ``cuda:1`` behind one waiting on ``cuda:0`` could otherwise wait for room that the
-first one's holder, waiting itself for ``cuda:1``, keeps).
+make room for, or that could never fit, fails at once with the explanation's reason, and so
+does one that only the entering task's own entered scopes, reservation blocks, leases and holds
+keep out (they end only when that task goes on: it would wait for itself). The same holds for
+what a tenant keeps on the task's behalf and gives back only when the task goes on (a loader's
+batches copied ahead, which move only when their consumer asks for the next one): a tenant
+tells the queue through a *keeper* (:meth:`AdmissionQueue.add_keeper`), and it counts as the
+task's own. A scope is checked, on every state change, only once it is first among the waiters
+it contends with (those that charge a location it charges, where a budget applies), so a later
+scope never overtakes an earlier one for the same room, and a scope for another device does not
+wait behind it (a scope waiting on ``cuda:1`` behind one waiting on ``cuda:0`` could otherwise
+wait for room that the first one's holder, waiting itself for ``cuda:1``, keeps).
 
 Direct operations queue too, so that they cannot starve a waiting scope: one that would charge
 a location where a waiting scope will charge bytes (``materialize``, ``move``, ``execute``)
