@@ -996,6 +996,7 @@ class ModelPool:
         with ``timeout=0`` raises ``TimeoutError`` instead (its message is ``request.why``)."""
         if request.no_wait:
             raise TimeoutError
+        self._refuse_waiting_on_itself(request)
         self._deciding.release()  # a nested request may decide meanwhile
         try:
             if request.nested:  # (the line's head, if it parks too, names its own blockers)
@@ -1013,6 +1014,37 @@ class ModelPool:
                 self._head_blockers = None
         finally:
             await self._reacquire_deciding()
+
+    def _refuse_waiting_on_itself(self, request: _Request) -> None:
+        """Before a park: ``ResidencyPlanError`` if the request could be admitted only once
+        what its own task holds ended (a ``manager.reservation`` block, a scope, leases and
+        holds, its other requests): those end only when the task goes on, so the park would
+        never end. The pool's idle groups count as gone (it evicts them); the model's own
+        groups are counted in full."""
+        entry = request.entry
+        mode, prefetch = self._mode_for(entry, request.reserve, request.task)
+        if mode == "resident":
+            need = entry.total_bytes + request.reserve
+        else:
+            need = entry.outside_bytes + entry.window_bytes(prefetch) + request.reserve
+        mine = {
+            group.handle
+            for other in self._own_requests(request.task)
+            for group in other.entry.groups
+            if group.index in other.kept
+        }
+        exempt = [h for e in self._entries.values() for h in e.handles if h not in mine]
+        error = self.manager.waiting_on_itself(
+            need,
+            self.device,
+            exempt=exempt,
+            what=f"request {request.id} for {entry.name!r} ({mode})",
+            task=request.task,
+        )
+        if error is not None:
+            raise ResidencyPlanError(
+                f"the request for {entry.name!r} would wait for ever: {error}"
+            ) from error
 
     def _drain_target(self, request: _Request, mode: Mode, headroom: int) -> frozenset[str] | None:
         """For a head that waits for room to load its model resident: the model it waits to

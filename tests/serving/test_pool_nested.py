@@ -288,3 +288,32 @@ async def test_a_requests_holds_are_its_tasks_even_those_taken_as_its_copies_lan
         assert names == [{"request-task"}]
         assert not [o for o in m.owners() if str(o[1]) == "cuda:0"]
         await pool.aclose()
+
+
+@pytest.mark.parametrize("holding", ["block", "scope"])
+async def test_a_request_that_only_its_tasks_other_holdings_keep_out_fails_at_once(
+    holding: str,
+) -> None:
+    # The task holds room outside the pool (a reservation block, a scope's workspace) that
+    # leaves too little for the model: the request would wait for ever (it parked until its
+    # timeout). It fails at once naming what the task holds; with room, it is admitted.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + 4096}, backend="sim") as m:
+        pool = pool_of(m, "a")
+        for size, fits in ((TOTAL, False), (2048, True)):
+            held = (
+                m.reservation("kv", "cuda:0", size)
+                if holding == "block"
+                else m.scope(ResidencyPlan(reserve=[MemoryReservation("kv", "cuda:0", size)]))
+            )
+            with anyio.fail_after(10):
+                async with held:
+                    try:
+                        async with pool.use("a") as a:
+                            assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+                        assert fits
+                    except ResidencyPlanError as error:
+                        assert not fits
+                        assert "would wait for ever" in str(error)
+                        assert ("'kv'" in str(error)) == (holding == "block"), str(error)
+            assert_nothing_leaked(m, pool)
+        await pool.aclose()

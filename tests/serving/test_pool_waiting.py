@@ -13,12 +13,19 @@ import torch
 
 from aresidency import ReplicaMode, ResidencyManager
 from aresidency.runtime import ManagerClosedError
+from aresidency.runtime.leases import Hold, TaskRef
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
 from .test_pool import TOKENS, TOTAL, eventually
 
 pytestmark = pytest.mark.anyio
+
+
+def tenant_hold(m: ResidencyManager, handle: Any) -> Hold:
+    """A hold of another tenant (no task of this test's: it runs inside the pool's decision,
+    in the request's task, but stands for someone else's)."""
+    return m.hold(handle, "cuda:0", on_behalf_of=TaskRef("another tenant", None))
 
 
 def hold_during_decisions(pool: ModelPool, take: Any) -> anyio.Event:
@@ -55,7 +62,7 @@ async def test_a_request_refused_while_a_tenant_held_its_victim_goes_in_when_the
         pool = ModelPool(m)
         pool.add("a", TinyLM(seed=1))
         holds = []
-        decided = hold_during_decisions(pool, lambda: holds.append(m.hold(other, "cuda:0")))
+        decided = hold_during_decisions(pool, lambda: holds.append(tenant_hold(m, other)))
         admitted = anyio.Event()
 
         async def request() -> None:
@@ -86,7 +93,7 @@ async def test_closing_the_pool_serves_the_request_that_waited_for_a_hold_to_end
         pool = ModelPool(m)
         pool.add("a", TinyLM(seed=1))
         holds = []
-        decided = hold_during_decisions(pool, lambda: holds.append(m.hold(other, "cuda:0")))
+        decided = hold_during_decisions(pool, lambda: holds.append(tenant_hold(m, other)))
         served: list[str] = []
         closed = anyio.Event()
 
