@@ -1263,7 +1263,7 @@ class ModelPool:
         idle models' groups at ``location`` (the least demanded model first; a model with a
         request in flight, waiting or admitted, is left alone), each released only if nothing
         protects it (its host copy stays). Returns the bytes whose release began."""
-        if location != self.device or self._closed:
+        if location != self.device or self._closed or not self.manager.running:
             return 0
         state = self.manager.state
         rates = self.demand.rates(list(self._entries))
