@@ -922,7 +922,9 @@ class ModelPool:
                 request.why = f"room: {error.reason}"
                 await self._park(request, before, self._drain_target(request, mode, headroom))
                 continue
-            colder = self._colder_in_use(entry, decision) if self.defer_hot_evictions else None
+            # (Never for a nested request: the colder model in use may be its own task's.)
+            defer = self.defer_hot_evictions and not request.nested
+            colder = self._colder_in_use(entry, decision) if defer else None
             if colder is not None:
                 request.why, colder_name = colder
                 await self._park(request, before, frozenset({colder_name, entry.name}))

@@ -317,3 +317,22 @@ async def test_a_request_that_only_its_tasks_other_holdings_keep_out_fails_at_on
                         assert ("'kv'" in str(error)) == (holding == "block"), str(error)
             assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_a_nested_request_never_defers_to_its_own_tasks_colder_model() -> None:
+    # The nested request for 'c' must evict the idle 'b', hotter than 'a', which the same task
+    # holds: the pool defers such an eviction until the colder model in use ends, and that
+    # one is this task's, so the request waited for ever. A nested request does not defer.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = pool_of(m, "abc")
+        with anyio.fail_after(10):
+            for name in ("a", "b", "b", "b"):  # 'b' is hot, 'a' cold; 'b' stays on the device
+                async with pool.use(name) as model:
+                    await model(TOKENS)
+            async with pool.use("a") as a:
+                async with pool.use("c") as c:
+                    assert c.mode == "streamed"
+                    assert torch.equal(await c(TOKENS), reference(c.module, TOKENS))
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
