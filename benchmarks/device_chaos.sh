@@ -5,13 +5,7 @@
 # as arguments (their CUDA tests) in $OUT/extra.log.   bash benchmarks/device_chaos.sh [paths]
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheel install failed"
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/device_env.sh
 export ARESIDENCY_CHAOS_SEEDS=${ARESIDENCY_CHAOS_SEEDS:-24}
 PYTEST=(python3 -m pytest -q -rfE --tb=long -p no:cacheprovider -p no:asyncio
   -p aresidency.testing.plugin -m "cuda or cuda2" --timeout=120)

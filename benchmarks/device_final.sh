@@ -8,13 +8,7 @@
 # ONLY_ASYNCIO=1 leaves out the uvloop part; ASYNCIO_TIMEOUT and UVLOOP_TIMEOUT bound each part.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheel install failed"
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/device_env.sh
 [ -n "${THREAD_POLLS:-}" ] && export ARESIDENCY_TEST_LOOP_TIMER=0
 run() {  # $1 log name, $2 timeout, $3 -k expression, then the test paths
   local log=$1 limit=$2 k=$3

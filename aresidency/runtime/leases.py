@@ -325,11 +325,7 @@ class Lease:
                 "the transfer bringing it there is being cancelled; materialize it again",
             )
         if payload.failure is not None:
-            raise ResidencyUnavailableError(
-                self.handle,
-                self.location,
-                f"the transfer bringing it there failed: {payload.failure}",
-            ) from payload.failure
+            raise self._fill_failed(payload.failure) from payload.failure
         backend = self._rt.backend
         transfer = payload.transfer
         self.ready_event = None if transfer is None else transfer.event
@@ -405,11 +401,13 @@ class Lease:
                 "before its data existed; materialize it again",
             )
         if mat.fill_failure is not None:
-            raise ResidencyUnavailableError(
-                self.handle,
-                self.location,
-                f"the transfer bringing it there failed: {mat.fill_failure}",
-            ) from mat.fill_failure
+            raise self._fill_failed(mat.fill_failure) from mat.fill_failure
+
+    def _fill_failed(self, failure: BaseException) -> ResidencyUnavailableError:
+        """The error for a lease whose data's transfer or load failed with ``failure``."""
+        return ResidencyUnavailableError(
+            self.handle, self.location, f"the transfer bringing it there failed: {failure}"
+        )
 
     def _abandon(self) -> None:
         """End a use whose entry failed (nothing was handed out, so no reader to record)."""
