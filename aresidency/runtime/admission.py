@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -103,12 +103,13 @@ Keeper = Callable[[object], "Kept | None"]
 
 
 class _HeldBy:
-    """What one task holds itself, which ends only when it goes on: the scopes it entered
-    (``own``), its leases and holds (``leased``), the reservation blocks it is in
-    (``blocks``, as ``(name, location)``), and what keepers keep for it (``tenants``);
-    ``scoped``: the values of the other tasks' entered scopes (their exit may move them)."""
+    """What one task (or ``tasks`` of them together) holds itself, which ends only when it
+    goes on: the scopes it entered (``own``), its leases and holds (``leased``), the
+    reservation blocks it is in (``blocks``, as ``(name, location)``), and what keepers keep
+    for it (``tenants``); ``scoped``: the values of the other tasks' entered scopes (their
+    exit may move them)."""
 
-    __slots__ = ("blocks", "kept", "leased", "own", "reservations", "scoped", "tenants")
+    __slots__ = ("blocks", "kept", "leased", "own", "reservations", "scoped", "tasks", "tenants")
 
     def __init__(
         self,
@@ -117,7 +118,9 @@ class _HeldBy:
         tenants: list[Kept],
         scoped: list[ValueHandle],
         blocks: list[tuple[str, Location]] | None = None,
+        tasks: int = 1,
     ) -> None:
+        self.tasks = tasks  # how many tasks hold all this together
         self.own = own
         self.tenants = tenants
         self.scoped = scoped
@@ -167,6 +170,12 @@ class _HeldBy:
                 hints.append(tenant.hint)
         if not held and location is not None:
             return self.describe(None)  # nothing charged there: name everything
+        if self.tasks > 1:
+            return (
+                f"only what {self.tasks} waiting tasks hold themselves stands in the way "
+                f"({'; '.join(held)}), and that ends only when they go on, so waiting would "
+                "never end. " + " ".join(hints)
+            ).rstrip()
         return (
             f"only what the waiting task holds itself stands in the way ({'; '.join(held)}), "
             "and that ends only when the task goes on, so waiting would never end. "
@@ -518,7 +527,35 @@ class AdmissionQueue:
         ``location`` that only what the task holds itself keeps out (see
         :meth:`ResidencyManager.waiting_on_itself`); ``None`` when the wait may end. Runs the
         simulation in one go: a single reservation against a partial copy of the state."""
+        if task is None:
+            return None
+        error = self.budget_short_while_held(need, location, what, (task,), exempt)
+        if error is None:
+            return None
+        # Only if what the task holds is what keeps it out: with that ended too, would it fit?
+        # (Resident values nobody protects stay in both: they may leave by another tenant's
+        # hand, a pool giving its cache back, and the task's own holdings elsewhere are not
+        # the cause.)
         own = self._held_by(task, exempt)
+        assert own is not None
+        plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
+        if drain(fails_while_kept_steps(self._rt.state, plan, scoped=own.scoped)) is not None:
+            return None
+        return error
+
+    def budget_short_while_held(
+        self,
+        need: int,
+        location: Location,
+        what: str,
+        tasks: Collection[object],
+        exempt: frozenset[ValueHandle] = frozenset(),
+    ) -> ResidencyBudgetError | None:
+        """The error when ``need`` bytes at ``location`` would not fit even once everything
+        transient ended but what ``tasks`` hold themselves (their scopes, leases, holds,
+        reservation blocks, and what keepers keep for them; the values in ``exempt`` count as
+        transient); ``None`` when they would fit (or the tasks hold nothing)."""
+        own = self._held_by_tasks(tasks, exempt)
         if own is None:
             return None
         state = self._rt.state
@@ -533,12 +570,6 @@ class AdmissionQueue:
             )
         )
         if failure is None:
-            return None
-        # Only if what the task holds is what keeps it out: with that ended too, would it fit?
-        # (Resident values nobody protects stay in both: they may leave by another tenant's
-        # hand, a pool giving its cache back, and the task's own holdings elsewhere are not
-        # the cause.)
-        if drain(fails_while_kept_steps(state, plan, scoped=own.scoped)) is not None:
             return None
         ledger = state.ledger(location)
         error = ResidencyBudgetError(
@@ -558,18 +589,32 @@ class AdmissionQueue:
     ) -> _HeldBy | None:
         """What ``task`` holds itself (``None``: nothing). The values in ``exempt`` (a
         tenant's own, which it gives back itself) count as transient, leased or not."""
-        if task is None:
+        return None if task is None else self._held_by_tasks((task,), exempt)
+
+    def _held_by_tasks(
+        self, tasks: Collection[object], exempt: frozenset[ValueHandle] = frozenset()
+    ) -> _HeldBy | None:
+        """What ``tasks`` hold themselves, together (``None``: nothing); see :meth:`_held_by`."""
+        members = {id(task) for task in tasks if task is not None}
+        if not members:
             return None
         rt = self._rt
-        own = [scope for scope in rt.scopes if getattr(scope, "task", None) is task]
-        leased = tuple(p for p in lease_owners(rt).protected_by(task) if p[0] not in exempt)
-        tenants = self.kept_for(task)
-        blocks = [key for key, owner in rt.blocks.items() if owner is task]
+        owners = lease_owners(rt)
+        own = [scope for scope in rt.scopes if id(getattr(scope, "task", None)) in members]
+        leased = tuple(
+            pair
+            for task in tasks
+            if task is not None
+            for pair in owners.protected_by(task)
+            if pair[0] not in exempt
+        )
+        tenants = [kept for task in tasks if task is not None for kept in self.kept_for(task)]
+        blocks = [key for key, owner in rt.blocks.items() if id(owner) in members]
         if not own and not leased and not tenants and not blocks:
             return None
-        others = [scope for scope in rt.scopes if getattr(scope, "task", None) is not task]
+        others = [scope for scope in rt.scopes if id(getattr(scope, "task", None)) not in members]
         scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
-        return _HeldBy(own, leased, tenants, scoped, blocks)
+        return _HeldBy(own, leased, tenants, scoped, blocks, len(members))
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""

@@ -454,6 +454,28 @@ class ResidencyManager:
             frozenset(exempt),
         )
 
+    def short_while_held(
+        self,
+        need: int,
+        location: LocationLike,
+        *,
+        what: str,
+        tasks: Iterable[object],
+        exempt: Iterable[ValueHandle] = (),
+    ) -> ResidencyBudgetError | None:
+        """Whether ``need`` bytes at ``location`` would stay out for as long as ``tasks`` keep
+        what they hold themselves (their scopes, leases, holds, reservation blocks, and what
+        keepers keep for them), even once everything else transient ended: the error saying
+        so, or ``None`` when the room could appear without them. For a tenant that tracks
+        which tasks wait for one another (each holding room and waiting for more): a set of
+        waiting tasks none of which could go on while the set's holdings stay waits for
+        ever. ``exempt`` and ``what`` as for :meth:`waiting_on_itself`. Loop thread; never
+        waits."""
+        rt = self._running()
+        return rt.admission.budget_short_while_held(
+            need, Location.parse(location), what, tuple(tasks), frozenset(exempt)
+        )
+
     def copy_issued(self, handle: ValueHandle, location: LocationLike) -> bool:
         """Whether a lease at ``location`` could order its stream after the data now: the data
         exists there and every piece of the copy bringing it is enqueued (a staged or loaded

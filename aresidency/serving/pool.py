@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +55,7 @@ from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
 from ..runtime.admission import Kept
 from ..runtime.checkpoints import Checkpoint
-from ..runtime.leases import Hold, current_task, current_task_ref
+from ..runtime.leases import Hold, current_owner, current_task, current_task_ref
 from ..runtime.manager import ResidencyManager
 from ..runtime.pending import PendingOperation
 from ..runtime.scopes import Scope
@@ -309,6 +309,7 @@ class _Request:
         # The task that made the request, and whether it already held an admitted request of
         # the pool then (a nested request: it does not queue in the line, see ModelPool.use).
         self.task = current_task()
+        self.owner = current_owner()  # its name, for messages
         self.nested = False
         self.mode: Mode = "resident"
         self.prefetch = 0
@@ -579,6 +580,9 @@ class ModelPool:
         # enters (the head of the line, or a nested request), released while it parks.
         self._active: dict[int, _Request] = {}
         self._deciding = anyio.Lock()
+        # The nested requests parked now (id -> request): each one's task holds an admitted
+        # request meanwhile (see _refuse_waiting_on_each_other).
+        self._parked_nested: dict[int, _Request] = {}
         # The groups a task's admitted requests hold count as that task's own for the
         # manager (they end only when it goes on): its scopes, streamed calls and loaders
         # that could fit only once they ended are refused at once instead of waiting.
@@ -999,10 +1003,16 @@ class ModelPool:
         if request.no_wait:
             raise TimeoutError
         self._refuse_waiting_on_itself(request)
+        if request.nested:
+            self._refuse_waiting_on_each_other(request)
         self._deciding.release()  # a nested request may decide meanwhile
         try:
             if request.nested:  # (the line's head, if it parks too, names its own blockers)
-                await self._wait_for_progress(before)
+                self._parked_nested[request.id] = request
+                try:
+                    await self._wait_for_progress(before)
+                finally:
+                    del self._parked_nested[request.id]
                 return
             self._head_blockers = blockers
             self._head_why = (
@@ -1024,22 +1034,11 @@ class ModelPool:
         never end. The pool's idle groups count as gone (it evicts them); the model's own
         groups are counted in full."""
         entry = request.entry
-        mode, prefetch = self._mode_for(entry, request.reserve, request.task)
-        if mode == "resident":
-            need = entry.total_bytes + request.reserve
-        else:
-            need = entry.outside_bytes + entry.window_bytes(prefetch) + request.reserve
-        mine = {
-            group.handle
-            for other in self._own_requests(request.task)
-            for group in other.entry.groups
-            if group.index in other.kept
-        }
-        exempt = [h for e in self._entries.values() for h in e.handles if h not in mine]
+        mode, need = self._need(request)
         error = self.manager.waiting_on_itself(
             need,
             self.device,
-            exempt=exempt,
+            exempt=self._exempt_for((request.task,)),
             what=f"request {request.id} for {entry.name!r} ({mode})",
             task=request.task,
         )
@@ -1047,6 +1046,81 @@ class ModelPool:
             raise ResidencyPlanError(
                 f"the request for {entry.name!r} would wait for ever: {error}"
             ) from error
+
+    def _refuse_waiting_on_each_other(self, request: _Request) -> None:
+        """Before a nested request parks: ``ResidencyPlanError`` if it would wait for ever
+        with the nested requests of other tasks parked now (hold and wait: each task holds
+        an admitted request, which ends only when its nested one is admitted, and waits for
+        room the others' hold). The check of a deadlock's safety (the banker's): a parked
+        task whose request would fit while the holdings of the tasks still stuck stay goes on
+        (and gives its own back) and leaves the set; if this request's task is left with
+        another, none of them can go on. The request that closes the cycle is refused (the
+        others wait on, for room its task gives back as it unwinds)."""
+        me = id(request.task)
+        stuck = {id(r.task): r for r in self._parked_nested.values() if id(r.task) != me}
+        if not stuck or request.task is None:
+            return
+        stuck[me] = request
+        changed = True
+        while changed and len(stuck) > 1 and me in stuck:
+            changed = False
+            tasks = [r.task for r in stuck.values()]
+            exempt = self._exempt_for(tasks)
+            for key, waiting in list(stuck.items()):
+                mode, need = self._need(waiting)
+                short = self.manager.short_while_held(
+                    need, self.device, what="", tasks=tasks, exempt=exempt
+                )
+                if short is None:
+                    del stuck[key]
+                    changed = True
+                    break
+        if len(stuck) < 2 or me not in stuck:
+            return
+        tasks = [r.task for r in stuck.values()]
+        mode, need = self._need(request)
+        error = self.manager.short_while_held(
+            need,
+            self.device,
+            what=f"request {request.id} for {request.entry.name!r} ({mode})",
+            tasks=tasks,
+            exempt=self._exempt_for(tasks),
+        )
+        others = ", ".join(
+            f"request {r.id} for {r.entry.name!r} (task {r.owner}, inside "
+            + ", ".join(f"{o.id} for {o.entry.name!r}" for o in self._own_requests(r.task))
+            + ")"
+            for r in stuck.values()
+            if r is not request
+        )
+        raise ResidencyPlanError(
+            f"the request for {request.entry.name!r} would wait for ever: its task holds "
+            f"requests of the pool that end only once it is admitted, and so do the nested "
+            f"requests it would wait for ({others}): each waits for room the others hold "
+            f"(hold and wait). Make the inner requests before the outer ones, from other "
+            f"tasks, or ask for all the models of a task in one order; {error}"
+        ) from error
+
+    def _need(self, request: _Request) -> tuple[Mode, int]:
+        """The mode the request would be admitted in, and the room it needs at the device for
+        it (the whole model, or its smallest streaming footprint, and its reserve)."""
+        entry = request.entry
+        mode, prefetch = self._mode_for(entry, request.reserve, request.task)
+        if mode == "resident":
+            return mode, entry.total_bytes + request.reserve
+        return mode, entry.outside_bytes + entry.window_bytes(prefetch) + request.reserve
+
+    def _exempt_for(self, tasks: Iterable[object]) -> list[ValueHandle]:
+        """The pool's groups that ``tasks``' admitted requests do not keep: idle to them
+        (the pool evicts them for a request), what a check of their wait counts as gone."""
+        mine = {
+            group.handle
+            for task in tasks
+            for other in self._own_requests(task)
+            for group in other.entry.groups
+            if group.index in other.kept
+        }
+        return [h for e in self._entries.values() for h in e.handles if h not in mine]
 
     def _drain_target(self, request: _Request, mode: Mode, headroom: int) -> frozenset[str] | None:
         """For a head that waits for room to load its model resident: the model it waits to

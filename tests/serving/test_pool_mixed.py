@@ -26,14 +26,15 @@ from .test_pool import TOKENS, TOTAL
 pytestmark = pytest.mark.anyio
 
 
-# On demand only (ARESIDENCY_MIXED_SEEDS=40): it still fails for about 1 seed in 20 (a nested
-# request that times out after 2 s while no other task's request is admitted any more: an
-# open bug, see benchmarks/RESULTS.md 2026-12-04); each seed takes about a second.
-MIXED_SEEDS = int(os.environ.get("ARESIDENCY_MIXED_SEEDS", "0"))
+# A few seeds in every run; more on demand (ARESIDENCY_MIXED_SEEDS=300: each seed takes about
+# a fifth of a second). Two tasks whose nested requests waited for each other's room timed
+# out about once in 20 seeds (24 and 33 among them) before the pool refused the second one
+# (hold and wait).
+_ON_DEMAND = int(os.environ.get("ARESIDENCY_MIXED_SEEDS", "0"))
+MIXED_SEEDS = list(range(_ON_DEMAND)) if _ON_DEMAND else [*range(6), 24, 33]
 
 
-@pytest.mark.skipif(not MIXED_SEEDS, reason="on demand: set ARESIDENCY_MIXED_SEEDS")
-@pytest.mark.parametrize("seed", range(MIXED_SEEDS))
+@pytest.mark.parametrize("seed", MIXED_SEEDS)
 async def test_random_requests_nested_and_with_loaders_never_hang_or_leak(seed: int) -> None:
     rng = random.Random(seed)
     budget = int(rng.choice([1.2, 1.6, 2.5]) * TOTAL)
@@ -66,10 +67,9 @@ async def test_random_requests_nested_and_with_loaders_never_hang_or_leak(seed: 
                         key = "cancelled" if scope.cancelled_caught else "done"
                     else:
                         # No deadline on the request. What it does inside waits at most 2 s:
-                        # two tasks that each hold a model and want the other's room wait for
-                        # each other (hold and wait: not detected, the timeout ends it), but a
-                        # task that would wait only for itself is refused at once, so a
-                        # timeout there must have had another task's request in the way.
+                        # a task that would wait only for itself, or two nested requests that
+                        # would wait for each other's room, are refused at once, so a timeout
+                        # there must have had another task's request in the way.
                         async with pool.use(name) as model:
                             await call(model, name)
                             try:

@@ -336,3 +336,85 @@ async def test_a_nested_request_never_defers_to_its_own_tasks_colder_model() -> 
                 assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_two_tasks_whose_nested_requests_wait_for_each_other_are_told_at_once() -> None:
+    # Task 1 holds 'a' and asks for 'c'; task 2 holds 'b' and asks for 'd'. Each nested
+    # request needs room only the other task's outer request keeps, and each outer request
+    # ends only once its nested one is admitted (hold and wait). The second to park closes
+    # the cycle: refused at once (no timeout ends it otherwise), naming the other request;
+    # its task unwinds, and the first one is admitted in the room it gives back.
+    budget = 2 * TOTAL + OUTSIDE + 2 * BLOCK
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "abcd")
+        both_held = [anyio.Event(), anyio.Event()]
+        first_parked = anyio.Event()
+        outcome: dict[str, object] = {}
+
+        async def task(index: int, outer: str, inner: str) -> None:
+            async with pool.use(outer) as held:
+                assert held.mode == "resident"
+                both_held[index].set()
+                for event in both_held:
+                    await event.wait()
+                if index == 1:
+                    await first_parked.wait()
+                try:
+                    async with pool.use(inner) as model:
+                        outcome[inner] = model.mode
+                        assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                except ResidencyPlanError as error:
+                    outcome[inner] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task, 0, "a", "c")
+                tasks.start_soon(task, 1, "b", "d")
+                await eventually(lambda: pool.waiting == 1)  # task 1's request for 'c' parked
+                first_parked.set()
+        assert outcome["c"] == "resident", outcome
+        error = outcome["d"]
+        assert isinstance(error, ResidencyPlanError), outcome
+        message = str(error)
+        assert "would wait for ever" in message and "hold and wait" in message
+        assert "for 'c'" in message and "for 'a'" in message  # the request it would wait for
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_nested_requests_that_wait_for_a_third_tasks_room_are_not_refused() -> None:
+    # Tasks 1 and 2 hold 'a' and 'b' and each ask for 'd'; task 3 holds 'c', and ends on its
+    # own. Neither nested request waits for the other: the room 'c' keeps is enough for
+    # either. Both park, neither is refused, and both are admitted once 'c' ends.
+    budget = 3 * TOTAL + OUTSIDE + 2 * BLOCK
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "abcd")
+        held = [anyio.Event() for _ in range(3)]
+        release_c = anyio.Event()
+        modes: list[str] = []
+
+        async def waiting(index: int, outer: str) -> None:
+            async with pool.use(outer):
+                held[index].set()
+                await held[2].wait()
+                async with pool.use("d") as d:
+                    modes.append(d.mode)
+                    assert torch.equal(await d(TOKENS), reference(d.module, TOKENS))
+
+        async def third() -> None:
+            async with pool.use("c"):
+                held[2].set()
+                await release_c.wait()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(third)
+                tasks.start_soon(waiting, 0, "a")
+                tasks.start_soon(waiting, 1, "b")
+                await eventually(lambda: pool.waiting == 2)  # both nested requests parked
+                await anyio.wait_all_tasks_blocked()
+                assert pool.waiting == 2 and not modes
+                release_c.set()
+        assert modes == ["resident", "resident"], modes
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
