@@ -67,6 +67,7 @@ from ..core.plans import (
     CommitNow,
     Materialize,
     Move,
+    Release,
     SettleRequest,
     TransferRequest,
     begin_placement,
@@ -160,12 +161,14 @@ class PhaseRun:
         self.actions = actions
         # A phase of one Materialize or Move (a scope's entry or exit, a direct operation)
         # skips the phase generator: its one ticket is begun, issued and committed here.
+        # A phase of one Release whose materialization has no readers to wait for commits in
+        # start(), without the generator either (one that has readers takes the generator).
         self._single: Materialize | Move | None = None
         self._ticket: CopyTicket | None = None
+        self._gen: Any = None
         if len(actions) == 1 and type(actions[0]) in (Materialize, Move):
             self._single = actions[0]  # type: ignore[assignment]
-            self._gen = None
-        else:
+        elif not (len(actions) == 1 and type(actions[0]) is Release):
             self._gen = run_phase(runtime.state, phase, actions)
         self._request: SettleRequest | TransferRequest | Checkpoint | None = None
         self._open: dict[int, CopyTicket] = {}
@@ -204,9 +207,35 @@ class PhaseRun:
         self._rt.begin_work()
         if self._single is not None:
             self._start_single(self._single)
+        elif self._gen is None:
+            self._release_single(self.actions[0])  # type: ignore[arg-type]
         else:
             self._advance(_START)
         return self
+
+    def _release_single(self, action: Release) -> None:
+        """A phase of one Release: commit it now if its materialization has no readers to wait
+        for (what the phase generator would do, without it); otherwise run the generator."""
+        state = self._rt.state
+        previous, state.origin = state.origin, self
+        outcome: BaseException | None = None
+        try:
+            mat = state.materialization(action.handle, action.location)
+            if mat.pending_event_count and not (mat.use_count or mat.hold_count):
+                self._gen = run_phase(state, self.phase, self.actions)
+            else:
+                state.release(action.handle, action.location)
+        except (ResidencyError, ValueError) as error:
+            outcome = ActionFailed(0, action, error)
+        except BaseException as error:  # as the generator's run would end with it
+            outcome = error
+        finally:
+            state.origin = previous
+        if self._gen is not None:
+            self._advance(_START)
+            return
+        self._rt.settle()
+        self._finish(outcome)
 
     def _start_single(self, action: Materialize | Move) -> None:
         """Begin the phase's one action and issue its transfer (what the phase generator and
