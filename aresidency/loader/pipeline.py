@@ -33,6 +33,7 @@ the source's reading (:mod:`~aresidency.loader.feeder`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import deque
@@ -47,7 +48,7 @@ from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyError, ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
-from ..core.values import MaterializationState, value_charge
+from ..core.values import MaterializationState, ValueHandle, value_charge
 from ..runtime.admission import Kept
 from ..runtime.leases import LeaseWouldWait, current_task
 from ..runtime.pending import PendingOperation
@@ -647,15 +648,32 @@ class Epoch:
                         raise self._end.error
                     raise StopAsyncIteration
                 cause = self._cause(head)
+                waiting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if cause == "budget" and head is not None:
+                    need = sum(p.charge for p in head.parts if p.pending is None)
+                    # An idle cache (a pool's models) goes first: only then can the wait be
+                    # on what this task holds itself.
+                    if reclaim_for(self.manager, self.device, need):
+                        self.pump()  # (the cache given back: admit it now if it fits)
+                        continue
                     stuck = self._kept_by_me(head)
                     if stuck is not None:
                         head.error = stuck
                         raise stuck
-                    need = sum(p.charge for p in head.parts if p.pending is None)
-                    if reclaim_for(self.manager, self.device, need):
-                        self.pump()  # (the cache given back: admit it now if it fits)
-                        continue
+                    # Refused at once if it closes a cycle of tasks waiting for each other's
+                    # room (this task holds a pool request, say, that another one waits for).
+                    try:
+                        waiting = self.manager.room_wait(
+                            need,
+                            self.device,
+                            what=f"batch {head.index} of {self.loader.name} "
+                            f"({format_nbytes(need)} at {self.device})",
+                            exempt=self._own_handles(),
+                        )
+                        waiting.__enter__()
+                    except ResidencyBudgetError as error:
+                        head.error = error
+                        raise
                 deadline = None
                 timeout = self.loader.timeout
                 if cause == "budget" and timeout is not None and head is not None:
@@ -664,7 +682,10 @@ class Epoch:
                         head.blocked_since + timeout - time.perf_counter()
                     )
                 start = time.perf_counter()
-                timed_out = await self._wait(deadline)
+                try:
+                    timed_out = await self._wait(deadline)
+                finally:
+                    waiting.__exit__(None, None, None)
                 counters.add_wait(cause, time.perf_counter() - start)
                 if timed_out and head is not None and head.state == QUEUED:
                     raise timeout_error(
@@ -723,10 +744,14 @@ class Epoch:
         stuck = kept_by_waiter(self.manager, self.device, need, head.index, kept, self.loader.name)
         if stuck is not None:
             return stuck
-        mine = [p.handle for b in (*self._queue, *self._out) for p in b.parts if p.handle]
+        mine = self._own_handles()
         return held_by_waiter(
             self.manager, self.device, need, head.index, self.loader.name, exempt=mine
         )
+
+    def _own_handles(self) -> list[ValueHandle]:
+        """The values of the batches in the window and handed out (the loader's own)."""
+        return [p.handle for b in (*self._queue, *self._out) for p in b.parts if p.handle]
 
     async def _wait(self, deadline: float | None) -> bool:
         """Park until the pump made progress; True if ``deadline`` passed first."""

@@ -804,6 +804,10 @@ class RingEpoch:
                 if request.blocked_since is None:
                     request.blocked_since = time.perf_counter()
                     self._wake()  # the consumer now waits for room (its timeout applies)
+                elif self._consumer_waiting and reclaim_for(manager, self.device, charge):
+                    # Cached data went idle since the consumer asked (a pool request
+                    # ended): given back now, and the request is answered once it left.
+                    self.bridge.call_soon_quietly(self._service)
                 return
             try:
                 buffer = self.backend.allocate((charge,), torch.uint8, self.device)
@@ -1062,13 +1066,24 @@ class RingEpoch:
                         raise item.error
                     return self._hand_out(item)
                 cause = "budget" if blocked is not None else "source"
+                waiting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if blocked is not None and request is not None:
+                    need = -(-request.nbytes // ALIGN) * ALIGN
+                    # An idle cache (a pool's models) goes first: only then can the wait be
+                    # on what this task holds itself.
+                    if reclaim_for(self.manager, self.device, need):
+                        continue  # the cache given back: the thread is told by the change
                     stuck = self._kept_by_me(request)
                     if stuck is not None:
                         raise stuck
-                    need = -(-request.nbytes // ALIGN) * ALIGN
-                    if reclaim_for(self.manager, self.device, need):
-                        continue  # the cache given back: the thread is told by the change
+                    # Refused at once if it closes a cycle of tasks waiting for each other's
+                    # room (this task holds a pool request, say, that another one waits for).
+                    waiting = self.manager.room_wait(
+                        need,
+                        self.device,
+                        what=f"batch {request.index} of {self.loader.name} "
+                        f"({format_nbytes(need)} at {self.device})",
+                    )
                 if cause == "source" and (
                     self._direct or (self._arrivals is not None and len(self._arrivals))
                 ):
@@ -1078,13 +1093,14 @@ class RingEpoch:
                 if blocked is not None and timeout is not None:
                     deadline = anyio.current_time() + (blocked + timeout - time.perf_counter())
                 start = time.perf_counter()
-                if deadline is None:
-                    await progress.wait()
-                    timed_out = False
-                else:
-                    with anyio.move_on_at(deadline) as scope:
+                with waiting:
+                    if deadline is None:
                         await progress.wait()
-                    timed_out = scope.cancelled_caught
+                        timed_out = False
+                    else:
+                        with anyio.move_on_at(deadline) as scope:
+                            await progress.wait()
+                        timed_out = scope.cancelled_caught
                 counters.add_wait(cause, time.perf_counter() - start)
                 if timed_out:
                     raise self._timeout_error(timeout)

@@ -70,7 +70,7 @@ from .signal import ManagerClosedError
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["AdmissionQueue", "Kept", "Keeper"]
+__all__ = ["AdmissionQueue", "Kept", "Keeper", "RoomWait"]
 
 T = TypeVar("T")
 
@@ -100,6 +100,13 @@ class Kept:
 #: ``keeper(task)``: what a tenant keeps for ``task`` (``None``: nothing). Called on the loop,
 #: when a task is about to wait for room; it must not raise or await.
 Keeper = Callable[[object], "Kept | None"]
+
+
+def _task_name(task: object) -> str:
+    """A task's name for messages (asyncio's ``get_name()``, trio's ``name``)."""
+    get_name = getattr(task, "get_name", None)
+    name = get_name() if callable(get_name) else getattr(task, "name", None)
+    return str(name) if name else repr(task)
 
 
 class _HeldBy:
@@ -170,7 +177,13 @@ class _HeldBy:
                 hints.append(tenant.hint)
         if not held and location is not None:
             return self.describe(None)  # nothing charged there: name everything
+        hints = list(dict.fromkeys(hints))  # (several tenants may give the same advice)
         if self.tasks > 1:
+            hints.insert(
+                0,
+                "Have one of the tasks ask for this room before it holds the rest, or all of "
+                "them take what they hold in one order.",
+            )
             return (
                 f"only what {self.tasks} waiting tasks hold themselves stands in the way "
                 f"({'; '.join(held)}), and that ends only when they go on, so waiting would "
@@ -227,12 +240,35 @@ class _Waiter:
                 self.event = None  # consumed: the next round arms a new one
 
 
+class RoomWait:
+    """A tenant's wait for room, registered while it lasts (see
+    :meth:`ResidencyManager.room_wait`): ``need`` bytes at ``location`` for ``task``,
+    ``what`` names it, ``exempt`` are the tenant's own values (it gives them back itself)."""
+
+    __slots__ = ("exempt", "location", "need", "task", "what")
+
+    def __init__(
+        self,
+        need: int,
+        location: Location,
+        what: str,
+        task: object,
+        exempt: frozenset[ValueHandle],
+    ) -> None:
+        self.need = need
+        self.location = location
+        self.what = what
+        self.task = task
+        self.exempt = exempt
+
+
 class AdmissionQueue:
     """Waiting scopes and direct operations, first come first served (loop thread only).
 
     State: ``_queue`` (waiters in arrival order; the head is the one checked), ``_judging``
     (what scopes charge that are judged, in slices, before they queue), ``_closed``
-    (the manager closed: every waiter and later arrival gets ``ManagerClosedError``).
+    (the manager closed: every waiter and later arrival gets ``ManagerClosedError``),
+    ``_room_waits`` (the tenants' registered waits for room: see :meth:`waiting_on_each_other`).
     """
 
     def __init__(self, runtime: Runtime) -> None:
@@ -244,6 +280,68 @@ class AdmissionQueue:
         self._unlisten: Callable[[], None] | None = None
         self._keepers: list[Keeper] = []
         self._reclaimers: list[Callable[[Location, int], int]] = []
+        self._room_waits: dict[int, RoomWait] = {}
+        self._room_wait_ids = 0
+
+    def add_room_wait(self, wait: RoomWait) -> Callable[[], None]:
+        """Register ``wait`` until the returned function is called."""
+        self._room_wait_ids += 1
+        key = self._room_wait_ids
+        self._room_waits[key] = wait
+
+        def remove() -> None:
+            self._room_waits.pop(key, None)
+
+        return remove
+
+    def room_waits(self) -> list[tuple[str, Location, int, str]]:
+        """The registered waits (see :meth:`ResidencyManager.room_waits`)."""
+        return [(_task_name(w.task), w.location, w.need, w.what) for w in self._room_waits.values()]
+
+    def waiting_on_each_other(self, wait: RoomWait) -> ResidencyBudgetError | None:
+        """The error for a tenant about to make ``wait`` when it and the waits registered now
+        (other tasks', at the same location) would wait for one another for ever: each task
+        holds room that ends only when it goes on, and none of their needs would fit while
+        the others' holdings stay (hold and wait). The check of a deadlock's safety (the
+        banker's): a registered wait whose need would fit while the holdings of the tasks
+        still in the set stay could end, its task going on and giving its own back, and
+        leaves the set; if ``wait``'s task is left with others, none of them can go on.
+        ``None`` otherwise (and when no other task waits there). Loop thread; never waits."""
+        task = wait.task
+        if task is None:
+            return None
+        stuck = [
+            other
+            for other in self._room_waits.values()
+            if other.location == wait.location and other.task is not None and other.task is not task
+        ]
+        if not stuck:
+            return None
+        stuck.append(wait)
+        while True:
+            tasks = list({id(w.task): w.task for w in stuck}.values())
+            if len(tasks) < 2 or wait not in stuck:
+                return None
+            exempt = frozenset().union(*(w.exempt for w in stuck))
+            for other in stuck:
+                if (
+                    self.budget_short_while_held(other.need, wait.location, "", tasks, exempt)
+                    is None
+                ):
+                    stuck = [w for w in stuck if w.task is not other.task]
+                    break
+            else:
+                break
+        names = "; ".join(
+            f"task {_task_name(w.task)} waits for {w.what}" for w in stuck if w.task is not task
+        )
+        return self.budget_short_while_held(
+            wait.need,
+            wait.location,
+            f"{wait.what}, while {names} (each task waits for room the others hold: hold and wait)",
+            tasks,
+            exempt,
+        )
 
     def add_keeper(self, keeper: Keeper) -> Callable[[], None]:
         """Count what ``keeper(task)`` returns as ``task``'s own (see the module docstring)

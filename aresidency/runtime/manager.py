@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,7 +61,7 @@ from ..core.values import (
     value_charge,
 )
 from ..progress import progress_if_large
-from .admission import Keeper
+from .admission import Keeper, RoomWait
 from .context import Runtime
 from .driver import PhaseRun
 from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
@@ -454,27 +454,49 @@ class ResidencyManager:
             frozenset(exempt),
         )
 
-    def short_while_held(
+    @contextmanager
+    def room_wait(
         self,
         need: int,
         location: LocationLike,
         *,
         what: str,
-        tasks: Iterable[object],
+        task: object | None = None,
         exempt: Iterable[ValueHandle] = (),
-    ) -> ResidencyBudgetError | None:
-        """Whether ``need`` bytes at ``location`` would stay out for as long as ``tasks`` keep
-        what they hold themselves (their scopes, leases, holds, reservation blocks, and what
-        keepers keep for them), even once everything else transient ended: the error saying
-        so, or ``None`` when the room could appear without them. For a tenant that tracks
-        which tasks wait for one another (each holding room and waiting for more): a set of
-        waiting tasks none of which could go on while the set's holdings stay waits for
-        ever. ``exempt`` and ``what`` as for :meth:`waiting_on_itself`. Loop thread; never
-        waits."""
+    ) -> Iterator[None]:
+        """``with manager.room_wait(need, location, what=...)``: around a tenant's wait for
+        ``need`` bytes of room at ``location`` on behalf of ``task`` (default: the calling
+        task), such as a loader's consumer waiting for a batch or a pool request parked.
+
+        On entry, ``ResidencyBudgetError`` at once when this wait and those other tasks
+        registered there now would wait for one another for ever: each task holds room (its
+        scopes, leases, holds, reservation blocks, what keepers keep for it) that ends only
+        when it goes on, and no need among them would fit while the others' holdings stay
+        (hold and wait). Inside, the wait is registered, so that a later wait of another task
+        closing such a cycle is refused in turn. ``exempt``: the tenant's own values, which it
+        gives back itself (as for :meth:`waiting_on_itself`); ``what`` names the need in the
+        error. Loop thread; never waits."""
         rt = self._running()
-        return rt.admission.budget_short_while_held(
-            need, Location.parse(location), what, tuple(tasks), frozenset(exempt)
+        wait = RoomWait(
+            need,
+            Location.parse(location),
+            what,
+            current_task() if task is None else task,
+            frozenset(exempt),
         )
+        error = rt.admission.waiting_on_each_other(wait)
+        if error is not None:
+            raise error
+        remove = rt.admission.add_room_wait(wait)
+        try:
+            yield
+        finally:
+            remove()
+
+    def room_waits(self) -> list[tuple[str, Location, int, str]]:
+        """The waits for room registered now (:meth:`room_wait`), oldest first, as ``(task
+        name, location, bytes needed, what)``. Loop thread."""
+        return self._running().admission.room_waits()
 
     def copy_issued(self, handle: ValueHandle, location: LocationLike) -> bool:
         """Whether a lease at ``location`` could order its stream after the data now: the data

@@ -327,7 +327,8 @@ class ModelEntry:
     (admitted requests per mode), ``windows`` (request id -> prefetch window bytes of each
     admitted streamed request), ``held`` (group index -> holds the active requests have on
     its device replica), ``call_lock`` (pipeline calls on the module, first come first served),
-    ``in_flight`` (its requests between arrival and end), ``removing`` (set while
+    ``in_flight`` (its requests between arrival and end; ``leaving``: of them, those that dropped
+    their holds and are ending), ``removing`` (set while
     :meth:`ModelPool.remove <aresidency.serving.ModelPool.remove>` waits for them: the event
     set when none is left), ``removed`` (set once it left the pool). Invariants: ``active``
     has requests of one mode at a time (a model switches mode only when idle); ``held`` counts
@@ -344,6 +345,7 @@ class ModelEntry:
         self.held: Counter[int] = Counter()
         self.call_lock = anyio.Lock()
         self.in_flight = 0
+        self.leaving = 0  # of them, those whose holds were dropped (ending)
         self.removing: anyio.Event | None = None
         self.removed = anyio.Event()
         self.closing: anyio.Event | None = None  # its streamed module's close (set: done)

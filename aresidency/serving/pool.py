@@ -13,6 +13,7 @@ steps' undo paths would no longer be read side by side.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import logging
@@ -310,6 +311,7 @@ class _Request:
         # the pool then (a nested request: it does not queue in the line, see ModelPool.use).
         self.task = current_task()
         self.owner = current_owner()  # its name, for messages
+        self.left = False  # its holds were dropped (ModelPool._leave)
         self.nested = False
         self.mode: Mode = "resident"
         self.prefetch = 0
@@ -580,9 +582,6 @@ class ModelPool:
         # enters (the head of the line, or a nested request), released while it parks.
         self._active: dict[int, _Request] = {}
         self._deciding = anyio.Lock()
-        # The nested requests parked now (id -> request): each one's task holds an admitted
-        # request meanwhile (see _refuse_waiting_on_each_other).
-        self._parked_nested: dict[int, _Request] = {}
         # The groups a task's admitted requests hold count as that task's own for the
         # manager (they end only when it goes on): its scopes, streamed calls and loaders
         # that could fit only once they ended are refused at once instead of waiting.
@@ -797,6 +796,8 @@ class ModelPool:
             if self._requests == 0:
                 self._idle.set()
             entry.in_flight -= 1
+            if request.left:
+                entry.leaving -= 1
             if entry.in_flight == 0 and entry.removing is not None:
                 entry.removing.set()
 
@@ -1003,29 +1004,44 @@ class ModelPool:
         if request.no_wait:
             raise TimeoutError
         self._refuse_waiting_on_itself(request)
-        if request.nested:
-            self._refuse_waiting_on_each_other(request)
-        self._deciding.release()  # a nested request may decide meanwhile
-        try:
-            if request.nested:  # (the line's head, if it parks too, names its own blockers)
-                self._parked_nested[request.id] = request
+        with contextlib.ExitStack() as registered:
+            # The park is a wait for room its task may hold some of: registered with the
+            # manager, which refuses the wait that would close a cycle of tasks each holding
+            # room the others wait for (hold and wait: two nested requests, or one and a
+            # loader of a task inside its own request).
+            mode, need = self._need(request)
+            try:
+                registered.enter_context(
+                    self.manager.room_wait(
+                        need,
+                        self.device,
+                        what=f"request {request.id} for {request.entry.name!r} ({mode})",
+                        task=request.task,
+                        exempt=self._owner,
+                    )
+                )
+            except ResidencyBudgetError as error:
+                raise ResidencyPlanError(
+                    f"the request for {request.entry.name!r} would wait for ever: {error}"
+                ) from error
+            self._deciding.release()  # a nested request may decide meanwhile
+            try:
+                if request.nested:  # (the line's head, if it parks too, names its blockers)
+                    await self._wait_for_progress(before)
+                    return
+                self._head_blockers = blockers
+                self._head_why = (
+                    f"request {request.id} for {request.entry.name!r}, which waits for "
+                    f"{request.why}"
+                )
+                if blockers is not None and self.express_joins:
+                    self._line.wake_all()  # the requests in line may look for a way past now
                 try:
                     await self._wait_for_progress(before)
                 finally:
-                    del self._parked_nested[request.id]
-                return
-            self._head_blockers = blockers
-            self._head_why = (
-                f"request {request.id} for {request.entry.name!r}, which waits for {request.why}"
-            )
-            if blockers is not None and self.express_joins:
-                self._line.wake_all()  # the requests in line may look for a way past now
-            try:
-                await self._wait_for_progress(before)
+                    self._head_blockers = None
             finally:
-                self._head_blockers = None
-        finally:
-            await self._reacquire_deciding()
+                await self._reacquire_deciding()
 
     def _refuse_waiting_on_itself(self, request: _Request) -> None:
         """Before a park: ``ResidencyPlanError`` if the request could be admitted only once
@@ -1046,60 +1062,6 @@ class ModelPool:
             raise ResidencyPlanError(
                 f"the request for {entry.name!r} would wait for ever: {error}"
             ) from error
-
-    def _refuse_waiting_on_each_other(self, request: _Request) -> None:
-        """Before a nested request parks: ``ResidencyPlanError`` if it would wait for ever
-        with the nested requests of other tasks parked now (hold and wait: each task holds
-        an admitted request, which ends only when its nested one is admitted, and waits for
-        room the others' hold). The check of a deadlock's safety (the banker's): a parked
-        task whose request would fit while the holdings of the tasks still stuck stay goes on
-        (and gives its own back) and leaves the set; if this request's task is left with
-        another, none of them can go on. The request that closes the cycle is refused (the
-        others wait on, for room its task gives back as it unwinds)."""
-        me = id(request.task)
-        stuck = {id(r.task): r for r in self._parked_nested.values() if id(r.task) != me}
-        if not stuck or request.task is None:
-            return
-        stuck[me] = request
-        changed = True
-        while changed and len(stuck) > 1 and me in stuck:
-            changed = False
-            tasks = [r.task for r in stuck.values()]
-            exempt = self._exempt_for(tasks)
-            for key, waiting in list(stuck.items()):
-                mode, need = self._need(waiting)
-                short = self.manager.short_while_held(
-                    need, self.device, what="", tasks=tasks, exempt=exempt
-                )
-                if short is None:
-                    del stuck[key]
-                    changed = True
-                    break
-        if len(stuck) < 2 or me not in stuck:
-            return
-        tasks = [r.task for r in stuck.values()]
-        mode, need = self._need(request)
-        error = self.manager.short_while_held(
-            need,
-            self.device,
-            what=f"request {request.id} for {request.entry.name!r} ({mode})",
-            tasks=tasks,
-            exempt=self._exempt_for(tasks),
-        )
-        others = ", ".join(
-            f"request {r.id} for {r.entry.name!r} (task {r.owner}, inside "
-            + ", ".join(f"{o.id} for {o.entry.name!r}" for o in self._own_requests(r.task))
-            + ")"
-            for r in stuck.values()
-            if r is not request
-        )
-        raise ResidencyPlanError(
-            f"the request for {request.entry.name!r} would wait for ever: its task holds "
-            f"requests of the pool that end only once it is admitted, and so do the nested "
-            f"requests it would wait for ({others}): each waits for room the others hold "
-            f"(hold and wait). Make the inner requests before the outer ones, from other "
-            f"tasks, or ask for all the models of a task in one order; {error}"
-        ) from error
 
     def _need(self, request: _Request) -> tuple[Mode, int]:
         """The mode the request would be admitted in, and the room it needs at the device for
@@ -1345,7 +1307,7 @@ class ModelPool:
         rates = self.demand.rates(list(self._entries))
         freed = 0
         for entry in sorted(self._entries.values(), key=lambda e: (rates[e.name], e.name)):
-            if entry.in_flight or entry.busy or entry.removing is not None:
+            if entry.in_flight > entry.leaving or entry.busy or entry.removing is not None:
                 continue
             releasing = set(entry.streamed.releasing)
             for group in entry.groups:
@@ -1730,6 +1692,8 @@ class ModelPool:
                     entry.streamed.forget_views()  # the replica may go now
             entry.active[request.mode] -= 1
             entry.windows.pop(request.id, None)
+            entry.leaving += 1  # (ended for the reclaimers: its model may be given back)
+            request.left = True
             self._ended += 1
             try:
                 if events:  # the direct calls' kernels read the held replicas

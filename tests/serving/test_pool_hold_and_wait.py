@@ -1,0 +1,134 @@
+"""Tasks that each hold room and wait for room the others hold (hold and wait): two request
+handlers, each inside its own ``pool.use`` block, iterating a ``DeviceLoader`` whose batches
+fit only once the other handler's request ended, or one of them making a nested request
+instead. Every such wait is registered with the manager (``manager.room_wait``): the one that
+would close the cycle is refused at once, naming the others, and the other handler goes on in
+the room the refused one gives back as it unwinds. Simulated backend (CUDA simulated in host
+memory); each test bounds itself with ``fail_after`` and waits on conditions."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aresidency import ResidencyBudgetError, ResidencyManager, ResidencyPlanError
+from aresidency.loader import DeviceLoader
+from aresidency.serving import ModelPool
+
+from ._models import TinyLM, assert_nothing_leaked, reference
+from .test_pool import TOKENS, TOTAL, eventually
+
+pytestmark = pytest.mark.anyio
+
+# Both models held resident leave a quarter of a model free; a batch needs half of one.
+BUDGET = 2 * TOTAL + TOTAL // 4
+BATCH = TOTAL // 8  # float32 elements: half a model's bytes
+
+
+def pool_of(m: ResidencyManager, names: str) -> ModelPool:
+    pool = ModelPool(m)
+    for seed, name in enumerate(names):
+        pool.add(name, TinyLM(seed=seed))
+    return pool
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "managed"])
+async def test_two_handlers_whose_loaders_wait_for_each_others_model(ring: bool) -> None:
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        held = [anyio.Event(), anyio.Event()]
+        first_waits = anyio.Event()
+        outcome: dict[int, object] = {}
+        data = [torch.randn(BATCH) for _ in range(3)]
+
+        async def handler(index: int, name: str) -> None:
+            async with pool.use(name) as model:
+                assert model.mode == "resident"
+                held[index].set()
+                for event in held:
+                    await event.wait()
+                if index == 1:
+                    await first_waits.wait()  # handler 0's loader waits first
+                try:
+                    async with DeviceLoader(
+                        m, [t.clone() for t in data], "cuda:0", prefetch=1, ring=ring
+                    ) as loader:
+                        got = []
+                        async for batch in loader:
+                            got.append(batch.clone())
+                            assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+                    outcome[index] = "done"
+                except ResidencyBudgetError as error:
+                    outcome[index] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(handler, 0, "a")
+                tasks.start_soon(handler, 1, "b")
+                for event in held:
+                    await event.wait()
+                # handler 0's consumer waits for room only 'b' (handler 1's) keeps
+                await eventually(lambda: len(m.room_waits()) == 1)
+                task, where, need, what = m.room_waits()[0]
+                assert "handler" in task and str(where) == "cuda:0" and "batch 0" in what
+                assert need >= 4 * BATCH  # (float32: half a model)
+                assert not outcome
+                first_waits.set()
+        assert outcome[0] == "done", outcome
+        error = outcome[1]
+        assert isinstance(error, ResidencyBudgetError), outcome
+        message = str(error)
+        assert "hold and wait" in message and "2 waiting tasks" in message
+        assert "for 'a'" in message and "for 'b'" in message  # both tasks' requests named
+        assert "loader" in message  # the wait it would have waited with
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_nested_request_and_a_loader_that_wait_for_each_others_model() -> None:
+    # Handler 0 holds 'a' and iterates a loader that needs 'b''s room; handler 1 holds 'b'
+    # and asks for 'c' (nested) in 'a''s room. The request closes the cycle: refused.
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "abc")
+        held = [anyio.Event(), anyio.Event()]
+        loader_waits = anyio.Event()
+        outcome: dict[int, object] = {}
+
+        async def with_loader() -> None:
+            async with pool.use("a"):
+                held[0].set()
+                await held[1].wait()
+                async with DeviceLoader(m, [torch.randn(BATCH)], "cuda:0", prefetch=1) as loader:
+                    async for _ in loader:
+                        pass
+                outcome[0] = "done"
+
+        async def nested() -> None:
+            async with pool.use("b"):
+                held[1].set()
+                await loader_waits.wait()
+                try:
+                    async with pool.use("c") as c:
+                        outcome[1] = c.mode
+                except ResidencyPlanError as error:
+                    outcome[1] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(with_loader)
+                tasks.start_soon(nested)
+                for event in held:
+                    await event.wait()
+                # the loader waits for 'b''s room (its wait registered)
+                await eventually(lambda: any("loader" in w[3] for w in m.room_waits()))
+                assert not outcome
+                loader_waits.set()
+        assert outcome[0] == "done", outcome
+        error = outcome[1]
+        assert isinstance(error, ResidencyPlanError), outcome
+        assert "would wait for ever" in str(error) and "hold and wait" in str(error)
+        assert isinstance(error.__cause__, ResidencyBudgetError)
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
