@@ -242,24 +242,39 @@ class _Waiter:
 
 class RoomWait:
     """A tenant's wait for room, registered while it lasts (see
-    :meth:`ResidencyManager.room_wait`): ``need`` bytes at ``location`` for ``task``,
-    ``what`` names it, ``exempt`` are the tenant's own values (it gives them back itself)."""
+    :meth:`ResidencyManager.room_wait`, and a scope waiting in the queue): ``plan`` for
+    ``task`` (a byte need is a plan of one reservation), charging ``locations`` where budgets
+    apply; ``what`` names it, ``exempt`` are the tenant's own values (it gives them back
+    itself)."""
 
-    __slots__ = ("exempt", "location", "need", "task", "what")
+    __slots__ = ("exempt", "locations", "needs", "plan", "task", "what")
 
     def __init__(
         self,
+        plan: ResidencyPlan,
+        needs: Mapping[Location, int],
+        what: str,
+        task: object,
+        exempt: frozenset[ValueHandle] = frozenset(),
+    ) -> None:
+        self.plan = plan
+        self.needs = dict(needs)  # the bytes it would charge per location (for reports)
+        self.locations = frozenset(needs)
+        self.what = what
+        self.task = task
+        self.exempt = exempt
+
+    @classmethod
+    def for_bytes(
+        cls,
         need: int,
         location: Location,
         what: str,
         task: object,
-        exempt: frozenset[ValueHandle],
-    ) -> None:
-        self.need = need
-        self.location = location
-        self.what = what
-        self.task = task
-        self.exempt = exempt
+        exempt: frozenset[ValueHandle] = frozenset(),
+    ) -> RoomWait:
+        plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
+        return cls(plan, {location: need}, what, task, exempt)
 
 
 class AdmissionQueue:
@@ -296,51 +311,100 @@ class AdmissionQueue:
 
     def room_waits(self) -> list[tuple[str, Location, int, str]]:
         """The registered waits (see :meth:`ResidencyManager.room_waits`)."""
-        return [(_task_name(w.task), w.location, w.need, w.what) for w in self._room_waits.values()]
+        return [
+            (_task_name(w.task), location, need, w.what)
+            for w in self._room_waits.values()
+            for location, need in sorted(w.needs.items())
+        ]
 
-    def waiting_on_each_other(self, wait: RoomWait) -> ResidencyBudgetError | None:
-        """The error for a tenant about to make ``wait`` when it and the waits registered now
-        (other tasks', at the same location) would wait for one another for ever: each task
-        holds room that ends only when it goes on, and none of their needs would fit while
-        the others' holdings stay (hold and wait). The check of a deadlock's safety (the
-        banker's): a registered wait whose need would fit while the holdings of the tasks
-        still in the set stay could end, its task going on and giving its own back, and
-        leaves the set; if ``wait``'s task is left with others, none of them can go on.
-        ``None`` otherwise (and when no other task waits there). Loop thread; never waits."""
+    def waiting_on_each_other(
+        self, wait: RoomWait
+    ) -> tuple[str, _HeldBy, tuple[str, BaseException]] | None:
+        """Whether ``wait`` and the waits other tasks registered now (where it charges too)
+        would wait for one another for ever: each task holds room that ends only when it goes
+        on, and none of their plans would fit while the others' holdings stay (hold and
+        wait). The check of a deadlock's safety (the banker's): a registered wait whose plan
+        would fit while the holdings of the tasks still in the set stay could end, its task
+        going on and giving its own back, and leaves the set; if ``wait``'s task is left with
+        others, none of them can go on. Returns what to say of the others, what the set holds
+        and where and why ``wait``'s plan fails then; ``None`` otherwise (and when no other
+        task waits there). Loop thread; never waits."""
         task = wait.task
         if task is None:
             return None
         stuck = [
             other
             for other in self._room_waits.values()
-            if other.location == wait.location and other.task is not None and other.task is not task
+            if other.locations & wait.locations
+            and other.task is not None
+            and other.task is not task
         ]
         if not stuck:
             return None
         stuck.append(wait)
+        state = self._rt.state
         while True:
             tasks = list({id(w.task): w.task for w in stuck}.values())
             if len(tasks) < 2 or wait not in stuck:
                 return None
-            exempt = frozenset().union(*(w.exempt for w in stuck))
+            own = self._held_by_tasks(tasks, frozenset().union(*(w.exempt for w in stuck)))
+            if own is None:
+                return None
+            failure: tuple[str, BaseException] | None = None
             for other in stuck:
-                if (
-                    self.budget_short_while_held(other.need, wait.location, "", tasks, exempt)
-                    is None
-                ):
+                failure = self._fails_while(state, other.plan, own)
+                if failure is None:
                     stuck = [w for w in stuck if w.task is not other.task]
                     break
             else:
                 break
-        names = "; ".join(
+        failure = self._fails_while(state, wait.plan, own)
+        if failure is None:  # (judged above: it failed)
+            return None
+        others = "; ".join(
             f"task {_task_name(w.task)} waits for {w.what}" for w in stuck if w.task is not task
         )
-        return self.budget_short_while_held(
-            wait.need,
-            wait.location,
-            f"{wait.what}, while {names} (each task waits for room the others hold: hold and wait)",
-            tasks,
-            exempt,
+        return (
+            f"while {others} (each task waits for room the others hold: hold and wait)",
+            own,
+            failure,
+        )
+
+    def room_wait_error(self, wait: RoomWait) -> ResidencyBudgetError | None:
+        """:meth:`waiting_on_each_other` for a byte need (:meth:`RoomWait.for_bytes`), as the
+        ``ResidencyBudgetError`` a tenant raises (see :meth:`ResidencyManager.room_wait`)."""
+        found = self.waiting_on_each_other(wait)
+        if found is None:
+            return None
+        others, own, (_, cause) = found
+        (reservation,) = wait.plan.reserve
+        location = reservation.location
+        ledger = self._rt.state.ledger(location)
+        error = ResidencyBudgetError(
+            location,
+            ledger.budget_bytes,
+            ledger.used_bytes,
+            ledger.reserved_bytes,
+            reservation.nbytes,
+            kind="reservation",
+            what=f"{wait.what}, {others}; {own.describe(location)}",
+        )
+        error.__cause__ = cause
+        return error
+
+    @staticmethod
+    def _fails_while(
+        state: Any, plan: ResidencyPlan, own: _HeldBy
+    ) -> tuple[str, BaseException] | None:
+        """Where and why ``plan`` fails once everything transient ended but ``own``."""
+        return drain(
+            fails_while_kept_steps(
+                state,
+                plan,
+                scoped=own.scoped,
+                kept=own.kept,
+                kept_reservations=own.reservations,
+            )
         )
 
     def add_keeper(self, keeper: Keeper) -> Callable[[], None]:
@@ -542,6 +606,9 @@ class AdmissionQueue:
             finally:
                 self._judging.remove(charged)
         deadline = None if timeout is None else anyio.current_time() + timeout
+        # Waiting for room its task may hold some of: registered, and refused at once if it
+        # closes a cycle of tasks each waiting for room the others hold (hold and wait).
+        unregister = None if explanation.feasible else self._register_scope_wait(plan, task)
         self._enqueue(waiter)
         try:
             while True:
@@ -560,6 +627,11 @@ class AdmissionQueue:
                         raise ResidencyPlanError(explanation.reason) from (
                             explanation.blocking_error
                         )
+                    if not explanation.feasible and self._holds_room(task):
+                        # What stood in the way may have ended and left for good what only
+                        # the task's own holdings now keep out (another scope's value stays
+                        # resident once it exited): then it waits on itself.
+                        await self._refuse_waiting_on_itself(plan, task, expected_version)
                 if deadline is not None and anyio.current_time() >= deadline:
                     message, cause = self._timeout_message(waiter, timeout, explanation)
                     # chained to what stood in the way (diagnose reads it as the evidence)
@@ -569,6 +641,47 @@ class AdmissionQueue:
         except BaseException:
             self.release(waiter)
             raise
+        finally:
+            if unregister is not None:
+                unregister()
+
+    def _register_scope_wait(
+        self, plan: ResidencyPlan, task: object | None
+    ) -> Callable[[], None] | None:
+        """Register the wait of a scope about to wait for room (see :meth:`admit`), or raise
+        ``ResidencyPlanError`` if it would close a cycle of waiting tasks
+        (:meth:`waiting_on_each_other`). ``None`` for a wait outside any task."""
+        if task is None:
+            return None
+        state = self._rt.state
+        budgeted = self._budgeted()
+        needs: dict[Location, int] = {}
+        for reservation in plan.reserve:
+            if reservation.location in budgeted:
+                needs[reservation.location] = needs.get(reservation.location, 0) + (
+                    reservation.nbytes
+                )
+        names: list[str] = []
+        for action in plan.enter:
+            value = state.find_value(action.handle)
+            if value is None or isinstance(action, Release):
+                continue
+            names.append(action.handle.name or str(action.handle.value_id))
+            if action.location in budgeted and action.location not in value.materializations:
+                needs[action.location] = needs.get(action.location, 0) + value.charge_bytes
+        if not needs:
+            return None
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        what = f"a scope entering {shown}" if names else "a scope's reservations"
+        wait = RoomWait(plan, needs, what, task)
+        found = self.waiting_on_each_other(wait)
+        if found is not None:
+            others, own, (where, error) = found
+            raise ResidencyPlanError(
+                f"infeasible at {where}: {error}; {what}, {others}; "
+                f"{own.describe(getattr(error, 'location', None))}"
+            ) from error
+        return self.add_room_wait(wait)
 
     def _holds_room(self, task: object | None) -> bool:
         """Whether ``task`` holds a lease or hold of this manager, has entered a scope or
@@ -658,15 +771,7 @@ class AdmissionQueue:
             return None
         state = self._rt.state
         plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
-        failure = drain(
-            fails_while_kept_steps(
-                state,
-                plan,
-                scoped=own.scoped,
-                kept=own.kept,
-                kept_reservations=own.reservations,
-            )
-        )
+        failure = self._fails_while(state, plan, own)
         if failure is None:
             return None
         ledger = state.ledger(location)

@@ -477,14 +477,14 @@ class ResidencyManager:
         gives back itself (as for :meth:`waiting_on_itself`); ``what`` names the need in the
         error. Loop thread; never waits."""
         rt = self._running()
-        wait = RoomWait(
+        wait = RoomWait.for_bytes(
             need,
             Location.parse(location),
             what,
             current_task() if task is None else task,
             frozenset(exempt),
         )
-        error = rt.admission.waiting_on_each_other(wait)
+        error = rt.admission.room_wait_error(wait)
         if error is not None:
             raise error
         remove = rt.admission.add_room_wait(wait)

@@ -297,6 +297,10 @@ class Scope:
             return
         rt = self._rt
         rt.scopes.discard(self)
+        # A change for admission even when the exit moves nothing: its values are no longer
+        # "a scope's" (what a waiter counted as room to come back may stay for good now), and
+        # a waiter must judge again.
+        rt.signal.notify()
         if rt.frozen:
             # The manager closed during the body: its state is final, so the exit changes
             # nothing (its reservations end with the manager) and says so.

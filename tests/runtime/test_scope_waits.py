@@ -1,0 +1,124 @@
+"""Scopes that wait for room other scopes hold, and what ends such a wait: two tasks whose
+nested scopes each need the room of the other's outer scope (hold and wait, refused at once),
+and a scope whose blocker exits but leaves its value resident (nothing moves it on its own:
+the waiter is told, instead of sleeping through a change nobody announced). Simulated backend
+(CUDA simulated in host memory); every test bounds itself and waits on conditions."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aresidency import (
+    Move,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
+)
+
+pytestmark = pytest.mark.anyio
+
+MIB = 1 << 20
+
+
+def values(m: ResidencyManager, n: int) -> list:  # type: ignore[type-arg]
+    return [m.register(torch.zeros(MIB // 4), name=f"v{i}") for i in range(n)]
+
+
+async def until_waiting(m: ResidencyManager, count: int) -> None:
+    """Until ``count`` scopes wait for room (their waits registered with the manager)."""
+    with anyio.fail_after(10):
+        while len(m.room_waits()) < count:
+            await anyio.wait_all_tasks_blocked()
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["exit-moves-back", "exit-leaves-it"])
+async def test_two_tasks_whose_nested_scopes_need_each_others_room(back: bool) -> None:
+    # 3 MiB: each task's outer scope holds 1 MiB, each inner scope needs 2 MiB more. Either
+    # inner one fits once the other task's outer scope ended; neither while both hold. The
+    # second to wait closes the cycle: refused at once, naming the other's wait.
+    async with ResidencyManager(budgets={"cuda:0": 3 * MIB}, backend="sim") as m:
+        v = values(m, 6)
+        held = [anyio.Event(), anyio.Event()]
+        outcome: dict[int, object] = {}
+
+        async def task(i: int) -> None:
+            exit_ = [Move(v[i], "pageable-host")] if back else []
+            async with m.scope(ResidencyPlan(enter=[Move(v[i], "cuda:0")], exit=exit_)):
+                held[i].set()
+                await held[1 - i].wait()
+                if i == 1:
+                    await until_waiting(m, 1)  # task 0's inner scope waits first
+                inner = [Move(v[2 + 2 * i], "cuda:0"), Move(v[3 + 2 * i], "cuda:0")]
+                try:
+                    async with m.scope(
+                        ResidencyPlan(
+                            enter=inner,
+                            exit=exit_
+                            and [
+                                Move(v[2 + 2 * i], "pageable-host"),
+                                Move(v[3 + 2 * i], "pageable-host"),
+                            ],
+                        )
+                    ):
+                        outcome[i] = "entered"
+                except ResidencyPlanError as error:
+                    outcome[i] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task, 0)
+                tasks.start_soon(task, 1)
+        error = outcome[1]
+        assert isinstance(error, ResidencyPlanError), outcome
+        message = str(error)
+        assert "hold and wait" in message and "2 waiting tasks" in message, message
+        assert "a scope entering v4, v5" in message and "a scope entering v2, v3" in message
+        if back:
+            assert outcome[0] == "entered", outcome  # in the room task 1 gave back
+        else:
+            # Task 1's value stays resident once its scope exited: nothing moves it, and
+            # task 0's inner scope now fits only once task 0's own outer scope ended.
+            assert isinstance(outcome[0], ResidencyPlanError), outcome
+            assert "only what the waiting task holds itself" in str(outcome[0])
+        assert m.room_waits() == []
+        snap = m.snapshot().location("cuda:0")
+        assert snap.reserved_bytes == 0 and snap.peak_bytes <= 3 * MIB
+
+
+async def test_a_scope_waiting_for_a_value_that_stays_once_its_scope_exits_is_told() -> None:
+    # The waiter needs 3 MiB of 3; v1's scope holds 1 MiB and exits without moving it. The
+    # exit changes no materialization, but v1 is no longer a scope's: nothing will move it
+    # now, and the waiter fails at once instead of sleeping for a change that never comes.
+    async with ResidencyManager(budgets={"cuda:0": 3 * MIB}, backend="sim") as m:
+        v = values(m, 5)
+        held, go = anyio.Event(), anyio.Event()
+        outcome: list[object] = []
+
+        async def holder() -> None:
+            async with m.scope(ResidencyPlan(enter=[Move(v[1], "cuda:0")])):
+                held.set()
+                await go.wait()
+
+        async def waiter() -> None:
+            await held.wait()
+            try:
+                async with m.scope(ResidencyPlan(enter=[Move(v[k], "cuda:0") for k in (2, 3, 4)])):
+                    outcome.append("entered")
+            except ResidencyPlanError as error:
+                outcome.append(error)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(holder)
+                tasks.start_soon(waiter)
+                await held.wait()
+                await anyio.wait_all_tasks_blocked()
+                assert m.waiting == 1 and not outcome  # it waits for v1's scope
+                go.set()
+        assert len(outcome) == 1 and isinstance(outcome[0], ResidencyPlanError), outcome
+        assert isinstance(outcome[0].__cause__, ResidencyBudgetError), outcome
+        assert "budget exceeded at cuda:0" in str(outcome[0])
+        assert m.waiting == 0
