@@ -247,7 +247,7 @@ class RoomWait:
     apply; ``what`` names it, ``exempt`` are the tenant's own values (it gives them back
     itself)."""
 
-    __slots__ = ("exempt", "locations", "needs", "plan", "task", "what")
+    __slots__ = ("_exempt", "locations", "needs", "plan", "task", "what")
 
     def __init__(
         self,
@@ -255,14 +255,19 @@ class RoomWait:
         needs: Mapping[Location, int],
         what: str,
         task: object,
-        exempt: frozenset[ValueHandle] = frozenset(),
+        exempt: frozenset[ValueHandle] | Callable[[], Iterable[ValueHandle]] = frozenset(),
     ) -> None:
         self.plan = plan
         self.needs = dict(needs)  # the bytes it would charge per location (for reports)
         self.locations = frozenset(needs)
         self.what = what
         self.task = task
-        self.exempt = exempt
+        self._exempt = exempt  # or what names them when asked (they change as it waits)
+
+    @property
+    def exempt(self) -> frozenset[ValueHandle]:
+        exempt = self._exempt
+        return exempt if isinstance(exempt, frozenset) else frozenset(exempt())
 
     @classmethod
     def for_bytes(
@@ -271,7 +276,7 @@ class RoomWait:
         location: Location,
         what: str,
         task: object,
-        exempt: frozenset[ValueHandle] = frozenset(),
+        exempt: frozenset[ValueHandle] | Callable[[], Iterable[ValueHandle]] = frozenset(),
     ) -> RoomWait:
         plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
         return cls(plan, {location: need}, what, task, exempt)

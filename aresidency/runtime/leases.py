@@ -242,10 +242,16 @@ class Lease:
         stream: Any = None,
         mode: str = "read",
         order_stream: bool = True,
+        on_behalf_of: TaskRef | None = None,
     ) -> None:
         if mode not in ("read", "write"):
             raise ValueError(f"lease mode must be 'read' or 'write', got {mode!r}")
+        if on_behalf_of is not None and not isinstance(on_behalf_of, TaskRef):
+            raise TypeError(
+                f"on_behalf_of must be a TaskRef (current_task_ref()), got {on_behalf_of!r}"
+            )
         self._rt = runtime
+        self._on_behalf_of = on_behalf_of
         self.order_stream = order_stream
         self.ready_event: Any = None
         self.handle = handle
@@ -289,7 +295,9 @@ class Lease:
             raise RuntimeError("a lease is single use; call manager.acquire again")
         rt = self._rt
         rt.check_thread()
-        owner = current_owner()  # before the state changes: nothing after it may fail
+        ref = self._on_behalf_of
+        # before the state changes: nothing after it may fail
+        owner = current_owner() if ref is None else ref.name
         try:
             self._mat = rt.state.lease(self.handle, self.location, self.mode)
         except ResidencyInUseError as error:
@@ -298,7 +306,7 @@ class Lease:
         self.owner = owner
         table = lease_owners(rt)
         table.add(self.handle, self.location, self._kind, owner)
-        self._task = current_task()
+        self._task = current_task() if ref is None else ref.task
         table.add_task(self._task, self.handle, self.location)
         self.status = "entering"
         rt.settle()  # a write lease may have invalidated other replicas

@@ -462,7 +462,7 @@ class ResidencyManager:
         *,
         what: str,
         task: object | None = None,
-        exempt: Iterable[ValueHandle] = (),
+        exempt: Iterable[ValueHandle] | Callable[[], Iterable[ValueHandle]] = (),
     ) -> Iterator[None]:
         """``with manager.room_wait(need, location, what=...)``: around a tenant's wait for
         ``need`` bytes of room at ``location`` on behalf of ``task`` (default: the calling
@@ -474,7 +474,8 @@ class ResidencyManager:
         when it goes on, and no need among them would fit while the others' holdings stay
         (hold and wait). Inside, the wait is registered, so that a later wait of another task
         closing such a cycle is refused in turn. ``exempt``: the tenant's own values, which it
-        gives back itself (as for :meth:`waiting_on_itself`); ``what`` names the need in the
+        gives back itself (as for :meth:`waiting_on_itself`), or a function naming them
+        whenever a check runs (they change while it waits); ``what`` names the need in the
         error. Loop thread; never waits."""
         rt = self._running()
         wait = RoomWait.for_bytes(
@@ -482,7 +483,7 @@ class ResidencyManager:
             Location.parse(location),
             what,
             current_task() if task is None else task,
-            frozenset(exempt),
+            exempt if callable(exempt) else frozenset(exempt),
         )
         error = rt.admission.room_wait_error(wait)
         if error is not None:
@@ -789,13 +790,25 @@ class ResidencyManager:
         stream: Any = None,
         mode: str = "read",
         order_stream: bool = True,
+        on_behalf_of: TaskRef | None = None,
     ) -> Lease:
         """A lease on the materialization at ``location`` (never places it). See ``Lease``.
-        The materialization, ``mode`` and ``stream`` are checked here, before ``async with``."""
+        The materialization, ``mode`` and ``stream`` are checked here, before ``async with``.
+        The lease is the task's that enters it (its name in reports; admission counts it as
+        that task's own), or ``on_behalf_of``'s (a ``TaskRef`` from ``current_task_ref()``),
+        for a tenant that enters leases for a task in loop callbacks, as for :meth:`hold`."""
         rt = self._running()
         loc = Location.parse(location)
         self._state.materialization(handle, loc)  # fail fast, before 'async with'
-        return Lease(rt, handle, loc, stream=stream, mode=mode, order_stream=order_stream)
+        return Lease(
+            rt,
+            handle,
+            loc,
+            stream=stream,
+            mode=mode,
+            order_stream=order_stream,
+            on_behalf_of=on_behalf_of,
+        )
 
     def hold(
         self,

@@ -122,3 +122,34 @@ async def test_a_scope_waiting_for_a_value_that_stays_once_its_scope_exits_is_to
         assert isinstance(outcome[0].__cause__, ResidencyBudgetError), outcome
         assert "budget exceeded at cuda:0" in str(outcome[0])
         assert m.waiting == 0
+
+
+async def test_a_lease_entered_in_a_callback_on_behalf_of_a_task_is_that_tasks() -> None:
+    # A tenant enters leases for a task from loop callbacks (a streamed call's pump): with
+    # on_behalf_of, the lease is reported as the task's and counted as what it holds itself.
+    from aresidency.runtime.leases import current_task_ref
+
+    async with ResidencyManager(budgets={"cuda:0": 2 * MIB}, backend="sim") as m:
+        v = values(m, 3)
+        await m.materialize(v[0], "cuda:0")
+        ref = current_task_ref()
+        entered: list[object] = []
+
+        def in_callback() -> None:
+            lease = m.acquire(v[0], "cuda:0", on_behalf_of=ref)
+            lease.enter_nowait()
+            entered.append(lease)
+
+        m.bridge.call_soon(in_callback)
+        with anyio.fail_after(10):
+            while not entered:
+                await anyio.wait_all_tasks_blocked()
+        ((_, where, kind, owner),) = [o for o in m.owners() if o[0] == v[0]]
+        assert (str(where), kind, owner) == ("cuda:0", "read lease", ref.name)
+        # What the task holds itself: 2 MiB more at cuda:0 could come only once it ended.
+        stuck = m.waiting_on_itself(2 * MIB, "cuda:0", what="a test's wait")
+        assert stuck is not None and "1 lease(s) or hold(s) (v0 at cuda:0)" in str(stuck)
+        with pytest.raises(TypeError, match="on_behalf_of must be a TaskRef"):
+            m.acquire(v[0], "cuda:0", on_behalf_of="me")  # type: ignore[arg-type]
+        entered[0].exit_nowait()  # type: ignore[attr-defined]
+        assert m.owners() == []

@@ -132,3 +132,53 @@ async def test_a_nested_request_and_a_loader_that_wait_for_each_others_model() -
         assert isinstance(error.__cause__, ResidencyBudgetError)
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "pipeline"])
+async def test_a_streamed_call_and_a_loader_that_wait_for_each_others_model(ring: bool) -> None:
+    # Handler 0 holds 'a' and calls a streamed model whose blocks fit only once 'b' left;
+    # handler 1 holds 'b' and iterates a loader whose batch fits only once 'a' left. The
+    # streamed call's wait for its block is registered (on the pipeline, from the loop's
+    # callbacks, on behalf of the calling task, whose lease on the module's tensors outside
+    # the blocks counts as that task's); the loader's closes the cycle and is refused.
+    from aresidency.integrations import stream_module
+
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        other = TinyLM(seed=5)
+        expected = reference(other, TOKENS)
+        streamed = stream_module(m, other, ring=ring, prefetch=1, name="s")
+        held = [anyio.Event(), anyio.Event()]
+        outcome: dict[int, object] = {}
+
+        async def caller() -> None:
+            async with pool.use("a"):
+                held[0].set()
+                await held[1].wait()
+                outcome[0] = torch.equal(await streamed(TOKENS), expected)
+
+        async def with_loader() -> None:
+            async with pool.use("b"):
+                held[1].set()
+                await held[0].wait()
+                await eventually(lambda: any(w[3].startswith("s: ") for w in m.room_waits()))
+                try:
+                    async with DeviceLoader(m, [torch.randn(BATCH)], "cuda:0") as loader:
+                        async for _ in loader:
+                            pass
+                    outcome[1] = "done"
+                except ResidencyBudgetError as error:
+                    outcome[1] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(caller)
+                tasks.start_soon(with_loader)
+        assert outcome[0] is True, outcome
+        error = outcome[1]
+        assert isinstance(error, ResidencyBudgetError), outcome
+        assert "hold and wait" in str(error) and "s: s.block0" in str(error), str(error)
+        assert m.room_waits() == []
+        await streamed.aclose()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

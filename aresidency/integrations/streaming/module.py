@@ -483,6 +483,19 @@ class StreamedModule:
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
 
+    def unprotected_handles(self) -> list[ValueHandle]:
+        """The module's values nothing protects at the device now: what a wait for room
+        counts as given back (the module releases them itself as it goes), unlike what the
+        waiting call leases there."""
+        state = self.manager.state
+        out = []
+        for handle in self.handles:
+            value = state.find_value(handle)
+            mat = None if value is None else value.materializations.get(self.device)
+            if mat is None or not mat.protected:
+                out.append(handle)
+        return out
+
     def ask_others_for_room(self) -> bool:
         """A call of ours waits for room at our device: the other streamed modules of the
         manager that are idle there give up what they keep between calls (a cache, which

@@ -44,6 +44,7 @@ loop; each part reads the state the others write, so they stay side by side.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import deque
@@ -55,8 +56,9 @@ import torch
 
 from ...core.errors import ResidencyBudgetError
 from ...core.locations import Location
+from ...core.sizes import format_nbytes
 from ...core.values import MaterializationState
-from ...runtime.leases import Lease, LeaseWouldWait, current_task
+from ...runtime.leases import Lease, LeaseWouldWait, current_task, current_task_ref
 from ...runtime.pending import PendingOperation
 from .packing import TensorGroup
 
@@ -152,10 +154,15 @@ class CallPipeline:
         # The task awaiting the call (made there): what it keeps itself (a loader's batches
         # copied ahead) ends only when the call returns.
         self.task = current_task()
+        self.task_ref = current_task_ref()
         # Set while the block the call needs next waits for room (want_room's release): the
         # tenants that could take that room first (a loader) hold back meanwhile.
         self._wanting: Callable[[], None] | None = None
         self._head_blocked = False
+        # The wait for room of the block it needs next, registered with the manager (see
+        # _waits_on_itself), and that block's index (-1: none).
+        self._room_wait: contextlib.AbstractContextManager[None] | None = None
+        self._room_wait_for = -1
         self.stream = stream
         self.host_wait = host_wait
         self.keep = keep
@@ -299,6 +306,24 @@ class CallPipeline:
             what=f"{self.streamed.name}: {group.name} waits for room",
             task=self.task,
         )
+        if error is None and self._room_wait_for != group.index:
+            # A wait for room the call's task may hold some of (a pool request it is in):
+            # registered while it lasts, refused at once if it closes a cycle of tasks
+            # waiting for each other's room (hold and wait).
+            self._end_room_wait()
+            wait = self.manager.room_wait(
+                group.charge_bytes,
+                self.streamed.device,
+                what=f"{self.streamed.name}: {group.name} ({format_nbytes(group.charge_bytes)})",
+                task=self.task,
+                exempt=self.streamed.unprotected_handles,
+            )
+            try:
+                wait.__enter__()
+            except ResidencyBudgetError as refused:
+                error = refused
+            else:
+                self._room_wait, self._room_wait_for = wait, group.index
         if error is None:
             self._head_blocked = True
             # Idle cached data (a pool's models) may give the room back: asked after this
@@ -310,6 +335,11 @@ class CallPipeline:
         self._fail(slot, error)
         return True
 
+    def _end_room_wait(self) -> None:
+        wait, self._room_wait, self._room_wait_for = self._room_wait, None, -1
+        if wait is not None:
+            wait.__exit__(None, None, None)
+
     def _reclaim(self, device: Location, need: int) -> None:
         if self.manager.running and self._head_blocked:
             self.manager.reclaim_for(device, need)
@@ -318,6 +348,8 @@ class CallPipeline:
         """Say (or stop saying) that the call waits for room for the block it needs next.
         ``want_room`` notifies, which may pump again from inside it: that nested pump sees
         the placeholder, and if it stopped wanting meanwhile the token goes back at once."""
+        if not wanted:
+            self._end_room_wait()  # (the head block has room now, or the call ended)
         if wanted == (self._wanting is not None):
             return
         if not wanted:
@@ -459,7 +491,11 @@ class CallPipeline:
             return False  # pumped again once it is (or once the load put its data there)
         try:
             lease = self.manager.acquire(
-                group.handle, device, stream=self.stream, order_stream=False
+                group.handle,
+                device,
+                stream=self.stream,
+                order_stream=False,
+                on_behalf_of=self.task_ref,  # (entered in a pump: a loop callback, often)
             )
             lease.enter_nowait()
         except LeaseWouldWait:

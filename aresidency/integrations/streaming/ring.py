@@ -43,6 +43,7 @@ write.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -54,6 +55,7 @@ import torch
 
 from ...backends.events import HostEvent
 from ...core.errors import ResidencyBudgetError
+from ...core.sizes import format_nbytes
 from ...core.values import MaterializationState
 from ...runtime.leases import Lease
 from ...runtime.pending import PendingOperation
@@ -297,12 +299,26 @@ class RingCall:
                 return
             if self._wanting is None:  # held until open() ends
                 self._wanting = self.manager.want_room(self.device)
-        if deadline is None:
-            await self.manager.wait_for_change()
-            return
-        remaining = deadline - anyio.current_time()
-        if remaining <= 0 or not await self.manager.wait_for_change(remaining):
-            raise TimeoutError(streamed.timeout_message(what))
+        # A wait for room the calling task may hold some of (a pool request it is in):
+        # registered, and refused at once if it closes a cycle of tasks waiting for each
+        # other's room (hold and wait).
+        waiting: contextlib.AbstractContextManager[None] = (
+            contextlib.nullcontext()
+            if need is None
+            else self.manager.room_wait(
+                need,
+                self.device,
+                what=f"{streamed.name}: {what.name} ({format_nbytes(need)})",
+                exempt=streamed.unprotected_handles,
+            )
+        )
+        with waiting:
+            if deadline is None:
+                await self.manager.wait_for_change()
+                return
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0 or not await self.manager.wait_for_change(remaining):
+                raise TimeoutError(streamed.timeout_message(what))
 
     def _stream_instead(self, group: TensorGroup) -> None:
         """A block planned to stay that found no room: it streams through the ring."""
