@@ -141,6 +141,11 @@ class _HeldBy:
         theirs = {pair for tenant in tenants for pair in tenant.materializations}
         self.leased = tuple(pair for pair in leased if pair not in theirs)
 
+    def released(self) -> list[ValueHandle]:
+        """``scoped`` and the values of the task's own scopes: what may move once everything
+        the task holds ended too (its scopes' exits may move their values)."""
+        return [*self.scoped, *(h for scope in self.own for h in scope.plan.handles())]
+
     def describe(self, location: Location | None) -> str:
         """What stands in the way, naming what is charged at ``location`` (``None``:
         everything), and what to do."""
@@ -365,6 +370,11 @@ class AdmissionQueue:
                 break
         failure = self._fails_while(state, wait.plan, own)
         if failure is None:  # (judged above: it failed)
+            return None
+        # Only if what the set holds is what keeps it out: with that ended too, would it fit?
+        # (Resident values nobody protects stay in both: another tenant may move them, and
+        # then it is not the set that stands in the way.)
+        if drain(fails_while_kept_steps(state, wait.plan, scoped=own.released())) is not None:
             return None
         others = "; ".join(
             f"task {_task_name(w.task)} waits for {w.what}" for w in stuck if w.task is not task
@@ -755,7 +765,7 @@ class AdmissionQueue:
         own = self._held_by(task, exempt)
         assert own is not None
         plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
-        if drain(fails_while_kept_steps(self._rt.state, plan, scoped=own.scoped)) is not None:
+        if drain(fails_while_kept_steps(self._rt.state, plan, scoped=own.released())) is not None:
             return None
         return error
 

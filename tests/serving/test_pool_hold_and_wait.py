@@ -182,3 +182,43 @@ async def test_a_streamed_call_and_a_loader_that_wait_for_each_others_model(ring
         await streamed.aclose()
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_two_loaders_kept_out_by_a_value_another_tenant_moves_are_not_refused() -> None:
+    # Each handler holds its model and its loader's batch (three models' bytes) would not fit
+    # even once both requests ended: a value nobody protects (2.5 models' bytes) takes the
+    # room, and only whoever owns it can move it. The two waits do not wait for each other:
+    # neither is refused, and both go on once that value leaves.
+    from aresidency import ReplicaMode
+
+    budget = 5 * TOTAL
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        other = m.register(
+            torch.zeros(5 * TOTAL // 8), name="other", replica_mode=ReplicaMode.REPLICABLE
+        )
+        await m.materialize(other, "cuda:0")
+        held = [anyio.Event(), anyio.Event()]
+        done: list[int] = []
+
+        async def handler(index: int, name: str) -> None:
+            async with pool.use(name):
+                held[index].set()
+                for event in held:
+                    await event.wait()
+                data = [torch.randn(3 * TOTAL // 4)]
+                async with DeviceLoader(m, data, "cuda:0", prefetch=0) as loader:
+                    async for batch in loader:
+                        assert torch.equal(batch, data[0])
+                done.append(index)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(handler, 0, "a")
+                tasks.start_soon(handler, 1, "b")
+                await eventually(lambda: len(m.room_waits()) == 2)  # both wait, neither refused
+                assert not done
+                await m.release(other, "cuda:0")
+        assert sorted(done) == [0, 1]
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
