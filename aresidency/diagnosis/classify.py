@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.sizes import format_nbytes
 from ._facts import (
     Errors,
     error_fields,
@@ -136,7 +137,16 @@ def step_1(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "last_version": kept[-1].state_version if kept else None,
             },
             owners=[owner.to_dict() for owner in evidence.owners],
+            room_waits=[wait.to_dict() for wait in evidence.room_waits],
         )
+        if evidence.room_waits:
+            findings.append(
+                f"{len(evidence.room_waits)} wait(s) for room registered: "
+                + "; ".join(
+                    f"task {w.task} waits for {w.what} ({format_nbytes(w.nbytes)} at {w.location})"
+                    for w in evidence.room_waits
+                )
+            )
     if error is not None:
         handles = handles_in(error)
         if handles:

@@ -28,6 +28,7 @@ __all__ = [
     "DUMP_VERSION",
     "Evidence",
     "Owner",
+    "RoomWaitRecord",
     "collect",
     "read_dump",
     "trace_from_dict",
@@ -68,19 +69,49 @@ class Owner:
 
 
 @dataclass(frozen=True, slots=True)
+class RoomWaitRecord:
+    """One registered wait for room (``manager.room_waits()``): the waiting ``task``, the
+    ``location``, the bytes it needs there and ``what`` it waits for."""
+
+    task: str
+    location: Location
+    nbytes: int
+    what: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "location": str(self.location),
+            "nbytes": self.nbytes,
+            "what": self.what,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoomWaitRecord:
+        return cls(
+            str(data["task"]),
+            Location.parse(data["location"]),
+            int(data["nbytes"]),
+            str(data["what"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Evidence:
     """What one manager showed at one moment (all tensor-free).
 
     ``snapshot`` and ``trace`` were taken in the same synchronous step; ``owners`` lists the
     active leases and holds with their tasks; ``explanation`` is ``explain`` of the error's
     plan against that state, as a JSON-able dict (``None`` when the error had no plan);
-    ``captured_unix_s`` is the wall-clock time it was taken."""
+    ``captured_unix_s`` is the wall-clock time it was taken; ``room_waits``: the tenants'
+    waits for room registered then (who waits, for what)."""
 
     snapshot: ResidencySnapshot
     trace: ResidencyTrace
     owners: tuple[Owner, ...] = ()
     explanation: Mapping[str, Any] | None = None
     captured_unix_s: float = 0.0
+    room_waits: tuple[RoomWaitRecord, ...] = ()
 
     @classmethod
     def capture(
@@ -90,14 +121,17 @@ class Evidence:
         owners: Iterable[tuple[ValueHandle, Location, str, str]] = (),
         *,
         explanation: Any = None,
+        room_waits: Iterable[tuple[str, Location, int, str]] = (),
     ) -> Evidence:
-        """Evidence from live objects (``owners`` as ``manager.owners()`` gives them)."""
+        """Evidence from live objects (``owners`` as ``manager.owners()`` gives them,
+        ``room_waits`` as ``manager.room_waits()``)."""
         return cls(
             snapshot,
             trace,
             tuple(Owner(*entry) for entry in owners),
             None if explanation is None else to_jsonable(explanation),
             time.time(),
+            tuple(RoomWaitRecord(*entry) for entry in room_waits),
         )
 
     def owners_of(self, handle: ValueHandle, location: Location) -> tuple[Owner, ...]:
@@ -112,6 +146,7 @@ class Evidence:
             "trace": self.trace.to_dict(),
             "owners": [owner.to_dict() for owner in self.owners],
             "explanation": self.explanation,
+            "room_waits": [wait.to_dict() for wait in self.room_waits],
         }
 
     @classmethod
@@ -121,6 +156,7 @@ class Evidence:
             snapshot = ResidencySnapshot.from_dict(data["snapshot"])
             trace = trace_from_dict(data["trace"])
             owners = tuple(Owner.from_dict(o) for o in data.get("owners", ()))
+            waits = tuple(RoomWaitRecord.from_dict(w) for w in data.get("room_waits", ()))
         except KeyError as missing:
             raise ValueError(
                 f"not an aresidency dump: the field {missing} is missing (write dumps with "
@@ -135,6 +171,7 @@ class Evidence:
             owners,
             explanation if isinstance(explanation, Mapping) else None,
             float(data.get("captured_unix_s", 0.0)),
+            waits,
         )
 
 
@@ -193,6 +230,7 @@ def collect(manager: Any, error: BaseException | None = None) -> Evidence:
         state.trace_ring.view(),
         manager.owners() if running else (),
         explanation=explanation,
+        room_waits=manager.room_waits() if running else (),
     )
 
 

@@ -222,3 +222,48 @@ async def test_two_loaders_kept_out_by_a_value_another_tenant_moves_are_not_refu
         assert sorted(done) == [0, 1]
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_a_dump_taken_while_tenants_wait_for_room_names_who_waits_for_what(
+    tmp_path: object,
+) -> None:
+    # While a handler's loader waits for room another handler's model keeps, the dump (and
+    # diagnose, from it) lists the registered wait: which task, what for, how many bytes.
+    from pathlib import Path
+
+    from aresidency.diagnosis import diagnose_dump
+    from aresidency.diagnosis.evidence import read_dump
+
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        held = [anyio.Event(), anyio.Event()]
+        release = anyio.Event()
+
+        async def holder() -> None:
+            async with pool.use("b"):
+                held[1].set()
+                await release.wait()
+
+        async def with_loader() -> None:
+            async with pool.use("a"):
+                held[0].set()
+                await held[1].wait()
+                data = [torch.randn(BATCH)]
+                async with DeviceLoader(m, data, "cuda:0", name="inputs") as loader:
+                    async for _ in loader:
+                        pass
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(holder)
+                tasks.start_soon(with_loader)
+                await eventually(lambda: len(m.room_waits()) == 1)
+                path = m.dump(Path(str(tmp_path)) / "dump.json")
+                release.set()
+        (wait,) = read_dump(path)[1].room_waits
+        assert wait.what.startswith("batch 0 of inputs") and wait.nbytes >= 4 * BATCH
+        assert str(wait.location) == "cuda:0" and "with_loader" in wait.task
+        report = str(diagnose_dump(path))
+        assert "1 wait(s) for room registered: task" in report and "batch 0 of inputs" in report
+        assert m.room_waits() == []
+        await pool.aclose()
