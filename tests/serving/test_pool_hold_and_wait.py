@@ -267,3 +267,58 @@ async def test_a_dump_taken_while_tenants_wait_for_room_names_who_waits_for_what
         assert "1 wait(s) for room registered: task" in report and "batch 0 of inputs" in report
         assert m.room_waits() == []
         await pool.aclose()
+
+
+@pytest.mark.parametrize("kind", ["nested request", "loader", "scope", "streamed call"])
+async def test_a_wait_for_room_cancelled_leaves_no_registration(kind: str) -> None:
+    # Each kind of tenant waits for room another handler's model keeps, inside its own
+    # request; cancelled there, it unregisters its wait (a later wait is not judged against
+    # it) and leaves nothing behind; the model it waited beside is still served.
+    from aresidency import Move, ResidencyPlan
+    from aresidency.integrations import stream_module
+
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "abc")
+        streamed = stream_module(m, TinyLM(seed=7), name="s") if kind == "streamed call" else None
+        value = m.register(torch.zeros(BATCH), name="x")
+        held, release = anyio.Event(), anyio.Event()
+
+        async def holder() -> None:
+            async with pool.use("b"):
+                held.set()
+                await release.wait()
+
+        async def waiter(cancel: anyio.CancelScope) -> None:
+            await held.wait()
+            async with pool.use("a") as a:
+                with cancel:
+                    if kind == "nested request":
+                        async with pool.use("c"):
+                            pass
+                    elif kind == "loader":
+                        async with DeviceLoader(m, [torch.randn(BATCH)], "cuda:0") as loader:
+                            async for _ in loader:
+                                pass
+                    elif kind == "scope":
+                        async with m.scope(ResidencyPlan(enter=[Move(value, "cuda:0")])):
+                            pass
+                    else:
+                        assert streamed is not None
+                        await streamed(TOKENS)
+                assert cancel.cancelled_caught
+                assert torch.equal(await a(TOKENS), reference(a.module, TOKENS))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(holder)
+                cancel = anyio.CancelScope()
+                tasks.start_soon(waiter, cancel)
+                await eventually(lambda: len(m.room_waits()) == 1)
+                cancel.cancel()
+                await eventually(lambda: not m.room_waits())
+                release.set()
+        assert m.room_waits() == []
+        if streamed is not None:
+            await streamed.aclose()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
