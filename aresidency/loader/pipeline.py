@@ -327,9 +327,16 @@ class Epoch:
         return admitted
 
     def _blocked(self, batch: BatchRecord) -> bool:
-        """Note when the batch began waiting for room; False (it was not admitted)."""
+        """Note when the batch began waiting for room; False (it was not admitted). While the
+        consumer waits for it, cached data that went idle since it last asked (a pool's
+        model no request waits for any more) is asked for again: the consumer is not woken
+        by a change that admits nothing."""
         if batch.blocked_since is None:
             batch.blocked_since = time.perf_counter()
+        elif self._consumer_waiting and self._queue and self._queue[0] is batch:
+            need = sum(p.charge for p in batch.parts if p.pending is None)
+            if reclaim_for(self.manager, self.device, need):
+                self.manager.bridge.call_soon_quietly(self.pump)  # (once the releases left)
         return False
 
     def _try_admit(self, batch: BatchRecord) -> bool:

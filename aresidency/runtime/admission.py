@@ -340,34 +340,37 @@ class AdmissionQueue:
         and where and why ``wait``'s plan fails then; ``None`` otherwise (and when no other
         task waits there). Loop thread; never waits."""
         task = wait.task
-        if task is None:
-            return None
+        if task is None or not self._room_waits or not self._holds_room(task):
+            return None  # (a task that holds nothing is in no cycle)
+        holding: dict[int, bool] = {}
         stuck = [
             other
             for other in self._room_waits.values()
             if other.locations & wait.locations
             and other.task is not None
             and other.task is not task
+            and holding.setdefault(id(other.task), self._holds_room(other.task))
         ]
         if not stuck:
             return None
         stuck.append(wait)
         state = self._rt.state
+        # Each wait is judged with its own tenant's exempt values: what one tenant gives back
+        # itself (a pool evicts its idle models for its requests) is not room for another.
         while True:
             tasks = list({id(w.task): w.task for w in stuck}.values())
             if len(tasks) < 2 or wait not in stuck:
                 return None
-            own = self._held_by_tasks(tasks, frozenset().union(*(w.exempt for w in stuck)))
-            if own is None:
-                return None
-            failure: tuple[str, BaseException] | None = None
             for other in stuck:
-                failure = self._fails_while(state, other.plan, own)
-                if failure is None:
+                held = self._held_by_tasks(tasks, other.exempt)
+                if held is None or self._fails_while(state, other.plan, held) is None:
                     stuck = [w for w in stuck if w.task is not other.task]
                     break
             else:
                 break
+        own = self._held_by_tasks(tasks, wait.exempt)
+        if own is None:
+            return None
         failure = self._fails_while(state, wait.plan, own)
         if failure is None:  # (judged above: it failed)
             return None
@@ -462,14 +465,16 @@ class AdmissionQueue:
     async def _reclaiming(
         self, plan: ResidencyPlan, explanation: PlanExplanation, expected: int | None
     ) -> PlanExplanation:
-        """For a plan that resident values nobody protects keep out (not transient): ask the
-        reclaimers for the bytes it lacks where it fails, and explain it again, a few rounds
-        at most. The explanation as it stands then. Not for a plan derived from a state
-        (``expected``): its decision chose what to evict, and a change would make it stale."""
+        """For a plan that does not fit now: ask the reclaimers for the bytes it lacks where
+        it fails, and explain it again, a few rounds at most. The explanation as it stands
+        then. Also when the plan would fit once transient state ended (another task's scope,
+        a pool request): an idle cache given back now admits it without waiting for them.
+        Not for a plan derived from a state (``expected``): its decision chose what to
+        evict, and a change would make it stale."""
         state = self._rt.state
         for _ in range(0 if expected is not None else _RECLAIM_ROUNDS):
             error = explanation.blocking_error
-            if explanation.feasible or explanation.transient or not self._reclaimers:
+            if explanation.feasible or not self._reclaimers:
                 break
             if not isinstance(error, ResidencyBudgetError) or error.location is None:
                 break

@@ -399,6 +399,15 @@ class ResidencyManager:
         await."""
         return self._running().admission.add_reclaimer(reclaimer)
 
+    def reclaimable_changed(self) -> None:
+        """Tell the tenants waiting for room that a reclaimer (:meth:`add_reclaimer`) may
+        give back more than when they last asked, with no transition to say so (a model
+        pool's idle model that a request no longer waits for): they look again, soon, on the
+        loop. Loop thread; never waits."""
+        rt = self._rt
+        if rt is not None and self._status == "running" and rt.admission.room_waits():
+            rt.signal.notify()
+
     def reclaim(self, location: LocationLike, nbytes: int) -> int:
         """For a tenant that waits for ``nbytes`` more room at ``location`` that only cached
         data takes (a loader's next batch beside a pool's idle models): ask the reclaimers

@@ -800,6 +800,10 @@ class ModelPool:
                 entry.leaving -= 1
             if entry.in_flight == 0 and entry.removing is not None:
                 entry.removing.set()
+            if entry.in_flight == entry.leaving and not entry.busy:
+                # Its model may be given back now (no request waits for it any more), which
+                # no transition announces: whoever waits for room asks the pool again.
+                self.manager.reclaimable_changed()
 
     async def _admit(self, request: _Request, timeout: float | None) -> None:
         """Wait for the request's turn and admit it (see :meth:`use`)."""

@@ -153,3 +153,17 @@ async def test_a_lease_entered_in_a_callback_on_behalf_of_a_task_is_that_tasks()
             m.acquire(v[0], "cuda:0", on_behalf_of="me")  # type: ignore[arg-type]
         entered[0].exit_nowait()  # type: ignore[attr-defined]
         assert m.owners() == []
+
+
+async def test_reclaimable_changed_wakes_only_while_someone_waits_for_room() -> None:
+    # A reclaimer's cache may grow with no transition (a pool's idle model that a request no
+    # longer waits for): reclaimable_changed tells the waiting tenants, and only them.
+    async with ResidencyManager(budgets={"cuda:0": 2 * MIB}, backend="sim") as m:
+        calls: list[int] = []
+        m.add_change_listener(lambda: calls.append(1))
+        m.reclaimable_changed()
+        assert calls == []  # nobody waits for room: nothing to wake
+        with m.room_wait(MIB, "cuda:0", what="a test's wait"):
+            m.reclaimable_changed()
+            assert calls == [1]
+        assert m.room_waits() == []

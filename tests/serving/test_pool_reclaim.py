@@ -11,6 +11,7 @@ import torch
 
 from aresidency import (
     MemoryReservation,
+    Move,
     ReplicaMode,
     ResidencyManager,
     ResidencyPlan,
@@ -21,7 +22,7 @@ from aresidency.loader import DeviceLoader
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
-from .test_pool import TOKENS, TOTAL
+from .test_pool import TOKENS, TOTAL, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -163,5 +164,47 @@ async def test_a_scope_gets_room_that_idle_pooled_models_cached() -> None:
             async with m.scope(ResidencyPlan(reserve=workspace)):
                 assert at_device(m, "a") == TOTAL and at_device(m, "b") < TOTAL
             assert m.snapshot().location("cuda:0").peak_bytes <= 2 * TOTAL + 2048
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
+async def test_a_waiting_scope_gets_room_an_idle_model_caches_before_the_holder_leaves() -> None:
+    # A scope needs room that another task's scope holds (it would fit once that scope
+    # ended) and that an idle pooled model caches (it fits once the model is given back). It
+    # asks for the cache as it waits: admitted while the other scope is still entered.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + 48 * 1024}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        x = m.register(torch.zeros(8 * 1024), name="x")  # 32 KiB
+        with anyio.fail_after(10):
+            async with pool.use("a") as model:
+                await model(TOKENS)
+            assert at_device(m, "a") == TOTAL  # idle, cached
+            held, entered, release = anyio.Event(), anyio.Event(), anyio.Event()
+            order: list[str] = []
+
+            async def holder() -> None:
+                plan = ResidencyPlan(enter=[Move(x, "cuda:0")], exit=[Move(x, "pageable-host")])
+                async with m.scope(plan):
+                    held.set()
+                    await release.wait()
+                    order.append("holder left")
+
+            async def waiter() -> None:
+                await held.wait()
+                workspace = [MemoryReservation("ws", "cuda:0", 40 * 1024)]
+                async with m.scope(ResidencyPlan(reserve=workspace)):
+                    order.append("waiter entered")
+                    entered.set()
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(holder)
+                tasks.start_soon(waiter)
+                # admitted, or queued behind the holder (it would be, without asking)
+                await eventually(lambda: entered.is_set() or m.waiting == 1)
+                await anyio.wait_all_tasks_blocked()
+                release.set()
+            assert order == ["waiter entered", "holder left"], order
+            assert at_device(m, "a") < TOTAL  # given back for it
         assert_nothing_leaked(m, pool)
         await pool.aclose()
