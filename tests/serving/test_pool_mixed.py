@@ -106,3 +106,77 @@ async def test_random_requests_nested_and_with_loaders_never_hang_or_leak(seed: 
         assert_nothing_leaked(m, pool)
         assert m.snapshot().location("cuda:0").peak_bytes <= budget
         await pool.aclose()
+
+
+_TENANTS_ON_DEMAND = int(os.environ.get("ARESIDENCY_MIXED_TENANT_SEEDS", "0"))
+TENANT_SEEDS = list(range(_TENANTS_ON_DEMAND)) if _TENANTS_ON_DEMAND else [0, 1]
+
+
+@pytest.mark.parametrize("seed", TENANT_SEEDS)
+async def test_random_requests_with_every_tenant_inside_never_hang_or_leak(seed: int) -> None:
+    # Inside each request, at random: a nested request, a loader, a scope on a value of its
+    # own, a call of a streamed model shared by every task, or nothing; requests and their
+    # tasks cut short at random; every wait inside bounded by 2 s. Every task ends, every
+    # error is one the API names, every output is right, and nothing stays admitted, held,
+    # reserved or registered as a wait (on demand: ARESIDENCY_MIXED_TENANT_SEEDS=40).
+    from aresidency import Move, ResidencyPlan
+    from aresidency.integrations import stream_module
+
+    rng = random.Random(seed)
+    budget = int(rng.choice([1.2, 1.6, 2.5]) * TOTAL)
+    expected = {name: reference(TinyLM(seed=i), TOKENS) for i, name in enumerate("abc")}
+    streamed_expected = reference(TinyLM(seed=9), TOKENS)
+    outcomes: dict[str, int] = {}
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = ModelPool(m)
+        for i, name in enumerate("abc"):
+            pool.add(name, TinyLM(seed=i))
+        streamed = stream_module(m, TinyLM(seed=9), name="s", ring=rng.random() < 0.5, timeout=2.0)
+        values = [m.register(torch.zeros(TOTAL // 16), name=f"x{i}") for i in range(4)]
+
+        async def task(index: int) -> None:
+            r = random.Random(seed * 100 + index)
+            for _ in range(6):
+                name = r.choice("abc")
+                try:
+                    with anyio.move_on_after(r.choice([None, None, 0.001, 0.02])):
+                        async with pool.use(name, timeout=r.choice([None, 0.5])) as model:
+                            assert torch.equal(await model(TOKENS), expected[name])
+                            what = r.choice(["nested", "loader", "scope", "streamed", "none"])
+                            if what == "nested":
+                                other = r.choice("abc")
+                                async with pool.use(other, timeout=2.0) as inner:
+                                    assert torch.equal(await inner(TOKENS), expected[other])
+                            elif what == "loader":
+                                data = [torch.randn(256) for _ in range(2)]
+                                ring = r.random() < 0.5
+                                async with DeviceLoader(
+                                    m, data, "cuda:0", prefetch=1, ring=ring, timeout=2.0
+                                ) as loader:
+                                    async for batch in loader:
+                                        assert batch.shape == (256,)
+                            elif what == "scope":
+                                v = r.choice(values)
+                                plan = ResidencyPlan(
+                                    enter=[Move(v, "cuda:0")], exit=[Move(v, "pageable-host")]
+                                )
+                                async with m.scope(plan, timeout=2.0):
+                                    pass
+                            elif what == "streamed":
+                                got = await streamed(TOKENS)
+                                assert torch.equal(got, streamed_expected)
+                    key = "done"
+                except (ResidencyError, TimeoutError) as error:
+                    key = type(error).__name__
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+        with anyio.fail_after(60):  # every task ends
+            async with anyio.create_task_group() as tasks:
+                for index in range(6):
+                    tasks.start_soon(task, index)
+        assert sum(outcomes.values()) == 36 and outcomes.get("done", 0) > 0, outcomes
+        assert m.room_waits() == []
+        await streamed.aclose()
+        assert_nothing_leaked(m, pool)
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        await pool.aclose()
