@@ -357,17 +357,27 @@ class AdmissionQueue:
         state = self._rt.state
         # Each wait is judged with its own tenant's exempt values: what one tenant gives back
         # itself (a pool evicts its idle models for its requests) is not room for another.
+        # Every wait that could go on leaves in the same pass (its leaving only adds room), so
+        # that waits kept out by what none of them holds are seen in one pass: one simulation
+        # each, and one in all when the new wait itself could go on.
         while True:
             tasks = list({id(w.task): w.task for w in stuck}.values())
             if len(tasks) < 2 or wait not in stuck:
                 return None
-            for other in stuck:
-                held = self._held_by_tasks(tasks, other.exempt)
+            held_by: dict[frozenset[ValueHandle], _HeldBy | None] = {}
+            gone: set[int] = set()
+            for other in [wait, *(w for w in stuck if w is not wait)]:
+                exempt = other.exempt
+                if exempt not in held_by:
+                    held_by[exempt] = self._held_by_tasks(tasks, exempt)
+                held = held_by[exempt]
                 if held is None or self._fails_while(state, other.plan, held) is None:
-                    stuck = [w for w in stuck if w.task is not other.task]
-                    break
-            else:
+                    if other is wait:
+                        return None  # it could go on while all of them wait
+                    gone.add(id(other.task))
+            if not gone:
                 break
+            stuck = [w for w in stuck if id(w.task) not in gone]
         own = self._held_by_tasks(tasks, wait.exempt)
         if own is None:
             return None
