@@ -319,6 +319,11 @@ class AdmissionQueue:
 
         return remove
 
+    @property
+    def has_room_waits(self) -> bool:
+        """Whether any wait for room is registered (cheap: for every request's end)."""
+        return bool(self._room_waits)
+
     def room_waits(self) -> list[tuple[str, Location, int, str]]:
         """The registered waits (see :meth:`ResidencyManager.room_waits`)."""
         return [

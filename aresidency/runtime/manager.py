@@ -405,7 +405,7 @@ class ResidencyManager:
         pool's idle model that a request no longer waits for): they look again, soon, on the
         loop. Loop thread; never waits."""
         rt = self._rt
-        if rt is not None and self._status == "running" and rt.admission.room_waits():
+        if rt is not None and self._status == "running" and rt.admission.has_room_waits:
             rt.signal.notify()
 
     def reclaim(self, location: LocationLike, nbytes: int) -> int:

@@ -14,23 +14,16 @@ import torch
 
 from aresidency import ResidencyBudgetError, ResidencyManager, ResidencyPlanError
 from aresidency.loader import DeviceLoader
-from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
 from .test_pool import TOKENS, TOTAL, eventually
+from .test_pool_nested import pool_of
 
 pytestmark = pytest.mark.anyio
 
 # Both models held resident leave a quarter of a model free; a batch needs half of one.
 BUDGET = 2 * TOTAL + TOTAL // 4
 BATCH = TOTAL // 8  # float32 elements: half a model's bytes
-
-
-def pool_of(m: ResidencyManager, names: str) -> ModelPool:
-    pool = ModelPool(m)
-    for seed, name in enumerate(names):
-        pool.add(name, TinyLM(seed=seed))
-    return pool
 
 
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "managed"])
