@@ -128,6 +128,18 @@ def test_views_plain_memory_and_other_objects_are_left_alone() -> None:
     assert torch.equal(shared, torch.zeros(1 << 16))
 
 
+class DriverStagedSim(SimBackend):
+    """The simulation, with a pageable source's bytes taken when ``copy_into`` returns, as the
+    CUDA driver's own staging takes them: the simulated stream then holds no reference to the
+    source, and whether the ring gives a batch's shared memory back does not depend on how
+    soon the stream's thread ran (under load it may not have run yet)."""
+
+    def copy_into(self, src: torch.Tensor, dst: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.owned_location(src) is None:  # not the simulation's memory: pageable
+            src = src.clone()
+        return super().copy_into(src, dst, *args, **kwargs)
+
+
 @linux_only
 @pytest.mark.anyio
 # Forking the DataLoader's workers holds the interpreter lock (tens of ms each under load):
@@ -141,7 +153,7 @@ async def test_a_loader_over_worker_processes_gives_their_memory_back_and_right_
     way (copied, or packed into the slot's twin); every batch the consumer gets is the
     source's."""
     source = DataLoader(Rows(12), batch_size=None, num_workers=2)
-    async with ResidencyManager(backend=SimBackend()) as m:
+    async with ResidencyManager(backend=DriverStagedSim()) as m:
         async with DeviceLoader(m, source, "cuda:0", prefetch=2, pack_min_bytes=pack) as loader:
             assert loader.ring
             got = [batch.clone() async for batch in loader]
