@@ -386,6 +386,23 @@ def _moving(value: Value) -> str | None:
     return f"moving from {', '.join(str(loc) for loc in sorted(out))}{to}"
 
 
+def _in_flight(value: Value) -> str:
+    """What an EXCLUSIVE value with no readable copy is doing: ``"moving from X to Y"``, or
+    ``"arriving at X"`` (a load from its source)."""
+    moving = _moving(value)
+    if moving is not None:
+        return moving
+    into = sorted(
+        loc
+        for loc, m in value.materializations.items()
+        if m.state is MaterializationState.INCOMING
+    )
+    if into:
+        return f"arriving at {', '.join(str(loc) for loc in into)} (loaded from its source)"
+    where = ", ".join(str(loc) for loc in sorted(value.materializations))
+    return f"at {where} with no copy resident yet"
+
+
 def begin_placement(
     state: ResidencyState, action: Materialize | Move, wanted: set[Location] | frozenset[Location]
 ) -> CopyTicket | None:
@@ -417,6 +434,13 @@ def begin_placement(
         else:  # a move never drops a replica that this phase asks for
             move = isinstance(action, Move) and source not in wanted
         return state.begin_copy(action.handle, source, action.location, move=move)
+    if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
+        # Its one copy is in flight (loaded from its source, or moving out): none can be read
+        # until that transfer commits, and loading it again would make it two copies.
+        raise ResidencyPlanError(
+            f"{action.handle} cannot reach {action.location} now: it is {_in_flight(value)}, "
+            "and no copy can be read until that transfer commits (ask once it has)"
+        )
     if not value.has_source or value.source_location is None:
         moving = _moving(value)
         if moving is not None:

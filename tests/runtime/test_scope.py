@@ -16,6 +16,7 @@ import torch
 from _holders import held_by_another_task
 
 from aresidency import (
+    CallableSource,
     Materialize,
     MemoryReservation,
     Move,
@@ -480,20 +481,27 @@ async def test_an_exclusive_value_asked_twice_in_a_phase_is_refused_before_any_a
 
 @pytest.mark.parametrize("how", ["execute", "scope", "scope that may wait"])
 @pytest.mark.parametrize("to", ["cuda:1", "pinned-host"])
+@pytest.mark.parametrize("inflight", ["moving", "loaded from its source"])
 async def test_a_value_whose_move_is_in_flight_is_refused_before_any_action_or_waited_for(
-    how: str, to: str
+    how: str, to: str, inflight: str
 ) -> None:
-    """``a`` is moving from pinned-host to cuda:0 (the copy held up): a plan that moves it on
-    (to cuda:1: nothing can be read until the move commits; back to pinned-host: it is moving
-    out of there) is what ``explain`` calls infeasible, so ``execute`` and a scope that may
+    """``a`` is moving from pinned-host to cuda:0 (the copy held up), or, an EXCLUSIVE value
+    with a source, its first load into cuda:0 is: a plan that moves it on (to cuda:1: nothing
+    can be read until the copy commits; back to pinned-host: it is moving out of there, or
+    not there yet) is what ``explain`` calls infeasible, so ``execute`` and a scope that may
     not wait refuse it with ``ResidencyPlanError`` before any action, as the preflight does,
-    not as a failure in the middle. It ends on its own: a scope that may wait enters once
-    the move committed."""
+    not as a failure in the middle (nor a second load of an EXCLUSIVE value). It ends on its
+    own: a scope that may wait enters once the copy committed."""
     backend = SimBackend()
     gate = threading.Event()
     async with ResidencyManager(backend=backend) as m:
         data = tensor(seed=1)
-        a = m.register(data.clone(), name="a", location="pinned-host")
+        if inflight == "moving":
+            a = m.register(data.clone(), name="a", location="pinned-host")
+        else:
+            a = m.register_source(
+                CallableSource(data.clone, shape=data.shape, dtype=data.dtype), name="a"
+            )
         b = m.register(tensor(seed=2), name="b")
         backend._devices[0].h2d.submit(lambda: gate.wait(10))  # the move waits behind this
         moving = m.materialize_nowait(a, "cuda:0")
@@ -519,7 +527,8 @@ async def test_a_value_whose_move_is_in_flight_is_refused_before_any_action_or_w
                     gate.set()
                 assert entered.is_set()
             else:
-                with pytest.raises(ResidencyPlanError, match="moving") as info:
+                said = "moving" if inflight == "moving" else "arriving at cuda:0"
+                with pytest.raises(ResidencyPlanError, match=said) as info:
                     if how == "execute":
                         await m.execute(plan)
                     else:
