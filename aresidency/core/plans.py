@@ -393,9 +393,7 @@ def _in_flight(value: Value) -> str:
     if moving is not None:
         return moving
     into = sorted(
-        loc
-        for loc, m in value.materializations.items()
-        if m.state is MaterializationState.INCOMING
+        loc for loc, m in value.materializations.items() if m.state is MaterializationState.INCOMING
     )
     if into:
         return f"arriving at {', '.join(str(loc) for loc in into)} (loaded from its source)"
