@@ -525,7 +525,8 @@ class Lease:
 
 class Hold:
     """Protects a materialization from removal without using it. ``release()`` ends it; also a
-    context manager (``with`` or ``async with``). Releasing twice is an error.
+    context manager (``with`` or ``async with``). Releasing twice is an error, and so is
+    entering one already released (it would protect nothing).
 
     Released after the manager closed, it changes nothing and raises ``ManagerClosedError``.
 
@@ -567,7 +568,15 @@ class Hold:
         self.active = False
         self._rt.settle()
 
+    def _check_enterable(self) -> None:
+        if not self.active:
+            raise RuntimeError(
+                f"{self!r} was already released: a hold protects from its making to its "
+                "release, once; make another with manager.hold(...)"
+            )
+
     def __enter__(self) -> Hold:
+        self._check_enterable()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -575,6 +584,7 @@ class Hold:
             self.release()
 
     async def __aenter__(self) -> Hold:
+        self._check_enterable()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -56,6 +56,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, ResidencyTrace
 from ..core.values import (
     DEFAULT_GRANULARITY,
+    Materialization,
     ReplicaMode,
     ValueHandle,
     value_charge,
@@ -791,6 +792,16 @@ class ResidencyManager:
         if not waited:
             await anyio.lowlevel.cancel_shielded_checkpoint()
 
+    def _materialization(self, rt: Runtime, handle: ValueHandle, loc: Location) -> Materialization:
+        """The materialization of ``handle`` at ``loc``; where there is none, a location this
+        backend does not have is the ``ValueError`` every call gives for it (checked only
+        then: the lookup is on the leases' fast path)."""
+        try:
+            return self._state.materialization(handle, loc)
+        except ResidencyUnavailableError:
+            rt.backend.check_location(loc)
+            raise
+
     def acquire(
         self,
         handle: ValueHandle,
@@ -808,7 +819,7 @@ class ResidencyManager:
         for a tenant that enters leases for a task in loop callbacks, as for :meth:`hold`."""
         rt = self._running()
         loc = Location.parse(location)
-        self._state.materialization(handle, loc)  # fail fast, before 'async with'
+        self._materialization(rt, handle, loc)  # fail fast, before 'async with'
         return Lease(
             rt,
             handle,
@@ -831,7 +842,9 @@ class ResidencyManager:
         ``on_behalf_of``'s: a :class:`~aresidency.runtime.leases.TaskRef` taken in a task by
         ``current_task_ref()``, for a tenant that takes holds for it in a loop callback."""
         rt = self._running()
-        return Hold(rt, handle, Location.parse(location), on_behalf_of)
+        loc = Location.parse(location)
+        self._materialization(rt, handle, loc)
+        return Hold(rt, handle, loc, on_behalf_of)
 
     def held_tensor(self, handle: ValueHandle, location: LocationLike) -> torch.Tensor | None:
         """The tensor behind a held materialization, when it can be read at once: its data is
@@ -844,7 +857,7 @@ class ResidencyManager:
         the hold ends. ``ValueError`` if the materialization has no hold."""
         rt = self._running()
         loc = Location.parse(location)
-        mat = self._state.materialization(handle, loc)
+        mat = self._materialization(rt, handle, loc)
         if not mat.hold_count:
             raise ValueError(
                 f"{handle} at {loc} has no hold: held_tensor is for reads a hold protects "
@@ -864,7 +877,7 @@ class ResidencyManager:
         lease records its own. Events already complete are not counted."""
         rt = self._running()
         loc = Location.parse(location)
-        self._state.materialization(handle, loc)
+        self._materialization(rt, handle, loc)
         pending = [event for event in events if not event.query()]
         if pending:
             rt.reaper.track_readers(handle, loc, pending)
@@ -875,7 +888,7 @@ class ResidencyManager:
         use ``acquire`` for real work (and never register it again: it is the manager's)."""
         rt = self._running()
         loc = Location.parse(location)
-        self._state.materialization(handle, loc)
+        self._materialization(rt, handle, loc)
         payload = rt.payloads.get(handle, loc)
         if payload is None:
             raise ResidencyUnavailableError(handle, loc, "its data is still being loaded")

@@ -144,6 +144,24 @@ async def test_hold_protects_from_release_until_released() -> None:
             hold.release()
 
 
+async def test_a_released_hold_cannot_be_entered_again() -> None:
+    """Entering a released hold would protect nothing: refused, by ``with`` and ``async
+    with``, changing nothing (the copy stays unprotected and releasable)."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        hold = m.hold(h, "cuda:0")
+        hold.release()
+        before = m.snapshot()
+        with pytest.raises(RuntimeError, match="already released"), hold:
+            raise AssertionError("the block of a released hold ran")
+        with pytest.raises(RuntimeError, match="already released"):
+            async with hold:
+                raise AssertionError("the block of a released hold ran")
+        assert m.snapshot() == before
+        await m.release(h, "cuda:0")
+
+
 async def test_active_lease_blocks_release_with_use_count() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)

@@ -537,6 +537,19 @@ async def test_resetting_the_peak_of_a_location_the_manager_lacks_changes_nothin
         assert "cuda:99" not in {str(loc) for loc in m.snapshot().locations}
 
 
+@pytest.mark.parametrize("call", ["acquire", "hold", "tensor", "held_tensor", "track_readers"])
+async def test_the_calls_on_a_materialization_say_a_location_the_backend_lacks(call: str) -> None:
+    """A device the backend does not have is the ``ValueError`` every other call gives for it
+    (not "no materialization there", which sends the user looking for a missing copy)."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="v")
+        before = m.snapshot()
+        args: tuple[Any, ...] = (h, "cuda:99", []) if call == "track_readers" else (h, "cuda:99")
+        with pytest.raises(ValueError, match="cuda:99 does not exist"):
+            getattr(m, call)(*args)
+        assert m.snapshot() == before
+
+
 # ---------------------------------------------------------------- evidence and errors
 
 
