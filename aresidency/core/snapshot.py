@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import immutables
 
@@ -26,6 +27,54 @@ __all__ = [
 
 RECONSTRUCTIBLE = "reconstructible"
 NOT_RECONSTRUCTIBLE = "not-reconstructible"
+
+
+def _path(where: str, key: str | int) -> str:
+    return f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+
+
+def _count(data: Any, key: str | int, where: str) -> int:
+    """``data[key]``, a count of bytes or uses: an int (not a bool) that is not negative."""
+    got = data[key]
+    if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+        raise ValueError(f"{_path(where, key)} must be a non-negative int, got {got!r}")
+    return got
+
+
+def _text(data: Any, key: str | int, where: str) -> str:
+    got = data[key]
+    if not isinstance(got, str):
+        raise ValueError(f"{_path(where, key)} must be a str, got {got!r}")
+    return got
+
+
+def _flag(data: Any, key: str | int, where: str) -> bool:
+    got = data[key]
+    if not isinstance(got, bool):
+        raise ValueError(f"{_path(where, key)} must be true or false, got {got!r}")
+    return got
+
+
+def _location(data: Any, key: str | int, where: str) -> Location:
+    got = data[key]
+    try:
+        return Location.parse(got)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{_path(where, key)} is not a location: {error}") from None
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member(kind: type[E], data: Any, key: str, where: str) -> E:
+    got = data[key]
+    try:
+        return kind(got)
+    except ValueError:
+        known = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(
+            f"{_path(where, key)} is {got!r}, not a {kind.__name__} (one of {known})"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +119,38 @@ class LocationRecord:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LocationRecord:
+    def from_dict(cls, data: Mapping[str, Any], where: str = "location") -> LocationRecord:
+        """The record ``to_dict`` described (``ValueError`` naming a malformed field, ``where``
+        its path in the snapshot; ``KeyError`` for a missing one)."""
+        budget = data["budget_bytes"]
+        used = _count(data, "used_bytes", where)
+        reserved = _count(data, "reserved_bytes", where)
+        charged = _count(data, "charged_bytes", where)
+        if charged != used + reserved:
+            raise ValueError(
+                f"{where}.charged_bytes is {charged}, not used_bytes + reserved_bytes "
+                f"({used} + {reserved}): the record is not one to_dict wrote"
+            )
+        reservations = data["reservations"]
+        if not isinstance(reservations, list | tuple) or not all(
+            isinstance(r, list | tuple) and len(r) == 2 for r in reservations
+        ):
+            raise ValueError(f"{where}.reservations must be a list of [name, bytes] pairs")
         return cls(
-            Location.parse(data["location"]),
-            data["budget_bytes"],
-            data["used_bytes"],
-            data["reserved_bytes"],
-            data["charged_bytes"],
-            data["peak_bytes"],
-            tuple((str(n), int(b)) for n, b in data["reservations"]),
-            int(data.get("spare_bytes", 0)),
+            _location(data, "location", where),
+            None if budget is None else _count(data, "budget_bytes", where),
+            used,
+            reserved,
+            charged,
+            _count(data, "peak_bytes", where),
+            tuple(
+                (
+                    _text(r, 0, f"{where}.reservations[{i}]"),
+                    _count(r, 1, f"{where}.reservations[{i}]"),
+                )
+                for i, r in enumerate(reservations)
+            ),
+            _count(data, "spare_bytes", where) if "spare_bytes" in data else 0,
         )
 
 
@@ -109,14 +180,17 @@ class MaterializationRecord:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MaterializationRecord:
+    def from_dict(
+        cls, data: Mapping[str, Any], where: str = "materialization"
+    ) -> MaterializationRecord:
+        """See :meth:`LocationRecord.from_dict`."""
         return cls(
-            Location.parse(data["location"]),
-            data["charged_bytes"],
-            data["use_count"],
-            data["hold_count"],
-            data["pending_event_count"],
-            MaterializationState(data["state"]),
+            _location(data, "location", where),
+            _count(data, "charged_bytes", where),
+            _count(data, "use_count", where),
+            _count(data, "hold_count", where),
+            _count(data, "pending_event_count", where),
+            _member(MaterializationState, data, "state", where),
         )
 
 
@@ -158,19 +232,28 @@ class ValueSnapshot:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ValueSnapshot:
+    def from_dict(cls, data: Mapping[str, Any], where: str = "value") -> ValueSnapshot:
+        """See :meth:`LocationRecord.from_dict`."""
         source = data["source_location"]
+        locations = data["locations"]
+        mats = data["materializations"]
+        for field, items in (("locations", locations), ("materializations", mats)):
+            if not isinstance(items, list | tuple):
+                raise ValueError(f"{where}.{field} must be a list, got {items!r}")
         return cls(
             ValueHandle.from_dict(data["handle"]),
-            data["name"],
-            ReplicaMode(data["replica_mode"]),
-            data["recoverability"],
-            data["has_source"],
-            None if source is None else Location.parse(source),
-            data["charge_bytes"],
-            data["discarded"],
-            tuple(Location.parse(loc) for loc in data["locations"]),
-            tuple(MaterializationRecord.from_dict(m) for m in data["materializations"]),
+            _text(data, "name", where),
+            _member(ReplicaMode, data, "replica_mode", where),
+            _text(data, "recoverability", where),
+            _flag(data, "has_source", where),
+            None if source is None else _location(data, "source_location", where),
+            _count(data, "charge_bytes", where),
+            _flag(data, "discarded", where),
+            tuple(_location(locations, i, f"{where}.locations") for i in range(len(locations))),
+            tuple(
+                MaterializationRecord.from_dict(m, f"{where}.materializations[{i}]")
+                for i, m in enumerate(mats)
+            ),
         )
 
 
@@ -223,8 +306,13 @@ class ResidencySnapshot:
         """The snapshot ``to_dict`` described; ``ValueError`` naming the first missing or
         malformed field (JSON from elsewhere is checked, not trusted)."""
         try:
-            locations = [LocationRecord.from_dict(d) for d in data["locations"]]
-            values = [ValueSnapshot.from_dict(d) for d in data["values"]]
+            locations = [
+                LocationRecord.from_dict(d, f"locations[{i}]")
+                for i, d in enumerate(data["locations"])
+            ]
+            values = [
+                ValueSnapshot.from_dict(d, f"values[{i}]") for i, d in enumerate(data["values"])
+            ]
             manager_id, version = data["manager_id"], data["state_version"]
         except KeyError as missing:
             raise ValueError(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import json
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -277,3 +280,58 @@ def test_trace_capacity_must_be_a_non_negative_int(capacity):
 def test_transition_without_handle_or_location_serializes():
     transition = Transition(1, 1, "budget", None, None, 0, 5)
     assert transition.to_dict()["handle"] is None and transition.to_dict()["location"] is None
+
+
+def _snapshot_dict() -> dict[str, Any]:
+    state = make_state()
+    handle = state.register(
+        name="v", charge_bytes=512, replica_mode=ReplicaMode.REPLICABLE, location=PAGEABLE
+    )
+    state.begin_copy(handle, PAGEABLE, CUDA0, move=False)  # in flight: every field in use
+    return take_snapshot(state).to_dict()
+
+
+def _set(data: dict[str, Any], path: str, new: Any) -> None:
+    *parents, last = path.split(".")
+    node: Any = data
+    for part in parents:
+        name, _, index = part.partition("[")
+        node = node[name][int(index[:-1])] if index else node[name]
+    node[last] = new
+
+
+@pytest.mark.parametrize(
+    ("path", "new", "said"),
+    [
+        ("locations[0].used_bytes", "abc", "locations[0].used_bytes must be a non-negative int"),
+        ("locations[0].used_bytes", None, "locations[0].used_bytes must be a non-negative int"),
+        ("locations[0].used_bytes", -5, "locations[0].used_bytes must be a non-negative int"),
+        ("locations[0].peak_bytes", True, "locations[0].peak_bytes must be a non-negative int"),
+        ("locations[0].charged_bytes", 7, "not used_bytes + reserved_bytes"),
+        ("locations[0].location", "gpu", "locations[0].location is not a location"),
+        ("values[0].charge_bytes", "x", "values[0].charge_bytes must be a non-negative int"),
+        ("values[0].replica_mode", "bogus", "values[0].replica_mode is 'bogus', not a ReplicaMode"),
+        ("values[0].discarded", "no", "values[0].discarded must be true or false"),
+        ("values[0].name", 3, "values[0].name must be a str"),
+        (
+            "values[0].materializations[0].use_count",
+            "x",
+            "values[0].materializations[0].use_count must be a non-negative int",
+        ),
+        (
+            "values[0].materializations[0].state",
+            "gone",
+            "values[0].materializations[0].state is 'gone', not a MaterializationState",
+        ),
+    ],
+)
+def test_a_snapshot_dict_with_a_malformed_field_is_refused_naming_it(
+    path: str, new: Any, said: str
+) -> None:
+    """JSON from elsewhere is checked, not trusted: a malformed field is a ``ValueError``
+    naming its path, not a snapshot that fails later, far from the cause."""
+    data = _snapshot_dict()
+    assert ResidencySnapshot.from_dict(copy.deepcopy(data)).to_dict() == data
+    _set(data, path, new)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ResidencySnapshot.from_dict(data)
