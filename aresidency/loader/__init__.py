@@ -51,22 +51,27 @@ Lifetimes: when a batch is released
     * ``async for batch in loader.batches()`` (:class:`DeviceBatch`): at the end of
       ``async with batch as data:`` (which may span steps: the batch is then kept), at
       ``batch.release()``, or else at the next step.
-    * Always at the end of the pass that ends the iteration: the source's end, breaking out
-      of the loop or an exception leaving it (the dropped iterator ends its pass, as an async
-      generator's finalizer would: scheduled on the loop, awaiting nothing), ``await
-      loader.aclose()``, the end of ``async with loader``, or cancellation of the consuming
-      task (cancellation while it waits for a batch ends the pass at once, as it would an
-      async generator). Then nothing the loader made is leased, held, charged or registered
-      any more; copies in flight are cancelled first. For a release at a point of your
-      choosing, and waited for, use ``async with loader`` or ``aclose`` (the other ends do
-      not wait; see :mod:`~aresidency.loader.lifetime`).
+    * At the source's end: every batch but those an open ``async with batch`` block keeps (a
+      worker task's): each of those when its block ends, and at the latest when the loader
+      closes (the next pass does not release them).
+    * Always at any other end of the pass: breaking out of the loop or an exception leaving
+      it (the dropped iterator ends its pass, as an async generator's finalizer would:
+      scheduled on the loop, awaiting nothing), ``await loader.aclose()``, the end of
+      ``async with loader``, or cancellation of the consuming task (cancellation while it
+      waits for a batch ends the pass at once, as it would an async generator). Then nothing
+      the loader made is leased, held, charged or registered any more; copies in flight are
+      cancelled first. For a release at a point of your choosing, and waited for, use
+      ``async with loader`` or ``aclose`` (the other ends do not wait; see
+      :mod:`~aresidency.loader.lifetime`).
     * The manager's close ends every pass (their threads stop): the consumer, and a later
       ``aclose`` that no step reported it to, get ``ManagerClosedError``.
     * A released batch's memory leaves the budget when the device finished reading it;
       ``await loader.drain()`` waits for that.
 
 Failures: the source's exception reaches the consumer with its own type and traceback, at the
-batch where it happened, after the batches before it; the pass then ends. A copy that fails
+batch where it happened, after the batches before it; the pass then ends. (A ``StopIteration``
+or ``StopAsyncIteration`` the source leaks comes as a ``RuntimeError`` naming the batch, its
+cause the source's exception: raised as it is, it would end the pass quietly.) A copy that fails
 before its batch is handed out raises at that batch; on CUDA a copy can fail after (the batch
 is handed out once its copy is issued): the next step, or ``aclose``, raises
 ``ResidencyUnavailableError`` for it.

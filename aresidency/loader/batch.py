@@ -31,8 +31,17 @@ class DeviceBatch:
     * the end of ``async with batch as data:`` (a block may span several steps: the batch is
       then kept until the block ends);
     * ``batch.release()``;
-    * the loader's next step (``__anext__``), unless a ``async with batch`` block is open;
-    * the end of the loader (``aclose``, or its ``async with`` block).
+    * the loader's next step (``__anext__``), unless an ``async with batch`` block is open:
+      the step that finds the source's end too (and a next pass started after it), so a
+      batch a worker task keeps in its ``async with`` stays its own until that block ends;
+    * the end of its pass otherwise (a ``break`` or an exception out of the loop, a
+      cancellation, a newer pass that ends a running one);
+    * the end of the loader (``aclose``, or its ``async with`` block), kept or not.
+
+    Batches kept by another task (a worker you hand them to) are waited for when the
+    consumer's next batch needs their room: that task may release them. (Those the consuming
+    task keeps itself, and that leave the next batch too little room ever to fit, make it
+    ``ResidencyBudgetError`` at once.)
 
     Do not use its tensors after that: the memory may hold the next batch (on CUDA). The
     simulated backend poisons it (NaN, or the byte 0xA5) once the device passed the release:

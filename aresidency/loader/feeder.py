@@ -73,10 +73,28 @@ class HostBatch:
 
 @dataclass(slots=True)
 class End:
-    """The source ended after ``index`` batches: exhausted (``error is None``) or raising."""
+    """The source ended after ``index`` batches: exhausted (``error is None``) or raising.
+
+    A ``StopIteration`` or ``StopAsyncIteration`` that the source raised (not its own end: a
+    ``next`` that leaked one, a staged read, an ``__aiter__``) is kept as the ``__cause__`` of
+    a ``RuntimeError`` naming the batch, as Python does for a generator (PEP 479): raised as
+    it is inside the consumer's ``__anext__``, it would end the pass as if the source had run
+    out, and a truncated pass would look whole."""
 
     index: int
     error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        error = self.error
+        if isinstance(error, (StopIteration, StopAsyncIteration)):
+            wrapped = RuntimeError(
+                f"the source raised {type(error).__name__} at batch {self.index} ({error!r}), "
+                "which is not how a source ends (a synchronous one stops with StopIteration "
+                "from its own __next__, an async one with StopAsyncIteration from its "
+                "__anext__): taken for the end, it would cut the pass short without an error"
+            )
+            wrapped.__cause__ = error
+            self.error = wrapped
 
 
 def _owns_its_memory(tensor: torch.Tensor) -> bool:
@@ -282,6 +300,9 @@ class Arrivals:
             self.stopped = True
             self._items.clear()
             self._cond.notify_all()
+            # Nothing is put once stopped, so nobody is woken: the callback (which refers to
+            # the pass) goes, and with it a reference cycle pass -> arrivals -> pass.
+            self._wake = _nothing
         room, self._room = self._room, None
         if room is not None:
             room.set()
@@ -289,6 +310,10 @@ class Arrivals:
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
+
+
+def _nothing() -> None:
+    pass
 
 
 class ThreadFeeder:
@@ -312,7 +337,7 @@ class ThreadFeeder:
         own_memory: bool = True,
         managed: Managed | None = None,
     ) -> None:
-        self.source = source
+        self.source: Iterable[Any] | None = source
         self.own_memory = own_memory
         self.managed = managed
         self.arrivals = arrivals
@@ -341,6 +366,7 @@ class ThreadFeeder:
         index = 0
         try:
             start = time.perf_counter()
+            assert self.source is not None
             iterator = iter(self.source)
             while not self._stop.is_set():
                 try:
@@ -366,6 +392,7 @@ class ThreadFeeder:
                 except Exception:
                     pass  # a generator that fails in its finally: nothing left to tell
             del iterator
+            self.source = None  # the pass may outlive its loader: the source goes with it
 
 
 async def feed_async(
@@ -390,7 +417,11 @@ async def feed_async(
         while not arrivals.stopped:
             start = time.perf_counter()
             try:
-                item = await iterator.__anext__()
+                try:
+                    item = await iterator.__anext__()
+                except StopAsyncIteration:  # the source's end (from ``__anext__`` only)
+                    await arrivals.put_async(End(index))
+                    return
                 tensors, structure = flatten(item)
                 check_tensors(tensors, structure, index)
                 if own_memory and needs_copy(tensors, managed):
@@ -399,9 +430,6 @@ async def feed_async(
                     )
                 else:
                     batch = prepare(item, index, own_memory=own_memory)
-            except StopAsyncIteration:
-                await arrivals.put_async(End(index))
-                return
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as error:  # the source's own error, for the consumer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.values import value_charge
 from .feeder import End
 from .records import BatchRecord, Part
-from .staging import SlotSource, StagedFill, staged_layout
+from .staging import SlotSource, StagedFill, StagingSlots, staged_layout
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ class StagedFills:
         self.active = False
         for item in self.filled.values():
             if isinstance(item, BatchRecord):
-                return_slot(self.loader, item)
+                return_slot(self.loader.staging, item)
         self.filled.clear()
 
     def _filled_in_thread(
@@ -160,11 +160,11 @@ def _never(_after: Any) -> None:
     raise AssertionError("a free staging buffer has no copy to wait for")
 
 
-def return_slot(loader: DeviceLoader, batch: BatchRecord) -> None:
-    """Give the batch's staging buffer back (its copy completed, or it was never copied) and
-    retire its source, so that nothing loads from the buffer again."""
+def return_slot(slots: StagingSlots | None, batch: BatchRecord) -> None:
+    """Give the batch's staging buffer back to ``slots`` (the loader's staging buffers; its
+    copy completed, or it was never copied) and retire its source, so that nothing loads from
+    the buffer again."""
     slot, batch.slot = batch.slot, None
-    slots = loader.staging
     for part in batch.parts:
         if part.source is not None:
             part.source.retire()

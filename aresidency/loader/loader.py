@@ -215,8 +215,10 @@ class DeviceLoader:
         self.pinned_files: PinnedFiles | None = None
         self.task_group: anyio.abc.TaskGroup | None = None
         self._epoch: Epoch | RingEpoch | None = None
-        # Ended passes whose slots may still wait for the device (freed by then at close).
-        self._handed_over: list[RingEpoch] = []
+        # Ended passes whose slots may still wait for the device (freed by then at close),
+        # or with batches that ``async with`` blocks kept past the pass's end (released at
+        # close).
+        self._handed_over: list[Epoch | RingEpoch] = []
         self._epochs = 0
         self._lock = anyio.Lock()
         self.status = "open"
@@ -250,8 +252,8 @@ class DeviceLoader:
                     previous.ended_by = self._epochs + 1  # its consumer is told, not stopped
                 previous.shutdown()
                 await finish_shielded(functools.partial(previous.drain, handover=True))
-                if isinstance(previous, RingEpoch):
-                    self._handed_over = [e for e in self._handed_over if e.retiring]
+                self._handed_over = [e for e in self._handed_over if e.retiring]
+                if previous.retiring:
                     self._handed_over.append(previous)
                 # The source is iterated by one pass at a time: the previous pass's thread
                 # (or task) may still be in a ``next`` it cannot be interrupted in (a
@@ -386,9 +388,11 @@ class DeviceLoader:
                 # Its consumer (another task's loop, or a later anext) is told, not stopped.
                 epoch.ended_by_close = epoch.ended_by_close or epoch.status == "running"
                 epoch.shutdown()
+                epoch.release_kept()  # kept in 'async with' past the pass's end: released now
                 await finish(epoch.drain)
                 deferred = epoch.take_deferred()
             for ended in self._handed_over:
+                ended.release_kept()
                 await finish(ended.settle)
             self._handed_over = []
         finally:
@@ -402,6 +406,9 @@ class DeviceLoader:
             finally:
                 if epoch is not None:
                     await epoch.join_feeder()
+                # A closed loader refers to no pass: nothing keeps it (and its source) alive
+                # once the application drops it.
+                self._epoch = None
         if cancelled is not None:
             raise cancelled
         if raise_deferred and deferred:

@@ -75,6 +75,7 @@ from .feeder import (
 from .fills import StagedFills, return_slot
 from .lifetime import closed_under_pass, watch_close
 from .records import COPYING, DONE, OUT, QUEUED, RELEASING, BatchRecord, Part
+from .staging import StagingSlots
 
 if TYPE_CHECKING:
     from .loader import DeviceLoader
@@ -99,7 +100,11 @@ class Epoch:
     """
 
     def __init__(self, loader: DeviceLoader, number: int) -> None:
-        self.loader = loader
+        # The loader, until the pass finished: an ended pass refers to it no more, so that
+        # the loader (and its source: a DataLoader's worker processes) goes as soon as the
+        # application drops it, with no reference cycle for the collector to find.
+        self._loader: DeviceLoader | None = loader
+        self.name = loader.name
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
         self.ended_by_close = False  # the loader's close ended it while it ran
@@ -124,6 +129,7 @@ class Epoch:
         self._feeder: ThreadFeeder | None = None
         self._feed_scope: anyio.CancelScope | None = None
         self._fills: StagedFills | None = None
+        self._staging: StagingSlots | None = None  # a staged source's buffers (the loader's)
         self._unwatch: Callable[[], None] | None = None
         self._fed: anyio.Event | None = None  # set when the task reading an async source ended
         self._feeding = False
@@ -136,9 +142,17 @@ class Epoch:
         self.closed_by_manager = False  # the manager closed while the pass ran
         self.closed_reported = False  # ... and the consumer was told so
 
+    @property
+    def loader(self) -> DeviceLoader:
+        """The loader of this pass (until the pass finished)."""
+        loader = self._loader
+        if loader is None:
+            raise RuntimeError(f"pass {self.number} of {self.name} has finished")
+        return loader
+
     def __repr__(self) -> str:
         return (
-            f"<Epoch {self.number} of {self.loader.name} {self.status} [{len(self._queue)} "
+            f"<Epoch {self.number} of {self.name} {self.status} [{len(self._queue)} "
             f"queued, {len(self._out)} out, {len(self._releasing)} releasing]>"
         )
 
@@ -148,6 +162,7 @@ class Epoch:
         """Start reading the source (a staged source: fill the buffers with ``plans``). Loop."""
         loader = self.loader
         self.status = "running"
+        self._staging = loader.staging  # opened before the pass; its buffers return there
         self.bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self.pump)
         self._unkeep = self.manager.add_task_keeper(self._kept_for)
@@ -344,7 +359,7 @@ class Epoch:
         whole batch fits now. False (changing nothing that holds room) if it must wait."""
         manager = self.manager
         waiting = [p for p in batch.parts if p.pending is None]
-        too_big = never_fits(self.manager, self.device, batch, self.loader.name)
+        too_big = never_fits(self.manager, self.device, batch, self.name)
         if too_big is not None:
             batch.error = too_big
             return False
@@ -512,14 +527,14 @@ class Epoch:
         if batch.leaf_part is not None and len(batch.structure) > 1:
             where = f" at {batch.structure.part_path(batch.leaf_part, batch.parts.index(part))}"
         error.add_note(
-            f"{self.loader.name}, pass {self.number}: the tensor{where} of batch {batch.index} "
+            f"{self.name}, pass {self.number}: the tensor{where} of batch {batch.index} "
             f"{what} as a managed value (ring=False makes each tensor one)"
         )
         return error
 
     def _label(self, batch: BatchRecord, part: Part) -> str:
         """The value's name: loader, epoch, batch, and the path of its first tensor."""
-        name = f"{self.loader.name}/e{self.number}/b{batch.index}"
+        name = f"{self.name}/e{self.number}/b{batch.index}"
         if batch.leaf_part is None or len(batch.structure) == 1:
             return name
         return f"{name}{batch.structure.part_path(batch.leaf_part, batch.parts.index(part))}"
@@ -541,7 +556,7 @@ class Epoch:
         if batch.slot is not None and all(
             p.pending is None or p.pending.done() for p in batch.parts
         ):
-            return_slot(self.loader, batch)
+            return_slot(self._staging, batch)
         self.pump()
 
     # ------------------------------------------------------------------ readiness
@@ -593,7 +608,9 @@ class Epoch:
         try:
             return await self._next()
         except StopAsyncIteration:
-            self.shutdown()
+            # A batch another task keeps in an open ``async with`` stays until that block
+            # ends (or the loader closes); the rest is discarded as the device passes it.
+            self.end_soon(keep_kept=True)
             raise
         except BaseException:
             self.shutdown()
@@ -604,7 +621,7 @@ class Epoch:
         """The error the consumer gets once the manager closed under the pass (reported: a
         later ``aclose`` does not raise it again)."""
         self.closed_reported = True
-        return closed_under_pass(self.loader.name, self.number, cause)
+        return closed_under_pass(self.name, self.number, cause)
 
     async def _next(self) -> DeviceBatch:
         if self.closed_by_manager:
@@ -673,7 +690,7 @@ class Epoch:
                         waiting = self.manager.room_wait(
                             need,
                             self.device,
-                            what=f"batch {head.index} of {self.loader.name} "
+                            what=f"batch {head.index} of {self.name} "
                             f"({format_nbytes(need)} at {self.device})",
                             exempt=self._own_handles(),
                         )
@@ -696,7 +713,7 @@ class Epoch:
                 counters.add_wait(cause, time.perf_counter() - start)
                 if timed_out and head is not None and head.state == QUEUED:
                     raise timeout_error(
-                        self.manager, self.device, head, self.loader.name, self.loader.timeout
+                        self.manager, self.device, head, self.name, self.loader.timeout
                     )
         finally:
             self._consumer_waiting = False
@@ -724,13 +741,13 @@ class Epoch:
         out = sum(1 for b in batches if b.state != COPYING)
         return Kept(
             what=(
-                f"{len(batches)} batch(es) of {self.loader.name} ({format_nbytes(charge)} at "
+                f"{len(batches)} batch(es) of {self.name} ({format_nbytes(charge)} at "
                 f"{self.device}: {len(batches) - out} copied ahead, {out} handed out), which "
                 "leave only when this task asks for the next batch"
             ),
             materializations=kept,
             hint=(
-                f"Lower {self.loader.name}'s prefetch, or raise the budget of {self.device} "
+                f"Lower {self.name}'s prefetch, or raise the budget of {self.device} "
                 "to hold the loader's window and what a step needs together."
             ),
         )
@@ -742,19 +759,24 @@ class Epoch:
         task = current_task()
         if task is None:
             return None
-        kept = [
+        kept = self.kept_by(task)
+        for ended in self.loader._handed_over:  # kept past the end of an earlier pass
+            kept += ended.kept_by(task)
+        need = sum(part.charge for part in head.parts)
+        stuck = kept_by_waiter(self.manager, self.device, need, head.index, kept, self.name)
+        if stuck is not None:
+            return stuck
+        mine = self._own_handles()
+        return held_by_waiter(self.manager, self.device, need, head.index, self.name, exempt=mine)
+
+    def kept_by(self, task: object) -> list[tuple[int, int]]:
+        """``(index, bytes)`` of the batches handed out that ``task``'s open ``async with``
+        blocks keep. Loop."""
+        return [
             (batch.index, sum(part.charge for part in batch.parts))
             for batch in self._out
             if batch.handed is not None and batch.handed.kept_by is task
         ]
-        need = sum(part.charge for part in head.parts)
-        stuck = kept_by_waiter(self.manager, self.device, need, head.index, kept, self.loader.name)
-        if stuck is not None:
-            return stuck
-        mine = self._own_handles()
-        return held_by_waiter(
-            self.manager, self.device, need, head.index, self.loader.name, exempt=mine
-        )
 
     def _own_handles(self) -> list[ValueHandle]:
         """The values of the batches in the window and handed out (the loader's own)."""
@@ -824,6 +846,13 @@ class Epoch:
             if batch.handed is not None and not batch.handed.kept:
                 batch.handed.release()
 
+    def release_kept(self) -> None:
+        """Release the batches still handed out after the pass ended (those ``async with``
+        blocks kept when the source ran out): the loader's close, or the manager's. Loop."""
+        for batch in list(self._out):
+            if batch.handed is not None:
+                batch.handed.release()
+
     def _register_stream(self, batch: BatchRecord, stream: Any) -> None:
         self.manager.backend.check_stream(stream, self.device)
         if stream is None:
@@ -890,17 +919,18 @@ class Epoch:
                     del self._host_storages[part.key]
             if all(p.discarded for p in batch.parts):
                 if batch.slot is not None:
-                    return_slot(self.loader, batch)
+                    return_slot(self._staging, batch)
                 self._releasing.remove(batch)
                 batch.state = DONE
 
     # ------------------------------------------------------------------ the end
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, keep_kept: bool = False) -> None:
         """Stop reading the source and release everything (synchronous; loop thread): batches
-        handed out are released (their leases exit), copies not handed out yet are cancelled,
-        and every value is discarded as soon as nothing reads it. :meth:`drain` waits for
-        that."""
+        handed out are released (their leases exit; with ``keep_kept``, the source having run
+        out, not those an ``async with`` block keeps: each goes when its block ends, or at
+        :meth:`release_kept`), copies not handed out yet are cancelled, and every value is
+        discarded as soon as nothing reads it. :meth:`drain` waits for that."""
         if self.status != "running":
             return
         self.status = "closing"
@@ -911,7 +941,7 @@ class Epoch:
         if self._feed_scope is not None:
             self._feed_scope.cancel()
         for batch in list(self._out):
-            if batch.handed is not None:
+            if batch.handed is not None and not (keep_kept and batch.handed.kept):
                 batch.handed.release()
         for batch in self._queue:
             for part in batch.parts:
@@ -926,12 +956,13 @@ class Epoch:
         self._progress_now()
         self.pump()
 
-    def end_soon(self) -> None:
-        """End the pass without waiting (a dropped iterator): :meth:`shutdown` now; every
-        value is discarded as the device passes it, and the pass stops listening to the
-        manager once nothing is left. Loop."""
+    def end_soon(self, *, keep_kept: bool = False) -> None:
+        """End the pass without waiting (a dropped iterator, the source's end):
+        :meth:`shutdown` now (``keep_kept``: see there); every value is discarded as the
+        device passes it, and the pass stops listening to the manager once nothing is left.
+        Loop."""
         self._ending = True
-        self.shutdown()
+        self.shutdown(keep_kept=keep_kept)
         self.pump()
 
     def manager_closed(self) -> None:
@@ -943,6 +974,7 @@ class Epoch:
             self.closed_by_manager = True
         try:
             self.shutdown()
+            self.release_kept()  # kept past the pass's end: the device stopped
         finally:
             if self.status == "closing":
                 self._finish()
@@ -956,12 +988,26 @@ class Epoch:
     @property
     def settled(self) -> bool:
         """Nothing left: no batch queued, out or releasing, and no fill in flight."""
+        return not self._out and self._nothing_but_kept
+
+    @property
+    def _nothing_but_kept(self) -> bool:
+        """Nothing left but batches still handed out (after the pass's end: those ``async
+        with`` blocks kept when the source ran out)."""
         fills = 0 if self._fills is None else self._fills.in_flight
-        return not (self._queue or self._out or self._releasing or fills)
+        return not (self._queue or self._releasing or fills)
+
+    @property
+    def retiring(self) -> bool:
+        """Whether the ended pass still has batches to discard or kept ones out (the
+        loader's close releases those)."""
+        return self.status != "closed"
 
     async def drain(self, *, releases_only: bool = False, handover: bool = False) -> None:
         """Park until every released batch has left the budget (``releases_only``), or, after
-        :meth:`shutdown`, until nothing is left at all; then stop listening. Returns at once
+        :meth:`shutdown`, until nothing is left at all (but batches ``async with`` blocks
+        kept past the pass's end: they go when their blocks end, or at
+        :meth:`release_kept`); then stop listening (once nothing is left). Returns at once
         once the manager closed (it waited for every copy and reader already). ``handover``
         (the loader starts its next pass) changes nothing here: the pass's values are
         discarded as the device passes them either way."""
@@ -971,7 +1017,7 @@ class Epoch:
             if releases_only:
                 if not self._releasing:
                     return
-            elif self.settled:
+            elif self._nothing_but_kept:
                 break
             try:
                 if self._fills is not None and self._fills.in_flight:
@@ -982,7 +1028,15 @@ class Epoch:
                 break
             self.pump()
         if self.status == "closing":
-            self._finish()
+            if self.settled or not self.manager.running:
+                self._finish()
+            else:
+                self._ending = True  # the last kept batch's release finishes it (pump)
+
+    async def settle(self) -> None:
+        """Park until the ended pass has nothing left but batches kept past its end (as
+        :meth:`drain`)."""
+        await self.drain()
 
     def _finish(self) -> None:
         self.status = "closed"
@@ -995,6 +1049,9 @@ class Epoch:
         unwatch, self._unwatch = self._unwatch, None
         if unwatch is not None:
             unwatch()
+        # No cycle loader -> pass -> loader (or pass -> fills -> pass) once the pass is over.
+        self._loader = None
+        self._fills = None
 
     async def join_feeder(self) -> None:
         """Wait for the feeder thread to stop (after its current ``next``), or the task

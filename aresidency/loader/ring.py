@@ -15,8 +15,11 @@ link, sets the pace. The ring keeps the byte budget and the ordering and drops t
   slots; a batch larger than every free slot grows one (the old buffer is freed, and its
   reservation ended, once the device passed its last reader and copy). When the budget has no
   room for a slot the ring waits (and the consumer with it, cause ``budget``, ``timeout``
-  applies) until a slot of its own frees up or room appears; a batch larger than the whole
-  budget fails at its place with the arithmetic.
+  applies) until a slot of its own frees up or room appears; meanwhile what of the ring could
+  never hold the batch and stands in its way leaves it (the free slots too small for it, and
+  the old buffer of the slot it grows: :meth:`RingEpoch._shed_for`), so that a batch the
+  budget holds alone always gets in. A batch larger than the whole budget fails at its place
+  with the arithmetic.
 * **Per batch, in the ring's thread, no loop involved**: the batch's tensors are copied into a
   free slot, packed (512-byte aligned), on the backend's host-to-device copy stream after the
   slot's last readers (a device-side wait; the host never waits): page-locked tensors by one
@@ -39,7 +42,10 @@ link, sets the pace. The ring keeps the byte budget and the ordering and drops t
   for the thread, then frees every slot and ends its reservation once the device passed the
   last readers (events recorded then on every stream that read a slot) and the last copies.
   An end nobody awaits (the source's end, a dropped iterator, the manager's close:
-  :meth:`RingEpoch.end_soon`) does the same from a thread that joins the ring's thread.
+  :meth:`RingEpoch.end_soon`) does the same from a thread that joins the ring's thread. At
+  the source's end a batch an ``async with`` block keeps (a worker's) is not released: its
+  slot stays until the block ends (:meth:`_release` retires it then) or the loader closes
+  (:meth:`RingEpoch.release_kept`).
   Where compute runs on the host (the simulation), a released slot is poisoned first, in
   stream order, so that a read after the release is seen.
 
@@ -246,7 +252,12 @@ class RingEpoch:
     def __init__(
         self, loader: DeviceLoader, number: int, *, after: RingEpoch | None = None
     ) -> None:
-        self.loader = loader
+        # The loader, until the pass finished: an ended pass refers to it no more, so that
+        # the loader (and its source: a DataLoader's worker processes) goes as soon as the
+        # application drops it, with no reference cycle for the collector to find.
+        self._loader: DeviceLoader | None = loader
+        self.name = loader.name
+        self._run_ahead = loader.run_ahead
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
         self.ended_by_close = False  # the loader's close ended it while it ran
@@ -271,6 +282,7 @@ class RingEpoch:
         self._streams: list[Any] = []
         self._progress: anyio.Event | None = None
         self._serial = itertools.count()
+        self._numbers = itertools.count()  # the slots' numbers (a slot shed leaves a gap)
         self._retiring: list[tuple[Any, list[torch.Tensor]]] = []  # (copy event, pins)
         self._unlisten: Callable[[], None] | None = None
         self._servicing = False
@@ -296,6 +308,7 @@ class RingEpoch:
         self.closed_by_manager = False  # the manager closed while the pass ran
         self.closed_reported = False  # ... and the consumer was told so
         self._ending = False  # end_soon retires the slots once the thread ended
+        self._slots_taken = False  # the end took the slots (but those of batches still out)
         self._direct = False  # batches copied straight out of the page-locked files
         # Per released batch (oldest first), the events after its readers' kernels: the
         # consumer is handed a batch only while at most ``run_ahead`` of them are incomplete.
@@ -308,12 +321,20 @@ class RingEpoch:
         self._consumer: object | None = None
         self._unkeep: Callable[[], None] | None = None
 
+    @property
+    def loader(self) -> DeviceLoader:
+        """The loader of this pass (until the pass finished)."""
+        loader = self._loader
+        if loader is None:
+            raise RuntimeError(f"pass {self.number} of {self.name} has finished")
+        return loader
+
     def __repr__(self) -> str:
         with self._cond:
             states = ",".join(s.state for s in self.slots)
             ready = len(self._ready)
         return (
-            f"<RingEpoch {self.number} of {self.loader.name} {self.status} slots=[{states}] "
+            f"<RingEpoch {self.number} of {self.name} {self.status} slots=[{states}] "
             f"{ready} ready, {len(self._out)} out>"
         )
 
@@ -415,6 +436,10 @@ class RingEpoch:
                     index, item.structure, item.leaf_part, item.parts, item.versions
                 )
                 self._push(ready)
+                # The batch's views of its slot go with the batch, not with this thread: a
+                # slot freed while the thread waits for the next one (given back to make
+                # room) must not stay allocated because of them.
+                del ready
                 # The batch's bytes are on their way (taken by the driver, packed, or kept
                 # in the slot's pins): its shared memory goes back without the interpreter lock
                 parts, item.parts = item.parts, []
@@ -468,6 +493,7 @@ class RingEpoch:
                 last_copy[buffer] = ready.event
                 free.append(buffer)
                 self._push(ready)
+                del ready  # its views of the slot go with the batch (see _run)
         except _Stopped:
             return
         except BaseException as error:
@@ -793,7 +819,7 @@ class RingEpoch:
         charge = value_charge(request.nbytes, None, manager.state.granularity)
         error: BaseException | None = self._never_fits(request, charge)
         if error is None:
-            name = f"{self.loader.name} ring e{self.number} #{next(self._serial)}"
+            name = f"{self.name} ring e{self.number} #{next(self._serial)}"
             admitted = not manager.waiting_for_room(self.device)  # never overtake a scope
             if admitted:
                 try:
@@ -801,6 +827,11 @@ class RingEpoch:
                 except ResidencyBudgetError:
                     admitted = False
             if not admitted:
+                # What of the ring's own stands in the way and could never hold this batch
+                # goes first: the free slots too small for it, and the old buffer of the slot
+                # it grows (given back once the device passed them; the request is answered
+                # when their reservations ended and the room is there).
+                self._shed_for(request)
                 if request.blocked_since is None:
                     request.blocked_since = time.perf_counter()
                     self._wake()  # the consumer now waits for room (its timeout applies)
@@ -837,7 +868,7 @@ class RingEpoch:
                     slot.host_nbytes, slot.host_reservation = twin_nbytes, twin_name
                     request.slot = slot
                 else:
-                    slot = Slot(len(self.slots), buffer, charge, name)
+                    slot = Slot(next(self._numbers), buffer, charge, name)
                     slot.host_nbytes, slot.host_reservation = twin_nbytes, twin_name
                     self.slots.append(slot)
                     request.slot = slot
@@ -877,7 +908,13 @@ class RingEpoch:
     def _give_back(self) -> None:
         """While a scope waits for room at the device, the free slots leave the ring (freed,
         their reservations ended, once the device passed them): the ring shrinks to the slots
-        in use and takes new ones only when no one waits (FIFO, as every tenant)."""
+        in use and takes new ones only when no one waits (FIFO, as every tenant). While the
+        ring's own request waits for room, the free slots too small for its batch leave it
+        (:meth:`_shed_for`)."""
+        with self._cond:
+            request = self._request
+        if request is not None and request.blocked_since is not None:
+            self._shed_for(request)
         if not self.manager.waiting_for_room(self.device):
             if self._withheld:
                 with self._cond:
@@ -890,6 +927,34 @@ class RingEpoch:
                 return
             self.slots = [s for s in self.slots if s.state != FREE]
         self._retire(free)
+
+    def _shed_for(self, request: _Request) -> None:
+        """The ring's own ``request`` waits for room: the slots of the ring that stand in its
+        way and could never hold its batch leave the ring (freed, their reservations ended,
+        once the device passed them: :meth:`_retire`): the free slots too small for it, and
+        the one it grows (its old buffer; the request then asks for a new slot). Without
+        this, a batch larger than every free slot, under a budget with room for it but not
+        beside the ring's other slots, would wait for ever (or be refused as the consumer's
+        own holding). Loop."""
+        with self._cond:
+            if request.cancelled or request.answered or self._request is not request:
+                return
+            twin = request.pageable and self._twins
+            need = request.nbytes
+            shed = [
+                s
+                for s in self.slots
+                if s.state == FREE
+                and not (s.nbytes >= need and (not twin or s.host_nbytes >= need))
+            ]
+            if request.grow is not None:
+                shed.append(request.grow)
+                request.grow = None  # a new slot, once the room is there
+            if not shed:
+                return
+            self.slots = [s for s in self.slots if all(s is not x for x in shed)]
+            self._cond.notify_all()
+        self._retire(shed)
 
     def _kept_for(self, task: object) -> Kept | None:
         """For admission: the slots in use (batches copied ahead and handed out), and their
@@ -905,7 +970,15 @@ class RingEpoch:
             if out.handed is not None and out.handed.kept_by not in (None, task)
         }
         with self._cond:
-            used = [s for s in self.slots if s.state != FREE and id(s) not in others]
+            # The slot a request grows holds no batch: its old buffer leaves the ring as soon
+            # as the request waits for room (:meth:`_shed_for`), so it is no holding either.
+            request = self._request
+            growing = None if request is None or request.answered else request.grow
+            used = [
+                s
+                for s in self.slots
+                if s.state != FREE and id(s) not in others and s is not growing
+            ]
             if not self._withheld and any(s.state == FREE for s in self.slots):
                 self._withheld = True  # counted as transient: not filled meanwhile
                 self.bridge.call_soon_quietly(self._service)  # cleared if nobody waits
@@ -917,13 +990,13 @@ class RingEpoch:
         charge = sum(s.charge for s in used)
         return Kept(
             what=(
-                f"{len(used)} ring slot(s) of {self.loader.name} ({format_nbytes(charge)} at "
+                f"{len(used)} ring slot(s) of {self.name} ({format_nbytes(charge)} at "
                 f"{self.device}: {len(used) - out} batch(es) copied ahead, {out} handed out), "
                 "which free only when this task asks for the next batch"
             ),
             reservations=tuple(reservations),
             hint=(
-                f"Lower {self.loader.name}'s prefetch, or raise the budget of {self.device} "
+                f"Lower {self.name}'s prefetch, or raise the budget of {self.device} "
                 "to hold the loader's window and what a step needs together."
             ),
         )
@@ -940,7 +1013,7 @@ class RingEpoch:
             charge,
             kind="reservation",  # a slot is a named reservation; no value, no handle
             what=(
-                f"batch {request.index} of {self.loader.name}: its tensors need "
+                f"batch {request.index} of {self.name}: its tensors need "
                 f"{format_nbytes(charge)} at {self.device}, more than the whole budget of "
                 f"{format_nbytes(ledger.budget_bytes)}, so it could never be copied there; "
                 "lower the batch size or raise the budget"
@@ -999,7 +1072,9 @@ class RingEpoch:
         try:
             return await self._next()
         except StopAsyncIteration:
-            self.end_soon()  # the slots retire as the device passes them
+            # The slots retire as the device passes them; a batch another task keeps in an
+            # open ``async with`` keeps its slot until that block ends (or the loader closes).
+            self.end_soon(keep_kept=True)
             raise
         except BaseException:
             self.shutdown()
@@ -1010,7 +1085,7 @@ class RingEpoch:
         """The error the consumer gets once the manager closed under the pass (reported: a
         later ``aclose`` does not raise it again)."""
         self.closed_reported = True
-        return closed_under_pass(self.loader.name, self.number, cause)
+        return closed_under_pass(self.name, self.number, cause)
 
     async def _next(self) -> DeviceBatch:
         if self.closed_by_manager:
@@ -1027,9 +1102,7 @@ class RingEpoch:
                 self._withheld = False
                 self._cond.notify_all()
         counters = self.counters
-        counters.kept_after_release += self._kept_after_release.requested(
-            self.loader.name, self.number
-        )
+        counters.kept_after_release += self._kept_after_release.requested(self.name, self.number)
         self.release_unkept()
         await self._catch_up()
         began = time.perf_counter()
@@ -1073,7 +1146,16 @@ class RingEpoch:
                     # on what this task holds itself.
                     if reclaim_for(self.manager, self.device, need):
                         continue  # the cache given back: the thread is told by the change
-                    stuck = self._kept_by_me(request)
+                    # Judged under the lock, on the request as it is now: the ring's thread
+                    # may have withdrawn it since it was read (a slot of its own freed up and
+                    # it took that one), and a stale request's arithmetic says nothing.
+                    with self._cond:
+                        current = self._request is request and not (
+                            request.cancelled or request.answered
+                        )
+                        stuck = self._kept_by_me(request) if current else None
+                    if not current:
+                        continue
                     if stuck is not None:
                         raise stuck
                     # Refused at once if it closes a cycle of tasks waiting for each other's
@@ -1081,7 +1163,7 @@ class RingEpoch:
                     waiting = self.manager.room_wait(
                         need,
                         self.device,
-                        what=f"batch {request.index} of {self.loader.name} "
+                        what=f"batch {request.index} of {self.name} "
                         f"({format_nbytes(need)} at {self.device})",
                     )
                 if cause == "source" and (
@@ -1142,18 +1224,25 @@ class RingEpoch:
         task = current_task()
         if task is None:
             return None
-        kept = [
+        kept = self.kept_by(task)
+        for ended in self.loader._handed_over:  # kept past the end of an earlier pass
+            kept += ended.kept_by(task)
+        need = -(-request.nbytes // ALIGN) * ALIGN
+        stuck = kept_by_waiter(
+            self.manager, self.device, need, request.index, kept, self.name, "reservation"
+        )
+        if stuck is not None:
+            return stuck
+        return held_by_waiter(self.manager, self.device, need, request.index, self.name)
+
+    def kept_by(self, task: object) -> list[tuple[int, int]]:
+        """``(index, bytes)`` of the batches handed out that ``task``'s open ``async with``
+        blocks keep. Loop."""
+        return [
             (out.handed.index, out.slot.charge)
             for out in self._out.values()
             if out.handed is not None and out.handed.kept_by is task
         ]
-        need = -(-request.nbytes // ALIGN) * ALIGN
-        stuck = kept_by_waiter(
-            self.manager, self.device, need, request.index, kept, self.loader.name, "reservation"
-        )
-        if stuck is not None:
-            return stuck
-        return held_by_waiter(self.manager, self.device, need, request.index, self.loader.name)
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         with self._cond:
@@ -1163,7 +1252,7 @@ class RingEpoch:
         need = 0 if request is None else request.nbytes
         index = "?" if request is None else request.index
         return TimeoutError(
-            f"batch {index} of {self.loader.name} waited {timeout} s for room at "
+            f"batch {index} of {self.name} waited {timeout} s for room at "
             f"{self.device}: its slot needs {format_nbytes(need)}, and "
             f"{format_nbytes(ledger.used_bytes)} used + "
             f"{format_nbytes(ledger.reserved_bytes)} reserved of a {budget} budget left too "
@@ -1233,12 +1322,23 @@ class RingEpoch:
             if readers:
                 behind = self._behind
                 behind.append(readers)
-                if len(behind) > 2 * self.loader.run_ahead + 8:  # nobody asked for a batch
+                if len(behind) > 2 * self._run_ahead + 8:  # nobody asked for a batch
                     behind.popleft()
         with self._cond:
             out.slot.readers = readers
             out.slot.state = FREE
             self._cond.notify_all()
+            # Kept past the pass's end (an ``async with`` open when the source ran out): the
+            # end took the other slots already, this one goes now.
+            late = self._slots_taken and any(s is out.slot for s in self.slots)
+            if late:
+                self.slots = [s for s in self.slots if s is not out.slot]
+        if late:
+            if self.manager.running:
+                self._retire([out.slot])
+            else:
+                self._free([out.slot])
+            return
         self._give_back()
 
     def _poison(self, slot: Slot, streams: list[Any], views: list[torch.Tensor]) -> None:
@@ -1263,11 +1363,20 @@ class RingEpoch:
             if out.handed is not None and not out.handed.kept:
                 out.handed.release()
 
+    def release_kept(self) -> None:
+        """Release the batches still handed out after the pass ended (those ``async with``
+        blocks kept when the source ran out): the loader's close, or the manager's. Loop."""
+        for out in list(self._out.values()):
+            if out.handed is not None:
+                out.handed.release()
+
     # ------------------------------------------------------------------ the end
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, keep_kept: bool = False) -> None:
         """Stop the source and the ring's thread and release every batch handed out (loop;
-        never waits). :meth:`drain` frees the slots."""
+        never waits); with ``keep_kept`` (the source ran out), not those an ``async with``
+        block keeps: each is released, and its slot retired, when its block ends (or at
+        :meth:`release_kept`). :meth:`drain` frees the slots."""
         if self.status != "running":
             return
         self.status = "closing"
@@ -1282,7 +1391,7 @@ class RingEpoch:
             self._stopped = True
             self._cond.notify_all()
         for out in list(self._out.values()):
-            if out.handed is not None:
+            if out.handed is not None and not (keep_kept and out.handed.kept):
                 out.handed.release()
         with self._cond:
             self._stopped = True
@@ -1316,9 +1425,7 @@ class RingEpoch:
             if thread is not None and thread.is_alive():
                 await anyio.to_thread.run_sync(thread.join)
             if self.manager.running:
-                with self._cond:
-                    slots = list(self.slots)
-                    self.slots = []
+                slots = self._take_slots()
                 if handover:
                     self._retire(slots)
                     self._finish()
@@ -1337,12 +1444,13 @@ class RingEpoch:
         if not handover:
             await self.settle()
 
-    def end_soon(self) -> None:
+    def end_soon(self, *, keep_kept: bool = False) -> None:
         """End the pass without waiting (the source's end, a dropped iterator, the manager's
-        close): :meth:`shutdown` now; once the ring's thread ended (a thread of its own joins
-        it), the slots retire: freed, their reservations ended, once the device passed their
-        last readers and copies (events; nothing synchronizes). Loop."""
-        self.shutdown()
+        close): :meth:`shutdown` now (``keep_kept``: see there); once the ring's thread ended
+        (a thread of its own joins it), the slots retire: freed, their reservations ended,
+        once the device passed their last readers and copies (events; nothing
+        synchronizes). Loop."""
+        self.shutdown(keep_kept=keep_kept)
         if self.status != "closing" or self._ending:
             return
         self._ending = True
@@ -1357,7 +1465,7 @@ class RingEpoch:
             bridge.call_soon_quietly(self._hand_back)
 
         threading.Thread(
-            target=join, name=f"aresidency-loader-ring-end-{self.loader.name}", daemon=True
+            target=join, name=f"aresidency-loader-ring-end-{self.name}", daemon=True
         ).start()
 
     def _hand_back(self) -> None:
@@ -1365,19 +1473,25 @@ class RingEpoch:
         if self.status != "closing":
             return
         if self.manager.running:
-            with self._cond:
-                slots, self.slots = self.slots, []
-            self._retire(slots)
+            self._retire(self._take_slots())
         else:
             self._drop_slots()
         self._finish()
 
+    def _take_slots(self) -> list[Slot]:
+        """The pass ended: its slots leave it, but those of batches still handed out (kept by
+        an ``async with`` block open when the source ran out), which :meth:`_release` retires
+        one by one. Loop."""
+        with self._cond:
+            slots = [s for s in self.slots if s.state != OUT]
+            self.slots = [s for s in self.slots if s.state == OUT]
+            self._slots_taken = True
+        return slots
+
     def _drop_slots(self) -> None:
         """The manager closed: drop the buffers (its ledger closed with it; the device
         stopped). Loop."""
-        with self._cond:
-            slots, self.slots = self.slots, []
-        self._free(slots)
+        self._free(self._take_slots())
 
     def manager_closed(self) -> None:
         """The manager closed (its backend with it) while the pass existed: stop the source
@@ -1388,12 +1502,15 @@ class RingEpoch:
             self.closed_by_manager = True
         self._waits.abandon()
         self.end_soon()
+        self.release_kept()  # kept past the pass's end: the device stopped
         self._wake()
 
     @property
     def retiring(self) -> bool:
-        """Whether slots this pass retired still wait for the device."""
-        return self._pending_retires > 0
+        """Whether slots this pass retired still wait for the device, or batches ``async
+        with`` blocks kept past the pass's end are still out (the loader's close releases
+        them)."""
+        return self._pending_retires > 0 or bool(self._out)
 
     async def settle(self) -> None:
         """Park until every slot this pass retired was freed (or the manager closed)."""
@@ -1421,6 +1538,7 @@ class RingEpoch:
         if unwatch is not None:
             unwatch()
         self._retiring = []
+        self._loader = None  # no cycle loader -> pass -> loader once the pass is over
 
     async def join_feeder(self) -> None:
         """Wait for the source's thread (after its current ``next``), or the task reading an

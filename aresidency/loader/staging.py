@@ -173,18 +173,25 @@ class StagedFill:
         and ``error`` the first piece's when one failed), in the thread that ended the last
         one, or at once in this one if all had ended."""
 
+        # The fill and ``done`` are dropped once called: a future keeps its callbacks, so
+        # without that the fill (its source and buffer, and through ``done`` the epoch and
+        # its loader) would stay in a cycle fill -> piece -> callback -> fill.
+        waiting: list[Any] = [self, done]
+
         def ended(_piece: concurrent.futures.Future[Any]) -> None:
-            with self._lock:
-                self._remaining -= 1
-                if self._remaining > 0:
+            fill, then = waiting
+            with fill._lock:
+                fill._remaining -= 1
+                if fill._remaining > 0:
                     return
+            waiting.clear()
             try:
-                layout, start, end = self.result()
+                layout, start, end = fill.result()
             except BaseException as error:
                 now = time.perf_counter()
-                done(None, error, now, now)
+                then(None, error, now, now)
                 return
-            done(layout, None, start, end)
+            then(layout, None, start, end)
 
         with self._lock:
             self._remaining = len(self._pieces)

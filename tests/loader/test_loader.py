@@ -581,6 +581,126 @@ async def test_batches_kept_by_another_task_are_waited_for(ring: bool | None) ->
         assert_nothing_left(m)
 
 
+async def _hold_in_a_worker(
+    loader: DeviceLoader, data: list[torch.Tensor], passes: int, seen: list[tuple[int, bool, bool]]
+) -> None:
+    """The hand-to-a-worker pattern: this task iterates ``passes`` passes of ``loader`` and
+    hands each batch to a worker task, which keeps it in ``async with batch as data:``. The
+    last batch of each pass stays kept until this task went on past that pass's end: the
+    first batch of the next pass handed out, or (the last pass) the loop left. ``seen``: for
+    each batch kept, ``(index, released, intact)`` just before its block ends, after the
+    device passed every release (``drain``)."""
+    send, receive = anyio.create_memory_object_stream[
+        tuple[DeviceBatch, anyio.Event, anyio.Event | None]
+    ](8)
+
+    async def worker() -> None:
+        async with receive:
+            async for batch, entered, hold in receive:
+                async with batch as got:
+                    entered.set()
+                    if hold is not None:
+                        await hold.wait()
+                    await loader.drain()
+                    seen.append((batch.index, batch.released, torch.equal(got, data[batch.index])))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(worker)
+        async with send:
+            held: anyio.Event | None = None  # the last batch of the pass before: kept
+            for _ in range(passes):
+                async for batch in loader.batches():
+                    if held is not None:
+                        held.set()  # a new pass began and handed out its first batch
+                        held = None
+                    entered = anyio.Event()
+                    hold = anyio.Event() if batch.index == len(data) - 1 else None
+                    await send.send((batch, entered, hold))
+                    await entered.wait()  # the worker keeps it now
+                    held = hold or held
+            # The last pass ended (its source ran out); the worker still keeps its last batch.
+            assert loader.stats().batches == passes * len(data)
+            assert held is not None
+            held.set()
+
+
+@pytest.mark.parametrize("passes", [1, 2], ids=["the-source-ends", "a-new-pass-starts"])
+async def test_the_end_of_the_source_leaves_a_batch_another_task_keeps(
+    passes: int, ring: bool | None
+) -> None:
+    """A batch kept in a worker's open ``async with batch:`` when the consumer's loop reaches
+    the end of the source (and when a new pass starts after that end) is not released under
+    it: it reads its own data (not the simulation's poison), ``released`` stays False until
+    the block ends, and then everything goes back."""
+    data = batches(6)
+    async with ResidencyManager(budgets={"cuda:0": 16 * CHARGE}, backend=sim()) as m:
+        seen: list[tuple[int, bool, bool]] = []
+        async with DeviceLoader(m, data, "cuda:0", prefetch=2, ring=ring) as loader:
+            with anyio.fail_after(10):
+                await _hold_in_a_worker(loader, data, passes, seen)
+            assert len(seen) == passes * len(data)
+            last = [entry for entry in seen if entry[0] == len(data) - 1]
+            assert last == [(len(data) - 1, False, True)] * passes
+            assert all(not released and intact for _, released, intact in seen)
+            await loader.drain()
+            # Released at the end of its block: nothing of the loader's is charged any more
+            # but the new pass's window.
+            if passes == 1:
+                assert_nothing_left(m)
+        assert_nothing_left(m)
+
+
+async def test_the_loader_s_close_releases_a_batch_kept_past_the_end_of_its_pass(
+    ring: bool | None,
+) -> None:
+    """The end of the loader is a release point for every batch: a batch still kept in a
+    worker's ``async with`` after the pass ended is released by the loader's close, which
+    gives everything back."""
+    data = batches(4)
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, data, "cuda:0", prefetch=2, ring=ring)
+        kept: list[DeviceBatch] = []
+        async for batch in loader.batches():
+            if batch.index == len(data) - 1:
+                await batch.__aenter__()  # kept past the end of the pass
+                kept.append(batch)
+        assert not kept[0].released and torch.equal(kept[0].data, data[-1])
+        await loader.aclose()
+        assert kept[0].released
+        assert_nothing_left(m)
+        await kept[0].__aexit__(None, None, None)  # the block's end: nothing more to do
+        assert_nothing_left(m)
+
+
+async def test_batches_the_consumer_keeps_past_a_pass_s_end_count_as_its_own_next_pass(
+    ring: bool | None,
+) -> None:
+    """Batches kept in the consuming task's own open ``async with`` blocks stay kept past
+    the source's end; when they leave the next pass's first batch too little of the budget
+    ever to fit, asking for it is the same ``ResidencyBudgetError`` at once (not a wait for
+    ever: only this task can release them). Released, the next pass goes on."""
+    data = batches(2)
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=0, ring=ring) as loader:
+            kept: list[DeviceBatch] = []
+            async for batch in loader.batches():
+                await batch.__aenter__()
+                kept.append(batch)
+            with (
+                anyio.fail_after(10),
+                pytest.raises(ResidencyBudgetError, match="keeps 2 earlier"),
+            ):
+                async for _batch in loader:
+                    pytest.fail("no room for it beside the batches kept")
+            assert all(torch.equal(b.data, d) and not b.released for b, d in zip(kept, data))
+            for batch in kept:
+                await batch.__aexit__(None, None, None)
+            with anyio.fail_after(10):
+                got = [batch.clone() async for batch in loader]
+            assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        assert_nothing_left(m)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -620,6 +740,72 @@ async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback
         assert_nothing_left(m)
         async for _ in loader:  # a new pass over an exhausted generator: empty
             pytest.fail("the generator was exhausted")
+
+
+class _LeakingSource:
+    """Yields ``good`` batches, then leaks an end-of-iteration signal that is not its own end:
+    a synchronous ``__next__`` raising ``StopAsyncIteration`` (a helper wrapping an async
+    iterator by hand), an async ``__anext__`` raising ``StopIteration``, or an ``__aiter__``
+    raising ``StopAsyncIteration`` before any batch."""
+
+    def __init__(self, kind: str, good: int) -> None:
+        self.kind = kind
+        self.data = batches(good)
+        self.i = 0
+        if kind != "sync next":
+            self.__aiter__ = self._aiter  # an async source (the loader looks for __aiter__)
+
+    def __iter__(self) -> _LeakingSource:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.i == len(self.data):
+            raise StopAsyncIteration("leaked from a helper")
+        self.i += 1
+        return self.data[self.i - 1]
+
+    def _aiter(self) -> _LeakingSource:
+        if self.kind == "aiter":
+            raise StopAsyncIteration("leaked from __aiter__")
+        return self
+
+    async def __anext__(self) -> torch.Tensor:
+        await anyio.lowlevel.checkpoint()
+        if self.i == len(self.data):
+            raise StopIteration("leaked from a helper")
+        self.i += 1
+        return self.data[self.i - 1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "leaked", "at", "message"),
+    [
+        ("sync next", StopAsyncIteration, 2, "the source raised StopAsyncIteration at batch 2"),
+        # Python itself turns it into "coroutine raised StopIteration" (PEP 479)
+        ("async anext", StopIteration, 2, "raised StopIteration"),
+        ("aiter", StopAsyncIteration, 0, "the source raised StopAsyncIteration at batch 0"),
+    ],
+    ids=["sync-next", "async-anext", "aiter"],
+)
+async def test_a_source_that_leaks_stop_iteration_is_an_error_not_a_short_pass(
+    kind: str, leaked: type[BaseException], at: int, message: str, ring: bool | None
+) -> None:
+    """Raised as it is inside the consumer's ``__anext__``, a ``StopAsyncIteration`` from the
+    source would end the pass quietly after the batches before it (a truncated epoch that
+    looks whole): it comes as a ``RuntimeError`` naming the batch, the source's own
+    exception as its cause (as Python does for a generator, PEP 479)."""
+    source = _LeakingSource(kind, 2 if at else 0)
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader,
+    ):
+        got = []
+        with anyio.fail_after(10), pytest.raises(RuntimeError, match=message) as info:
+            async for batch in loader:
+                got.append(batch.clone())
+        assert type(info.value.__cause__) is leaked
+        assert len(got) == at and all(torch.equal(a, b) for a, b in zip(got, source.data))
+        assert_nothing_left(m)
 
 
 UNCOPYABLE = {

@@ -6,17 +6,22 @@ that asks for more is told why (``ManagerClosedError``), never left waiting. Bot
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
 from aresidency import ResidencyManager
 from aresidency.backends.sim import SimBackend
-from aresidency.loader import DeviceLoader
+from aresidency.loader import DeviceLoader, ShardSource
 from aresidency.runtime.signal import ManagerClosedError
 
 from ._support import Gate, assert_nothing_left, batches, gated, until
@@ -383,3 +388,91 @@ async def test_a_cancelled_wait_for_a_batch_is_not_taken_for_the_end_of_the_sour
                 await anext(it)
         assert_nothing_left(m)
     assert all(torch.equal(a, b) for a, b in zip(first, data, strict=False))
+
+
+# ---------------------------------------------------------------- what a loader keeps alive
+
+
+class _Source:
+    """A synchronous or async source a weak reference can watch (a list cannot be one)."""
+
+    def __init__(self, data: list[torch.Tensor]) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.data)
+
+
+class _AsyncSource(_Source):
+    async def _batches(self) -> AsyncIterator[torch.Tensor]:
+        for batch in self.data:
+            await anyio.lowlevel.checkpoint()
+            yield batch
+
+    def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        return self._batches()
+
+
+@contextlib.contextmanager
+def _no_collector() -> Iterator[None]:
+    """What reference counting alone frees (the collector may never run: ``gc.freeze()``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async", "staged"])
+async def test_a_closed_loader_and_its_source_go_as_soon_as_they_are_dropped(
+    kind: str, ring: bool | None, tmp_path: Path
+) -> None:
+    """After ``async with DeviceLoader(...)`` ended (two passes), the loader and its source
+    go when the application drops them, by reference counting alone: no cycle loader ->
+    pass -> loader keeps them (and a persistent ``DataLoader``'s worker processes) alive
+    until a collection that may never come."""
+    from .test_shards import write_safetensors
+
+    data = batches(5)
+    source: Any
+    if kind == "staged":
+        source = ShardSource(write_safetensors(tmp_path)[0], batch_size=4)
+    else:
+        source = _Source(data) if kind == "sync" else _AsyncSource(data)
+    async with ResidencyManager(backend=SimBackend()) as m:
+        with _no_collector():
+            gone = weakref.ref(source)
+            async with DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader:
+                for _ in range(2):
+                    async for _batch in loader:
+                        pass
+            loader_gone = weakref.ref(loader)
+            if kind == "staged":
+                source.close()
+            del loader, source, _batch
+            assert loader_gone() is None
+            assert gone() is None
+        assert_nothing_left(m)
+
+
+async def test_a_loader_whose_pass_ran_to_its_end_goes_with_its_source_when_dropped(
+    ring: bool | None,
+) -> None:
+    """``async for batch in DeviceLoader(...)`` to the end, no ``async with``: once the pass
+    ended (it finished: nothing left to give back), dropping the loader frees it and its
+    source by reference counting alone."""
+    source = _Source(batches(5))
+    async with ResidencyManager(backend=SimBackend()) as m:
+        with _no_collector():
+            gone = weakref.ref(source)
+            loader = DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring)
+            async for _batch in loader:
+                pass
+            await loader.drain()  # the pass finished: its slots, or values, gone
+            loader_gone = weakref.ref(loader)
+            del loader, source, _batch
+            assert loader_gone() is None
+            assert gone() is None
+        assert_nothing_left(m)

@@ -169,6 +169,62 @@ async def test_a_larger_batch_grows_a_slot_and_the_old_buffer_is_given_back(pref
     assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
 
 
+@pytest.mark.parametrize(
+    ("sizes", "budget", "prefetch"),
+    [
+        ((10, 1024), 4 * KiB, 0),  # 40 B, then 4 KiB: the whole budget, once the slot left
+        ((10, 256, 10, 512, 10), 2 * KiB, 2),  # the 2 KiB batch fits the budget alone
+        ((10, 256, 10, 512, 10), 3 * KiB, 3),  # the free slots, too small, stood in its way
+    ],
+    ids=["grow-the-only-slot", "all-slots-go", "free-slots-go"],
+)
+async def test_a_larger_batch_under_a_tight_budget_gets_the_ring_s_own_room(
+    sizes: tuple[int, ...], budget: int, prefetch: int
+) -> None:
+    """Batches of varying size under a budget with room for the largest one, but not beside
+    the ring's other slots: the ring gives its own slots that could never hold the batch
+    back (the free ones too small for it, and the old buffer of the one it grows) and waits
+    for their room, so every batch arrives (as through managed values), within the budget.
+    Not a refusal saying the consumer's own holding stands in the way (a grown slot, or a
+    free one, is none), and not a wait for ever (``timeout`` would say so)."""
+    data = [torch.full((n,), float(i)) for i, n in enumerate(sizes)]
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        got = []
+        with anyio.fail_after(10):
+            async with DeviceLoader(m, data, "cuda:0", prefetch=prefetch, timeout=5) as loader:
+                async for batch in loader:
+                    got.append(batch.clone())
+                    del batch  # torch frees a slot's memory once no tensor refers to it
+        assert max_charge(m.trace()) <= budget
+        assert m.backend.max_memory_allocated("cuda:0") <= budget
+        assert_nothing_left(m)
+    assert len(got) == len(data) and all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_sizes_under_a_budget_of_the_largest_batch_all_arrive(seed: int) -> None:
+    """Random batch sizes and prefetch under a budget of one to two of the largest batch:
+    the loader never fails for lack of room (no batch is larger than the budget)."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 64, 128, 256, 700, 1024]) for _ in range(rng.randint(6, 16))]
+    data = [
+        torch.randn(n, generator=torch.Generator().manual_seed(seed + i))
+        for i, n in enumerate(sizes)
+    ]
+    largest = max(-(-n * 4 // 512) * 512 for n in sizes)
+    budget = rng.choice([largest, largest + 512, 2 * largest])
+    prefetch = rng.randint(0, 4)
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        got = []
+        with anyio.fail_after(20):
+            async with DeviceLoader(m, data, "cuda:0", prefetch=prefetch, timeout=5) as loader:
+                async for batch in loader:
+                    got.append(batch.clone())
+        assert max_charge(m.trace()) <= budget
+        assert_nothing_left(m)
+    assert len(got) == len(data) and all(torch.equal(a, b) for a, b in zip(got, data))
+
+
 async def test_a_waiting_scope_gets_the_ring_s_free_slots_and_the_ring_grows_back() -> None:
     data = batches(30)
     budget = 4 * CHARGE
@@ -1005,3 +1061,53 @@ async def test_fresh_tensors_after_a_ring_pass_are_copied_and_left_intact() -> N
                 await loader.drain()
             assert all(torch.equal(a, b) for a, b in zip(fresh, kept, strict=True))
         assert_nothing_left(m)
+
+
+async def test_a_request_the_ring_s_thread_withdrew_meanwhile_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A budget of exactly one batch (prefetch=2): at each step the consumer's release frees
+    the one slot while the ring's thread waits for room for a second one; the thread then
+    withdraws that request and takes the freed slot for the very batch. A consumer that read
+    the request just before (the race, forced here: its check for a wait on itself lets the
+    thread run until it withdrew) must judge the request as it is now, not count the slot the
+    thread just took as a batch it holds itself ("only what the waiting task holds itself
+    stands in the way")."""
+    import aresidency.loader.ring as ring_module
+
+    withdrawn = threading.Event()
+    forced = 0
+    loader: DeviceLoader | None = None
+    withdraw = RingEpoch._withdraw
+    reclaim_for = ring_module.reclaim_for
+
+    def withdrawing(self: RingEpoch, request: Any) -> None:
+        withdraw(self, request)
+        withdrawn.set()
+
+    def reclaiming(manager: ResidencyManager, device: Any, need: int) -> int:
+        nonlocal forced
+        epoch = None if loader is None else loader._epoch
+        withdrawn.clear()
+        request = epoch._request if isinstance(epoch, RingEpoch) else None
+        # The consumer read this request as blocked: let the thread (which has its freed
+        # slot to take) withdraw it now, between the read and the check. (Not a newer
+        # request, made since: the loop, here, has not seen it yet, so it is not blocked.)
+        live = request is not None and request.blocked_since is not None
+        if live and not request.cancelled and withdrawn.wait(0.05):
+            forced += 1
+        return reclaim_for(manager, device, need)
+
+    monkeypatch.setattr(RingEpoch, "_withdraw", withdrawing)
+    monkeypatch.setattr(ring_module, "reclaim_for", reclaiming)
+    data = batches(24)
+    async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=SimBackend()) as m:
+        got = []
+        with anyio.fail_after(20):
+            async with DeviceLoader(m, data, "cuda:0", prefetch=2) as loader:
+                async for batch in loader:
+                    got.append(batch.clone())
+        assert forced > 0  # the race was run
+        assert max_charge(m.trace()) <= CHARGE
+        assert_nothing_left(m)
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True)) and len(got) == 24
