@@ -380,6 +380,9 @@ class ThreadFeeder:
                 self.clock.add(start, end)
                 if not self.arrivals.put(batch):
                     return
+                # Not held while the next one is read: a batch in a worker's shared memory
+                # is given back by the ring only when nothing else holds it.
+                del item, batch
                 index += 1
                 start = time.perf_counter()
         except BaseException as error:  # the source's own error, for the consumer
@@ -440,6 +443,7 @@ async def feed_async(
             clock.add(start, end)
             if not await arrivals.put_async(batch):
                 return
+            del item, batch, tensors  # (not held while the next one is read)
             index += 1
     finally:
         aclose = getattr(iterator, "aclose", None)
