@@ -29,6 +29,7 @@ end (``owners``, ``dump``, ``export_timeline``) delegate to :mod:`aresidency.dia
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -151,6 +152,15 @@ def _check_tensor(tensor: Any) -> torch.Tensor:
         kind, what, instead = problem
         raise kind(f"register cannot take {what}: {instead}")
     return tensor
+
+
+def _native_cancelling() -> int | None:
+    """The asyncio task's ``cancelling()`` count (``None`` off asyncio, on trio)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        return None
+    return None if task is None else task.cancelling()
 
 
 class ResidencyManager:
@@ -312,6 +322,7 @@ class ResidencyManager:
             return None
         self._status = "closing"
         rt.closing = True
+        cancelling = _native_cancelling()
         message = "the manager closed while this was waiting"
         rt.admission.close(message)
         rt.signal.close(message)
@@ -328,7 +339,16 @@ class ResidencyManager:
             # cleanly and the body's exception (if any) propagates as it is.
             tasks.cancel_scope.cancel()
             try:
-                await tasks.__aexit__(None, None, None)
+                try:
+                    await tasks.__aexit__(None, None, None)
+                except anyio.get_cancelled_exc_class():
+                    # anyio re-raises its own cancellation of the background tasks when the
+                    # task's native cancellation count is above what it was when the group was
+                    # entered. Python 3.11's TaskGroup leaves it raised after a child failed
+                    # (nothing cancels the task), so only a count that grew during this close
+                    # (a cancellation that arrived meanwhile) is one to raise.
+                    if cancelling is None or _native_cancelling() != cancelling:
+                        raise
             finally:
                 try:
                     await finish_shielded(backend.aclose)
