@@ -330,7 +330,10 @@ class ModelEntry:
     ``in_flight`` (its requests between arrival and end; ``leaving``: of them, those that dropped
     their holds and are ending), ``removing`` (set while
     :meth:`ModelPool.remove <aresidency.serving.ModelPool.remove>` waits for them: the event
-    set when none is left), ``removed`` (set once it left the pool). Invariants: ``active``
+    set when none is left; back to ``None`` when every removal waiting was cancelled or
+    refused), ``removers`` (the removals waiting), ``removal_wake`` (set, then replaced, to
+    make them look again: a request ended or parked), ``removed`` (set once it left the
+    pool). Invariants: ``active``
     has requests of one mode at a time (a model switches mode only when idle); ``held`` counts
     exactly the holds of active requests.
     """
@@ -347,6 +350,8 @@ class ModelEntry:
         self.in_flight = 0
         self.leaving = 0  # of them, those whose holds were dropped (ending)
         self.removing: anyio.Event | None = None
+        self.removers = 0  # the remove() calls waiting for its requests to end
+        self.removal_wake = anyio.Event()  # set (and replaced) for them to look again
         self.removed = anyio.Event()
         self.closing: anyio.Event | None = None  # its streamed module's close (set: done)
         self.groups: list[TensorGroup] = streamed.all_groups

@@ -12,6 +12,7 @@ steps' undo paths would no longer be read side by side.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import functools
@@ -37,6 +38,7 @@ from ..controller import (
     ResidencyRequest,
     ResidencyRequirement,
 )
+from ..controller.index import classify
 from ..core.errors import (
     ResidencyBudgetError,
     ResidencyError,
@@ -75,6 +77,10 @@ _OUTGOING = MaterializationState.OUTGOING
 #: How often a request parked for progress looks again without being woken: the safety net for
 #: changes that commit no transition (another tenant's scope leaving the queue, cancelled).
 _RECHECK_S = 0.5
+
+#: The room a device without a budget counts as having (more than any budget): lifting a
+#: budget (``set_budget(device, None)``) is growth of the free room a waiting request sees.
+_UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,22 @@ class PoolDecision:
         return ", ".join(parts)
 
 
+def _span_of(tensor: Any) -> tuple[int, int] | None:
+    """The memory ``tensor`` covers, ``(first byte, end)``, or ``None`` when it has none to
+    compare (meta, no elements, or a tensor subclass without plain memory)."""
+    try:
+        if tensor.is_meta or not tensor.numel():
+            return None
+        start = int(tensor.data_ptr())
+        extent = 1 + sum(
+            (size - 1) * abs(step) for size, step in zip(tensor.shape, tensor.stride())
+        )
+        end = start + extent * tensor.element_size()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+    return (start, end) if start else None
+
+
 class _Place:
     """A request's place in :class:`_Line`: woken to look again (loop thread)."""
 
@@ -222,7 +244,9 @@ class _Loading:
     request's ``timeout`` bounds it).
 
     State: ``holds`` (group index -> the hold on its device materialization), ``open``
-    (cleared when the loading gave up: a copy that lands later is not held). Invariant: once
+    (cleared when the loading gave up: a copy that lands later is not held), ``closed`` (the
+    ``ManagerClosedError`` a hold got: the manager closed, :meth:`run` raises it; a done
+    callback never raises). Invariant: once
     :meth:`run` raised, nothing is held and nothing it copied is in flight."""
 
     def __init__(self, manager: ResidencyManager, device: Location, entry: ModelEntry) -> None:
@@ -231,6 +255,7 @@ class _Loading:
         self.entry = entry
         self.holds: dict[int, Hold] = {}
         self.open = True
+        self.closed: ManagerClosedError | None = None  # a hold refused: the manager closed
         # The request's task (made in it): the holds are that task's, also those taken in
         # a copy's done callback, where no task runs.
         self.task = current_task_ref()
@@ -244,6 +269,10 @@ class _Loading:
             self.holds[index] = self.manager.hold(group.handle, self.device, on_behalf_of=self.task)
         except ResidencyError:
             pass  # gone, or moving out: copied again in the next round
+        except ManagerClosedError as error:
+            # The manager closed (as the copy landed: in its done callback an error would
+            # only be logged): raised to the request by run.
+            self.closed = error
 
     def _landed(self, index: int, operation: PendingOperation) -> None:
         if operation.exception() is None:
@@ -260,6 +289,8 @@ class _Loading:
                 for index in keep:
                     if index in states and states[index] is not _OUTGOING:
                         self._hold(index)
+                if self.closed is not None:
+                    raise self.closed
                 missing = [index for index in keep if index not in self.holds]
                 if not missing:
                     return copied
@@ -280,7 +311,10 @@ class _Loading:
         except BaseException:
             self.open = False
             for hold in self.holds.values():
-                hold.release()  # first: a held incoming copy would not be cancelled
+                try:
+                    hold.release()  # first: a held incoming copy would not be cancelled
+                except ManagerClosedError:
+                    pass  # the manager closed: its state is final
             self.holds.clear()
             for operation in pending:
                 if not operation.done():
@@ -503,8 +537,9 @@ class ModelPool:
     ``_entries`` (name -> :class:`~aresidency.serving.entry.ModelEntry`), ``_owner`` (value
     handle -> entry), ``_line`` (admission, first come first served), ``_requests`` (requests
     between arrival and end), ``_admitted``, ``_active`` (the admitted requests by id),
-    ``_ended`` (requests ended so far), ``_wakes`` (the parked requests' waits for the
-    manager's next change, cut short at the end of every request and when the pool closes),
+    ``_waiting`` (the requests not admitted yet, in arrival order), ``_ended`` (requests
+    ended so far), ``_wakes`` (the parked requests' waits for the manager's next change, cut
+    short at the end of every request and when the pool closes),
     ``_deciding`` (held by the request that decides and enters: the head of the line, or a
     nested request; released while it parks). Invariants: one request at a time decides and
     enters (the holder of ``_deciding``); every hold the pool takes belongs to an
@@ -537,6 +572,12 @@ class ModelPool:
         manager.backend.check_location(self.device)
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        if isinstance(decision_log, bool) or not isinstance(decision_log, int):
+            raise TypeError(
+                f"decision_log must be an int (how many decisions to keep), got {decision_log!r}"
+            )
+        if decision_log < 0:
+            raise ValueError(f"decision_log must be >= 0, got {decision_log}")
         self.demand = DemandTracker(demand_half_life, clock=clock)
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()
@@ -552,8 +593,6 @@ class ModelPool:
             fallback_graph=fallback_graph,
             cost_model=pool_costs,
         )
-        if decision_log < 0:
-            raise ValueError(f"decision_log must be >= 0, got {decision_log}")
         self.decisions: deque[PoolDecision] = deque(maxlen=decision_log)
         self.defer_hot_evictions = bool(defer_hot_evictions)
         self.express_joins = bool(express_joins)
@@ -574,6 +613,7 @@ class ModelPool:
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
+        self._final_stats: dict[str, dict[str, Any]] | None = None  # stats() once closed
         self._ended = 0
         # The parks (cancel scopes around each parked request's wait for a change): cancelled
         # to make them look again at once (a request ended, the pool closes).
@@ -582,6 +622,9 @@ class ModelPool:
         # enters (the head of the line, or a nested request), released while it parks.
         self._active: dict[int, _Request] = {}
         self._deciding = anyio.Lock()
+        # The requests not admitted yet (id -> request), in arrival order (the line's, for
+        # those not nested): what a removal checks it would not wait for for ever.
+        self._waiting: dict[int, _Request] = {}
         # The groups a task's admitted requests hold count as that task's own for the
         # manager (they end only when it goes on): its scopes, streamed calls and loaders
         # that could fit only once they ended are refused at once instead of waiting.
@@ -627,6 +670,7 @@ class ModelPool:
                         f"already pooled as {other.name!r}; use that name for its requests, or "
                         "pool a separate copy (copy.deepcopy) under a new name"
                     )
+            self._refuse_shared_tensors(module)
         streamed = PooledStreamedModule(
             self.manager,
             module,
@@ -658,56 +702,169 @@ class ModelPool:
         )
         return streamed
 
+    def _refuse_shared_tensors(self, module: nn.Module) -> None:
+        """``ValueError`` naming the tensor if ``module`` holds a tensor (a parameter or a
+        buffer) of a model in the pool, or one sharing its memory (tied weights across two
+        modules, a view): streaming it would point the tensor at the new model's host copy,
+        and the pooled model would find its weight replaced (every later request for it
+        failing), or the two would silently stop sharing it."""
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        if not named or not self._entries:
+            return
+        by_id: dict[int, tuple[str, str]] = {}
+        spans: list[tuple[int, int, str, str]] = []  # (start, end, model, tensor) in memory
+        for other in self._entries.values():
+            for group in other.streamed.all_groups:
+                for packed in group.entries:
+                    by_id.setdefault(id(packed.tensor), (other.name, packed.names[0]))
+                    span = _span_of(packed.tensor)
+                    if span is not None:
+                        spans.append((*span, other.name, packed.names[0]))
+        spans.sort()
+        starts = [span[0] for span in spans]
+        for tensor_name, tensor in named:
+            found = by_id.get(id(tensor))
+            how = "is"
+            if found is None:
+                span = _span_of(tensor)
+                # The pooled tensors are disjoint in memory (each packed into its group's
+                # host buffer): only the last one that begins before this one ends may
+                # overlap it.
+                before = 0 if span is None else bisect.bisect_left(starts, span[1])
+                if span is not None and before and spans[before - 1][1] > span[0]:
+                    found = spans[before - 1][2:]
+                    how = "shares its memory with"
+            if found is not None:
+                other_name, other_tensor = found
+                raise ValueError(
+                    f"{type(module).__name__}'s {tensor_name!r} {how} {other_tensor!r} of the "
+                    f"model already pooled as {other_name!r} (tied weights across two models): "
+                    "pooled, each model gets its own copy of its tensors, which would replace "
+                    f"it under {other_name!r}; untie them (give this module its own copy, "
+                    "copy.deepcopy) or pool one module that holds both"
+                )
+
     async def remove(self, name: str) -> None:
         """Take model ``name`` out of the pool: new requests for it get ``KeyError`` at once;
         the ones that arrived before (waiting or admitted) are served first; then its values
         leave the manager (device, pinned and host copies: its module gets its own host
         tensors back, as at :meth:`aclose`) and its name is free for :meth:`add`. The other
-        models' requests go on meanwhile.
+        models' requests go on meanwhile. Several removals of one model wait for the same
+        end; one of them cancelled, the others go on.
 
         ``RuntimeError`` at once if the calling task is inside a request for it (the wait
-        would never end). Cancelled while it waits, the model stays in the pool, serving."""
+        would never end). ``ResidencyPlanError`` (nothing changed) when a request for it
+        waits, in line or for room, for room the calling task holds (its own requests of the
+        pool, a reservation block, a scope: hold and wait, as for nested requests), at once
+        or as soon as such a wait begins. Cancelled (or refused) while it waits, and no other
+        removal of it waiting, the model stays in the pool, serving."""
         self._check_open()
         self.manager.check_thread()
         entry = self._entry(name)
-        if any(r.entry is entry for r in self._own_requests(current_task())):
+        task = current_task()
+        if any(r.entry is entry for r in self._own_requests(task)):
             raise RuntimeError(
                 f"cannot remove model {name!r} from inside a request for it: the removal waits "
                 "for its requests to end, this one included; leave the pool.use block first"
             )
-        if entry.removing is not None:  # another task removes it: wait for the same end
-            await entry.removed.wait()
-            return
-        entry.removing = anyio.Event()
-        if entry.in_flight == 0:
-            entry.removing.set()
+        self._refuse_removal_waiting_on_itself(entry, task)
+        if entry.removing is None:
+            entry.removing = anyio.Event()
+            if entry.in_flight == 0:
+                entry.removing.set()
+        entry.removers += 1
         try:
-            await entry.removing.wait()
+            while not entry.removing.is_set():
+                await entry.removal_wake.wait()  # (a request ended or parked: look again)
+                self._refuse_removal_waiting_on_itself(entry, task)
         except BaseException:
-            entry.removing = None  # (nothing else changed: it serves again)
+            entry.removers -= 1
+            if not entry.removers and not entry.removing.is_set():
+                entry.removing = None  # nobody removes it now (nothing else changed): it serves
             raise
-        with anyio.CancelScope(shield=True):  # from here on, the removal completes
+        entry.removers -= 1
+        # From here on the removal completes (every remover closes it: once, see _close_entry;
+        # a cancellation, native ones too, is raised once it is out).
+        try:
+            await self._close_entry(entry)  # (once, if aclose does it meanwhile)
+        except ManagerClosedError:
+            pass  # the manager closed: its state is final, nothing left to give back
+        finally:
+            removed = self._entries.get(name) is entry
+            if removed:
+                del self._entries[name]
+            for handle in entry.handles:
+                self._owner.pop(handle, None)
+            entry.removed.set()
+        if removed:
+            logger.info("pool: removed %r", name)
+
+    def _refuse_removal_waiting_on_itself(self, entry: ModelEntry, task: object | None) -> None:
+        """``ResidencyPlanError`` if a removal of ``entry`` by ``task`` would wait for ever:
+        a request for it that is not admitted waits (first come, first served: behind every
+        request ahead of it in the line too) for room that could appear only once what
+        ``task`` holds ended (its requests of the pool, a reservation block, a scope), which
+        ends only when the removal returned. Loop thread; never waits."""
+        if task is None or entry.in_flight == 0:
+            return
+        line = [r for r in self._waiting.values() if not r.nested]
+        mine = [i for i, r in enumerate(line) if r.entry is entry]
+        # The requests for it in line, those ahead of its last one, and its nested ones.
+        ahead = line[: mine[-1] + 1] if mine else []
+        ahead += [r for r in self._waiting.values() if r.nested and r.entry is entry]
+        if not ahead:
+            return
+        exempt = self._exempt_for((task,))
+        for request in ahead:
             try:
-                await self._close_entry(entry)  # (once, if aclose does it meanwhile)
-            except ManagerClosedError:
-                pass  # the manager closed: its state is final, nothing left to give back
-            finally:
-                if self._entries.get(name) is entry:
-                    del self._entries[name]
-                for handle in entry.handles:
-                    self._owner.pop(handle, None)
-                entry.removed.set()
-        logger.info("pool: removed %r", name)
+                mode, need = self._need(request)
+            except ResidencyPlanError:
+                continue  # (it can never fit: it fails, it does not wait)
+            error = self.manager.waiting_on_itself(
+                need,
+                self.device,
+                exempt=exempt,
+                what=f"request {request.id} for {request.entry.name!r} ({mode})",
+                task=task,
+            )
+            if error is None:
+                continue
+            which = (
+                f"request {request.id} for it waits for room"
+                if request.entry is entry
+                else f"its requests wait in line behind request {request.id} for "
+                f"{request.entry.name!r}, which waits for room"
+            )
+            raise ResidencyPlanError(
+                f"the removal of model {entry.name!r} would wait for ever (hold and wait): it "
+                f"waits for the model's requests to end, and {which} that this task holds "
+                f"(given back only once the removal returned): {error}"
+            ) from error
+
+    def _wake_removers(self, entry: ModelEntry | None = None) -> None:
+        """Make the removals waiting (of ``entry``, or of every model) look again."""
+        entries = [entry] if entry is not None else list(self._entries.values())
+        for each in entries:
+            if each.removers:
+                each.removal_wake.set()
+                each.removal_wake = anyio.Event()
 
     async def _close_entry(self, entry: ModelEntry) -> None:
         """Close the model's streamed module once (a removal and the pool's close may both
-        ask); a second caller waits for the first."""
+        ask); a second caller waits for the first. The close is carried out to the end even
+        when the caller is cancelled (a native asyncio cancellation too: see
+        :mod:`aresidency.runtime.shield`), which is raised after it."""
         if entry.closing is not None:
-            await entry.closing.wait()
+            cancelled = await wait_shielded(entry.closing)
+            if cancelled is not None:
+                raise cancelled
             return
         entry.closing = anyio.Event()
         try:
-            await entry.streamed.aclose()
+            await finish_shielded(entry.streamed.aclose)
         finally:
             entry.closing.set()
 
@@ -778,12 +935,15 @@ class ModelPool:
             self._idle = anyio.Event()
         self._requests += 1
         entry.in_flight += 1
+        self._waiting[request.id] = request
         try:
             try:
                 await self._admit(request, timeout)
             except BaseException:
                 entry.stats.failures += 1
                 raise
+            finally:
+                del self._waiting[request.id]
             try:
                 yield PooledModel(self, request)
             except BaseException:
@@ -800,6 +960,7 @@ class ModelPool:
                 entry.leaving -= 1
             if entry.in_flight == 0 and entry.removing is not None:
                 entry.removing.set()
+                self._wake_removers(entry)
             if entry.in_flight == entry.leaving and not entry.busy:
                 # Its model may be given back now (no request waits for it any more), which
                 # no transition announces: whoever waits for room asks the pool again.
@@ -920,8 +1081,18 @@ class ModelPool:
                 if victim is not None:
                     request.why = f"a search past its limit; evicted the coldest idle {victim!r}"
                     continue
-                if not any(e.busy for e in self._entries.values() if e is not entry):
-                    raise
+                # No idle model: the room must come from other tenants' values. Evict the
+                # least recently used of those the search could evict, as many bytes as the
+                # request lacks (at least one), then decide again (a smaller search).
+                evicted = await self._evict_greedily(spec)
+                if evicted:
+                    request.why = (
+                        f"a search past its limit; evicted {format_nbytes(evicted)} of other "
+                        "tenants' values (least recently used first)"
+                    )
+                    continue
+                # Nothing evictable: what stands in the way is protected (in use, held,
+                # reserved) and ends on its own; wait for it.
                 before = self._progress()  # the state the search judged
                 request.why = f"a search past its limit with nothing idle to evict: {error}"
                 await self._park(request, before, self._drain_target(request, mode, headroom))
@@ -1029,6 +1200,7 @@ class ModelPool:
                     f"the request for {request.entry.name!r} would wait for ever: {error}"
                 ) from error
             self._deciding.release()  # a nested request may decide meanwhile
+            self._wake_removers()  # (a removal that this park makes wait for ever is refused)
             try:
                 if request.nested:  # (the line's head, if it parks too, names its blockers)
                     await self._wait_for_progress(before)
@@ -1237,6 +1409,56 @@ class ModelPool:
         victim.stats.evicted_bytes += evicted
         return victim.name
 
+    async def _evict_greedily(self, spec: ResidencyRequest) -> int:
+        """For a search past its limit with no idle model to evict: move off the device, least
+        recently used first, the values of other tenants that the search could evict there
+        (resident, unprotected, with a replica elsewhere, a source to rebuild from, or a
+        fallback tier to move to: the controller's candidates), until what ``spec`` needs there
+        fits beside the charge (at least one value). Returns the bytes evicted (0: none could
+        be). A value taken meanwhile is skipped."""
+        state = self.manager.state
+        ledger = state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return 0
+        graph = self.controller.fallback_graph
+        missing = 0
+        wanted = set()
+        for requirement in spec.requirements:
+            wanted.add(requirement.handle)
+            value = state.find_value(requirement.handle)
+            if value is not None and self.device not in value.materializations:
+                missing += value.charge_bytes
+        needed = missing + sum(r.nbytes for r in spec.reservations if r.location == self.device)
+        short = ledger.charged_bytes + needed - ledger.budget_bytes
+        candidates: list[tuple[int, int, ValueHandle, int, Location | None]] = []
+        for value in state.values():
+            if value.handle in self._owner or value.handle in wanted:
+                continue  # (the pool's own: idle models go whole, see _evict_coldest_idle)
+            for location, cls, (recency, value_id, handle, charge) in classify(value, graph):
+                if location == self.device:
+                    move = None if cls.releasable else cls.moves[0]
+                    candidates.append((recency, value_id, handle, charge, move))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        evicted = 0
+        for _, _, handle, charge, move in candidates:
+            if evicted and evicted >= short:
+                break
+            try:
+                if move is None:
+                    await self.manager.release(handle, self.device)
+                else:
+                    await self.manager.move(handle, move)
+            except ResidencyError:
+                continue  # taken meanwhile (a lease, a hold), or no room where it goes
+            evicted += charge
+        if evicted:
+            logger.info(
+                "pool: a search past its limit: evicted %s of other tenants' values at %s",
+                format_nbytes(evicted),
+                self.device,
+            )
+        return evicted
+
     # -- waiting
 
     def _progress(self) -> tuple[int, int, int, int, int]:
@@ -1244,7 +1466,8 @@ class ModelPool:
         nothing protects there, the bytes still arriving (a landed copy can be evicted), and
         the scopes waiting in the manager's admission queue (another tenant's)."""
         ledger = self.manager.state.ledger(self.device)
-        budget = ledger.budget_bytes or 0
+        # No budget (none set, or lifted: set_budget(device, None)) is more room than any.
+        budget = _UNLIMITED if ledger.budget_bytes is None else ledger.budget_bytes
         free = budget - ledger.charged_bytes
         unprotected = budget - ledger.reserved_bytes - ledger.protected_bytes
         return self._ended, free, unprotected, ledger.incoming_bytes, self.manager.waiting
@@ -1283,9 +1506,22 @@ class ModelPool:
 
     async def _reacquire_deciding(self) -> None:
         """Take ``_deciding`` back after a park, even when cancelled meanwhile (the caller's
-        ``async with`` releases it on the way out), then raise the cancellation."""
+        ``async with`` releases it on the way out), then raise the cancellation.
+
+        The shield holds anyio's (and trio's) cancellations off; a native asyncio one
+        (``task.cancel()``) gets through it, and anyio's ``Lock.acquire`` then gives the lock
+        up (or leaves the queue) before raising: caught here, the lock is asked for again and
+        the cancellation raised once it is held (see :mod:`aresidency.runtime.shield`)."""
+        cancelled: BaseException | None = None
         with anyio.CancelScope(shield=True):
-            await self._deciding.acquire()
+            while True:
+                try:
+                    await self._deciding.acquire()
+                    break
+                except anyio.get_cancelled_exc_class() as error:
+                    cancelled = error  # (not held now: asked for again)
+        if cancelled is not None:
+            raise cancelled
 
     def _poke(self) -> None:
         """Make the parked requests look again now (a request ended, the pool closes)."""
@@ -1507,7 +1743,8 @@ class ModelPool:
             f"room at {self.device} for {entry.name!r} ({mode}, reserve "
             f"{format_nbytes(reserve)}): in use or held {format_nbytes(ledger.protected_bytes)}, "
             f"reserved {format_nbytes(ledger.reserved_bytes)}, streams in flight "
-            f"{format_nbytes(headroom)}, budget {format_nbytes(ledger.budget_bytes or 0)}"
+            f"{format_nbytes(headroom)}, budget "
+            f"{'unlimited' if ledger.budget_bytes is None else format_nbytes(ledger.budget_bytes)}"
         )
 
     def _weights(self) -> dict[ValueHandle, float]:
@@ -1581,7 +1818,8 @@ class ModelPool:
                 keep.append(entry.outside.index)
             # Partial residency: the leading blocks that fit in room nobody else needs stay.
             ledger = state.ledger(self.device)
-            room = (ledger.budget_bytes or 0) - ledger.charged_bytes - self._headroom()
+            budget = _UNLIMITED if ledger.budget_bytes is None else ledger.budget_bytes
+            room = budget - ledger.charged_bytes - self._headroom()
             room -= entry.window_bytes(request.prefetch)
             if entry.outside is not None and entry.outside.index not in states:
                 room -= entry.outside.charge_bytes
@@ -1596,7 +1834,9 @@ class ModelPool:
         try:
             loaded = await loading.run(keep)
         except BaseException as error:
-            if isinstance(error, Exception) and not isinstance(error, ResidencyBudgetError):
+            if isinstance(error, Exception) and not isinstance(
+                error, (ResidencyBudgetError, ManagerClosedError)
+            ):
                 error.add_note(
                     f"while loading model {entry.name!r} for request {request.id} (the "
                     "model's other requests are not affected; the next one loads it again)"
@@ -1736,7 +1976,10 @@ class ModelPool:
         now:
         ``demand_per_s``, ``resident_bytes`` (on the device), ``total_bytes``, ``active``
         (admitted requests). JSON-friendly. Loop thread; still readable once the manager
-        closed (its final state)."""
+        closed (its final state), and once the pool closed (the reading :meth:`aclose` took
+        as it finished: its models then have nothing resident and nothing active)."""
+        if self._final_stats is not None:
+            return {name: dict(row) for name, row in self._final_stats.items()}
         if self.manager.running:
             self.manager.check_thread()
         state = self.manager.state
@@ -1770,7 +2013,20 @@ class ModelPool:
         """Admit nothing new, wait for the requests in flight (waiting ones included) to
         finish, then give every model its own host tensors back and discard its values. The
         requests waiting are served, not refused: only those that arrive later are. Waking
-        the head of the line (it looks again at once) changes nothing else."""
+        the head of the line (it looks again at once) changes nothing else.
+
+        ``RuntimeError`` at once (the pool left open) if the calling task is inside a request
+        of the pool: the wait would never end (as for :meth:`remove`). Cancelled while it
+        waits, the pool stays closed (it admits nothing new) with its models registered; a
+        later ``aclose()`` finishes the close."""
+        own = self._own_requests(current_task())
+        if own:
+            names = ", ".join(f"{r.id} for {r.entry.name!r}" for r in own)
+            raise RuntimeError(
+                f"cannot close the model pool from inside its request(s) ({names}): the close "
+                "waits for every request to end, these included; leave the pool.use block "
+                "first, or close the pool from another task"
+            )
         self._closed = True
         self._poke()
         await self._idle.wait()
@@ -1781,6 +2037,8 @@ class ModelPool:
                 await self._close_entry(entry)
             except Exception as error:
                 logger.warning("pool: closing %r: %s", entry.name, error)
+        if self._entries or self._final_stats is None:
+            self._final_stats = self.stats()  # what stats() answers from now on
         self._entries.clear()
         self._owner.clear()
         self.controller.close()

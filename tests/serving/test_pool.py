@@ -349,6 +349,34 @@ async def test_add_refuses_a_module_already_pooled_under_another_name(again: str
         await pool.aclose()
 
 
+@pytest.mark.parametrize("shared", ["the same Parameter", "a tensor on its memory"])
+async def test_add_refuses_a_model_that_shares_a_tensor_with_a_pooled_one(shared: str) -> None:
+    # Tied weights across two modules (no submodule shared): streaming the second would point
+    # the shared tensor at its own host copy, and every request for the first would fail
+    # ("was replaced since stream_module"), or the two would silently stop sharing it.
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        first, second = TinyLM(seed=1), TinyLM(seed=2)
+        expected = reference(TinyLM(seed=1), TOKENS)
+        pool.add("a", first)
+        weight = first.layers[1].up.weight
+        if shared == "the same Parameter":
+            second.layers[0].up.weight = weight
+        else:
+            second.layers[0].up.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        values = len(list(m.state.values()))
+        with pytest.raises(
+            ValueError, match=r"'layers\.0\.up\.weight'.*'layers\.1\.up\.weight'.*'a'"
+        ):
+            pool.add("b", second)
+        assert pool.models == ["a"] and len(list(m.state.values())) == values
+        with anyio.fail_after(10):
+            async with pool.use("a") as model:  # the first is intact
+                assert torch.equal(await model(TOKENS), expected)
+        pool.add("b", TinyLM(seed=2))  # an untied module is pooled as usual
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("first", ["stream_module", "another pool"])
 async def test_a_module_this_manager_streams_already_is_refused_and_the_first_goes_on(
     first: str,

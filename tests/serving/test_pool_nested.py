@@ -418,3 +418,71 @@ async def test_nested_requests_that_wait_for_a_third_tasks_room_are_not_refused(
         assert modes == ["resident", "resident"], modes
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a native cancellation: asyncio's
+async def test_a_head_cancelled_natively_while_a_nested_request_decides_ends_cancelled(
+    anyio_backend: str,
+) -> None:
+    """The head of the line parks for room; a nested request of another task then decides
+    and loads its model, holding the pool's decision lock. The head's task is cancelled
+    twice with ``task.cancel()`` (a client gone, then its deadline): the first ends its park,
+    the second arrives while it takes the lock back (an anyio shield does not stop a native
+    cancellation). The head ends with ``CancelledError`` once it holds the lock again, never
+    with a lock error, and the pool goes on serving."""
+    import asyncio
+    import threading
+
+    from .test_pool import hold_copies
+
+    async with ResidencyManager(budgets={"cuda:0": 3 * TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = pool_of(m, "abcd")
+        gate = threading.Event()
+        go_nested, release = anyio.Event(), anyio.Event()
+        inner_done = anyio.Event()
+
+        async def outer(name: str, nested: str | None) -> None:
+            async with pool.use(name) as model:
+                await model(TOKENS)
+                if nested is not None:
+                    await go_nested.wait()
+                    async with pool.use(nested) as inner:  # loads it, holding the lock
+                        assert torch.equal(await inner(TOKENS), reference(inner.module, TOKENS))
+                    inner_done.set()
+                await release.wait()
+
+        async def head() -> None:
+            async with pool.use("c", reserve=TOTAL):  # waits for the room 'a' or 'b' holds
+                pass
+
+        loop = asyncio.get_running_loop()
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(outer, "a", "d")
+                    tasks.start_soon(outer, "b", None)
+                    await eventually(lambda: pool.admitted == 2)
+                    task = loop.create_task(head())
+                    await eventually(lambda: pool.waiting == 1)
+                    await anyio.wait_all_tasks_blocked()  # the head parked
+                    hold_copies(m.backend, gate)
+                    go_nested.set()
+                    await eventually(lambda: pool.waiting == 2 and pool._deciding.locked())
+                    await anyio.wait_all_tasks_blocked()  # 'd' loads, its copies held up
+                    task.cancel()
+                    await eventually(lambda: pool._deciding.statistics().tasks_waiting == 1)
+                    task.cancel()  # while it waits for the lock
+                    await anyio.wait_all_tasks_blocked()
+                    gate.set()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    await inner_done.wait()
+                    release.set()
+        finally:
+            gate.set()
+        assert not pool._deciding.locked()
+        assert_nothing_leaked(m, pool)
+        with anyio.fail_after(10):
+            async with pool.use("c") as model:  # still serving
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+        await pool.aclose()

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from aresidency import MaterializationState, ResidencyManager
+from aresidency import MaterializationState, ReplicaMode, ResidencyManager
 from aresidency.serving import ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
@@ -91,3 +91,39 @@ async def test_two_pools_on_one_device_serve_every_request_and_fail_none(seed: i
             assert sum(row["failures"] for row in pool.stats().values()) == 0
             assert_nothing_leaked(m, pool)
             await pool.aclose()
+
+
+@pytest.mark.parametrize("mode", [ReplicaMode.REPLICABLE, ReplicaMode.EXCLUSIVE])
+async def test_a_search_past_its_limit_makes_room_from_other_tenants_values(
+    mode: ReplicaMode,
+) -> None:
+    # The room must come from another tenant's many small unprotected values (no idle model
+    # to evict), and the search reaches its limit before it settles which: the pool moves the
+    # least recently used of them off the device (a replica is released, a sole copy moved to
+    # the host), as many bytes as the request lacks, and decides again. The request is served,
+    # never failed; the budget holds; the other values stay.
+    kib = 1 << 10
+    budget = TOTAL + 20 * kib
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        pool = ModelPool(m, search_state_limit=10)
+        pool.add("a", TinyLM(seed=1))
+        tenant = []
+        for i in range(30):
+            handle = m.register(torch.full((256,), float(i)), name=f"kv{i}", replica_mode=mode)
+            await m.materialize(handle, "cuda:0")
+            tenant.append(handle)
+        with anyio.fail_after(10):
+            async with pool.use("a") as model:
+                assert model.mode == "resident"
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+        assert pool.stats()["a"]["failures"] == 0
+        assert m.snapshot().location("cuda:0").peak_bytes <= budget
+        on_device = [
+            "cuda:0" in {str(loc) for loc in m.state.value(h).materializations} for h in tenant
+        ]
+        assert on_device == [False] * 10 + [True] * 20  # oldest first, only what it lacked
+        for i, handle in enumerate(tenant):  # nothing was lost
+            where = next(iter(m.state.value(handle).materializations))
+            assert torch.equal(m.tensor(handle, where).cpu(), torch.full((256,), float(i)))
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

@@ -226,3 +226,40 @@ async def test_a_timeout_that_is_not_seconds_is_refused_by_name(timeout: Any) ->
             async with pool.use("a", timeout=timeout):
                 pass
         await pool.aclose()
+
+
+@pytest.mark.parametrize("budget", [3 * TOTAL, None], ids=["raised", "lifted"])
+async def test_raising_or_lifting_the_budget_wakes_a_request_waiting_for_room(
+    budget: int | None,
+) -> None:
+    # 'a' is in use and leaves no room for 'b'. The budget is raised, or lifted
+    # (set_budget(device, None): no budget at all, more room than any): the waiting request
+    # is admitted at once, while 'a' is still in use.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        inside, admitted, release = anyio.Event(), anyio.Event(), anyio.Event()
+
+        async def hold_a() -> None:
+            async with pool.use("a"):
+                inside.set()
+                await release.wait()
+
+        async def want_b() -> None:
+            async with pool.use("b") as model:
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                admitted.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(hold_a)
+                await inside.wait()
+                tasks.start_soon(want_b)
+                await eventually(lambda: pool.waiting == 1)
+                await anyio.wait_all_tasks_blocked()  # parked for the room 'a' holds
+                m.set_budget("cuda:0", budget)
+                await admitted.wait()  # (never, if the change is not seen as room)
+                release.set()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
