@@ -614,3 +614,52 @@ async def test_a_checkpoint_missing_a_tensor_is_a_key_error_naming_it(tmp_path: 
         with pytest.raises(KeyError, match=r"has no tensor named '" + missing.replace(".", r"\.")):
             stream_module(m, skeleton, checkpoint=tmp_path)
         assert not list(m.state.values())  # nothing stays registered
+
+
+def gpt_neox(meta: bool = False) -> nn.Module:
+    """A small ``GPTNeoXForCausalLM`` (no download); ``meta=True`` on the meta device."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(5)
+    if meta:
+        with torch.device("meta"):
+            return GPTNeoXForCausalLM(config).eval()
+    return GPTNeoXForCausalLM(config).eval()
+
+
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+async def test_a_save_pretrained_checkpoint_with_renamed_keys_streams_with_checkpoint_names(
+    tmp_path: Path,
+) -> None:
+    """transformers' ``save_pretrained`` may write a key under another name than the model's
+    state_dict (GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``, which its
+    ``from_pretrained`` renames back): the ``KeyError`` says which tensor it is and what to
+    pass, and with ``checkpoint_names=`` the meta skeleton streams what the model computes."""
+    pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
+    model = await off_loop(gpt_neox)
+    ids, _ = inputs()
+    want = await off_loop(lambda: logits_of(model, input_ids=ids))
+    await off_loop(save_sharded, model, tmp_path)
+    skeleton = await off_loop(gpt_neox, True)
+    async with ResidencyManager(backend="sim") as m:
+        try:
+            stream_module(m, skeleton, checkpoint=tmp_path)
+        except KeyError as error:  # (a transformers that saves it under its own name: no error)
+            assert "checkpoint_names={'lm_head.weight': 'embed_out.weight'}" in error.args[0]
+            names = {"lm_head.weight": "embed_out.weight"}
+        else:
+            names = {}
+        assert not list(m.state.values())  # nothing stays registered
+        streamed = stream_module(m, skeleton, checkpoint=tmp_path, checkpoint_names=names or None)
+        with anyio.fail_after(30), torch.no_grad():
+            got = (await streamed(input_ids=ids)).logits
+        assert torch.equal(got, want)
+        await streamed.aclose()

@@ -7,6 +7,7 @@ wrong view, a block run with the wrong weights)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -316,6 +317,91 @@ async def test_a_block_run_twice_in_a_call_on_kept_blocks() -> None:
         await streamed.drain()
 
 
+class Repeats(nn.Module):
+    """Two blocks run by the model's own forward in the order ``runs`` (indexes into
+    ``layers``): a block run twice in a row (``b(a(a(x)))``) or blocks shared across the depth
+    of the model (ALBERT's ``[a, b] * 3``)."""
+
+    def __init__(self, runs: Sequence[int], d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.runs = list(runs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.runs:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+REPEATS = [pytest.param([0, 0, 1], id="twice-in-a-row"), pytest.param([0, 1] * 3, id="shared")]
+WAYS = [
+    pytest.param(None, "pinned-host", id="ring"),
+    pytest.param(False, "pinned-host", id="values"),
+    pytest.param(None, "pageable-host", id="pageable"),
+]
+
+
+@pytest.mark.parametrize("ring, host", WAYS)
+@pytest.mark.parametrize("runs", REPEATS)
+async def test_a_block_listed_twice_is_one_group_and_streams_in_a_one_block_budget(
+    runs: list[int], ring: bool | None, host: str
+) -> None:
+    """``blocks=`` naming a block once per run (the docs allow it): the block's weights are
+    packed once (one value), it gets one pair of hooks, and a budget of one block (which
+    ``stream_module`` accepts) streams the call, one copy per change of block. Listed
+    twice, it once got two groups whose takes waited for each other's room for ever."""
+    model = Repeats(runs)
+    x = torch.randn(2, 32)
+    want = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(
+            m,
+            model,
+            prefetch=1,
+            ring=ring,
+            host=host,  # type: ignore[arg-type]
+            blocks=[model.layers[i] for i in runs],
+        )
+        assert len(streamed.handles) == 2, "each block's weights are packed once"
+        assert [len(b._forward_pre_hooks) for b in model.layers] == [1, 1]
+        assert [len(b._forward_hooks) for b in model.layers] == [1, 1]
+        m.set_budget("cuda:0", max(streamed.block_bytes))
+        switches = 1 + sum(1 for a, b in itertools.pairwise(runs) if a != b)
+        for _ in range(2):
+            before = streamed.copies
+            with anyio.fail_after(10), torch.no_grad():
+                assert torch.equal(await streamed(x), want)
+            assert streamed.copies - before == switches
+        await streamed.drain()
+        assert_all_released(m, streamed, host=host)
+        await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", [None, False], ids=["ring", "values"])
+async def test_a_sequential_that_repeats_a_block_streams_it_once_per_run(
+    ring: bool | None,
+) -> None:
+    """``nn.Sequential(a, a, b)`` (the same module twice, run on the loop): one group for
+    ``a``, held over from its first run to its second, within a one-block budget."""
+    torch.manual_seed(4)
+    a, b = nn.Linear(32, 32), nn.Linear(32, 32)
+    model = nn.Sequential(a, nn.Tanh(), a, b)
+    x = torch.randn(2, 32)
+    want = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        assert len(streamed.handles) == 2
+        m.set_budget("cuda:0", max(streamed.block_bytes))
+        before = streamed.copies
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+        assert streamed.copies - before == 2
+        await streamed.drain()
+        assert_all_released(m, streamed)
+        await streamed.aclose()
+
+
 async def test_module_list_model_within_budget_with_resident_tensors() -> None:
     model = Net(n=6)
     x = torch.randn(4, 16)
@@ -415,6 +501,42 @@ async def test_checkpoint_source_rebuilds_each_block_from_safetensors(tmp_path: 
         assert all(t.is_meta for t in own_tensors(skeleton))  # the module is left as it was
         kinds = kinds_for(m.trace(), "ckpt.block0")
         assert kinds.count("load_begin") == 2  # rebuilt for each call
+
+
+async def test_a_checkpoint_under_other_names_says_which_and_streams_with_a_mapping(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose keys a model's own loader renames (transformers' ``save_pretrained``
+    writes GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``): the ``KeyError`` names the
+    checkpoint's tensor of that shape the module has no name for and the
+    ``checkpoint_names=`` that maps it; with that mapping the model streams as it computes.
+    A mapping that names no tensor of the module, one without a checkpoint, or one of the
+    wrong type is refused at once, registering nothing."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = reference(model, x)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["out.weight"] = tensors.pop("head.weight")
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(KeyError) as refused:
+            stream_module(m, model, checkpoint=path)
+        message = refused.value.args[0]
+        assert "no tensor named 'head.weight'" in message
+        assert "checkpoint_names={'head.weight': 'out.weight'}" in message
+        with pytest.raises(ValueError, match=r"'haed\.weight', not a parameter .*'head\.weight'"):
+            stream_module(m, model, checkpoint=path, checkpoint_names={"haed.weight": "out.weight"})
+        with pytest.raises(ValueError, match="give checkpoint="):
+            stream_module(m, model, checkpoint_names={"head.weight": "out.weight"})
+        with pytest.raises(TypeError, match="checkpoint_names must be a mapping"):
+            stream_module(m, model, checkpoint=path, checkpoint_names=["out.weight"])  # type: ignore[arg-type]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        for names in ({"head.weight": "out.weight"}, {"head.weight": "out.weight"}.get):
+            streamed = stream_module(m, model, checkpoint=path, checkpoint_names=names)
+            with anyio.fail_after(10), torch.no_grad():
+                assert torch.equal(await streamed(x), want)
+            await streamed.aclose()
 
 
 async def test_a_checkpoint_opened_off_the_loop_is_streamed_and_left_open(tmp_path: Path) -> None:
@@ -611,6 +733,54 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
             assert torch.equal(results[0], reference(model, x))
         await patient.drain()
         assert_all_released(m, patient)
+
+
+@pytest.mark.parametrize("host", ["pinned-host", "pageable-host"])
+async def test_the_timeout_counts_the_wait_for_room_not_the_copy(host: str) -> None:
+    """``timeout=`` is how long a block may wait for budget. With no budget at all nothing
+    waits for room: a copy held up ten times the timeout (the copy stream stalled), which
+    the forward's thread waits for on the simulation, delays the call, which then returns
+    its result, never ``TimeoutError``."""
+    model = SleepyNet(seconds=0.0)
+    x = torch.randn(2, 16)
+    want = reference(model, x)
+    timeout = 0.02
+    async with ResidencyManager(backend="sim") as m:  # no budget at cuda:0
+        streamed = stream_module(
+            m,
+            model,
+            prefetch=1,
+            ring=False,
+            host=host,  # type: ignore[arg-type]
+            timeout=timeout,
+            name="net",
+        )
+        stalled = HostEvent(label="the copy stream held up")
+        m.backend.device_streams(0).h2d.wait_event(stalled)  # every copy from now on waits
+        results: list[torch.Tensor] = []
+        errors: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                with torch.no_grad():
+                    results.append(await streamed(x))
+            except Exception as error:
+                errors.append(error)
+
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(call)
+                    while "copy_begin" not in kinds_for(m.trace(), "net.block0"):
+                        await m.wait_for_change()  # admitted: its copy waits on the stream
+                    # What is tested is time passing: ten times the timeout, the copy held up.
+                    await anyio.sleep(10 * timeout)
+                    stalled.set()
+        finally:
+            stalled.set()  # (the manager's end waits for the copies)
+        assert not errors, errors
+        assert torch.equal(results[0], want)
+        await streamed.aclose()
 
 
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -16,9 +18,11 @@ import torch
 from torch import nn
 
 from aresidency import ResidencyManager
-from aresidency.integrations import stream_module
+from aresidency.integrations import StreamedModule, stream_module
+from aresidency.integrations.streaming import HostKind
+from aresidency.runtime import ManagerClosedError
 
-from ._models import Net
+from ._models import Net, linears
 
 pytestmark = pytest.mark.anyio
 
@@ -326,3 +330,172 @@ class Plain(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+class Gate(nn.Module):
+    """A block that says when it runs (``entered``) and then waits until the test lets it go
+    on (``go``): the test acts while the call is inside it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.go.wait(30)  # (bounded: a test that went wrong fails, it does not hang)
+        return torch.tanh(self.linear(x))
+
+
+class GatedNet(nn.Module):
+    """Four blocks run by the model's own forward (in the streaming worker thread), the
+    second one a :class:`Gate`."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.gate = Gate(d)
+        self.layers = nn.ModuleList([nn.Linear(d, d), self.gate, nn.Linear(d, d), nn.Linear(d, d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+WAYS = [
+    pytest.param(None, "pinned-host", id="ring"),
+    pytest.param(False, "pinned-host", id="values"),
+    pytest.param(None, "pageable-host", id="pageable"),
+]
+
+
+async def close_during(
+    prepare: Callable[[ResidencyManager], Awaitable[StreamedModule]],
+    x: torch.Tensor,
+    ready: Callable[[ResidencyManager], Awaitable[object]],
+    after_close: Callable[[], object] = lambda: None,
+) -> tuple[StreamedModule, list[BaseException]]:
+    """Open a manager, ``prepare`` a streamed module in it, start a call on ``x``, wait for
+    ``ready(manager)``, close the manager, call ``after_close()``. Returns the module and
+    what the call raised (its ``fail_after`` turns a hang into a ``TimeoutError``)."""
+    raised: list[BaseException] = []
+
+    async def call(streamed: StreamedModule) -> None:
+        try:
+            with anyio.fail_after(20), torch.no_grad():
+                await streamed(x)
+        except Exception as error:
+            raised.append(error)
+
+    async with anyio.create_task_group() as tasks:
+        m = ResidencyManager(backend="sim")
+        await m.__aenter__()
+        try:
+            streamed = await prepare(m)
+            tasks.start_soon(call, streamed)
+            with anyio.fail_after(20):
+                await ready(m)
+        finally:
+            await m.__aexit__(None, None, None)
+            after_close()
+    return streamed, raised
+
+
+@pytest.mark.parametrize("ring, host", WAYS)
+async def test_closing_the_manager_while_a_block_runs_raises_manager_closed(
+    ring: bool | None, host: HostKind
+) -> None:
+    """The manager closes while a block of the call runs (its next blocks in flight or
+    waiting for room): the call ends with ``ManagerClosedError`` once the block is done (not
+    a hang, not an error in a loop callback, not a closed stream's ``RuntimeError``), and
+    the module computes as a plain module again after ``aclose()``."""
+    model = GatedNet()
+    x = torch.randn(2, 16)
+    gate = model.gate
+    gate.go.set()
+    with torch.no_grad():
+        want = model(x)
+    gate.go.clear()
+    gate.entered.clear()
+
+    async def prepare(m: ResidencyManager) -> StreamedModule:
+        streamed = stream_module(m, model, prefetch=1, ring=ring, host=host)
+        m.set_budget("cuda:0", 2 * max(streamed.block_bytes))
+        return streamed
+
+    async def entered(m: ResidencyManager) -> None:
+        await anyio.to_thread.run_sync(gate.entered.wait, 20)
+
+    try:
+        streamed, raised = await close_during(prepare, x, entered, gate.go.set)
+    finally:
+        gate.go.set()
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
+    assert "the manager closed during the call" in str(raised[0])
+    assert streamed.current_call is None
+    await streamed.aclose()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("ring, host", WAYS)
+@pytest.mark.parametrize("kind", ["sequential", "forward"])
+async def test_closing_the_manager_while_a_block_waits_for_room_raises_manager_closed(
+    ring: bool | None, host: HostKind, kind: str
+) -> None:
+    """The call waits for room another tenant holds (nothing of the call's own is in
+    flight, so no callback of its own comes) when the manager closes: it raises
+    ``ManagerClosedError`` at once, on the loop's runner and in the forward's thread."""
+    model = linears(d=16, n=3) if kind == "sequential" else Plain()
+
+    streamed: StreamedModule | None = None
+
+    async def prepare(m: ResidencyManager) -> StreamedModule:
+        nonlocal streamed
+        streamed = stream_module(m, model, prefetch=1, ring=ring, host=host)
+        need = streamed.resident_bytes + max(streamed.block_bytes)
+        m.set_budget("cuda:0", need)
+        other = m.register(torch.zeros(need // 4), name="other")
+        await m.materialize(other, "cuda:0")  # the whole budget
+        return streamed
+
+    def waiting(m: ResidencyManager) -> bool:
+        # (and the consumer's request for the first block was taken: the window opened)
+        assert streamed is not None
+        call = streamed.current_call
+        return m.waiting_for_room("cuda:0") and getattr(call, "window_open", True)
+
+    async def blocked(m: ResidencyManager) -> None:
+        while not waiting(m):
+            await m.wait_for_change(0.01)  # (the consumer thread's request changes nothing)
+
+    streamed, raised = await close_during(prepare, torch.randn(2, 16), blocked)
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
+    assert streamed.current_call is None
+    await streamed.aclose()
+
+
+async def test_a_module_streamed_by_another_manager_is_refused_until_aclose() -> None:
+    """The same module streamed by a second manager would point its tensors at the second
+    manager's host copy, and break the first streamed module for good: refused, naming the
+    other streamed module, and nothing changed; after the first one's ``aclose()`` it is
+    fine."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m1, ResidencyManager(backend="sim") as m2:
+        first = stream_module(m1, model, name="first")
+        with pytest.raises(ValueError, match=r"another manager .* streams already \(first"):
+            stream_module(m2, model, "cuda:1")
+        with pytest.raises(ValueError, match=r"another manager .* \(first"):
+            stream_module(m2, model.layers)  # a submodule of it, too
+        assert len(m2.snapshot().values) == 0, "nothing was registered"
+        with torch.no_grad():
+            assert torch.equal(await first(x), want)
+        await first.aclose()
+        second = stream_module(m2, model, "cuda:1")
+        with torch.no_grad():
+            assert torch.equal(await second(x), want)
+        await second.aclose()

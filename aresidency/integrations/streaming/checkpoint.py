@@ -6,8 +6,11 @@ flat ``uint8`` buffer (``group.nbytes`` bytes) each time it is called. Where eac
 from:
 
 * a parameter or *persistent* buffer (one in its module's ``state_dict``) from the checkpoint,
-  under any of its state_dict names (a tied weight has several); a missing one is a ``KeyError``
-  when the loader is built, never a silent fallback to the module's own tensor;
+  under any of its state_dict names (a tied weight has several), or under the name ``names``
+  maps one of them to (a checkpoint whose keys a model's own loader renames: transformers'
+  ``save_pretrained`` writes GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``); a missing
+  one is a ``KeyError`` when the loader is built, naming the checkpoint's tensors of its shape
+  that the module has no name for, never a silent fallback to the module's own tensor;
 * a *non-persistent* buffer (a rotary embedding's ``inv_freq``) from the checkpoint if it holds
   it, else from the module's own tensor, read at each load; when that tensor is on the ``meta``
   device it is recovered once, when the loader is built, by :func:`recover_meta_buffers`.
@@ -37,7 +40,8 @@ new flat buffer only; the file's pages stay the page cache's, mapped, not copied
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection
+import difflib
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -49,9 +53,52 @@ from .packing import PackedTensor, TensorGroup
 
 __all__ = [
     "BlockLoader",
+    "CheckpointNames",
     "block_loader",
+    "check_names",
     "recover_meta_buffers",
 ]
+
+#: How the module's state_dict names map to a checkpoint's: ``{module name: checkpoint name}``,
+#: or a function of the module name returning the checkpoint's (``None``: the same name).
+CheckpointNames = Mapping[str, str] | Callable[[str], str | None]
+
+
+def check_names(names: object, module: nn.Module) -> CheckpointNames | None:
+    """``checkpoint_names=`` after checking it: ``None``, a mapping of str to str whose keys
+    are ``module``'s parameter or buffer names (``ValueError`` naming those that are not: a
+    typo would otherwise be a ``KeyError`` for the tensor it meant), or a callable
+    (``TypeError`` for anything else)."""
+    if names is None or callable(names):
+        return names  # type: ignore[return-value]
+    if not isinstance(names, Mapping):
+        raise TypeError(
+            "checkpoint_names must be a mapping from the module's state_dict names to the "
+            f"checkpoint's, or a function of the name, got {type(names).__name__}"
+        )
+    bad = [(k, v) for k, v in names.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"checkpoint_names maps str to str, got {bad[0]!r}")
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    known.update(name for name, _ in module.named_buffers(remove_duplicate=False))
+    unknown = sorted(set(names) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"checkpoint_names maps {', '.join(map(repr, unknown))}, not a parameter or "
+            f"buffer name of {type(module).__name__}{hint}: its keys are the module's "
+            "state_dict names, its values the checkpoint's"
+        )
+    return names
+
+
+def _mapped(names: CheckpointNames | None, name: str) -> str | None:
+    if names is None:
+        return None
+    if isinstance(names, Mapping):
+        return names.get(name)
+    return names(name)
 
 
 def _names(entry: PackedTensor) -> str:
@@ -100,13 +147,19 @@ class BlockLoader:
 
 
 def block_loader(
-    group: TensorGroup, checkpoint: Checkpoint, *, module: nn.Module | None = None
+    group: TensorGroup,
+    checkpoint: Checkpoint,
+    *,
+    module: nn.Module | None = None,
+    names: CheckpointNames | None = None,
 ) -> BlockLoader:
     """A loader of ``group``'s flat buffer from ``checkpoint``, checked now.
 
     ``module``: the root module the group was packed from (its state_dict names are the
-    group's names); needed only to recover non-persistent buffers that are on the ``meta``
-    device and not in the checkpoint (see :func:`recover_meta_buffers`).
+    group's names); needed to recover non-persistent buffers that are on the ``meta``
+    device and not in the checkpoint (see :func:`recover_meta_buffers`), and to say which of
+    the checkpoint's tensors the module has no name for when one is missing. ``names``: the
+    checkpoint's name for a module name (see :data:`CheckpointNames`), looked up first.
 
     Raises, naming the tensor's state_dict names and the checkpoint: ``KeyError`` for a
     parameter or persistent buffer missing from the checkpoint (all of them listed);
@@ -119,7 +172,7 @@ def block_loader(
     missing: list[PackedTensor] = []
     meta: list[tuple[int, PackedTensor]] = []
     for index, entry in enumerate(group.entries):
-        found = next((name for name in entry.names if name in checkpoint), None)
+        found = _find(entry, checkpoint, names)
         if found is not None:
             info = checkpoint.info(found)
             if info.shape != entry.shape:
@@ -150,7 +203,8 @@ def block_loader(
         raise KeyError(
             f"checkpoint {checkpoint.path} has no tensor named {listed}{more}, needed by "
             f"{group.name}: every parameter and persistent buffer must be in the checkpoint "
-            "under its state_dict name; check that the checkpoint is this model's"
+            "under its state_dict name (or the name checkpoint_names= maps it to)"
+            + _unclaimed_hint(missing, checkpoint, module, names)
         )
     if meta:
         if module is None:
@@ -167,6 +221,62 @@ def block_loader(
                 raise ValueError(f"{_names(entry)} was not recovered")
             copies.append((index, tensor))
     return BlockLoader(group, checkpoint, reads, copies)
+
+
+def _find(entry: PackedTensor, checkpoint: Checkpoint, names: CheckpointNames | None) -> str | None:
+    """The checkpoint's name for ``entry``: a name ``names`` maps one of its names to, else
+    one of its names; ``None`` if the checkpoint has neither."""
+    for name in entry.names:
+        mapped = _mapped(names, name)
+        if mapped is not None and mapped in checkpoint:
+            return mapped
+    return next((name for name in entry.names if name in checkpoint), None)
+
+
+def _unclaimed_hint(
+    missing: list[PackedTensor],
+    checkpoint: Checkpoint,
+    module: nn.Module | None,
+    names: CheckpointNames | None,
+) -> str:
+    """What to do about ``missing``, for the ``KeyError``: the checkpoint's tensors of the
+    same shape that no name of ``module`` reads (a key its own loader renames, most often),
+    and how to map them; else a sentence saying the checkpoint may be another model's."""
+    claimed: set[str] = set()
+    if module is not None:
+        for name, _ in (
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ):
+            claimed.add(name)
+            mapped = _mapped(names, name)
+            if mapped is not None:
+                claimed.add(mapped)
+    pairs: list[tuple[str, str]] = []
+    for entry in missing:
+        if not entry.names:
+            continue
+        same = [
+            name
+            for name in checkpoint.names()
+            if name not in claimed and tuple(checkpoint.info(name).shape) == entry.shape
+        ]
+        if not same:
+            continue
+        wanted = entry.names[0]
+        best = max(same, key=lambda n: difflib.SequenceMatcher(None, wanted, n).ratio())
+        pairs.append((wanted, best))
+    if not pairs or module is None:
+        return "; check that the checkpoint is this model's"
+    found = ", ".join(f"{c!r} (for {w!r}?)" for w, c in pairs[:5])
+    mapping = ", ".join(f"{w!r}: {c!r}" for w, c in pairs[:5])
+    return (
+        f". The checkpoint has tensors of the same shape that the module has no name for: "
+        f"{found}. A model's own loader may rename keys when it loads (transformers' "
+        "from_pretrained does for some models, such as GPT-NeoX's 'embed_out.weight'): if "
+        f"these are the tensors, pass checkpoint_names={{{mapping}}} to stream_module (the "
+        "module's state_dict name -> the checkpoint's)"
+    )
 
 
 # ---------------------------------------------------------------- meta buffers

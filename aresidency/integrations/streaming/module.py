@@ -29,8 +29,9 @@ from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
+from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
-from .checkpoint import block_loader
+from .checkpoint import CheckpointNames, block_loader, check_names
 from .packing import TensorGroup, collect_groups, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
@@ -94,7 +95,10 @@ class StreamedModule:
     device); its result is ready for work ordered after it on that stream.
 
     State: ``manager``, ``module``, ``device``, ``prefetch``, ``host`` (``None`` with a
-    checkpoint), ``handles`` (one value per block with tensors, then the resident group's),
+    checkpoint), ``handles`` (one value per block with tensors, then the resident group's;
+    a block listed twice in ``blocks`` is one value), ``order`` (the group index of each block
+    run, in call order: a block listed twice comes twice), ``positions`` (group index -> its
+    places in ``order``), ``position`` (its first place),
     ``releasing`` (group index -> the release of its device replica in flight),
     ``kept`` (group indexes whose device replica stays between calls), ``current_call`` (the
     ring or pipeline of the call in flight, or ``None``), ``ring`` (whether calls stream
@@ -121,6 +125,7 @@ class StreamedModule:
         name: str | None = None,
         keep_resident: bool = True,
         ring: bool | None = None,
+        checkpoint_names: CheckpointNames | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"stream_module takes an nn.Module, got {type(module).__name__}")
@@ -136,6 +141,9 @@ class StreamedModule:
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
         if ring is not None and not isinstance(ring, bool):
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
+        if checkpoint_names is not None and checkpoint is None:
+            raise ValueError("checkpoint_names= maps names to a checkpoint's: give checkpoint=")
+        self._checkpoint_names = check_names(checkpoint_names, module)
         self.prefetch = prefetch
         self.keep_resident = bool(keep_resident)
         # An opened Checkpoint is the caller's (opened off the loop, closed by the caller);
@@ -181,9 +189,14 @@ class StreamedModule:
             and not callable(getattr(module, "generate", None))
         )
         self.block_groups = groups
-        self._groups: list[TensorGroup] = [g for g in groups if g is not None]
-        self.order = [g.index for g in self._groups]
-        self.position = {index: pos for pos, index in enumerate(self.order)}
+        # The blocks' groups once each (a block listed twice has one), in call order; the
+        # call order itself lists a group each time its block runs.
+        self._groups: list[TensorGroup] = list({id(g): g for g in groups if g is not None}.values())
+        self.order = [g.index for g in groups if g is not None]
+        self.positions: dict[int, list[int]] = {}
+        for pos, index in enumerate(self.order):
+            self.positions.setdefault(index, []).append(pos)
+        self.position = {index: places[0] for index, places in self.positions.items()}
         self._by_index = {g.index: g for g in self._groups}
         if self.resident_group is not None:
             self._by_index[self.resident_group.index] = self.resident_group
@@ -225,18 +238,30 @@ class StreamedModule:
     # -- set-up
 
     def _refuse_streamed_twice(self) -> None:
-        """``ValueError`` if the module (or a submodule of it) is streamed already by this
-        manager (``stream_module`` again, a model pool's): its tensors would be registered
-        and charged twice, and the first streamed module would find them swapped out."""
+        """``ValueError`` if the module (or a submodule of it) is streamed already, by this
+        manager (``stream_module`` again, a model pool's) or by another one, until that
+        streamed module's ``aclose()``: its tensors would be registered and charged twice,
+        and the first streamed module would find them swapped out (pointed at the other
+        registration's memory, for good). Changes nothing."""
         mine = {id(sub) for sub in self.module.modules()}
-        for other in list(_by_manager.get(self.manager, ())):
-            if other._closed or other is self:
-                continue
-            if any(id(sub) in mine for sub in other.module.modules()):
+        for manager, streamed in list(_by_manager.items()):
+            for other in list(streamed):
+                if other._closed or other is self:
+                    continue
+                if not any(id(sub) in mine for sub in other.module.modules()):
+                    continue
+                if manager is self.manager:
+                    raise ValueError(
+                        f"{type(self.module).__name__} is (or shares submodules with) a module "
+                        f"this manager streams already ({other.name}); use that one, aclose() "
+                        "it first, or stream a separate copy (copy.deepcopy)"
+                    )
                 raise ValueError(
-                    f"{type(self.module).__name__} is (or shares submodules with) a module this "
-                    f"manager streams already ({other.name}); use that one, aclose() it first, "
-                    "or stream a separate copy (copy.deepcopy)"
+                    f"{type(self.module).__name__} is (or shares submodules with) a module "
+                    f"another manager ({manager.id}) streams already ({other.name}, to "
+                    f"{other.device}): its tensors are views of that manager's host copy, "
+                    "and streaming them here too would take them from it; aclose() that "
+                    "streamed module first, or stream a separate copy (copy.deepcopy)"
                 )
 
     def group(self, index: int) -> TensorGroup:
@@ -293,7 +318,7 @@ class StreamedModule:
         repointed: set[int] = set()
         for group in self.all_groups:
             if opened is not None:
-                load = block_loader(group, opened, module=self.module)
+                load = block_loader(group, opened, module=self.module, names=self._checkpoint_names)
                 source = CallableSource(
                     load, shape=(group.nbytes,), dtype=torch.uint8, source_location="pageable-host"
                 )
@@ -879,12 +904,22 @@ class StreamedModule:
                 raise call.failures[0]
             return result
         except Exception as error:
+            if not self.manager.running and not isinstance(error, ManagerClosedError):
+                # The manager closed under the call: whatever broke (a stream of its closed
+                # backend, a lease), the reason is that.
+                closed = ManagerClosedError(
+                    f"{self.name}: the manager closed during the call ({error})"
+                )
+                self._raised.add(id(closed))
+                raise closed from error
             self._raised.add(id(error))
             raise
         finally:
-            call.finish()
-            self.current_call = None
-            self._forget_gone_kept()
+            try:
+                call.finish()
+            finally:
+                self.current_call = None
+                self._forget_gone_kept()
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
@@ -1027,6 +1062,7 @@ def stream_module(
     name: str | None = None,
     keep_resident: bool = True,
     ring: bool | None = None,
+    checkpoint_names: CheckpointNames | None = None,
 ) -> StreamedModule:
     """Register ``module``'s weights with ``manager`` for streaming to ``device``.
 
@@ -1041,11 +1077,18 @@ def stream_module(
     module's ``state_dict`` names; dtypes are converted to the module's; a parameter or
     persistent buffer missing there is a ``KeyError`` naming it; non-persistent buffers, such
     as a rotary embedding's ``inv_freq``, are taken from the module, recovered when the module
-    is on the ``meta`` device). ``blocks``: the submodules to stream, in call order (default: see
-    :func:`find_blocks`). ``stream``: the compute stream (default: the caller's current stream
-    at each call). ``timeout``: seconds a block may wait for budget before ``TimeoutError``
-    (``None``: as long as it takes). ``keep_resident``: between calls, keep on the device the
-    tensors outside the blocks and the blocks that fit beside the prefetch window (spread
+    is on the ``meta`` device). ``checkpoint_names``: for a checkpoint whose keys are not the
+    module's state_dict names (a model's own loader renames them: transformers 5 saves
+    GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``), a mapping from the module's name to
+    the checkpoint's (``{"lm_head.weight": "embed_out.weight"}``), or a function of the module's
+    name returning the checkpoint's (``None``: the same); the ``KeyError`` for a missing tensor
+    names the checkpoint's tensors of its shape the module has no name for. ``blocks``: the
+    submodules to stream, in call order, a block once for each time the forward runs it
+    (default: see :func:`find_blocks`). ``stream``: the compute stream (default: the caller's
+    current stream at each call). ``timeout``: seconds a block may wait for budget before
+    ``TimeoutError`` (``None``: as long as it takes; once admitted, the wait for its copy is
+    not counted). ``keep_resident``: between calls, keep on the device the tensors outside the
+    blocks and the blocks that fit beside the prefetch window (spread
     evenly over the call order), so a call copies only what does not fit (see
     :meth:`StreamedModule.residency`); needs a strict ``device`` budget. ``ring``: copy the
     streamed blocks through a ring of ``prefetch + 1`` device buffers admitted once per call
@@ -1056,7 +1099,9 @@ def stream_module(
 
     Call on the manager's event loop (registration copies the weights into host memory
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors
-    outside the blocks could never fit the ``device`` budget.
+    outside the blocks could never fit the ``device`` budget, or if the module (or one of its
+    submodules) is streamed already, by this manager or another, and not ``aclose()``d.
+    A call in flight when the manager closes raises ``ManagerClosedError``.
     """
     return StreamedModule(
         manager,
@@ -1071,4 +1116,5 @@ def stream_module(
         name=name,
         keep_resident=keep_resident,
         ring=ring,
+        checkpoint_names=checkpoint_names,
     )

@@ -277,21 +277,27 @@ def make_group(index: int, name: str, entries: list[PackedTensor]) -> TensorGrou
 def collect_groups(
     root: nn.Module, blocks: Sequence[nn.Module], prefix: str, keep_strides: bool
 ) -> tuple[list[TensorGroup | None], TensorGroup | None]:
-    """One group per block (``None`` for a block without tensors) and the resident group: the
-    tensors of ``root``'s modules outside every block."""
+    """One group per entry of ``blocks`` (``None`` for a block without tensors) and the
+    resident group: the tensors of ``root``'s modules outside every block. A block listed
+    more than once (one the forward runs several times) has one group, its weights packed
+    once: every entry of it is that group, numbered after its first entry."""
     qualified: dict[int, list[str]] = {}
     for name, sub in root.named_modules(remove_duplicate=False):
         qualified.setdefault(id(sub), []).append(name)
     groups: list[TensorGroup | None] = []
     inside: set[int] = set()
+    made: dict[int, TensorGroup | None] = {}  # id(block) -> its group
     for index, block in enumerate(blocks):
+        if id(block) in made:
+            groups.append(made[id(block)])
+            continue
         modules = list(block.modules())
         inside.update(id(sub) for sub in modules)
-        groups.append(
-            make_group(
-                index, f"{prefix}.block{index}", pack_layout(modules, qualified, keep_strides)
-            )
+        group = make_group(
+            index, f"{prefix}.block{index}", pack_layout(modules, qualified, keep_strides)
         )
+        made[id(block)] = group
+        groups.append(group)
     outside = [sub for sub in root.modules() if id(sub) not in inside]
     resident = make_group(
         len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides)

@@ -37,6 +37,15 @@ When the budget has no room for the block the consumer waits for, the call gives
 holds and does not need now (a kept block it has run, or a block prefetched out of the
 consumer's order) rather than wait on room that only it could free.
 
+A block listed twice in ``blocks=`` is one group (one slot) that comes twice in the call
+order: the window counts runs, and a group handed back that runs again within the window keeps
+its replica for that run (released first if an earlier block finds no room).
+
+No loop callback of the pipeline raises: one that fails stops the call with its error, and once
+the manager closed every consumer raises ``ManagerClosedError``. While the pipeline waits for a
+change that no callback of its own announces, the call's task waits on the manager's change
+signal (:meth:`CallPipeline.park`), the one way to learn that the manager closed.
+
 Why this module is long: the slot states, the window that advances them, the hand-back from
 the consumer's thread and the giving up under a full budget are one state machine on the
 loop; each part reads the state the others write, so they stay side by side.
@@ -46,10 +55,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
 import anyio
 import torch
@@ -60,6 +70,7 @@ from ...core.sizes import format_nbytes
 from ...core.values import MaterializationState
 from ...runtime.leases import Lease, LeaseWouldWait, current_task, current_task_ref
 from ...runtime.pending import PendingOperation
+from ...runtime.signal import ManagerClosedError
 from .packing import TensorGroup
 
 if TYPE_CHECKING:
@@ -68,6 +79,29 @@ if TYPE_CHECKING:
 __all__ = ["CallAborted", "CallPipeline", "Slot"]
 
 _RESIDENT = MaterializationState.RESIDENT
+
+_P = ParamSpec("_P")
+
+
+def _loop_callback(
+    method: Callable[Concatenate[CallPipeline, _P], None],
+) -> Callable[Concatenate[CallPipeline, _P], None]:
+    """A pipeline method the event loop calls back (a listener, a done callback, a callback a
+    consumer thread scheduled): it never raises. An error there would escape into the event
+    loop (asyncio logs it, trio dies of it) and leave every slot as it was, so that a consumer
+    waiting for one would wait for ever: the call stops with it instead (the consumer raises
+    it; :class:`ManagerClosedError` once the manager closed)."""
+
+    def guarded(self: CallPipeline, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as error:
+            self.stop(error)
+
+    guarded.__name__ = method.__name__
+    guarded.__qualname__ = method.__qualname__
+    guarded.__doc__ = method.__doc__
+    return guarded
 
 
 def _asking() -> None:
@@ -117,6 +151,13 @@ class Slot:
         return f"<Slot {self.group.name} {self.state}>"
 
 
+def admitted(slot: Slot) -> bool:
+    """Whether ``slot``'s group was admitted at the device (its copy charged and begun, or it
+    was there already): what is left of a wait for it is not a wait for room. Read by a
+    consumer thread too, without a lock: a state the loop wrote a moment ago is as good."""
+    return slot.state in ("starting", "ready", "failed")
+
+
 class CallPipeline:
     """The pipeline state of one call (see the module docstring).
 
@@ -130,7 +171,13 @@ class CallPipeline:
     materializations not complete yet; read by the consumer thread), ``taken`` (groups the
     consumer thread holds: that thread only), ``_returns`` (blocks handed back by the thread,
     not taken by the loop yet), ``_waiting`` (the ticket of the consumer thread's wait in
-    progress, 0 if none: a request from the thread counts only while its wait lasts).
+    progress, 0 if none: a request from the thread counts only while its wait lasts),
+    ``error`` (why the call stopped early: the manager closed, or a fault in a loop callback
+    of ours; every consumer raises it), ``_parked`` (the cancel scope of the call's task
+    waiting in :meth:`park`: cancelled to wake it), ``_again`` (groups handed back whose
+    replica stays for their next run, within the window: a block listed twice).
+    ``pos`` counts runs, not groups: a block listed twice in ``blocks=`` is one group (one
+    slot) that comes twice in the call order.
     Invariants: a slot is ready only while its lease is entered; a slot returns to idle only
     after its lease exited; groups start in order from ``pos``; while the consumer thread left
     blocks in ``_returns`` without waking the loop, an operation of ours is in flight (its
@@ -189,7 +236,13 @@ class CallPipeline:
         self._wait_ticket = 0  # consumer thread: numbers its waits for a slot not ready
         self._waiting = 0  # the ticket of the wait in progress (0: none; the loop reads it)
         self._waiting_for = -1  # the group index that wait is for (set before _waiting)
+        # Groups handed back whose replica stays for their next run, within the window (a
+        # block listed twice): idle, not released; leased again by _start.
+        self._again: set[int] = set()
         self._unlisten: Callable[[], None] | None = None
+        self.error: BaseException | None = None
+        self._parked: anyio.CancelScope | None = None
+        self._watching = False  # the parked task waits on the manager's change signal
 
     # ------------------------------------------------------------------ driving
 
@@ -197,12 +250,17 @@ class CallPipeline:
         """Start the first groups now."""
         self.pump()
 
+    @_loop_callback
     def pump(self) -> None:
         """Take the blocks the consumer thread handed back, then start what the budget
         admits, in order, and make started slots ready. Synchronous and not re-entrant:
         starting a copy changes the state, which may notify, which may pump; that nested pump
         is folded into a further round of this one. Listens to the manager's change signal
-        only while blocked on something no callback of ours announces."""
+        only while blocked on something no callback of ours announces. Never raises (see
+        :func:`_loop_callback`); once the manager closed, it stops the call."""
+        if not self.manager.running:
+            self.stop(None)
+            return
         if self._pumping:
             self._pump_again = True
             return
@@ -223,9 +281,85 @@ class CallPipeline:
         if blocked and self.active:
             if self._unlisten is None:
                 self._unlisten = self.manager.add_change_listener(self.pump)
+                self.unpark()  # the call's task watches the manager from now on (see park)
         elif self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
+            self._stop_listening()
+            self.unpark()
+
+    def _stop_listening(self) -> None:
+        unlisten, self._unlisten = self._unlisten, None
+        if unlisten is not None:
+            unlisten()
+
+    def stop(self, error: BaseException | None) -> None:
+        """The call cannot go on: the manager closed (``error`` ``None``, or whatever a
+        manager call raised because of it), or a loop callback of ours failed with ``error``.
+        Every consumer waiting (or coming) raises :attr:`error`: a :class:`ManagerClosedError`
+        naming the call once the manager closed (chained from ``error``), else ``error``.
+        :meth:`finish` cleans up as for any call. Loop; never raises."""
+        if self.error is None:
+            if not self.manager.running:
+                closed = ManagerClosedError(
+                    f"{self.streamed.name}: the manager closed during the call, which cannot "
+                    "go on (a block it needs cannot be brought to the device any more)"
+                )
+                closed.__cause__ = error
+                self.error = closed
+            else:
+                self.error = error if error is not None else CallAborted("the call stopped")
+        if not self.active:
+            return
+        self.abort()
+        self._stop_listening()
+        with contextlib.suppress(Exception):  # (a closed manager: nothing left to give back)
+            self._want_room(False)
+        self.unpark()
+
+    def ended(self) -> BaseException:
+        """What a consumer raises once the call stopped: the error that stopped it, else
+        :class:`CallAborted` (cancelled, or finished)."""
+        if self.error is not None:
+            return self.error
+        return CallAborted(f"{self.streamed.name}: the call ended")
+
+    async def park(self, event: anyio.Event, deadline: float | None = None) -> None:
+        """The call's task, on the loop, waits until ``event`` is set, ``deadline``
+        (``anyio.current_time`` clock) passes, the call stops or the pipeline's state calls
+        for a look (the caller checks its own condition again and parks again).
+
+        While the pipeline listens to the manager's change signal (it waits for room another
+        tenant holds, or a copy being issued: a change no callback of ours announces), the
+        task waits on that signal instead. That is the one way to learn that the manager
+        closed (``ManagerClosedError``): nothing else would call the pipeline back then, and
+        the consumer would wait for ever. The call stops with it. Otherwise the pipeline's
+        own callbacks (a copy, a release, a hand-back) move it, and find the manager closed
+        if it did."""
+        with anyio.CancelScope(deadline=math.inf if deadline is None else deadline) as scope:
+            self._parked = scope
+            self._watching = self._unlisten is not None and self.active
+            try:
+                if self._watching:
+                    await self.manager.wait_for_change()
+                else:
+                    await event.wait()
+            except ManagerClosedError as error:
+                self.stop(error)
+            finally:
+                if self._parked is scope:
+                    self._parked = None
+
+    def unpark(self) -> None:
+        """Wake the call's task waiting in :meth:`park` (loop)."""
+        scope, self._parked = self._parked, None
+        if scope is not None:
+            scope.cancel()
+
+    def _signal(self, slot: Slot) -> None:
+        """``slot`` is ready or failed: wake its consumer (a task parked on the change signal
+        instead of the slot's event too)."""
+        slot.signal()
+        if self._watching:
+            self.unpark()
 
     def _advance(self) -> bool:
         """One round of :meth:`pump`; returns whether it is blocked waiting for a state
@@ -245,15 +379,20 @@ class CallPipeline:
         stop = self.pos + count if self.cyclic else count
         copies = 0
         position = self.pos
+        seen: set[int] = set()  # (a block run twice is one group: visited once a round)
         while position < stop and copies < ahead:
-            slot = self.slots[order[position % count]]
-            if slot.group.index not in self.keep:
+            index = order[position % count]
+            position += 1
+            if index in seen:
+                continue
+            seen.add(index)
+            slot = self.slots[index]
+            if index not in self.keep:
                 copies += 1  # kept blocks are leased as the window passes but do not count
             outcome = self._visit(slot, releasing)
             if outcome == "stop" or outcome == "blocked":
                 return listen or outcome == "blocked"
             listen = listen or outcome == "listen"
-            position += 1
         return listen
 
     def _visit(self, slot: Slot, releasing: dict[int, PendingOperation]) -> str:
@@ -268,7 +407,8 @@ class CallPipeline:
                 return "stop"  # an earlier call's copy of it is being cancelled (_cancelled pumps)
             started = self._start(slot)
             if started is False and (
-                self.streamed.ask_others_for_room()
+                self._give_up_held(slot)
+                or self.streamed.ask_others_for_room()
                 or self._give_up_kept()
                 or self._give_up_prefetched(slot)
             ):
@@ -340,6 +480,7 @@ class CallPipeline:
         if wait is not None:
             wait.__exit__(None, None, None)
 
+    @_loop_callback
     def _reclaim(self, device: Location, need: int) -> None:
         if self.manager.running and self._head_blocked:
             self.manager.reclaim_for(device, need)
@@ -405,7 +546,7 @@ class CallPipeline:
         ]
         if not candidates:
             return False
-        slot = max(candidates, key=lambda s: (streamed.position[s.group.index] - self.pos) % count)
+        slot = max(candidates, key=lambda s: self._distance(s.group.index) % count)
         index = slot.group.index
         pending, slot.pending = slot.pending, None
         self.keep.discard(index)  # (the module's kept set: no longer kept)
@@ -428,6 +569,11 @@ class CallPipeline:
             pending.add_done_callback(self._release_if_arrived(index))
         return True
 
+    def _distance(self, index: int) -> int:
+        """How far ahead of ``pos`` group ``index`` runs next (see :meth:`_next_run`)."""
+        at = self._next_run(index)
+        return 0 if at is None else at - self.pos
+
     def _fits(self, group: TensorGroup) -> bool:
         """Whether the device budget has room for ``group`` now (a cheap look at the ledger
         before asking the manager, which would raise): a refusal costs nothing this way.
@@ -447,6 +593,13 @@ class CallPipeline:
         device = self.streamed.device
         value = self.manager.state.find_value(handle)
         here = None if value is None else value.materializations.get(device)
+        if group.index in self._again:
+            self._again.discard(group.index)
+            if here is not None:
+                # Held over from its run just before (see _give_back_one): leased again as
+                # it is, after the copy that brought it (slot.pending, if any).
+                slot.state = "starting"
+                return True
         if here is not None and here.state is _RESIDENT:
             # Kept from an earlier call (or put there by someone else): lease it as it is.
             slot.pending = None
@@ -510,9 +663,10 @@ class CallPipeline:
         self._made_ready += 1
         if not self.cyclic and self._made_ready == len(self.slots):
             self.all_ready = True
-        slot.signal()
+        self._signal(slot)
         return True
 
+    @_loop_callback
     def _materialized(self, slot: Slot, counted: bool, pending: PendingOperation) -> None:
         # Counted down before the returns are taken (in pump): a consumer thread that saw it
         # above zero and did not wake the loop has its returns taken here.
@@ -525,56 +679,106 @@ class CallPipeline:
             elif slot.pending is pending:
                 # Its block may have run already (CUDA): the call (or drain) reports it.
                 self.failures.append(error)
-        if self.active and (slot.state == "starting" or self._returns):
+        if self.active and (slot.state == "starting" or self._returns or not self.manager.running):
             self.pump()
 
     def _fail(self, slot: Slot, error: BaseException) -> None:
         slot.failure = error
         slot.state = "failed"
-        slot.signal()
+        self._signal(slot)
 
+    @_loop_callback
     def open_window(self) -> None:
         """Prefetch from now on (the first block is on its way), and start what fits."""
         if not self.window_open:
             self.window_open = True
             self.pump()
 
+    @_loop_callback
     def _request(self, index: int) -> None:
         """The consumer asks for group ``index`` next (loop): the window moves there."""
         if self._returns:
             self._take_returns()
-        position = self.streamed.position.get(index)
-        if position is not None:
-            if self.cyclic:
-                count = len(self.order)
-                self.pos += (position - self.pos) % count
-            else:
-                self.pos = position
+        at = self._next_run(index)
+        if at is not None:
+            self.pos = at
         self.pump()
+
+    def _next_run(self, index: int) -> int | None:
+        """The position of group ``index``'s next run from ``pos`` on (a block listed twice
+        has several): counting on past the end of the call order in a cyclic call; in
+        another, its last position when it runs no more after ``pos`` (a block the forward
+        runs once more than listed). ``None`` for a group outside the call order."""
+        places = self.streamed.positions.get(index)
+        if not places:
+            return None
+        pos = self.pos
+        if self.cyclic:
+            count = len(self.order)
+            return pos + min((place - pos) % count for place in places)
+        for place in places:
+            if place >= pos:
+                return place
+        return places[-1]
+
+    def _runs_soon(self, index: int) -> bool:
+        """Whether group ``index`` runs again within the window from ``pos`` on (the next
+        ``prefetch + 1`` runs: what the budget leaves room for beside the call's tensors
+        outside the blocks)."""
+        places = self.streamed.positions.get(index)
+        if not places or (len(places) == 1 and not self.cyclic):
+            return False  # runs once per forward: not again in this one
+        at = self._next_run(index)
+        if at is None or at < self.pos:
+            return False
+        return at - self.pos <= self.streamed.prefetch
+
+    def _give_up_held(self, wanted: Slot) -> bool:
+        """No room for ``wanted``: release the replica of a group held over for a run that
+        comes after ``wanted``'s (the farthest first), so that a later block never keeps an
+        earlier one's room. Whether one was."""
+        count = len(self.order)
+
+        def ahead(index: int) -> int:  # (a group that runs no more after pos: farthest)
+            distance = self._distance(index)
+            return distance if distance >= 0 else count
+
+        mine = ahead(wanted.group.index)
+        later = [i for i in self._again if i != wanted.group.index and ahead(i) > mine]
+        if not later:
+            return False
+        index = max(later, key=ahead)
+        self._again.discard(index)
+        self.streamed.release_replica(index, self.slots[index].pending)
+        return True
 
     # ------------------------------------------------------------------ consumers
 
     async def take(self, index: int) -> Slot:
         """The loop consumer's access to group ``index``: returns once it is ready (at once in
-        the common case), raising its failure or ``TimeoutError``."""
+        the common case), raising its failure, the error that stopped the call (such as
+        ``ManagerClosedError``) or ``TimeoutError`` (it waited that long for room: the wait
+        for its copy once admitted is not counted)."""
         slot = self.slots[index]
         if slot.state != "ready":
             self._request(index)
         deadline = self.streamed.deadline()
         while slot.state not in ("ready", "failed"):
             if not self.active:
-                raise CallAborted(f"{self.streamed.name}: the call ended")
+                raise self.ended()
             self.open_window()  # about to wait: let the prefetches use the time
-            if slot.state in ("ready", "failed"):
-                break
+            if slot.state in ("ready", "failed") or not self.active:
+                continue
             waiter = slot.waiter = slot.waiter or anyio.Event()
-            if deadline is None:
-                await waiter.wait()
-            else:
-                with anyio.move_on_at(deadline):
-                    await waiter.wait()
-                if slot.state not in ("ready", "failed") and anyio.current_time() >= deadline:
+            await self.park(waiter, deadline)
+            if (
+                deadline is not None
+                and slot.state not in ("ready", "failed")
+                and anyio.current_time() >= deadline
+            ):
+                if not admitted(slot):
                     raise TimeoutError(self.streamed.timeout_message(slot.group))
+                deadline = None  # admitted: what is left is its copy, which is not timed
         if slot.state == "failed":
             assert slot.failure is not None
             raise slot.failure
@@ -594,7 +798,7 @@ class CallPipeline:
         (never the loop) until it is ready. Raises its failure, :class:`CallAborted` or
         ``TimeoutError``."""
         if not self.active:
-            raise CallAborted(f"{self.streamed.name}: the call ended")
+            raise self.ended()
         slot = self.slots[index]
         if not slot.flag.is_set():
             # The request may reach the loop after a pump made the slot ready and the block
@@ -606,8 +810,13 @@ class CallPipeline:
             self._waiting = ticket
             self.bridge.call_soon(self._request_from_thread, index, ticket)
             try:
-                if not slot.flag.wait(self.streamed.timeout):
-                    raise TimeoutError(self.streamed.timeout_message(slot.group))
+                timeout = self.streamed.timeout
+                if not slot.flag.wait(timeout) and timeout is not None:
+                    # Only the wait for room is timed: once the loop admitted the block (its
+                    # copy charged and begun), its copy may take what it takes.
+                    if not admitted(slot):
+                        raise TimeoutError(self.streamed.timeout_message(slot.group))
+                    slot.flag.wait()
             finally:
                 self._waiting = 0
         elif not self._window_asked:
@@ -617,7 +826,7 @@ class CallPipeline:
             if not self.all_ready:
                 self.bridge.call_soon(self.open_window)
         if not self.active:
-            raise CallAborted(f"{self.streamed.name}: the call ended")
+            raise self.ended()
         if slot.state == "failed":
             assert slot.failure is not None
             raise slot.failure
@@ -633,6 +842,7 @@ class CallPipeline:
             return None
         return self.manager.backend.record_event(None if self.streamed.host_compute else stream)
 
+    @_loop_callback
     def _request_from_thread(self, index: int, ticket: int) -> None:
         if self.active and self._waiting == ticket:  # the thread still waits for it
             self.window_open = True  # the consumer waits: let the prefetches use the time
@@ -662,6 +872,7 @@ class CallPipeline:
         self.bridge.call_soon(self._woken)
         return True
 
+    @_loop_callback
     def _woken(self) -> None:
         with self._wake_lock:
             self._wake_scheduled = False
@@ -692,22 +903,24 @@ class CallPipeline:
         del lease  # a release may free the replica right away: hold nothing of it
         if error is not None:
             self.failures.append(error)
+        at = self._next_run(index)  # the run just done: the next one at or after pos
+        if at is not None and (self.cyclic or at + 1 > self.pos):
+            self.pos = at + 1
         if index not in self.keep:
-            self.streamed.release_replica(index, slot.pending)
-        position = self.streamed.position.get(index)
-        if position is not None:
-            if self.cyclic:
-                # the next time the block comes at or after pos is the one just run
-                at = self.pos + (position - self.pos) % len(self.order)
-                self.pos = at + 1
-            elif position + 1 > self.pos:
-                self.pos = position + 1
+            if self._runs_soon(index):
+                # A block listed twice, run again within the window: its replica stays for
+                # that run (no release and copy in between); _start leases it again, and
+                # an earlier block that finds no room takes it first (_give_up_held).
+                self._again.add(index)
+            else:
+                self.streamed.release_replica(index, slot.pending)
         slot.state = "idle"
 
     # ------------------------------------------------------------------ the end
 
     def abort(self) -> None:
-        """Stop: waiting consumers (tasks and threads) raise :class:`CallAborted`."""
+        """Stop: waiting consumers (tasks and threads) raise :class:`CallAborted` (or the
+        error that stopped the call: :meth:`ended`)."""
         self.active = False
         for slot in self.slots.values():
             slot.signal()
@@ -718,21 +931,21 @@ class CallPipeline:
         enqueued), release every replica not kept, cancel copies nobody needs any more."""
         self._take_returns()
         self.abort()
-        if self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
+        self._stop_listening()
         self._want_room(False)
         backend = self.manager.backend
         streamed = self.streamed
-        end: Any = None  # one event after everything the consumer enqueued, for every lease
+        # One event after everything the consumer enqueued, for every lease: none once the
+        # manager closed (its backend's streams may be gone; the leases' ends change nothing).
+        end: list[Any] | None = None if self.manager.running else []
         for index, slot in self.slots.items():
             kept = index in self.keep
             if slot.lease is not None:
                 lease, slot.lease = slot.lease, None
                 slot.tensors = None
                 if end is None:  # compute on the host: the consumer is done by now
-                    end = backend.record_event(None if streamed.host_compute else self.stream)
-                error = lease.exit_nowait(reader_events=[end])
+                    end = [backend.record_event(None if streamed.host_compute else self.stream)]
+                error = lease.exit_nowait(reader_events=end)
                 del lease
                 if error is not None:
                     self.failures.append(error)
@@ -755,6 +968,9 @@ class CallPipeline:
                 # Its lease could not be entered (its copy may have landed, or it was there
                 # already): its replica goes like any other (nothing, if none came).
                 streamed.release_replica(index, slot.pending)
+            elif index in self._again and not kept:
+                streamed.release_replica(index, slot.pending)  # held over for a run not come
+            self._again.discard(index)
             slot.state = "idle"
             slot.flag.clear()
 

@@ -136,7 +136,9 @@ class RingCall:
     ``sequence`` (the streamed group indexes in call order), ``issued`` and ``used`` (positions
     in the sequence, counting on past its end when cyclic: the next copy to enqueue, the next
     block expected), ``readers`` (slot -> event after its last reader, or ``None``),
-    ``copied`` (slot -> the event of the copy into it), ``leases`` (group index -> the lease
+    ``copied`` (slot -> the event of the copy into it), ``_content`` (slot -> the group its
+    last copy brought, -1 if none of this call's: a group already in the slot it would go to
+    is not copied again), ``leases`` (group index -> the lease
     of a group held for the whole call), ``held`` (group index -> its views),
     ``active`` (false once aborted or finished). The consumer thread alone moves ``issued``
     and ``used`` once the call started; the loop reads them only after that thread ended.
@@ -163,7 +165,9 @@ class RingCall:
         self.host_wait = host_wait
         self.keep = keep
         self.cyclic = cyclic
-        self.sequence = [g.index for g in streamed.groups if g.index not in keep]
+        # The streamed groups in call order, a group each time its block runs (a block listed
+        # twice comes twice: see _content for the copy that saves).
+        self.sequence = [index for index in streamed.order if index not in keep]
         self.slots = 0
         self.stride = 0
         self.charge = 0
@@ -179,7 +183,9 @@ class RingCall:
         self.taken: set[int] = set()  # group indexes the consumer holds (its thread only)
         self._current = 0  # the slot of the block the consumer holds
         self._last_copy: Any = None  # the event of the copy enqueued last
-        self._position: dict[int, int] = {index: p for p, index in enumerate(self.sequence)}
+        self._places: dict[int, list[int]] = {}  # group index -> its places in sequence
+        self._index_sequence()
+        self._content: list[int] = []  # slot -> the group whose copy went there last (-1)
         self.leases: dict[int, Lease] = {}
         self.held: dict[int, RingSlot] = {}
         self._started: dict[int, PendingOperation] = {}  # materializations open() began
@@ -323,8 +329,13 @@ class RingCall:
     def _stream_instead(self, group: TensorGroup) -> None:
         """A block planned to stay that found no room: it streams through the ring."""
         self.keep.discard(group.index)
-        self.sequence = [g.index for g in self.streamed.groups if g.index not in self.keep]
-        self._position = {index: p for p, index in enumerate(self.sequence)}
+        self.sequence = [index for index in self.streamed.order if index not in self.keep]
+        self._index_sequence()
+
+    def _index_sequence(self) -> None:
+        self._places = {}
+        for p, index in enumerate(self.sequence):
+            self._places.setdefault(index, []).append(p)
 
     def _lease(self, group: TensorGroup) -> None:
         assert group.handle is not None
@@ -384,13 +395,14 @@ class RingCall:
         self.readers = [None] * self.slots
         self.copied = [None] * self.slots
         self._reader_events = [None] * self.slots
+        self._content = [-1] * self.slots
 
     def _size_ring(self) -> int:
         """Set the ring's slot size for the streamed groups; return the slots it wants."""
         groups = [self.streamed.group(index) for index in self.sequence]
         self.charge = max(g.charge_bytes for g in groups)
         self.stride = max(g.nbytes for g in groups)
-        return min(self.streamed.prefetch + 1, len(self.sequence))
+        return min(self.streamed.prefetch + 1, len(set(self.sequence)))
 
     def _give_up_kept(self) -> bool:
         """Stream one block leased to stay instead (the last in call order): its lease ends
@@ -430,6 +442,7 @@ class RingCall:
             self.readers = idle.readers
             self.copied = [None] * self.slots
             self._reader_events = [None] * self.slots
+            self._content = [-1] * self.slots  # (the previous call's copies: not ours)
             return True
         return False
 
@@ -452,7 +465,14 @@ class RingCall:
         while self.issued < stop:
             p = self.issued
             slot = p % self.slots
-            group = self.streamed.group(self._group_at(p))
+            index = self._group_at(p)
+            if self._content[slot] == index and self.copied[slot] is not None:
+                # The slot holds this group already (a block run again after as many
+                # others as the ring has slots, a block listed twice in a row with one
+                # slot): nothing to copy, its copy's event stands.
+                self.issued = p + 1
+                continue
+            group = self.streamed.group(index)
             src = group.host_flat
             assert src is not None
             waits = [] if self.readers[slot] is None else [self.readers[slot]]
@@ -467,6 +487,7 @@ class RingCall:
                     event=self.copied[slot],
                 )
             self.copied[slot] = event
+            self._content[slot] = index
             self._last_copy = event
             self.streamed.copies += 1
             self.streamed.copied_bytes += group.nbytes
@@ -480,8 +501,11 @@ class RingCall:
         count = len(self.sequence)
         if count and self._group_at(p) == index and (self.cyclic or p < count):
             return p
-        where = self._position[index]
-        p = p + (where - p) % count if self.cyclic else where
+        places = self._places[index]
+        if self.cyclic:
+            p = p + min((where - p) % count for where in places)
+        else:
+            p = next((where for where in places if where >= p), places[-1])
         # Copies issued from here on were for other blocks: issue again from p.
         self.issued = p
         return p
@@ -572,12 +596,15 @@ class RingCall:
         self.abort()
         streamed = self.streamed
         backend = self.backend
-        last = backend.record_event(self.stream)
+        closed = not self.manager.running
+        # Once the manager closed its backend's streams may be gone: no event, the leases'
+        # ends change nothing, and the ring's buffer and reservation went with the manager.
+        last = None if closed else backend.record_event(self.stream)
         leases, self.leases = self.leases, {}
         leased = set(leases)
         self.held.clear()
         for index, lease in leases.items():
-            error = lease.exit_nowait(reader_events=[last])
+            error = lease.exit_nowait(reader_events=[] if last is None else [last])
             if error is not None:
                 self.failures.append(error)
             if index not in self.keep:
@@ -606,7 +633,12 @@ class RingCall:
                 self.keep.discard(index)
         self._started.clear()
         self._views.clear()
-        if self.reservation is None:
+        if closed:
+            self.buffers = None
+            self.copied = []
+            self.readers = []
+            self.reservation = None
+        if self.reservation is None or last is None:
             return
         waits = [last]
         if self._last_copy is not None:

@@ -146,7 +146,15 @@ async def run_sequential(
             # The result exists once the stream ran the blocks; wait for it even when
             # cancelled, so that no block touches the module after the call returned.
             # (a native asyncio cancellation meanwhile is raised once the stream ran them)
-            await finish_shielded(backend.wait, backend.record_event(stream))
+            ran: Any
+            try:
+                ran = backend.record_event(stream)
+            except Exception:
+                if streamed.manager.running:
+                    raise
+                ran = None  # the manager closed its backend: its streams run nothing more
+            if ran is not None:
+                await finish_shielded(backend.wait, ran)
     if errors:
         raise errors[0]
     # A call cancelled while every block was ready (so it never awaited) still ends
@@ -221,10 +229,14 @@ class ThreadedRunner:
         self._hooks: list[Any] = []
 
     def install_hooks(self) -> None:
+        """One pre/post hook pair per block with tensors, once for a block listed twice (it
+        takes its one group each time it runs; the call's order says which run it is)."""
         streamed = self.streamed
+        hooked: set[int] = set()
         for block, group in zip(streamed.blocks, streamed.block_groups):
-            if group is None:
+            if group is None or id(block) in hooked:
                 continue
+            hooked.add(id(block))
             self._hooks.append(
                 block.register_forward_pre_hook(_Hook(functools.partial(self._pre_hook, group)))
             )
@@ -257,17 +269,35 @@ class ThreadedRunner:
             )
         return self._executor
 
-    async def submit(self, work: Callable[[], T], on_cancel: Callable[[], None] | None = None) -> T:
+    async def submit(
+        self,
+        work: Callable[[], T],
+        on_cancel: Callable[[], None] | None = None,
+        pipeline: CallPipeline | None = None,
+    ) -> T:
         """Run ``work()`` in :meth:`executor` and await it without blocking the loop. When the
         await is cancelled, call ``on_cancel()`` (if given), wait (shielded) until the thread
-        is done with ``work``, then raise: nothing of the call outlives the await."""
+        is done with ``work``, then raise: nothing of the call outlives the await.
+        ``pipeline``: the call's pipeline, which the awaiting task parks in (see
+        :meth:`CallPipeline.park`: it watches the manager while the pipeline waits for a
+        change, so that a manager that closes then stops the call and the thread with it)."""
         future = self.executor().submit(run_once, [work])
         del work  # the thread's reference is the only one: it drops it before the future ends
         done = anyio.Event()
         bridge = self.streamed.manager.bridge
-        future.add_done_callback(lambda _: bridge.call_soon_quietly(done.set))
+
+        def finished() -> None:
+            done.set()
+            if pipeline is not None:
+                pipeline.unpark()
+
+        future.add_done_callback(lambda _: bridge.call_soon_quietly(finished))
         try:
-            await done.wait()
+            if pipeline is None:
+                await done.wait()
+            else:
+                while not done.is_set():
+                    await pipeline.park(done)
         except anyio.get_cancelled_exc_class():
             if on_cancel is not None:
                 on_cancel()
@@ -313,7 +343,8 @@ class ThreadedRunner:
                 self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
             )
             # Cancelled: the worker's next block fails; wait for it to unwind.
-            result, event = await self.submit(work, on_cancel=call.abort)
+            pipeline = call if isinstance(call, CallPipeline) else None
+            result, event = await self.submit(work, on_cancel=call.abort, pipeline=pipeline)
             if resident is not None:
                 call.give_back(resident.index, event)
             return result
