@@ -4,12 +4,12 @@
 #
 #   bash benchmarks/device_round.sh                 # from the repository root, on the GPU machine
 #
-# PARTS picks what runs (default "tests copy loader memcpy"); COPY_ARGS and LOADER_ARGS pass
+# PARTS picks what runs (default "tests copy loader memcpy single"); COPY_ARGS and LOADER_ARGS pass
 # options to bench_copy.py and bench_loader.py (LOADER_ARGS defaults to --quick).
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/device_env.sh
-PARTS=${PARTS:-"tests copy loader memcpy"}
+PARTS=${PARTS:-"tests copy loader memcpy single"}
 has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log -1 --format='%h %s' 2>/dev/null | cut -c1-100
@@ -37,4 +37,9 @@ if has memcpy; then
     python3 benchmarks/diag_host_memcpy.py --both --threads 4,8,16 > "$OUT/memcpy_nt.log" 2>&1
   echo "== diag_host_memcpy, non-temporal from 1 MiB rc=$?"
   cat "$OUT/memcpy_nt.log"
+fi
+if has single; then
+  timeout 90 python3 benchmarks/diag_single_copy.py > "$OUT/single.log" 2>&1
+  echo "== diag_single_copy rc=$?"
+  cat "$OUT/single.log"
 fi
