@@ -209,6 +209,10 @@ async def time_async_split(
 async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> None:
     from aresidency import ResidencyManager
 
+    from aresidency.backends.streamcopy import streaming_memmove, streaming_memmove_status
+
+    streaming_memmove()  # built now, not inside the first timed copy
+    print(f"streaming host copy (device-to-host lane): {streaming_memmove_status()}")
     backend = CudaBackend()
     backend.start()
     manager_backend = CudaBackend()
@@ -381,6 +385,23 @@ async def bench_staging_configs(n: int, label: str, rows: list[dict[str, Any]]) 
         ),
         ("3 x 32 MB, 8 memcpy threads, huge-page dst", dict(staging_memcpy_threads=8)),
         (
+            "3 x 32 MB, 8 memcpy threads, huge-page dst, plain memmove",
+            dict(staging_memcpy_threads=8, staging_streaming_stores=False),
+        ),
+        ("3 x 32 MB, 16 memcpy threads, huge-page dst", dict(staging_memcpy_threads=16)),
+        (
+            "3 x 64 MB, 16 memcpy threads, huge-page dst",
+            dict(staging_chunk_bytes=64 * MB, staging_memcpy_threads=16),
+        ),
+        (
+            "3 x 64 MB, 16 memcpy threads, huge-page dst, plain memmove",
+            dict(
+                staging_chunk_bytes=64 * MB,
+                staging_memcpy_threads=16,
+                staging_streaming_stores=False,
+            ),
+        ),
+        (
             "4 x 32 MB, 8 memcpy threads, huge-page dst",
             dict(staging_buffers=4, staging_memcpy_threads=8),
         ),
@@ -400,16 +421,32 @@ async def bench_staging_configs(n: int, label: str, rows: list[dict[str, Any]]) 
         try:
             up = await time_async(backend_copies(b, [pageable], "pageable-host", "cuda:0"), iters=5)
             down = await time_async(backend_copies(b, [on_dev], "cuda:0", "pageable-host"), iters=5)
+
+            async def both(b: CudaBackend = b) -> None:
+                transfers = [
+                    b.copy(pageable, PAGEABLE, CUDA0),
+                    b.copy(on_dev, CUDA0, PAGEABLE),
+                ]
+                for t in transfers:
+                    await t.wait()
+                b.free(transfers[0].tensor, CUDA0)
+                b.free(transfers[1].tensor, PAGEABLE)
+
+            both_ways = await time_async(both, iters=5)
         finally:
             await b.aclose()
-        for path, t in (("pageable -> cuda", up), ("cuda -> pageable", down)):
+        for path, t, moved in (
+            ("pageable -> cuda", up, n),
+            ("cuda -> pageable", down, n),
+            ("both directions, pageable (total)", both_ways, 2 * n),
+        ):
             rows.append(
                 {
                     "path": f"{path} [{name}]",
                     "size": label,
-                    "concurrent": 1,
+                    "concurrent": 2 if moved > n else 1,
                     "torch": None,
-                    "ours": median_gbps(n, t),
+                    "ours": median_gbps(moved, t),
                     "manager": None,
                     "anchor": None,
                     "note": "staging variant, median of 5",

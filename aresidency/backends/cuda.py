@@ -228,8 +228,10 @@ class CudaBackend(Backend):
     driver stages them while ``copy`` returns). ``inline_register_bytes``: pinned
     destinations up to this size are page-locked inside ``copy``; larger ones in a worker.
     ``staging_memcpy_threads``: host threads that copy each device-to-host chunk out of its
-    pinned buffer. ``pageable_mmap_bytes``: pageable destinations from this size up are
-    private mappings asked for huge pages (``None``: ``torch.empty``).
+    pinned buffer; ``staging_streaming_stores``: whether they copy with non-temporal stores
+    where they can (:mod:`~aresidency.backends.streamcopy`). ``pageable_mmap_bytes``:
+    pageable destinations from this size up are private mappings asked for huge pages
+    (``None``: ``torch.empty``).
     ``pinned_arena_bytes``: the most host memory the pinned arena may keep registered (``0``:
     no arena, every fresh pinned destination is registered for itself; ``None``: an eighth of
     the machine's memory, within 4-16 GiB); the runtime lowers it to the pinned-host budget's
@@ -260,6 +262,7 @@ class CudaBackend(Backend):
         inline_register_bytes: int = 1 << 20,
         host_workers: int = 4,
         staging_memcpy_threads: int | None = None,
+        staging_streaming_stores: bool = True,
         pageable_mmap_bytes: int | None = 2 << 20,
         pinned_arena_bytes: int | None = None,
         arena_slab_bytes: int = 64 << 20,
@@ -278,6 +281,7 @@ class CudaBackend(Backend):
             chunk_bytes=staging_chunk_bytes,
             buffers=staging_buffers,
             memcpy_threads=staging_memcpy_threads,
+            streaming_stores=staging_streaming_stores,
         )
         if pinned_arena_bytes is None:
             pinned_arena_bytes = default_host_keep_bytes(at_least=4 << 30)

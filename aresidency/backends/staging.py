@@ -16,9 +16,13 @@ fresh pageable destination is faulted in page by page as it is first written (ab
 that host with 4 KiB pages, 24 GB/s with transparent huge pages), and even into memory already
 faulted in a pinned-to-pageable memcpy reaches only 35-41 GB/s there, with any number of
 threads. So the device-to-host lane keeps up to ``buffers`` chunk copies in flight and copies
-each completed chunk out with ``memcpy_threads`` threads (``memmove`` through ctypes, without
-the GIL) while later chunks cross the link; pageable destinations are private mappings asked
-for transparent huge pages (:func:`pageable_empty`), which makes the faults few and large.
+each completed chunk out with ``memcpy_threads`` threads (without the GIL) while later chunks
+cross the link; pageable destinations are private mappings asked for transparent huge pages
+(:func:`pageable_empty`), which makes the faults few and large. Those threads copy with
+non-temporal stores where they can (:mod:`~aresidency.backends.streamcopy`): a plain
+``memmove`` of a 4 MiB piece reads every destination line before writing it, and that traffic
+was what kept the memcpy at 35-41 GB/s (8 threads on an H100 host: 27.1 GB/s plain, 44.3 with
+streaming stores, ``benchmarks/diag_host_memcpy.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .arena import private_mapping
 from .pageable import PageableCache
 from .pinned import PAGE_BYTES, PinnedAllocator, cuda_event
 from .polling import spin_wait
+from .streamcopy import streaming_memmove
 
 __all__ = [
     "StagingLane",
@@ -65,12 +70,15 @@ class StagingLane:
         chunk_bytes: int,
         buffers: int,
         memcpy_threads: int = 1,
+        streaming_stores: bool = True,
     ) -> None:
         self.allocator = allocator
         self.direction = direction
         self.chunk_bytes = chunk_bytes
         self.num_buffers = buffers
         self.memcpy_threads = memcpy_threads
+        self.streaming_stores = streaming_stores
+        self._memmove: Callable[[int, int, int], object] | None = None
         self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
         self.buffers: list[torch.Tensor] = []
         self.free_after: list[Any] = [None] * buffers
@@ -99,16 +107,27 @@ class StagingLane:
         while len(self.buffers) < self.num_buffers:
             self.buffers.append(self.allocator.empty((self.chunk_bytes,), torch.uint8))
 
+    def memmove(self) -> Callable[[int, int, int], object]:
+        """The copy :meth:`host_copy` runs in each thread: the non-temporal one of
+        :mod:`~aresidency.backends.streamcopy` when ``streaming_stores`` and it can be had
+        (built on the first call: lane thread), else ``ctypes.memmove``."""
+        if self._memmove is None:
+            fast = streaming_memmove() if self.streaming_stores else None
+            self._memmove = fast if fast is not None else ctypes.memmove
+        return self._memmove
+
     def host_copy(
         self, dst: torch.Tensor, src: torch.Tensor
     ) -> list[concurrent.futures.Future[Any]]:
         """Start copying the bytes of host ``src`` into host ``dst`` (flat ``uint8``, same
-        size), split across ``memcpy_threads`` threads (``memmove`` in each, without the GIL);
-        returns the futures to wait on. With one thread, copies now and returns nothing."""
+        size), split across ``memcpy_threads`` threads (:meth:`memmove` in each, without the
+        GIL); returns the futures to wait on. With one thread (torch's ``copy_``), copies now
+        and returns nothing."""
         n = src.numel()
         if self.memcpy_threads <= 1 or n < _PARALLEL_MEMCPY_BYTES:
             dst.copy_(src)
             return []
+        copy = self.memmove()
         if self._copiers is None:
             self._copiers = concurrent.futures.ThreadPoolExecutor(
                 self.memcpy_threads, thread_name_prefix=f"aresidency-memcpy-{self.direction}"
@@ -117,7 +136,7 @@ class StagingLane:
         step = -(-step // PAGE_BYTES) * PAGE_BYTES
         d, s_ = dst.data_ptr(), src.data_ptr()
         return [
-            self._copiers.submit(ctypes.memmove, d + off, s_ + off, min(step, n - off))
+            self._copiers.submit(copy, d + off, s_ + off, min(step, n - off))
             for off in range(0, n, step)
         ]
 
@@ -147,12 +166,12 @@ class StagingLane:
         self._queue.put(None)
         if thread is not None:
             thread.join(join_timeout)
-            if self._copiers is not None:
-                self._copiers.shutdown(wait=True)
-            if not thread.is_alive():
-                for buffer in self.buffers:  # unpin now rather than at garbage collection
-                    self.allocator.release(buffer)
-                self.buffers.clear()
+        if self._copiers is not None:  # (also made by a host_copy called outside a job)
+            self._copiers.shutdown(wait=True)
+        if thread is not None and not thread.is_alive():
+            for buffer in self.buffers:  # unpin now rather than at garbage collection
+                self.allocator.release(buffer)
+            self.buffers.clear()
 
 
 class StagingPool:
@@ -169,6 +188,7 @@ class StagingPool:
         chunk_bytes: int = 32 << 20,
         buffers: int = 2,
         memcpy_threads: int = 1,
+        streaming_stores: bool = True,
     ) -> None:
         if chunk_bytes <= 0 or buffers < 1 or memcpy_threads < 1:
             raise ValueError(
@@ -177,8 +197,12 @@ class StagingPool:
             )
         self.chunk_bytes = chunk_bytes
         self.buffers = buffers
-        self.h2d = StagingLane(allocator, "h2d", chunk_bytes, buffers)
-        self.d2h = StagingLane(allocator, "d2h", chunk_bytes, buffers, memcpy_threads)
+        self.h2d = StagingLane(allocator, "h2d", chunk_bytes, buffers, streaming_stores=False)
+        # Host-to-device fills the lane's few buffers, which stay in the cache for the DMA to
+        # read: plain stores. Device-to-host writes each destination once: streaming stores.
+        self.d2h = StagingLane(
+            allocator, "d2h", chunk_bytes, buffers, memcpy_threads, streaming_stores
+        )
 
     @property
     def nbytes(self) -> int:

@@ -289,14 +289,17 @@ async def test_an_arena_block_outlives_the_manager_while_its_tensor_does() -> No
     assert arena.total_bytes == 0, "the last block released its slab"
 
 
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize(
+    ("threads", "streaming"), [(1, True), (4, True), (4, False)], ids=["1", "4", "4-plain"]
+)
 async def test_device_to_pageable_staging_with_parallel_memcpy_and_mapped_destinations(
-    threads: int,
+    threads: int, streaming: bool
 ) -> None:
     b = CudaBackend(
         staging_chunk_bytes=4 * CHUNK,
         staging_buffers=3,
         staging_memcpy_threads=threads,
+        staging_streaming_stores=streaming,
         pageable_mmap_bytes=CHUNK,
     )
     b.start()
