@@ -208,7 +208,6 @@ async def time_async_split(
 
 async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> None:
     from aresidency import ResidencyManager
-
     from aresidency.backends.streamcopy import streaming_memmove, streaming_memmove_status
 
     streaming_memmove()  # built now, not inside the first timed copy
