@@ -20,7 +20,7 @@ thread spinning on ``query()``); ``CPU %`` = process CPU time / wall time over t
 = 99th percentile delay between a helper thread's ``call_soon_threadsafe`` (every 0.5 ms) and
 the callback running on the loop, while waiting.
 
-usage: python benchmarks/bench_copy.py [--quick] [--json PATH] [--markdown PATH]
+usage: python benchmarks/bench_copy.py [--quick | --staging-only] [--json PATH] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ async def time_async_split(
     return out
 
 
-async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> None:
+async def bench_copies(
+    sizes: dict[str, int], rows: list[dict[str, Any]], staging_only: bool = False
+) -> None:
     from aresidency import ResidencyManager
     from aresidency.backends.streamcopy import streaming_memmove, streaming_memmove_status
 
@@ -218,8 +220,10 @@ async def bench_copies(sizes: dict[str, int], rows: list[dict[str, Any]]) -> Non
     try:
         async with ResidencyManager(backend=manager_backend) as m:
             for label, n in sizes.items():
-                for conc in (1, concurrency_for(n)):
+                for conc in (1,) if staging_only else (1, concurrency_for(n)):
                     for path, src, dst in PATHS:
+                        if staging_only and "pageable" not in path:
+                            continue
                         try:
                             await bench_cell(backend, m, path, src, dst, label, n, conc, rows)
                         except Exception:
@@ -841,6 +845,8 @@ def markdown(
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {"4 MB": 4 * MB, "64 MB": 64 * MB} if args.quick else SIZES
+    if args.staging_only:
+        sizes = {"1 GB": SIZES["1 GB"]}
     props = torch.cuda.get_device_properties(0)
     loop_name = "uvloop" if args.uvloop else "asyncio"
     meta = (
@@ -857,17 +863,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     copy_rows: list[dict[str, Any]] = []
     alloc_rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    print("## wake-up", flush=True)
-    try:
-        await bench_wakeup(wake_rows, waits=40 if args.quick else 100)
-    except Exception:
-        traceback.print_exc()
+    if not args.staging_only:
+        print("## wake-up", flush=True)
+        try:
+            await bench_wakeup(wake_rows, waits=40 if args.quick else 100)
+        except Exception:
+            traceback.print_exc()
     if not args.wakeup_only:
         print("## copies", flush=True)
         try:
-            await bench_copies(sizes, copy_rows)
+            await bench_copies(sizes, copy_rows, staging_only=args.staging_only)
         except Exception:
             traceback.print_exc()
+    if not (args.wakeup_only or args.staging_only):
         print("## pinned allocation", flush=True)
         try:
             bench_pinned_alloc(alloc_rows)
@@ -903,6 +911,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="4 MB and 64 MB only, fewer waits")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
     parser.add_argument("--wakeup-only", action="store_true", help="skip the copy benchmark")
+    parser.add_argument(
+        "--staging-only",
+        action="store_true",
+        help="only the pageable copies of 1 GB, both directions and the staging variants",
+    )
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     if not torch.cuda.is_available():
