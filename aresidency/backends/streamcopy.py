@@ -122,9 +122,15 @@ def _build() -> tuple[Callable[[int, int, int], int] | None, str]:
     if cc is None:
         return None, "no C compiler (cc, gcc or clang) on PATH"
     key = hashlib.sha256(f"{cc}\n{STREAM_COPY_SOURCE}".encode()).hexdigest()[:16]
-    directory = _cache_dir()
-    library = directory / f"streamcopy-{key}.so"
-    if not library.exists():
+    # The user's cache first; a directory of this user's under the temporary one when the
+    # cache cannot be written (a read-only home).
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    places = (_cache_dir(), Path(tempfile.gettempdir()) / f"aresidency-{uid}")
+    failures: list[str] = []
+    for directory in places:
+        library = directory / f"streamcopy-{key}.so"
+        if library.exists():
+            break
         try:
             directory.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -140,8 +146,11 @@ def _build() -> tuple[Callable[[int, int, int], int] | None, str]:
                 if result.returncode != 0:
                     return None, f"{cc} failed: {result.stderr.strip()[-500:]}"
                 os.replace(built, library)  # atomic: another process may build it too
+            break
         except (OSError, subprocess.SubprocessError) as error:
-            return None, f"could not build it in {directory}: {error}"
+            failures.append(f"{directory}: {error}")
+    else:
+        return None, "could not build it in " + "; nor in ".join(failures)
     try:
         lib = ctypes.CDLL(str(library))
     except OSError as error:

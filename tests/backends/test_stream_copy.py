@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,13 +15,25 @@ from aresidency.backends import staging, streamcopy
 from aresidency.backends.staging import StagingLane
 
 
-@pytest.fixture
-def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
-    """Forget the process's built copy; build into an empty cache directory."""
+def _forget(monkeypatch: pytest.MonkeyPatch, cache: str) -> None:
+    """Forget the process's built copy; build into ``cache``."""
     monkeypatch.setattr(streamcopy, "_resolved", False)
     monkeypatch.setattr(streamcopy, "_function", None)
     monkeypatch.setattr(streamcopy, "_status", "not built yet")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", cache)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    _forget(monkeypatch, str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The copy, built once for this module into a cache directory of its own."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _forget(monkeypatch, str(tmp_path_factory.mktemp("cache")))
+        yield _copy_or_skip()
 
 
 def _copy_or_skip() -> object:
@@ -36,8 +49,8 @@ def _copy_or_skip() -> object:
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 65536 + 13, (1 << 20) + 77])
-def test_the_streaming_copy_is_byte_exact_at_every_alignment(nbytes: int) -> None:
-    fn = _copy_or_skip()
+def test_the_streaming_copy_is_byte_exact_at_every_alignment(built: object, nbytes: int) -> None:
+    fn = built
     for src_off, dst_off in [(0, 0), (1, 0), (0, 1), (3, 31), (17, 32), (64, 5)]:
         src = torch.randint(0, 256, (nbytes + 128,), dtype=torch.uint8)
         dst = torch.full((nbytes + 128,), 0xA5, dtype=torch.uint8)
@@ -113,3 +126,17 @@ def test_a_lane_without_the_streaming_copy_falls_back_to_memmove(
         future.result()
     assert torch.equal(dst, src)
     lane.close()
+
+
+def test_a_cache_that_cannot_be_written_builds_in_the_temporary_directory(
+    fresh_build: None, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+) -> None:
+    if streamcopy.platform.machine() not in ("x86_64", "AMD64") or streamcopy._compiler() is None:
+        pytest.skip("built only on x86-64 with a C compiler")
+    blocker = os.path.join(tmp_path, "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", blocker)  # its aresidency/ cannot be made
+    monkeypatch.setattr(streamcopy.tempfile, "gettempdir", lambda: str(tmp_path))
+    assert streamcopy.streaming_memmove() is not None
+    assert str(tmp_path) in streamcopy.streaming_memmove_status()
