@@ -12,8 +12,10 @@ with glibc's default and 44.3 GB/s with non-temporal stores; 16 threads 38.5 and
 
 No library that Python or torch reaches offers such a copy, so this module compiles one: a
 small C function (below) built once per machine with the system C compiler (``cc``) into the
-user's cache directory (``$XDG_CACHE_HOME/aresidency``, else ``~/.cache/aresidency``), as
-triton builds its launchers, and called through :mod:`ctypes`, which releases the interpreter
+user's cache directory (``$XDG_CACHE_HOME/aresidency``, else ``~/.cache/aresidency``; a
+directory of the user's under the temporary one when that cannot be written; never one that
+another user may write, since code is loaded from it), as triton builds its launchers, and
+called through :mod:`ctypes`, which releases the interpreter
 lock for the call. It copies the unaligned head with ``memcpy``, the body with AVX2 (or SSE2)
 non-temporal stores, the tail with ``memcpy``, then fences (``sfence``), so the bytes are in
 memory, in order, when it returns. Anywhere this cannot be had (not x86-64, no compiler, a
@@ -113,6 +115,13 @@ def _compiler() -> str | None:
     return None
 
 
+def _private(path: Path) -> bool:
+    """Whether ``path`` belongs to this user and no one else may write it."""
+    info = path.stat()
+    uid = os.getuid() if hasattr(os, "getuid") else info.st_uid
+    return info.st_uid == uid and not info.st_mode & 0o022
+
+
 def _build() -> tuple[Callable[[int, int, int], int] | None, str]:
     if os.environ.get("ARESIDENCY_STREAM_COPY", "1") == "0":
         return None, "disabled by ARESIDENCY_STREAM_COPY=0"
@@ -129,10 +138,15 @@ def _build() -> tuple[Callable[[int, int, int], int] | None, str]:
     failures: list[str] = []
     for directory in places:
         library = directory / f"streamcopy-{key}.so"
-        if library.exists():
-            break
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Code is loaded from here: only a directory (and file) of this user's that no one
+            # else may write will do (the temporary directory is shared).
+            if not _private(directory) or (library.exists() and not _private(library)):
+                failures.append(f"{directory}: not this user's alone")
+                continue
+            if library.exists():
+                break
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 source = Path(tmp) / "streamcopy.c"
                 source.write_text(STREAM_COPY_SOURCE)

@@ -140,3 +140,20 @@ def test_a_cache_that_cannot_be_written_builds_in_the_temporary_directory(
     monkeypatch.setattr(streamcopy.tempfile, "gettempdir", lambda: str(tmp_path))
     assert streamcopy.streaming_memmove() is not None
     assert str(tmp_path) in streamcopy.streaming_memmove_status()
+
+
+def test_a_directory_others_may_write_is_not_built_in_nor_loaded_from(
+    fresh_build: None, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+) -> None:
+    if streamcopy.platform.machine() not in ("x86_64", "AMD64") or streamcopy._compiler() is None:
+        pytest.skip("built only on x86-64 with a C compiler")
+    shared = os.path.join(tmp_path, "shared")
+    os.makedirs(os.path.join(shared, "aresidency"))
+    os.chmod(os.path.join(shared, "aresidency"), 0o777)
+    elsewhere = os.path.join(tmp_path, "tmp")
+    os.makedirs(elsewhere)
+    monkeypatch.setenv("XDG_CACHE_HOME", shared)
+    monkeypatch.setattr(streamcopy.tempfile, "gettempdir", lambda: elsewhere)
+    assert streamcopy.streaming_memmove() is not None
+    status = streamcopy.streaming_memmove_status()
+    assert elsewhere in status and not os.listdir(os.path.join(shared, "aresidency"))
