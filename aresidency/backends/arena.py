@@ -582,10 +582,14 @@ class PinnedArena:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         exporter = (ctypes.c_uint8 * max(nbytes, 1)).from_buffer(slab.mapping, offset)
-        raw = torch.frombuffer(exporter, dtype=torch.uint8)[:nbytes]
+        if nbytes:  # straight to the dtype, one view (this runs on the loop, once per copy)
+            typed = torch.frombuffer(exporter, dtype=dtype)
+        else:
+            typed = torch.frombuffer(exporter, dtype=torch.uint8)[:0].view(dtype)
         weakref.finalize(exporter, _return_block, weakref.ref(self), slab, offset, nbytes)
         del exporter  # the tensor's storage holds it now
-        return raw.view(dtype).view(tuple(shape))
+        shape = tuple(shape)
+        return typed if typed.shape == shape else typed.view(shape)
 
     def _locked(self) -> _Section:
         """Hold the lock; on the way out, take back the blocks returned meanwhile (and release,
@@ -642,4 +646,4 @@ def _nbytes(shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> int:
     numel = 1
     for dim in shape:
         numel *= int(dim)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize

@@ -30,6 +30,26 @@ def _check_tiling(arena: PinnedArena) -> None:
         assert all(a[1] < b[0] for a, b in itertools.pairwise(ends)), "merged"
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((), torch.float64), ((0, 4), torch.float32), ((7,), torch.uint8), ((2, 3, 5), torch.int16)],
+)
+def test_a_carved_tensor_has_the_shape_dtype_and_bytes_asked_for(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    arena = _arena(FakeRegistry())
+    t = arena.carve(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    nbytes = t.numel() * t.element_size()
+    assert arena.value_bytes == nbytes
+    if nbytes:
+        t.fill_(3)
+        assert bool((t == 3).all())
+    del t
+    gc.collect()
+    assert arena.value_bytes == 0
+
+
 def test_blocks_are_exact_aligned_and_reused_after_their_tensor_dies() -> None:
     registry = FakeRegistry()
     arena = _arena(registry)
