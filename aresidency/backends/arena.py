@@ -63,6 +63,8 @@ from typing import Final
 
 import torch
 
+from .memory import tensor_over
+
 __all__ = ["ALIGN", "PinnedArena", "private_mapping"]
 
 ALIGN: Final = 256
@@ -582,14 +584,10 @@ class PinnedArena:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         exporter = (ctypes.c_uint8 * max(nbytes, 1)).from_buffer(slab.mapping, offset)
-        if nbytes:  # straight to the dtype, one view (this runs on the loop, once per copy)
-            typed = torch.frombuffer(exporter, dtype=dtype)
-        else:
-            typed = torch.frombuffer(exporter, dtype=torch.uint8)[:0].view(dtype)
+        tensor = tensor_over(exporter, nbytes, dtype, shape)
         weakref.finalize(exporter, _return_block, weakref.ref(self), slab, offset, nbytes)
         del exporter  # the tensor's storage holds it now
-        shape = tuple(shape)
-        return typed if typed.shape == shape else typed.view(shape)
+        return tensor
 
     def _locked(self) -> _Section:
         """Hold the lock; on the way out, take back the blocks returned meanwhile (and release,

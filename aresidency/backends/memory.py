@@ -34,6 +34,7 @@ __all__ = [
     "host_fill",
     "is_poisoned",
     "poison_",
+    "tensor_over",
 ]
 
 POISON_BYTE: Final = 0xA5
@@ -42,6 +43,20 @@ POISON_BYTE: Final = 0xA5
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor's elements (no copy)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def tensor_over(
+    exporter: object, nbytes: int, dtype: torch.dtype, shape: Sequence[int] | torch.Size
+) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` over the first ``nbytes`` of the buffer ``exporter``
+    (``nbytes`` = its elements' bytes; no copy; the tensor's storage keeps ``exporter``). Made
+    with one view at most: it runs on the loop, once per destination."""
+    if nbytes:
+        typed = torch.frombuffer(exporter, dtype=dtype, count=nbytes // dtype.itemsize)
+    else:
+        typed = torch.frombuffer(exporter, dtype=torch.uint8)[:0].view(dtype)
+    shape = tuple(shape)
+    return typed if typed.shape == shape else typed.view(shape)
 
 
 def poison_(tensor: torch.Tensor) -> torch.Tensor:

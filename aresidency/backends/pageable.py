@@ -45,6 +45,7 @@ from typing import Final
 import torch
 
 from .arena import private_mapping
+from .memory import tensor_over
 
 __all__ = ["MAPPING_ROUND", "PageableCache", "default_host_keep_bytes"]
 
@@ -85,7 +86,7 @@ class PageableCache:
         """An uninitialized pageable tensor over a kept mapping of its rounded size, or over a
         new one (see the module docstring)."""
         numel = math.prod(int(d) for d in shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         size = _rounded(nbytes)
         mapping = None
         with self._lock:
@@ -101,11 +102,11 @@ class PageableCache:
         if mapping is None:
             mapping = private_mapping(size)
         exporter = (ctypes.c_uint8 * max(nbytes, 1)).from_buffer(mapping)
-        raw = torch.frombuffer(exporter, dtype=torch.uint8)[:nbytes]
+        tensor = tensor_over(exporter, nbytes, dtype, shape)
         done = weakref.finalize(exporter, _give_back, weakref.ref(self), mapping, size)
         done.atexit = False
         del exporter  # the tensor's storage holds it now
-        return raw.view(dtype).view(tuple(shape))
+        return tensor
 
     def set_limit(self, limit_bytes: int) -> None:
         """Keep at most ``limit_bytes`` from now on; unmaps what no longer fits (blocking for

@@ -298,7 +298,7 @@ class PinnedAllocator:
         ``pin=False`` (then call :meth:`pin` later, off the event loop: registering faults in
         and locks every page). Blocks the calling thread while pinning."""
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         if not self.exact:

@@ -39,6 +39,7 @@ from typing import Any, Final
 import torch
 
 from .arena import private_mapping
+from .memory import tensor_over
 from .pageable import PageableCache
 from .pinned import PAGE_BYTES, PinnedAllocator, cuda_event
 from .polling import spin_wait
@@ -322,14 +323,14 @@ def pageable_empty(
     first writes it), taken from ``cache`` when it keeps one of that size (its pages are
     faulted in already), else ``torch.empty``."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if mmap_from is None or nbytes < mmap_from:
         return torch.empty(tuple(shape), dtype=dtype)
     if cache is not None:
         return cache.empty(shape, dtype)
     mapping = private_mapping(nbytes)
     exporter = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
-    return torch.frombuffer(exporter, dtype=torch.uint8).view(dtype).view(tuple(shape))
+    return tensor_over(exporter, nbytes, dtype, shape)
 
 
 _PARALLEL_MEMCPY_BYTES: Final = 1 << 20
