@@ -576,6 +576,68 @@ async def test_sharded_checkpoint_streams_a_meta_model_bit_identically(
     assert all(t.is_meta for t in skeleton.parameters())  # the module is left as it was
 
 
+def dynamic_rope_llama(meta: bool = False) -> nn.Module:
+    """A small ``LlamaForCausalLM`` with dynamic RoPE scaling past 8 positions: its rotary
+    embedding (a tensor outside the blocks) recomputes ``inv_freq`` with
+    ``register_buffer`` when a sequence outgrows the longest it has seen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    torch.manual_seed(3)
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+@pytest.mark.parametrize("way", ["ring", "values", "kept", "checkpoint"])
+async def test_dynamic_rope_frequencies_a_call_recomputed_are_the_next_calls(
+    tmp_path: Path, way: str
+) -> None:
+    """After a 20-token call the rotary embedding keeps the frequencies scaled for 20
+    positions (and remembers 20 as its longest), so a 12-token call runs them unstreamed. The
+    streamed module ran that second call with the unscaled frequencies it packed: silently
+    different logits."""
+    model = await off_loop(dynamic_rope_llama)
+    reference = await off_loop(dynamic_rope_llama)
+    lengths = [20, 12, 5, 12]
+    calls = [inputs(batch=1, length=n, seed=n)[0] for n in lengths]
+    expected = [await off_loop(lambda x=x: logits_of(reference, input_ids=x)) for x in calls]
+    skeleton = model
+    if way == "checkpoint":
+        await off_loop(save_sharded, model, tmp_path)
+        skeleton = await off_loop(dynamic_rope_llama, True)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(
+            m,
+            skeleton,
+            ring=False if way == "values" else None,
+            checkpoint=tmp_path if way == "checkpoint" else None,
+        )
+        if way == "kept":
+            m.set_budget("cuda:0", streamed.resident_bytes + 4 * sum(streamed.block_bytes))
+        for x, want in zip(calls, expected):
+            with torch.no_grad():
+                out = await streamed(input_ids=x)
+            assert torch.equal(out.logits, want)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+    if way != "checkpoint":
+        rotary, wanted = model.model.rotary_emb, reference.model.rotary_emb  # type: ignore[union-attr]
+        assert torch.equal(rotary.inv_freq, wanted.inv_freq)
+
+
 async def test_a_float32_checkpoint_streams_into_a_bfloat16_model(tmp_path: Path) -> None:
     model = await built(LAYERS)
     await off_loop(save_sharded, model, tmp_path)  # float32 on disk

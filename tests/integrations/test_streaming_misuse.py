@@ -499,3 +499,76 @@ async def test_a_module_streamed_by_another_manager_is_refused_until_aclose() ->
         with torch.no_grad():
             assert torch.equal(await second(x), want)
         await second.aclose()
+
+
+class Counting(nn.Module):
+    """A block whose forward replaces one of its buffers (``self.calls = self.calls + 1``, a
+    new tensor each call, as a dynamic RoPE's ``register_buffer`` is), and whose output
+    depends on it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.linear(x) * self.calls
+
+
+def counting(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8), Counting(8), nn.Linear(8, 8), Counting(8)]
+    if kind == "sequential":
+        return nn.Sequential(*blocks)
+    net = Net(d=8, n=2)
+    net.layers = nn.ModuleList(blocks)
+    net.embed = nn.Linear(16, 8)
+    net.head = nn.Linear(8, 8)
+    net.pos = torch.zeros(8)
+    return net
+
+
+@pytest.mark.parametrize("kind", ["sequential", "forward"])
+@pytest.mark.parametrize("ring", RINGS)
+async def test_a_buffer_the_forward_replaces_is_what_the_next_call_reads(
+    ring: bool | None, kind: str
+) -> None:
+    """A block's forward that puts a new tensor in a buffer's place changes the module, as it
+    would unstreamed: the next call reads the new value, kept groups included, and after
+    ``aclose()`` the module holds it."""
+    model = counting(kind)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 8 if kind == "sequential" else 16)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        m.set_budget("cuda:0", _budget_keeping_half(streamed))
+        for _ in range(3):
+            with torch.no_grad():
+                want = reference(x)
+                assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+    assert float(model.layers[1].calls if kind == "forward" else model[1].calls) == 3.0
+    assert torch.equal(expected(model, x), expected(reference, x))
+
+
+async def test_a_buffer_replaced_by_another_shape_is_refused_by_name_at_the_next_call() -> None:
+    """A forward that puts a tensor of another shape (or ``None``) in a buffer's place: the
+    packed module cannot hold it, and running the old value would be silently wrong."""
+
+    class Growing(Counting):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = torch.zeros(2)
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Growing(8), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            await streamed(x)  # this call ran what the module held
+            for _ in range(2):
+                with pytest.raises(ValueError, match=r"replaced 1\.calls .* shape \[2\]"):
+                    await streamed(x)
+        await streamed.aclose()

@@ -31,7 +31,7 @@ from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
-from .checkpoint import CheckpointNames, block_loader, check_names
+from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
 from .packing import TensorGroup, collect_groups, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
@@ -219,6 +219,7 @@ class StreamedModule:
         self._closed = False
         self._registered: list[TensorGroup] = []
         self._checkpoint: Checkpoint | None = given
+        self._loaders: dict[int, BlockLoader] = {}  # group index -> its checkpoint loader
         self.calls = 0
         # Copies to the device this module started (a block each time it is streamed in, the
         # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
@@ -319,6 +320,7 @@ class StreamedModule:
         for group in self.all_groups:
             if opened is not None:
                 load = block_loader(group, opened, module=self.module, names=self._checkpoint_names)
+                self._loaders[group.index] = load
                 source = CallableSource(
                     load, shape=(group.nbytes,), dtype=torch.uint8, source_location="pageable-host"
                 )
@@ -507,6 +509,70 @@ class StreamedModule:
                 group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
+
+    def _check_replaced(self) -> list[TensorGroup]:
+        """The groups a forward put other tensors in (see :meth:`_write_back`), after checking
+        that each value can be written back: ``ValueError`` naming the tensor otherwise (the
+        value is kept: every call raises it until ``aclose()``)."""
+        groups = [g for g in self.all_groups if g.replaced]
+        for group in groups:
+            loader = self._loaders.get(group.index)
+            for index, value in group.replaced.items():
+                entry = group.entries[index]
+                if value is None:
+                    what = "None"
+                elif value.shape != entry.shape or value.dtype != entry.dtype:
+                    what = f"a {value.dtype} tensor of shape {list(value.shape)}"
+                elif loader is not None and not loader.copies_entry(index):
+                    what = (
+                        f"a new tensor, but it is read from checkpoint {self.checkpoint} at "
+                        "each call"
+                    )
+                else:
+                    continue
+                raise ValueError(
+                    f"{self.name}: a call's forward replaced {entry.names[0]} ({entry.dtype}, "
+                    f"shape {list(entry.shape)}) with {what}, which a streamed module cannot "
+                    "keep (its tensors are packed with their shape and dtype, and a "
+                    "checkpoint's are read from the file); the next calls would run the old "
+                    "value: stream a module whose forward changes such state in place, or "
+                    "keep that state out of the streamed module"
+                )
+        return groups
+
+    def _apply_replaced(self, groups: list[TensorGroup]) -> None:
+        """Write the values captured in ``groups`` into the module's own tensors (or into what
+        a checkpoint's loader copies), while nothing reads them."""
+        with torch.inference_mode():  # (also writes a tensor made under inference mode)
+            for group in groups:
+                replaced, group.replaced = group.replaced, {}
+                loader = self._loaders.get(group.index)
+                for index, value in replaced.items():
+                    assert value is not None
+                    entry = group.entries[index]
+                    if loader is not None:
+                        loader.set_copy(index, value)
+                    if not entry.tensor.is_meta:
+                        entry.tensor.copy_(value)
+                if group.host_flat is not None:
+                    group.note()
+
+    async def _write_back(self) -> None:
+        """A forward that put another tensor in place of one of a group's (a dynamic RoPE's
+        ``register_buffer("inv_freq", ...)`` once a sequence outgrows the cached one) changed
+        the module, as it would unstreamed: the call captured the new value on the host when
+        the block (or the forward, for the tensors outside the blocks) ended. Here, before the
+        next call and once nothing reads the host copies, the value is written into the
+        module's tensor (with a checkpoint: the loader copies it from then on), and the
+        group's device replica is dropped: the call copies the group again."""
+        groups = self._check_replaced()
+        if not groups:
+            return
+        await self.drain()
+        self._apply_replaced(groups)
+        for group in groups:
+            self.kept.discard(group.index)
+            self.release_replica(group.index)
 
     def unprotected_handles(self) -> list[ValueHandle]:
         """The module's values nothing protects at the device now: what a wait for room
@@ -870,6 +936,7 @@ class StreamedModule:
         kwargs: dict[str, Any],
     ) -> Any:
         """:meth:`_run` once the module's lock and the call's admission turn are held."""
+        await self._write_back()
         changed = self._changed_groups()
         if changed:
             await self._refresh(changed)
@@ -942,6 +1009,8 @@ class StreamedModule:
             # tensors back; nothing is left to release.
             self._closed = True
             self._threaded.close()
+            with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
+                self._apply_replaced(self._check_replaced())
             self._restore_host_tensors()
             self._registered.clear()
             self.kept.clear()
@@ -951,6 +1020,8 @@ class StreamedModule:
             self._closed = True
             try:
                 await self.drain()
+                with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
+                    self._apply_replaced(self._check_replaced())
             finally:
                 self._threaded.close()
                 self._restore_host_tensors()
