@@ -27,6 +27,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.integrations.streaming.checkpoint import recover_meta_buffers
 from aresidency.integrations.streaming.ring import RingCall
+from aresidency.serving import ModelPool
 
 from ._models import Net, tiny_llama
 
@@ -600,7 +601,7 @@ def dynamic_rope_llama(meta: bool = False) -> nn.Module:
 
 
 @pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
-@pytest.mark.parametrize("way", ["ring", "values", "kept", "checkpoint"])
+@pytest.mark.parametrize("way", ["ring", "values", "kept", "checkpoint", "pool"])
 async def test_dynamic_rope_frequencies_a_call_recomputed_are_the_next_calls(
     tmp_path: Path, way: str
 ) -> None:
@@ -617,6 +618,16 @@ async def test_dynamic_rope_frequencies_a_call_recomputed_are_the_next_calls(
     if way == "checkpoint":
         await off_loop(save_sharded, model, tmp_path)
         skeleton = await off_loop(dynamic_rope_llama, True)
+    if way == "pool":
+        async with ResidencyManager(backend="sim") as m:
+            pool = ModelPool(m, device="cuda:0")
+            pool.add("llama", model)
+            for x, want in zip(calls, expected):
+                async with pool.use("llama") as pooled:
+                    with torch.no_grad():
+                        out = await pooled(input_ids=x)
+                assert torch.equal(out.logits, want)
+        return
     async with ResidencyManager(backend="sim") as m:
         streamed = stream_module(
             m,

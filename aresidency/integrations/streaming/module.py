@@ -473,13 +473,14 @@ class StreamedModule:
 
     def _changed_groups(self) -> list[TensorGroup]:
         """The groups whose tensors were written in place since they were noted (a
-        ``load_state_dict``, a ``copy_`` under ``no_grad``): their device replicas are stale.
+        ``load_state_dict``, a ``copy_`` under ``no_grad``), or that a call's forward put
+        other tensors in (see :meth:`_check_replaced`): their device replicas are stale.
         ``ValueError`` if a tensor was replaced instead (``load_state_dict(assign=True)``,
         ``.half()``, ``.to(...)``, a new ``Parameter``): the streamed weights are the ones
         registered, so the call would not run the module's."""
-        changed = []
+        changed = self._check_replaced()
         for group in self._registered:
-            if group.seen is None:
+            if group.seen is None or group.replaced:
                 continue
             replaced, stale = group.changes()
             if replaced is not None:
@@ -495,25 +496,38 @@ class StreamedModule:
         return changed
 
     async def _refresh(self, changed: list[TensorGroup]) -> None:
-        """Weights written in place: once nothing reads the host copies (the releases and
-        copies of earlier calls settled), bring the packed host copies up to date (a tensor
-        tied across groups lives in one of them) and drop the stale device replicas; the call
-        copies those groups again."""
+        """Weights written in place, or replaced by a call's forward: once nothing reads the
+        host copies (the releases and copies of earlier calls settled), write what the
+        forward put in place of the module's tensors into them (:meth:`_apply_replaced`),
+        bring the packed host copies up to date (a tensor tied across groups lives in one of
+        them) and drop the stale device replicas; the call copies those groups again."""
         await self.drain()
+        replaced = [g for g in changed if g.replaced]
+        if replaced:
+            self._apply_replaced(replaced)
+            # (a tensor written there may be tied into another group: stale now too)
+            changed = list({id(g): g for g in [*changed, *self._changed_groups()]}.values())
         with torch.no_grad():
             for group in changed:
-                assert group.host_flat is not None
-                for entry, view in zip(group.entries, group.views(group.host_flat)):
-                    if entry.tensor.data_ptr() != view.data_ptr():
-                        view.copy_(entry.tensor.detach())
-                group.note()
+                if group.host_flat is not None:
+                    for entry, view in zip(group.entries, group.views(group.host_flat)):
+                        if entry.tensor.data_ptr() != view.data_ptr():
+                            view.copy_(entry.tensor.detach())
+                    group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
 
     def _check_replaced(self) -> list[TensorGroup]:
-        """The groups a forward put other tensors in (see :meth:`_write_back`), after checking
-        that each value can be written back: ``ValueError`` naming the tensor otherwise (the
-        value is kept: every call raises it until ``aclose()``)."""
+        """The groups a call's forward put other tensors in: a forward that puts a new tensor
+        in place of one of a group's (a dynamic RoPE's ``register_buffer("inv_freq", ...)``
+        once a sequence outgrows the longest it has seen) changes the module, as it would
+        unstreamed. The call captured the new value on the host when the block (or the
+        forward, for the tensors outside the blocks) ended; :meth:`_refresh` writes it into
+        the module's tensor before the next call (with a checkpoint: the loader copies it
+        instead of the module's non-persistent buffer). ``ValueError`` naming the tensor for
+        a value that cannot be kept (of another shape or dtype, ``None``, or one for a tensor
+        read from a checkpoint): the value stays, so every call raises it until
+        ``aclose()``."""
         groups = [g for g in self.all_groups if g.replaced]
         for group in groups:
             loader = self._loaders.get(group.index)
@@ -554,25 +568,6 @@ class StreamedModule:
                         loader.set_copy(index, value)
                     if not entry.tensor.is_meta:
                         entry.tensor.copy_(value)
-                if group.host_flat is not None:
-                    group.note()
-
-    async def _write_back(self) -> None:
-        """A forward that put another tensor in place of one of a group's (a dynamic RoPE's
-        ``register_buffer("inv_freq", ...)`` once a sequence outgrows the cached one) changed
-        the module, as it would unstreamed: the call captured the new value on the host when
-        the block (or the forward, for the tensors outside the blocks) ended. Here, before the
-        next call and once nothing reads the host copies, the value is written into the
-        module's tensor (with a checkpoint: the loader copies it from then on), and the
-        group's device replica is dropped: the call copies the group again."""
-        groups = self._check_replaced()
-        if not groups:
-            return
-        await self.drain()
-        self._apply_replaced(groups)
-        for group in groups:
-            self.kept.discard(group.index)
-            self.release_replica(group.index)
 
     def unprotected_handles(self) -> list[ValueHandle]:
         """The module's values nothing protects at the device now: what a wait for room
@@ -936,7 +931,6 @@ class StreamedModule:
         kwargs: dict[str, Any],
     ) -> Any:
         """:meth:`_run` once the module's lock and the call's admission turn are held."""
-        await self._write_back()
         changed = self._changed_groups()
         if changed:
             await self._refresh(changed)

@@ -211,20 +211,29 @@ class TensorGroup:
         except (RuntimeError, NotImplementedError):
             return None
 
-    def restore(self, capture: bool = False) -> None:
-        """Put the module's own tensors back in their slots. With ``capture``, a slot the
-        forward gave another tensor (or ``None``) since :meth:`swap_in` has that value copied
-        to the host into :attr:`replaced` first: called where the calling thread orders work
-        after the block's (its compute stream current; the copy waits for the value)."""
-        originals = self._originals
+    def capture_replaced(self) -> None:
+        """Copy to the host, into :attr:`replaced`, the value of each slot the forward gave
+        another tensor (or ``None``) since :meth:`swap_in`. Call where the calling thread
+        orders work after the forward's (its compute stream current: the copy waits for the
+        value), before the reader event that lets the swapped-in tensors go."""
         swapped = self._swapped
+        if swapped is None:
+            return
+        originals = self._originals
         for slots, attr, i in self._slots:
             current = slots.get(attr)
-            replaced = swapped is not None and current is not swapped[i]
-            if capture and replaced and current is not originals[i]:
+            if current is not swapped[i] and current is not originals[i]:
                 self.replaced[i] = (
                     None if current is None else current.detach().to("cpu", copy=True)
                 )
+
+    def restore(self, capture: bool = False) -> None:
+        """Put the module's own tensors back in their slots (first, with ``capture``,
+        :meth:`capture_replaced`)."""
+        if capture:
+            self.capture_replaced()
+        originals = self._originals
+        for slots, attr, i in self._slots:
             slots[attr] = originals[i]
         self._swapped = None
 

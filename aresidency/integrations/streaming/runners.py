@@ -317,7 +317,10 @@ class ThreadedRunner:
         fire: the call is not the pipeline's): run ``fn`` with the caller's torch state and
         the compute stream current; return its output and an event after its last kernel."""
         with torch_state.enter(), self.streamed.manager.backend.stream_context(stream):
-            return fn(*args, **kwargs), self._reader_event(stream)
+            output = fn(*args, **kwargs)
+            for group in self.streamed.all_groups:
+                group.capture_replaced()  # (before the reader event lets the replicas go)
+            return output, self._reader_event(stream)
 
     async def run(
         self,
