@@ -572,3 +572,30 @@ async def test_a_buffer_replaced_by_another_shape_is_refused_by_name_at_the_next
                 with pytest.raises(ValueError, match=r"replaced 1\.calls .* shape \[2\]"):
                     await streamed(x)
         await streamed.aclose()
+
+
+async def test_a_module_whose_managers_closed_without_aclose_streams_again() -> None:
+    """A manager closed (a server restarted its runtime) while its streamed module was never
+    ``aclose()``d, the streamed module dropped: the module, kept alive by its hooks, was
+    refused for good by every later manager ("another manager streams already", naming a
+    closed manager and a streamed module no one holds). It can never run again, so the next
+    ``stream_module`` closes it first."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m1:
+        first = stream_module(m1, model, name="first")
+        with torch.no_grad():
+            assert torch.equal(await first(x), want)
+    async with ResidencyManager(backend="sim") as m2:
+        second = stream_module(m2, model, name="second")
+        with torch.no_grad():
+            assert torch.equal(await second(x), want)
+        hooks = [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.layers]
+        assert hooks == [2, 2, 2], "the first module's hooks are gone"
+        await first.aclose()  # nothing left to do: the second one is untouched
+        with torch.no_grad():
+            assert torch.equal(await second(x), want)
+        await second.aclose()
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in model.layers)
+    assert torch.equal(expected(model, x), want)

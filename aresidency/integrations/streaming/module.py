@@ -243,13 +243,19 @@ class StreamedModule:
         manager (``stream_module`` again, a model pool's) or by another one, until that
         streamed module's ``aclose()``: its tensors would be registered and charged twice,
         and the first streamed module would find them swapped out (pointed at the other
-        registration's memory, for good). Changes nothing."""
+        registration's memory, for good). Changes nothing, but for a streamed module whose
+        manager has closed without its ``aclose()``: it can never run again, so it is closed
+        here (its hooks removed, its module given its own tensors back), as ``aclose()``
+        would, and the module may be streamed again."""
         mine = {id(sub) for sub in self.module.modules()}
         for manager, streamed in list(_by_manager.items()):
             for other in list(streamed):
                 if other._closed or other is self:
                     continue
                 if not any(id(sub) in mine for sub in other.module.modules()):
+                    continue
+                if not manager.running:
+                    other._close_after_manager()
                     continue
                 if manager is self.manager:
                     raise ValueError(
@@ -999,16 +1005,7 @@ class StreamedModule:
         if self._closed:
             return
         if not self.manager.running:
-            # The manager closed first (and freed every replica): give the module its own
-            # tensors back; nothing is left to release.
-            self._closed = True
-            self._threaded.close()
-            with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
-                self._apply_replaced(self._check_replaced())
-            self._restore_host_tensors()
-            self._registered.clear()
-            self.kept.clear()
-            self._close_checkpoint()
+            self._close_after_manager()
             return
         async with self._lock:
             self._closed = True
@@ -1027,6 +1024,18 @@ class StreamedModule:
                 self._registered.clear()
                 self.kept.clear()
                 self._close_checkpoint()
+
+    def _close_after_manager(self) -> None:
+        """``aclose()`` once the manager closed (and freed every replica): remove the hooks
+        and give the module its own tensors back; nothing is left to release."""
+        self._closed = True
+        self._threaded.close()
+        with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
+            self._apply_replaced(self._check_replaced())
+        self._restore_host_tensors()
+        self._registered.clear()
+        self.kept.clear()
+        self._close_checkpoint()
 
     def _close_checkpoint(self) -> None:
         """Close the checkpoint this module opened (one given opened is the caller's)."""
