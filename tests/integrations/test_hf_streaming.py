@@ -649,6 +649,45 @@ async def test_dynamic_rope_frequencies_a_call_recomputed_are_the_next_calls(
         assert torch.equal(rotary.inv_freq, wanted.inv_freq)
 
 
+def tiny_m2m100() -> nn.Module:
+    """A small ``M2M100ForConditionalGeneration`` whose sinusoidal position tables (8
+    positions) are rebuilt larger by the forward (``register_buffer``) for a longer input."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+    config = M2M100Config(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=8,
+        decoder_start_token_id=2,
+    )
+    torch.manual_seed(4)
+    return M2M100ForConditionalGeneration(config).eval()
+
+
+async def test_a_position_table_the_forward_grows_keeps_streaming_with_a_warning() -> None:
+    """M2M100 (NLLB) grows its sinusoidal position tables for an input longer than they are:
+    a replacement of another shape, which the streamed module cannot keep. Every call still
+    runs (the forward grows the table again) and equals the unstreamed model's."""
+    model, reference = await off_loop(tiny_m2m100), await off_loop(tiny_m2m100)
+    ids = inputs(batch=1, length=20)[0]
+    expected = await off_loop(
+        lambda: logits_of(reference, input_ids=ids, decoder_input_ids=ids[:, :3])
+    )
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad(), pytest.warns(RuntimeWarning, match="embed_positions.weights"):
+            for _ in range(3):
+                out = await streamed(input_ids=ids, decoder_input_ids=ids[:, :3])
+                assert torch.equal(out.logits, expected)
+        await streamed.aclose()
+
+
 async def test_a_float32_checkpoint_streams_into_a_bfloat16_model(tmp_path: Path) -> None:
     model = await built(LAYERS)
     await off_loop(save_sharded, model, tmp_path)  # float32 on disk

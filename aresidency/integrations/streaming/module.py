@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -220,6 +221,7 @@ class StreamedModule:
         self._registered: list[TensorGroup] = []
         self._checkpoint: Checkpoint | None = given
         self._loaders: dict[int, BlockLoader] = {}  # group index -> its checkpoint loader
+        self._dropped: set[str] = set()  # tensors whose replacement was dropped (warned once)
         self.calls = 0
         # Copies to the device this module started (a block each time it is streamed in, the
         # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
@@ -530,34 +532,41 @@ class StreamedModule:
         unstreamed. The call captured the new value on the host when the block (or the
         forward, for the tensors outside the blocks) ended; :meth:`_refresh` writes it into
         the module's tensor before the next call (with a checkpoint: the loader copies it
-        instead of the module's non-persistent buffer). ``ValueError`` naming the tensor for
-        a value that cannot be kept (of another shape or dtype, ``None``, or one for a tensor
-        read from a checkpoint): the value stays, so every call raises it until
-        ``aclose()``."""
-        groups = [g for g in self.all_groups if g.replaced]
-        for group in groups:
+        instead of the module's non-persistent buffer). A value that cannot be kept (of
+        another shape or dtype, ``None``, or one for a tensor read from a checkpoint) is
+        dropped with a warning naming the tensor (once per tensor): the next calls start
+        from the packed one again, as every call did before (harmless for a table the
+        forward rebuilds when it needs a larger one, such as M2M100's sinusoidal positions;
+        a different result from the unstreamed module's for state it keeps there)."""
+        groups = []
+        for group in self.all_groups:
+            if not group.replaced:
+                continue
             loader = self._loaders.get(group.index)
-            for index, value in group.replaced.items():
+            for index, value in list(group.replaced.items()):
                 entry = group.entries[index]
                 if value is None:
                     what = "None"
                 elif value.shape != entry.shape or value.dtype != entry.dtype:
                     what = f"a {value.dtype} tensor of shape {list(value.shape)}"
                 elif loader is not None and not loader.copies_entry(index):
-                    what = (
-                        f"a new tensor, but it is read from checkpoint {self.checkpoint} at "
-                        "each call"
-                    )
+                    what = f"a new tensor, but it is read from checkpoint {self.checkpoint}"
                 else:
                     continue
-                raise ValueError(
-                    f"{self.name}: a call's forward replaced {entry.names[0]} ({entry.dtype}, "
-                    f"shape {list(entry.shape)}) with {what}, which a streamed module cannot "
-                    "keep (its tensors are packed with their shape and dtype, and a "
-                    "checkpoint's are read from the file); the next calls would run the old "
-                    "value: stream a module whose forward changes such state in place, or "
-                    "keep that state out of the streamed module"
-                )
+                del group.replaced[index]
+                if entry.names[0] not in self._dropped:
+                    self._dropped.add(entry.names[0])
+                    warnings.warn(
+                        f"{self.name}: a call's forward replaced {entry.names[0]} "
+                        f"({entry.dtype}, shape {list(entry.shape)}) with {what}, which a "
+                        "streamed module cannot keep (its tensors are packed with their shape "
+                        "and dtype; a checkpoint's are read from the file): each call starts "
+                        "from the packed one, unlike the module run unstreamed",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            if group.replaced:
+                groups.append(group)
         return groups
 
     def _apply_replaced(self, groups: list[TensorGroup]) -> None:
@@ -1011,8 +1020,7 @@ class StreamedModule:
             self._closed = True
             try:
                 await self.drain()
-                with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
-                    self._apply_replaced(self._check_replaced())
+                self._apply_replaced(self._check_replaced())
             finally:
                 self._threaded.close()
                 self._restore_host_tensors()
@@ -1030,8 +1038,7 @@ class StreamedModule:
         and give the module its own tensors back; nothing is left to release."""
         self._closed = True
         self._threaded.close()
-        with contextlib.suppress(ValueError):  # (one that cannot be kept stays out)
-            self._apply_replaced(self._check_replaced())
+        self._apply_replaced(self._check_replaced())
         self._restore_host_tensors()
         self._registered.clear()
         self.kept.clear()
