@@ -181,6 +181,23 @@ async def test_outputs_that_are_views_of_the_weights_stay_valid(ring: bool | Non
         await streamed.aclose()
 
 
+@pytest.mark.parametrize(
+    "name, error", [(5, TypeError), (("a",), TypeError), ("  ", ValueError), ("", ValueError)]
+)
+async def test_a_name_that_is_not_a_non_blank_string_is_refused(
+    name: object, error: type[Exception]
+) -> None:
+    """``name=`` names the values, ring reservations and errors: a number or a tuple was
+    taken as it came (``5.block0``), a blank one named nothing."""
+    model = Net(n=2)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(error, match="name must"):
+            stream_module(m, model, name=name)  # type: ignore[arg-type]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        streamed = stream_module(m, model, name="net")  # the module is untouched
+        await streamed.aclose()
+
+
 async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:
     model = Net(n=3)
     async with ResidencyManager(backend="sim") as m:

@@ -156,6 +156,13 @@ class StreamedModule:
         else:
             self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.host: HostKind | None = None if checkpoint is not None else host
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string or None, got {name!r}")
+        if name is not None and not name.strip():
+            raise ValueError(
+                f"name must name the streamed module (its values, ring reservations and "
+                f"errors carry it), got {name!r}: give a non-blank string, or None"
+            )
         self.name = name or f"{type(module).__name__}-{id(module):x}"
         self._stream = stream
         manager.check_thread()
@@ -1168,7 +1175,9 @@ def stream_module(
     (default: see :func:`find_blocks`). ``stream``: the compute stream (default: the caller's
     current stream at each call). ``timeout``: seconds a block may wait for budget before
     ``TimeoutError`` (``None``: as long as it takes; once admitted, the wait for its copy is
-    not counted). ``keep_resident``: between calls, keep on the device the tensors outside the
+    not counted). ``name``: a non-blank string naming the module's values, ring reservations
+    and errors (default: the module's class and id; ``TypeError`` or ``ValueError``
+    otherwise). ``keep_resident``: between calls, keep on the device the tensors outside the
     blocks and the blocks that fit beside the prefetch window (spread
     evenly over the call order), so a call copies only what does not fit (see
     :meth:`StreamedModule.residency`); needs a strict ``device`` budget. ``ring``: copy the
