@@ -688,6 +688,35 @@ async def test_a_position_table_the_forward_grows_keeps_streaming_with_a_warning
         await streamed.aclose()
 
 
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+async def test_a_meta_skeleton_built_in_bfloat16_matches_from_pretrained(tmp_path: Path) -> None:
+    """The recipe of docs/streaming.md: a skeleton built on the meta device with its dtype
+    (``from_config(config, dtype=...)``) keeps the rotary ``inv_freq`` in float32, as
+    ``from_pretrained(path, dtype=...)`` does, and streams bit-identically to it."""
+    from transformers import AutoModelForCausalLM
+
+    model = await built(LAYERS)
+    await off_loop(save_sharded, model, tmp_path)
+    loaded = await off_loop(
+        lambda: AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    )
+    ids, mask = inputs()
+    expected = await off_loop(lambda: logits_of(loaded, input_ids=ids, attention_mask=mask))
+
+    def meta_skeleton() -> Any:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+
+    skeleton = await off_loop(meta_skeleton)
+    assert skeleton.model.rotary_emb.inv_freq.dtype == torch.float32
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, skeleton.eval(), checkpoint=tmp_path)
+        with torch.no_grad():
+            out = await streamed(input_ids=ids, attention_mask=mask)
+        assert torch.equal(out.logits, expected)
+        await streamed.aclose()
+
+
 async def test_a_float32_checkpoint_streams_into_a_bfloat16_model(tmp_path: Path) -> None:
     model = await built(LAYERS)
     await off_loop(save_sharded, model, tmp_path)  # float32 on disk
