@@ -27,6 +27,7 @@ from aresidency.backends.sim import SimBackend
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.integrations.streaming.checkpoint import recover_meta_buffers
 from aresidency.integrations.streaming.ring import RingCall
+from aresidency.serving import ModelPool
 
 from ._models import Net, tiny_llama
 
@@ -574,6 +575,146 @@ async def test_sharded_checkpoint_streams_a_meta_model_bit_identically(
         assert_nothing_left(m, streamed)
         await streamed.aclose()
     assert all(t.is_meta for t in skeleton.parameters())  # the module is left as it was
+
+
+def dynamic_rope_llama(meta: bool = False) -> nn.Module:
+    """A small ``LlamaForCausalLM`` with dynamic RoPE scaling past 8 positions: its rotary
+    embedding (a tensor outside the blocks) recomputes ``inv_freq`` with
+    ``register_buffer`` when a sequence outgrows the longest it has seen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    torch.manual_seed(3)
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+@pytest.mark.parametrize("way", ["ring", "values", "kept", "checkpoint", "pool"])
+async def test_dynamic_rope_frequencies_a_call_recomputed_are_the_next_calls(
+    tmp_path: Path, way: str
+) -> None:
+    """After a 20-token call the rotary embedding keeps the frequencies scaled for 20
+    positions (and remembers 20 as its longest), so a 12-token call runs them unstreamed. The
+    streamed module ran that second call with the unscaled frequencies it packed: silently
+    different logits."""
+    model = await off_loop(dynamic_rope_llama)
+    reference = await off_loop(dynamic_rope_llama)
+    lengths = [20, 12, 5, 12]
+    calls = [inputs(batch=1, length=n, seed=n)[0] for n in lengths]
+    expected = [await off_loop(lambda x=x: logits_of(reference, input_ids=x)) for x in calls]
+    skeleton = model
+    if way == "checkpoint":
+        await off_loop(save_sharded, model, tmp_path)
+        skeleton = await off_loop(dynamic_rope_llama, True)
+    if way == "pool":
+        async with ResidencyManager(backend="sim") as m:
+            pool = ModelPool(m, device="cuda:0")
+            pool.add("llama", model)
+            for x, want in zip(calls, expected):
+                async with pool.use("llama") as pooled:
+                    with torch.no_grad():
+                        out = await pooled(input_ids=x)
+                assert torch.equal(out.logits, want)
+        return
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(
+            m,
+            skeleton,
+            ring=False if way == "values" else None,
+            checkpoint=tmp_path if way == "checkpoint" else None,
+        )
+        if way == "kept":
+            m.set_budget("cuda:0", streamed.resident_bytes + 4 * sum(streamed.block_bytes))
+        for x, want in zip(calls, expected):
+            with torch.no_grad():
+                out = await streamed(input_ids=x)
+            assert torch.equal(out.logits, want)
+        await streamed.drain()
+        assert_nothing_left(m, streamed)
+        await streamed.aclose()
+    if way != "checkpoint":
+        rotary, wanted = model.model.rotary_emb, reference.model.rotary_emb  # type: ignore[union-attr]
+        assert torch.equal(rotary.inv_freq, wanted.inv_freq)
+
+
+def tiny_m2m100() -> nn.Module:
+    """A small ``M2M100ForConditionalGeneration`` whose sinusoidal position tables (8
+    positions) are rebuilt larger by the forward (``register_buffer``) for a longer input."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+    config = M2M100Config(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=8,
+        decoder_start_token_id=2,
+    )
+    torch.manual_seed(4)
+    return M2M100ForConditionalGeneration(config).eval()
+
+
+async def test_a_position_table_the_forward_grows_keeps_streaming_with_a_warning() -> None:
+    """M2M100 (NLLB) grows its sinusoidal position tables for an input longer than they are:
+    a replacement of another shape, which the streamed module cannot keep. Every call still
+    runs (the forward grows the table again) and equals the unstreamed model's."""
+    model, reference = await off_loop(tiny_m2m100), await off_loop(tiny_m2m100)
+    ids = inputs(batch=1, length=20)[0]
+    expected = await off_loop(
+        lambda: logits_of(reference, input_ids=ids, decoder_input_ids=ids[:, :3])
+    )
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad(), pytest.warns(RuntimeWarning, match="embed_positions.weights"):
+            for _ in range(3):
+                out = await streamed(input_ids=ids, decoder_input_ids=ids[:, :3])
+                assert torch.equal(out.logits, expected)
+        await streamed.aclose()
+
+
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+async def test_a_meta_skeleton_built_in_bfloat16_matches_from_pretrained(tmp_path: Path) -> None:
+    """The recipe of docs/streaming.md: a skeleton built on the meta device with its dtype
+    (``from_config(config, dtype=...)``) keeps the rotary ``inv_freq`` in float32, as
+    ``from_pretrained(path, dtype=...)`` does, and streams bit-identically to it."""
+    from transformers import AutoModelForCausalLM
+
+    model = await built(LAYERS)
+    await off_loop(save_sharded, model, tmp_path)
+    loaded = await off_loop(
+        lambda: AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    )
+    ids, mask = inputs()
+    expected = await off_loop(lambda: logits_of(loaded, input_ids=ids, attention_mask=mask))
+
+    def meta_skeleton() -> Any:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+
+    skeleton = await off_loop(meta_skeleton)
+    assert skeleton.model.rotary_emb.inv_freq.dtype == torch.float32
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, skeleton.eval(), checkpoint=tmp_path)
+        with torch.no_grad():
+            out = await streamed(input_ids=ids, attention_mask=mask)
+        assert torch.equal(out.logits, expected)
+        await streamed.aclose()
 
 
 async def test_a_float32_checkpoint_streams_into_a_bfloat16_model(tmp_path: Path) -> None:

@@ -463,3 +463,44 @@ async def test_the_thread_that_ran_a_call_keeps_nothing_of_its_device_memory() -
         executor.let_go.set()
         for thread in executor.threads:
             thread.join(5)
+
+
+async def test_two_modules_with_one_name_stream_through_rings_at_once() -> None:
+    """Two streamed modules of one manager given the same ``name=`` (two model pools naming
+    their models alike): their first calls' rings were both named ``stream ring net #1``,
+    so the second call in flight failed with ``DuplicateReservationError``. The second ring
+    takes the next free name."""
+    first, second = Net(n=3, seed=0), Net(n=3, seed=1)
+    x = torch.randn(2, 16)
+    want = [reference(first, x), reference(second, x)]
+    entered, go = threading.Event(), threading.Event()
+
+    def pause(*_: object) -> None:
+        entered.set()  # the first call's ring is reserved: its forward runs
+        go.wait()
+
+    hook = first.layers[1].register_forward_pre_hook(pause)
+    async with ResidencyManager(backend="sim") as m:
+        a = stream_module(m, first, name="net")
+        b = stream_module(m, second, name="net")
+        got: list[torch.Tensor] = []
+
+        async def call_first() -> None:
+            with torch.no_grad():
+                got.append(await a(x))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call_first)
+            try:
+                await anyio.to_thread.run_sync(entered.wait)
+                assert list(ring_reservations(m)) == ["stream ring net #1"]
+                with torch.no_grad():
+                    assert torch.equal(await b(x), want[1])
+            finally:
+                go.set()  # (the first call's thread goes on, whatever happened)
+        hook.remove()
+        assert torch.equal(got[0], want[0])
+        for streamed in (a, b):
+            await streamed.drain()
+            assert_nothing_left(m, streamed)
+            await streamed.aclose()

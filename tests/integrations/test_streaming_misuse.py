@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import warnings
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -177,6 +178,23 @@ async def test_outputs_that_are_views_of_the_weights_stay_valid(ring: bool | Non
         await streamed.drain()  # every device replica released (and poisoned)
         for have, wanted in zip(got, want):
             assert torch.equal(have, wanted)
+        await streamed.aclose()
+
+
+@pytest.mark.parametrize(
+    "name, error", [(5, TypeError), (("a",), TypeError), ("  ", ValueError), ("", ValueError)]
+)
+async def test_a_name_that_is_not_a_non_blank_string_is_refused(
+    name: object, error: type[Exception]
+) -> None:
+    """``name=`` names the values, ring reservations and errors: a number or a tuple was
+    taken as it came (``5.block0``), a blank one named nothing."""
+    model = Net(n=2)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(error, match="name must"):
+            stream_module(m, model, name=name)  # type: ignore[arg-type]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        streamed = stream_module(m, model, name="net")  # the module is untouched
         await streamed.aclose()
 
 
@@ -499,3 +517,110 @@ async def test_a_module_streamed_by_another_manager_is_refused_until_aclose() ->
         with torch.no_grad():
             assert torch.equal(await second(x), want)
         await second.aclose()
+
+
+class Counting(nn.Module):
+    """A block whose forward replaces one of its buffers (``self.calls = self.calls + 1``, a
+    new tensor each call, as a dynamic RoPE's ``register_buffer`` is), and whose output
+    depends on it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.linear(x) * self.calls
+
+
+def counting(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8), Counting(8), nn.Linear(8, 8), Counting(8)]
+    if kind == "sequential":
+        return nn.Sequential(*blocks)
+    net = Net(d=8, n=2)
+    net.layers = nn.ModuleList(blocks)
+    net.embed = nn.Linear(16, 8)
+    net.head = nn.Linear(8, 8)
+    net.pos = torch.zeros(8)
+    return net
+
+
+@pytest.mark.parametrize("kind", ["sequential", "forward"])
+@pytest.mark.parametrize("ring", RINGS)
+async def test_a_buffer_the_forward_replaces_is_what_the_next_call_reads(
+    ring: bool | None, kind: str
+) -> None:
+    """A block's forward that puts a new tensor in a buffer's place changes the module, as it
+    would unstreamed: the next call reads the new value, kept groups included, and after
+    ``aclose()`` the module holds it."""
+    model = counting(kind)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 8 if kind == "sequential" else 16)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        m.set_budget("cuda:0", _budget_keeping_half(streamed))
+        for _ in range(3):
+            with torch.no_grad():
+                want = reference(x)
+                assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+    assert float(model.layers[1].calls if kind == "forward" else model[1].calls) == 3.0
+    assert torch.equal(expected(model, x), expected(reference, x))
+
+
+async def test_a_buffer_replaced_by_another_shape_is_dropped_with_a_warning_naming_it() -> None:
+    """A forward that puts a tensor of another shape (or ``None``) in a buffer's place: the
+    packed module cannot hold it. Each call starts from the packed value again (as a
+    positional table the forward grows when it needs to is, harmlessly), with one warning
+    naming the tensor, and the calls go on."""
+
+    class Growing(Counting):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert self.calls.shape == (), "each call starts from the packed buffer"
+            self.calls = torch.zeros(2)
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Growing(8), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+            with pytest.warns(RuntimeWarning, match=r"replaced 1\.calls .* shape \[2\]"):
+                assert torch.equal(await streamed(x), want)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # once per tensor
+                assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+    assert model[1].calls.shape == ()
+
+
+async def test_a_module_whose_managers_closed_without_aclose_streams_again() -> None:
+    """A manager closed (a server restarted its runtime) while its streamed module was never
+    ``aclose()``d, the streamed module dropped: the module, kept alive by its hooks, was
+    refused for good by every later manager ("another manager streams already", naming a
+    closed manager and a streamed module no one holds). It can never run again, so the next
+    ``stream_module`` closes it first."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m1:
+        first = stream_module(m1, model, name="first")
+        with torch.no_grad():
+            assert torch.equal(await first(x), want)
+    async with ResidencyManager(backend="sim") as m2:
+        second = stream_module(m2, model, name="second")
+        with torch.no_grad():
+            assert torch.equal(await second(x), want)
+        hooks = [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.layers]
+        assert hooks == [2, 2, 2], "the first module's hooks are gone"
+        await first.aclose()  # nothing left to do: the second one is untouched
+        with torch.no_grad():
+            assert torch.equal(await second(x), want)
+        await second.aclose()
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in model.layers)
+    assert torch.equal(expected(model, x), want)

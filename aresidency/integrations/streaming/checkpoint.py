@@ -139,6 +139,15 @@ class BlockLoader:
                 views[index].copy_(tensor)
         return flat
 
+    def copies_entry(self, index: int) -> bool:
+        """Whether entry ``index`` is copied from a host tensor (not read from the file)."""
+        return any(i == index for i, _ in self.copies)
+
+    def set_copy(self, index: int, tensor: torch.Tensor) -> None:
+        """Load entry ``index`` from ``tensor`` (a host tensor of its shape and dtype) from now
+        on: a non-persistent buffer the module's forward replaced. Call while no load runs."""
+        self.copies = [(i, tensor if i == index else t) for i, t in self.copies]
+
     def __repr__(self) -> str:
         return (
             f"<BlockLoader {self.group.name!r} {len(self.reads)} from {self.checkpoint.path}, "

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
-from .checkpoint import CheckpointNames, block_loader, check_names
+from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
 from .packing import TensorGroup, collect_groups, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
@@ -155,6 +156,13 @@ class StreamedModule:
         else:
             self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.host: HostKind | None = None if checkpoint is not None else host
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string or None, got {name!r}")
+        if name is not None and not name.strip():
+            raise ValueError(
+                f"name must name the streamed module (its values, ring reservations and "
+                f"errors carry it), got {name!r}: give a non-blank string, or None"
+            )
         self.name = name or f"{type(module).__name__}-{id(module):x}"
         self._stream = stream
         manager.check_thread()
@@ -219,6 +227,8 @@ class StreamedModule:
         self._closed = False
         self._registered: list[TensorGroup] = []
         self._checkpoint: Checkpoint | None = given
+        self._loaders: dict[int, BlockLoader] = {}  # group index -> its checkpoint loader
+        self._dropped: set[str] = set()  # tensors whose replacement was dropped (warned once)
         self.calls = 0
         # Copies to the device this module started (a block each time it is streamed in, the
         # groups it keeps when they arrive), and their bytes: what "budgets that remember" save.
@@ -242,13 +252,19 @@ class StreamedModule:
         manager (``stream_module`` again, a model pool's) or by another one, until that
         streamed module's ``aclose()``: its tensors would be registered and charged twice,
         and the first streamed module would find them swapped out (pointed at the other
-        registration's memory, for good). Changes nothing."""
+        registration's memory, for good). Changes nothing, but for a streamed module whose
+        manager has closed without its ``aclose()``: it can never run again, so it is closed
+        here (its hooks removed, its module given its own tensors back), as ``aclose()``
+        would, and the module may be streamed again."""
         mine = {id(sub) for sub in self.module.modules()}
         for manager, streamed in list(_by_manager.items()):
             for other in list(streamed):
                 if other._closed or other is self:
                     continue
                 if not any(id(sub) in mine for sub in other.module.modules()):
+                    continue
+                if not manager.running:
+                    other._close_after_manager()
                     continue
                 if manager is self.manager:
                     raise ValueError(
@@ -319,6 +335,7 @@ class StreamedModule:
         for group in self.all_groups:
             if opened is not None:
                 load = block_loader(group, opened, module=self.module, names=self._checkpoint_names)
+                self._loaders[group.index] = load
                 source = CallableSource(
                     load, shape=(group.nbytes,), dtype=torch.uint8, source_location="pageable-host"
                 )
@@ -471,13 +488,14 @@ class StreamedModule:
 
     def _changed_groups(self) -> list[TensorGroup]:
         """The groups whose tensors were written in place since they were noted (a
-        ``load_state_dict``, a ``copy_`` under ``no_grad``): their device replicas are stale.
+        ``load_state_dict``, a ``copy_`` under ``no_grad``), or that a call's forward put
+        other tensors in (see :meth:`_check_replaced`): their device replicas are stale.
         ``ValueError`` if a tensor was replaced instead (``load_state_dict(assign=True)``,
         ``.half()``, ``.to(...)``, a new ``Parameter``): the streamed weights are the ones
         registered, so the call would not run the module's."""
-        changed = []
+        changed = self._check_replaced()
         for group in self._registered:
-            if group.seen is None:
+            if group.seen is None or group.replaced:
                 continue
             replaced, stale = group.changes()
             if replaced is not None:
@@ -493,20 +511,85 @@ class StreamedModule:
         return changed
 
     async def _refresh(self, changed: list[TensorGroup]) -> None:
-        """Weights written in place: once nothing reads the host copies (the releases and
-        copies of earlier calls settled), bring the packed host copies up to date (a tensor
-        tied across groups lives in one of them) and drop the stale device replicas; the call
-        copies those groups again."""
+        """Weights written in place, or replaced by a call's forward: once nothing reads the
+        host copies (the releases and copies of earlier calls settled), write what the
+        forward put in place of the module's tensors into them (:meth:`_apply_replaced`),
+        bring the packed host copies up to date (a tensor tied across groups lives in one of
+        them) and drop the stale device replicas; the call copies those groups again."""
         await self.drain()
+        replaced = [g for g in changed if g.replaced]
+        if replaced:
+            self._apply_replaced(replaced)
+            # (a tensor written there may be tied into another group: stale now too)
+            changed = list({id(g): g for g in [*changed, *self._changed_groups()]}.values())
         with torch.no_grad():
             for group in changed:
-                assert group.host_flat is not None
-                for entry, view in zip(group.entries, group.views(group.host_flat)):
-                    if entry.tensor.data_ptr() != view.data_ptr():
-                        view.copy_(entry.tensor.detach())
-                group.note()
+                if group.host_flat is not None:
+                    for entry, view in zip(group.entries, group.views(group.host_flat)):
+                        if entry.tensor.data_ptr() != view.data_ptr():
+                            view.copy_(entry.tensor.detach())
+                    group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
+
+    def _check_replaced(self) -> list[TensorGroup]:
+        """The groups a call's forward put other tensors in: a forward that puts a new tensor
+        in place of one of a group's (a dynamic RoPE's ``register_buffer("inv_freq", ...)``
+        once a sequence outgrows the longest it has seen) changes the module, as it would
+        unstreamed. The call captured the new value on the host when the block (or the
+        forward, for the tensors outside the blocks) ended; :meth:`_refresh` writes it into
+        the module's tensor before the next call (with a checkpoint: the loader copies it
+        instead of the module's non-persistent buffer). A value that cannot be kept (of
+        another shape or dtype, ``None``, or one for a tensor read from a checkpoint) is
+        dropped with a warning naming the tensor (once per tensor): the next calls start
+        from the packed one again, as every call did before (harmless for a table the
+        forward rebuilds when it needs a larger one, such as M2M100's sinusoidal positions;
+        a different result from the unstreamed module's for state it keeps there)."""
+        groups = []
+        for group in self.all_groups:
+            if not group.replaced:
+                continue
+            loader = self._loaders.get(group.index)
+            for index, value in list(group.replaced.items()):
+                entry = group.entries[index]
+                if value is None:
+                    what = "None"
+                elif value.shape != entry.shape or value.dtype != entry.dtype:
+                    what = f"a {value.dtype} tensor of shape {list(value.shape)}"
+                elif loader is not None and not loader.copies_entry(index):
+                    what = f"a new tensor, but it is read from checkpoint {self.checkpoint}"
+                else:
+                    continue
+                del group.replaced[index]
+                if entry.names[0] not in self._dropped:
+                    self._dropped.add(entry.names[0])
+                    warnings.warn(
+                        f"{self.name}: a call's forward replaced {entry.names[0]} "
+                        f"({entry.dtype}, shape {list(entry.shape)}) with {what}, which a "
+                        "streamed module cannot keep (its tensors are packed with their shape "
+                        "and dtype; a checkpoint's are read from the file): each call starts "
+                        "from the packed one, unlike the module run unstreamed",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            if group.replaced:
+                groups.append(group)
+        return groups
+
+    def _apply_replaced(self, groups: list[TensorGroup]) -> None:
+        """Write the values captured in ``groups`` into the module's own tensors (or into what
+        a checkpoint's loader copies), while nothing reads them."""
+        with torch.inference_mode():  # (also writes a tensor made under inference mode)
+            for group in groups:
+                replaced, group.replaced = group.replaced, {}
+                loader = self._loaders.get(group.index)
+                for index, value in replaced.items():
+                    assert value is not None
+                    entry = group.entries[index]
+                    if loader is not None:
+                        loader.set_copy(index, value)
+                    if not entry.tensor.is_meta:
+                        entry.tensor.copy_(value)
 
     def unprotected_handles(self) -> list[ValueHandle]:
         """The module's values nothing protects at the device now: what a wait for room
@@ -938,19 +1021,13 @@ class StreamedModule:
         if self._closed:
             return
         if not self.manager.running:
-            # The manager closed first (and freed every replica): give the module its own
-            # tensors back; nothing is left to release.
-            self._closed = True
-            self._threaded.close()
-            self._restore_host_tensors()
-            self._registered.clear()
-            self.kept.clear()
-            self._close_checkpoint()
+            self._close_after_manager()
             return
         async with self._lock:
             self._closed = True
             try:
                 await self.drain()
+                self._apply_replaced(self._check_replaced())
             finally:
                 self._threaded.close()
                 self._restore_host_tensors()
@@ -962,6 +1039,17 @@ class StreamedModule:
                 self._registered.clear()
                 self.kept.clear()
                 self._close_checkpoint()
+
+    def _close_after_manager(self) -> None:
+        """``aclose()`` once the manager closed (and freed every replica): remove the hooks
+        and give the module its own tensors back; nothing is left to release."""
+        self._closed = True
+        self._threaded.close()
+        self._apply_replaced(self._check_replaced())
+        self._restore_host_tensors()
+        self._registered.clear()
+        self.kept.clear()
+        self._close_checkpoint()
 
     def _close_checkpoint(self) -> None:
         """Close the checkpoint this module opened (one given opened is the caller's)."""
@@ -1087,7 +1175,9 @@ def stream_module(
     (default: see :func:`find_blocks`). ``stream``: the compute stream (default: the caller's
     current stream at each call). ``timeout``: seconds a block may wait for budget before
     ``TimeoutError`` (``None``: as long as it takes; once admitted, the wait for its copy is
-    not counted). ``keep_resident``: between calls, keep on the device the tensors outside the
+    not counted). ``name``: a non-blank string naming the module's values, ring reservations
+    and errors (default: the module's class and id; ``TypeError`` or ``ValueError``
+    otherwise). ``keep_resident``: between calls, keep on the device the tensors outside the
     blocks and the blocks that fit beside the prefetch window (spread
     evenly over the call order), so a call copies only what does not fit (see
     :meth:`StreamedModule.residency`); needs a strict ``device`` budget. ``ring``: copy the

@@ -147,6 +147,12 @@ class TensorGroup:
         # (slot dict, attribute, entry index) flattened once: swapping is the per-call hot path.
         self._slots = [(d, attr, i) for i, e in enumerate(entries) for d, attr in e.slots]
         self._originals = [e.tensor for e in entries]
+        # The tensors swap_in put in the slots, and (entry index -> a host copy of the value,
+        # or None) the tensors the forward put in their place (a dynamic RoPE's
+        # ``register_buffer("inv_freq", ...)``), taken by ``restore(capture=True)``: the
+        # streamed module writes them back into its own tensors before the next call.
+        self._swapped: Sequence[torch.Tensor] | None = None
+        self.replaced: dict[int, torch.Tensor | None] = {}
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each entry's tensor as a strided view of ``flat`` (one op per tensor; no copy)."""
@@ -163,6 +169,7 @@ class TensorGroup:
     def swap_in(self, tensors: Sequence[torch.Tensor]) -> None:
         for slots, attr, i in self._slots:
             slots[attr] = tensors[i]
+        self._swapped = tensors
 
     def note(self) -> None:
         """Remember each tensor's memory and version, for :meth:`changes` (a tensor made under
@@ -193,21 +200,42 @@ class TensorGroup:
     def swapped_storage(self) -> int | None:
         """The memory of the tensors swapped in now (a device replica or ring buffer), or
         ``None`` (nothing swapped in, or no tensors)."""
-        if not self._slots:
+        swapped = self._swapped
+        if not self._slots or not swapped:
             return None
-        slots, attr, i = self._slots[0]
-        tensor = slots[attr]
-        if tensor is None or tensor is self._originals[i]:
-            return None
+        # (what swap_in put there, not what the slot holds now: the forward may have put
+        # another tensor in its place)
+        tensor = swapped[self._slots[0][2]]
         try:
             return int(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
             return None
 
-    def restore(self) -> None:
+    def capture_replaced(self) -> None:
+        """Copy to the host, into :attr:`replaced`, the value of each slot the forward gave
+        another tensor (or ``None``) since :meth:`swap_in`. Call where the calling thread
+        orders work after the forward's (its compute stream current: the copy waits for the
+        value), before the reader event that lets the swapped-in tensors go."""
+        swapped = self._swapped
+        if swapped is None:
+            return
+        originals = self._originals
+        for slots, attr, i in self._slots:
+            current = slots.get(attr)
+            if current is not swapped[i] and current is not originals[i]:
+                self.replaced[i] = (
+                    None if current is None else current.detach().to("cpu", copy=True)
+                )
+
+    def restore(self, capture: bool = False) -> None:
+        """Put the module's own tensors back in their slots (first, with ``capture``,
+        :meth:`capture_replaced`)."""
+        if capture:
+            self.capture_replaced()
         originals = self._originals
         for slots, attr, i in self._slots:
             slots[attr] = originals[i]
+        self._swapped = None
 
     def pack_from(
         self, flat: torch.Tensor, skip: Callable[[PackedTensor], bool] | None = None

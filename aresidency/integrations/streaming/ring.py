@@ -358,7 +358,7 @@ class RingCall:
         want = self._size_ring()
         if self._adopt(want):
             return
-        name = f"stream ring {streamed.name} #{streamed.calls}"
+        name = self._free_name(f"stream ring {streamed.name} #{streamed.calls}")
         while True:
             for slots in range(want, 0, -1):
                 try:
@@ -396,6 +396,17 @@ class RingCall:
         self.copied = [None] * self.slots
         self._reader_events = [None] * self.slots
         self._content = [-1] * self.slots
+
+    def _free_name(self, name: str) -> str:
+        """``name``, or ``name (2)``, ``name (3)``... the first that no reservation at the
+        device has now: another streamed module of the manager may have the same name (two
+        model pools naming their models alike, a name given twice) and its call the same
+        number, and a reservation name is the manager's key for it at a location."""
+        taken = self.manager.state.ledger(self.device).reservations
+        free, n = name, 2
+        while free in taken:
+            free, n = f"{name} ({n})", n + 1
+        return free
 
     def _size_ring(self) -> int:
         """Set the ring's slot size for the streamed groups; return the slots it wants."""

@@ -124,7 +124,7 @@ async def run_sequential(
             errors.append(error)
         finally:
             if group is not None:
-                group.restore()
+                group.restore(capture=True)
 
     try:
         for block, group in zip(streamed.blocks, streamed.block_groups):
@@ -317,7 +317,10 @@ class ThreadedRunner:
         fire: the call is not the pipeline's): run ``fn`` with the caller's torch state and
         the compute stream current; return its output and an event after its last kernel."""
         with torch_state.enter(), self.streamed.manager.backend.stream_context(stream):
-            return fn(*args, **kwargs), self._reader_event(stream)
+            output = fn(*args, **kwargs)
+            for group in self.streamed.all_groups:
+                group.capture_replaced()  # (before the reader event lets the replicas go)
+            return output, self._reader_event(stream)
 
     async def run(
         self,
@@ -375,6 +378,10 @@ class ThreadedRunner:
                 if resident is not None and resident.tensors is not None:
                     # (the blocks' outputs were made the caller's own by their hooks)
                     output = owned(output, storage_of(resident.tensors))
+                    # what the forward put in place of the resident tensors, read before the
+                    # reader event lets their replica go
+                    assert streamed.resident_group is not None
+                    streamed.resident_group.restore(capture=True)
                 return output, self._reader_event(stream)
             finally:
                 self._worker_ident = None
@@ -405,7 +412,7 @@ class ThreadedRunner:
         if self._worker_ident != threading.get_ident():
             return None
         storage = group.swapped_storage()
-        group.restore()
+        group.restore(capture=True)
         call = self.streamed.current_call
         assert call is not None
         if group.index not in call.taken:
