@@ -826,6 +826,7 @@ class Epoch:
             self.device,
             functools.partial(self._release, batch),
             functools.partial(self._register_stream, batch),
+            on_loop=self.manager.bridge.on_loop,
         )
         batch.handed = handed
         counters = self.counters

@@ -1282,6 +1282,7 @@ class RingEpoch:
             self.device,
             functools.partial(self._release, out),
             functools.partial(self._register_stream, out),
+            on_loop=self.bridge.on_loop,
         )
         out.handed = handed
         counters = self.counters

@@ -9,6 +9,7 @@ charged or registered."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import OrderedDict, defaultdict, namedtuple
@@ -1307,6 +1308,33 @@ async def test_release_frees_a_batch_before_the_next_step(ring: bool | None) -> 
         await loader.drain()
         assert [v.handle.name for v in m.state.values()] == []
         assert "released" in repr(batch)
+
+
+async def test_a_batch_released_from_another_thread_is_refused_and_stays_as_it_was(
+    ring: bool | None,
+) -> None:
+    # A batch handed to a worker thread (anyio.to_thread) that releases it there: the release
+    # changes the loader's state (the ring's slots, or the manager's leases and values), which
+    # only the loop's thread may touch. It used to go through from the worker thread.
+    data = batches(3)
+    async with ResidencyManager(backend=sim()) as m:
+        side = m.backend.new_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+            iterator = loader.batches()
+            batch = await anext(iterator)
+            for call in (batch.release, functools.partial(batch.register_stream, side)):
+                with pytest.raises(RuntimeError, match="another thread than its event loop") as no:
+                    await anyio.to_thread.run_sync(call)
+                no.value.__traceback__ = None  # (its frames hold the batch)
+            assert not batch.released
+            assert torch.equal(batch.data, data[0])
+            await anyio.to_thread.run_sync(anyio.from_thread.run_sync, batch.release)
+            assert batch.released
+            await anyio.to_thread.run_sync(batch.release)  # released already: does nothing
+            del batch, call, no  # (not kept past its release)
+            rest = [b.data.clone() async for b in iterator]
+            assert [r.tolist() for r in rest] == [d.tolist() for d in data[1:]]
+        assert_nothing_left(m)
 
 
 async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran(
