@@ -56,10 +56,12 @@ class DeviceLoader:
     it, unless one batch alone exceeds the whole budget). ``stream``: the stream the consumer's
     kernels run on (default: the device's current stream when each batch is handed out).
     ``timeout``: seconds a batch may wait for room at the device before ``TimeoutError``
-    (``None``: as long as it takes). ``staging_slots``: pinned buffers for a staged source
-    (default: its ``workers`` + 2). ``read_ahead``: batches the source may run ahead of the
-    loader's admission (default ``prefetch + 1``). ``ring``: copy through a ring of device
-    buffers the pass owns, from a thread, with no per-batch work on the loop
+    (``None``: as long as it takes; the wait for the loader's own released batches or retired
+    slots to leave it, as the device passes them, is not counted: :meth:`leaving_bytes`).
+    ``staging_slots``: pinned buffers for a staged source (default: its ``workers`` + 2).
+    ``read_ahead``: batches the source may run ahead of the loader's admission (default
+    ``prefetch + 1``). ``ring``: copy through a ring of device buffers the pass owns, from a
+    thread, with no per-batch work on the loop
     (:mod:`~aresidency.loader.ring`; ``None``: whenever the backend has ``copy_into``, for
     every kind of source; ``False``: every batch a managed value). ``pack_min_bytes``: in the
     ring, a batch with pageable tensors of at least this many bytes (an int, or a size such as
@@ -317,6 +319,17 @@ class DeviceLoader:
     def stats(self) -> LoaderStats:
         """What the loader measured since it was made (see :class:`LoaderStats`)."""
         return self.counters.snapshot()
+
+    def leaving_bytes(self) -> int:
+        """Bytes at the device that the loader's passes hold only until the device has run
+        the consumer's last steps (released batches through managed values, retired slots
+        through the ring), the current pass's and the ended ones'. A batch that waits for
+        them waits for the device, not for room others hold: ``timeout`` does not count
+        that wait. Loop."""
+        epochs = list(self._handed_over)
+        if self._epoch is not None and all(self._epoch is not e for e in epochs):
+            epochs.append(self._epoch)
+        return sum(epoch.leaving_bytes for epoch in epochs)
 
     @property
     def pinned_bytes(self) -> int:

@@ -492,6 +492,35 @@ async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_e
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+async def test_timeout_zero_does_not_count_the_wait_for_the_consumers_own_released_batches(
+    ring: bool | None, prefetch: int
+) -> None:
+    # A budget of exactly prefetch + 1 batches (what the guide says the loader needs) and
+    # timeout=0 (never wait for room that others hold). The next batch's room is the one the
+    # consumer's own previous batch leaves once the device passed its step: through managed
+    # values that wait raised TimeoutError at the second batch; through the ring, the slot
+    # the consumer had just released was taken for a wait for room ("batch ? ... needs 0 B").
+    # (The ring's race, between its thread taking that slot and the consumer's judging of the
+    # wait, is lost in most passes of a dozen batches with steps that enqueue nothing.)
+    data = batches(12)
+    budget = (prefetch + 1) * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
+        async with DeviceLoader(
+            m, data, "cuda:0", prefetch=prefetch, timeout=0, ring=ring
+        ) as loader:
+            for number in range(3):
+                seen = []
+                async for batch in loader:
+                    seen.append(batch.clone())
+                    if number == 0:  # a step the device takes a while to run
+                        step = m.backend.current_stream("cuda:0")
+                        m.backend.run_in_stream_order(step, functools.partial(time.sleep, 0.005))
+                assert [s.tolist() for s in seen] == [d.tolist() for d in data]
+        assert max_charge(m.trace()) <= budget
+        assert_nothing_left(m)
+
+
 async def test_a_batch_that_only_the_consumers_own_holdings_keep_out_fails_at_once(
     ring: bool | None,
 ) -> None:
