@@ -156,6 +156,29 @@ async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor(ring: bool | None) 
     assert all(torch.equal(a, b) for a, b in zip(got, data))
 
 
+async def test_torch_result_tuples_in_a_batch_keep_their_type_and_field_names(
+    ring: bool | None,
+) -> None:
+    # A collate_fn that keeps what torch.sort / torch.max return (structseqs: tuples with
+    # named fields that take exactly their items): the batch came back with plain tuples,
+    # without .values and .indices, because the type was probed with an empty tuple.
+    scores = [torch.randn(4, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    data = [{"sorted": torch.sort(s, dim=1), "best": torch.max(s, dim=1)} for s in scores]
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+            seen = 0
+            async for batch in loader:
+                for key in ("sorted", "best"):
+                    got, want = batch[key], data[seen][key]
+                    assert type(got) is type(want)
+                    assert str(m.backend.location_of(got.values)) == "cuda:0"
+                    assert torch.equal(got.values, want.values)
+                    assert torch.equal(got.indices, want.indices)
+                seen += 1
+            assert seen == 3
+        assert_nothing_left(m)
+
+
 async def test_views_into_a_larger_tensor_are_copied_to_memory_of_their_own() -> None:
     big = torch.randn(10, 64)
     rows = [big[i : i + 2] for i in range(0, 10, 2)]
