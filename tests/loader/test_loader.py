@@ -861,6 +861,24 @@ async def test_a_source_that_leaks_stop_iteration_is_an_error_not_a_short_pass(
         assert_nothing_left(m)
 
 
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor or a quantized weight subclass is): no memory of its
+    own, every op computed on the tensor it wraps."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapper:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = [a.inner if isinstance(a, Wrapper) else a for a in args]
+        return func(*unwrap, **(kwargs or {}))
+
+
 UNCOPYABLE = {
     "sparse": (lambda: torch.eye(4).to_sparse(), TypeError, "layout torch.sparse_coo"),
     "sparse csr": (lambda: torch.eye(4).to_sparse_csr(), TypeError, "layout torch.sparse_csr"),
@@ -884,6 +902,13 @@ UNCOPYABLE = {
         lambda: torch.ones(4, dtype=torch.complex64).conj().imag,
         TypeError,
         "lazy negative view",
+    ),
+    # It failed with torch's "Attempted to access the data pointer on an invalid python
+    # storage", naming neither the batch nor the place.
+    "wrapper subclass": (
+        lambda: Wrapper(torch.ones(4)),
+        TypeError,
+        "a Wrapper, a tensor subclass with no memory of its own",
     ),
 }
 
