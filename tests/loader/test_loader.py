@@ -8,6 +8,7 @@ charged or registered."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import threading
@@ -858,6 +859,46 @@ async def test_a_source_that_leaks_stop_iteration_is_an_error_not_a_short_pass(
                 got.append(batch.clone())
         assert type(info.value.__cause__) is leaked
         assert len(got) == at and all(torch.equal(a, b) for a, b in zip(got, source.data))
+        assert_nothing_left(m)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_cancelled_error_the_source_raises_itself_is_an_error_not_a_cancellation(
+    kind: str, ring: bool | None
+) -> None:
+    """A source that raises ``asyncio.CancelledError`` itself (an await of its own on
+    something cancelled elsewhere), while nothing cancels the loader or the consumer. It
+    reached the consumer as a cancellation, which a task group takes for a quiet end: from a
+    thread after the batches before it; from an async source it cancelled the loader's task
+    group, so the consumer got no batch at all. It is a ``RuntimeError`` naming the batch,
+    after the batches before it, with the source's exception as its cause."""
+    data = batches(4)
+
+    def sync_source() -> Iterator[torch.Tensor]:
+        for index, item in enumerate(data):
+            if index == 2:
+                raise asyncio.CancelledError("the source's own")
+            yield item
+
+    async def async_source() -> AsyncIterator[torch.Tensor]:
+        for index, item in enumerate(data):
+            await anyio.lowlevel.checkpoint()
+            if index == 2:
+                raise asyncio.CancelledError("the source's own")
+            yield item
+
+    source = sync_source() if kind == "sync" else async_source()
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader,
+    ):
+        got = []
+        message = "the source raised CancelledError at batch 2"
+        with anyio.fail_after(10), pytest.raises(RuntimeError, match=message) as info:
+            async for batch in loader:
+                got.append(batch.clone())
+        assert type(info.value.__cause__) is asyncio.CancelledError
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, data))
         assert_nothing_left(m)
 
 
