@@ -21,6 +21,7 @@ from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
 from .lifetime import (
     end_on_loop,
+    ended_by_aclose,
     ended_by_cancelled_wait,
     ended_by_close,
     ended_by_newer_pass,
@@ -487,6 +488,7 @@ class _Iteration:
         self._epoch: Epoch | RingEpoch | None = None
         self._handed = 0  # batches this iteration handed out
         self._cancelled = False  # a wait for a batch was cancelled (which ended the pass)
+        self._closed = False  # its aclose() ended the pass while it ran
 
     def __aiter__(self) -> _Iteration:
         return self
@@ -495,6 +497,8 @@ class _Iteration:
         epoch = self._epoch
         if self._cancelled and epoch is not None:
             raise ended_by_cancelled_wait(self._loader.name, epoch.number, self._handed)
+        if self._closed and epoch is not None:
+            raise ended_by_aclose(self._loader.name, epoch.number, self._handed)
         if epoch is None:
             epoch = self._epoch = await self._loader._begin()
         elif not self._loader.current(epoch):
@@ -510,6 +514,8 @@ class _Iteration:
                 raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by) from None
             if epoch.ended_by_close:  # the loader closed while this consumer waited
                 raise ended_by_close(self._loader.name, epoch.number, self._handed) from None
+            if self._closed:  # this iterator's aclose(), from another task, while it waited
+                raise ended_by_aclose(self._loader.name, epoch.number, self._handed) from None
             raise
         except anyio.get_cancelled_exc_class():
             self._cancelled = True  # the pass ended (epoch.next releases everything)
@@ -525,9 +531,14 @@ class _Iteration:
             end_on_loop(epoch.bridge, functools.partial(self._loader._dropped, epoch))
 
     async def aclose(self) -> None:
-        """End this pass now (as breaking out of it and starting the next would)."""
+        """End this pass now (as breaking out of it and starting the next would). If it was
+        still running, a consumer of this iterator waiting for a batch, or asking for the
+        next one, gets ``anyio.ClosedResourceError``: never the quiet end of a truncated
+        pass."""
         epoch = self._epoch
         if epoch is not None and self._loader.current(epoch):
+            if epoch.status == "running":
+                self._closed = True
             epoch.shutdown()
             await finish_shielded(epoch.drain)
 

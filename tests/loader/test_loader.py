@@ -1210,6 +1210,58 @@ async def test_a_consumer_in_another_task_is_told_when_the_loader_closes_under_i
         assert_nothing_left(m)
 
 
+async def test_a_consumer_is_told_when_its_iterator_s_aclose_ends_the_pass(
+    ring: bool | None,
+) -> None:
+    """One task iterates ``it = aiter(loader)``, another calls ``it.aclose()`` while the
+    consumer waits for a batch (the source is held back). The consumer's loop ended quietly
+    after 3 of 6 batches, as if the source were exhausted; it raises ``ClosedResourceError``
+    naming how far it got, and so does a later ``anext(it)``. An ``aclose()`` after the
+    pass ran to its end still leaves the iterator at its quiet end."""
+    gate = Gate()
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, gated(batches(6), gate, at=3), "cuda:0", ring=ring)
+        it = aiter(loader.batches())
+        got: list[int] = []
+        errors: list[BaseException] = []
+        three = anyio.Event()
+
+        async def consume() -> None:
+            try:
+                async for batch in it:
+                    got.append(batch.index)
+                    if len(got) == 3:
+                        three.set()
+            except anyio.ClosedResourceError as error:
+                errors.append(error)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consume)
+            with anyio.fail_after(10):
+                await three.wait()
+            await anyio.to_thread.run_sync(gate.reached.wait)
+            await anyio.wait_all_tasks_blocked()  # the consumer waits for batch 3
+            await it.aclose()
+            await anyio.wait_all_tasks_blocked()
+            assert errors  # told at once, while the source's thread is held at the gate
+            gate.open.set()
+        assert got == [0, 1, 2]
+        assert len(errors) == 1 and "ended by its iterator's aclose()" in str(errors[0])
+        assert "after 3 batch(es)" in str(errors[0])
+        with pytest.raises(anyio.ClosedResourceError, match="after 3 batch"):
+            await anext(it)
+        await loader.aclose()
+        assert_nothing_left(m)
+        whole = DeviceLoader(m, batches(3), "cuda:0", ring=ring)
+        it = aiter(whole)
+        assert sum([1 async for _ in it]) == 3
+        await it.aclose()  # after the source's end: nothing to report
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+        await whole.aclose()
+        assert_nothing_left(m)
+
+
 async def test_cancelled_before_the_first_batch_releases_everything(ring: bool | None) -> None:
     gate = Gate()
     async with (
