@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
@@ -127,6 +128,9 @@ class DeviceLoader:
         manager.check_thread()
         _check_count(prefetch, "prefetch", 0)
         self.manager = manager
+        # The manager's loop thread (checked just above): the loader's state is that loop's,
+        # after the manager closed too (when the manager's own check says only "closed").
+        self._loop_thread = threading.get_ident()
         self.device = Location.parse(device)
         backend = manager.backend
         backend.check_location(self.device)
@@ -284,6 +288,16 @@ class DeviceLoader:
             epoch.start(list(plans) if plans is not None else None)
             return epoch
 
+    def _check_loop(self, what: str) -> None:
+        """``RuntimeError`` unless called on the thread of the event loop the loader belongs
+        to (its manager's): everything the loader holds is that loop's."""
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError(
+                f"{what} of {self.name} was called from another thread than its manager's event "
+                "loop; the loader belongs to that loop: call it there (from a worker thread of "
+                "anyio.to_thread, with anyio.from_thread.run)"
+            )
+
     def _check_open(self) -> None:
         if self.status != "open":
             raise RuntimeError(f"{self.name} is closed")
@@ -352,6 +366,7 @@ class DeviceLoader:
         """Park until every batch released so far has left the device budget (its readers'
         events completed and its values were discarded), the slots of ended passes
         included. The host does not block."""
+        self._check_loop("drain()")
         epoch = self._epoch
         if epoch is not None:
             await epoch.drain(releases_only=epoch.status == "running")
@@ -368,6 +383,7 @@ class DeviceLoader:
         that no step reported, and ``ManagerClosedError`` when the manager closed under a pass
         that no step reported it for (then everything was released by the manager's close).
         After the manager closed it never waits for the device (it stopped)."""
+        self._check_loop("aclose()")
         await self._close(raise_deferred=True)
 
     async def _close(self, *, raise_deferred: bool) -> None:
@@ -440,6 +456,7 @@ class DeviceLoader:
             epoch.end_soon()
 
     async def __aenter__(self) -> DeviceLoader:
+        self._check_loop("async with")
         if self.task_group is not None:
             raise RuntimeError(f"{self.name} is entered already")
         if self.status != "open":
@@ -535,6 +552,7 @@ class _Iteration:
         still running, a consumer of this iterator waiting for a batch, or asking for the
         next one, gets ``anyio.ClosedResourceError``: never the quiet end of a truncated
         pass."""
+        self._loader._check_loop("aclose() of an iterator")
         epoch = self._epoch
         if epoch is not None and self._loader.current(epoch):
             if epoch.status == "running":

@@ -1507,6 +1507,28 @@ async def test_a_batch_released_from_another_thread_is_refused_and_stays_as_it_w
         assert_nothing_left(m)
 
 
+async def test_the_loader_s_aclose_and_drain_from_another_thread_are_refused_and_change_nothing(
+    ring: bool | None,
+) -> None:
+    # loader.aclose() run on another thread's event loop (asyncio.run in a worker thread)
+    # marked the loader closed, then stopped at the first batch it released (or, before the
+    # batch's own check, released it off the loop); drain() and the iterator's aclose() ran
+    # off the loop too. Each is refused before it changes anything, and the pass goes on.
+    data = batches(4)
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring)
+        it = aiter(loader)
+        first = (await anext(it)).clone()
+        for call in (loader.drain, loader.aclose, it.aclose):
+            with pytest.raises(RuntimeError, match="another thread than its manager's event loop"):
+                await anyio.to_thread.run_sync(asyncio.run, call())
+        assert loader.status == "open"
+        rest = [batch.clone() async for batch in it]
+        assert [b.tolist() for b in [first, *rest]] == [d.tolist() for d in data]
+        await loader.aclose()
+        assert_nothing_left(m)
+
+
 async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran(
     ring: bool | None,
 ) -> None:
