@@ -143,6 +143,11 @@ class DeviceLoader:
         self.timeout = check_timeout(timeout)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string or None, got {name!r}")
+        if name is not None and not name.strip():
+            raise ValueError(
+                f"name must name the loader (its reservations, errors and statistics carry it), "
+                f"got {name!r}: give a non-blank string, or None for a name of its own"
+            )
         self.name = name if name is not None else f"loader-{next(_NAMES)}"
         named = _open.get(manager)
         other = None if named is None else named.get(self.name)
@@ -165,6 +170,12 @@ class DeviceLoader:
                 "in a list)"
             )
         if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
+            if hasattr(source, "__getitem__"):  # a map-style torch Dataset, say
+                raise TypeError(
+                    f"DeviceLoader reads an iterable of batches, got {type(source).__name__}, "
+                    "which is indexed (a map-style Dataset: samples, not batches): wrap it in a "
+                    "DataLoader(dataset, batch_size=...) and pass that"
+                )
             raise TypeError(
                 f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
                 f"generator, a ShardSource), got {type(source).__name__}"

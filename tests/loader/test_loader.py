@@ -1024,6 +1024,14 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
                 DeviceLoader(m, text, "cuda:0", ring=ring)
         with pytest.raises(TypeError, match="a dict of tensors is one batch"):
             DeviceLoader(m, {"x": torch.ones(4)}, "cuda:0", ring=ring)
+        # A map-style Dataset (samples, not batches) was refused without saying what to do.
+        with pytest.raises(TypeError, match=r"map-style Dataset.*wrap it in a DataLoader"):
+            DeviceLoader(m, Numbered(), "cuda:0", ring=ring)
+        # A blank name was taken: reservations " ring e1 #0", errors "batch 1 of : ...".
+        for blank in ("", "  "):
+            with pytest.raises(ValueError, match="name must name the loader"):
+                DeviceLoader(m, [], "cuda:0", name=blank, ring=ring)
+        assert not m.snapshot().location("cuda:0").reservations  # nothing was made
         for bad in ("abc", 2.0, None, True):  # the wrong type is a TypeError, naming it
             with pytest.raises(TypeError, match=r"prefetch must be an int >= 0, got .*\("):
                 DeviceLoader(m, [], "cuda:0", prefetch=bad, ring=ring)  # type: ignore[arg-type]
