@@ -746,10 +746,11 @@ class Epoch:
         Waiting for that is waiting for the device, not for room others hold, so
         ``timeout`` does not count it (the ring reuses such a batch's slot and never waits
         for it on the host)."""
+        loader = self._loader
         ledger = self.manager.state.find_ledger(self.device)
-        if ledger is None or ledger.budget_bytes is None:
-            return True
-        leaving = self.loader.leaving_bytes()
+        if loader is None or ledger is None or ledger.budget_bytes is None:
+            return True  # (no loader: the pass finished, the manager's close say)
+        leaving = loader.leaving_bytes()
         need = sum(p.charge for p in batch.parts if p.pending is None)
         return ledger.charged_bytes - leaving + need <= ledger.budget_bytes
 

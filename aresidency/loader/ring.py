@@ -1277,8 +1277,9 @@ class RingEpoch:
         once it runs), and it would not fit once the loader's own retired slots left (this
         pass's or an earlier one's: freed as the device passes the consumer's last steps,
         a wait for the device). Under ``_cond``."""
-        if request is None or request.answered or request.cancelled:
-            return False
+        loader = self._loader
+        if request is None or request.answered or request.cancelled or loader is None:
+            return False  # (no loader: the pass finished, the manager's close say)
         twin = request.pageable and self._twins
         if any(
             s.state == FREE
@@ -1290,7 +1291,7 @@ class RingEpoch:
         ledger = self.manager.state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None:
             return False
-        leaving = self.loader.leaving_bytes()
+        leaving = loader.leaving_bytes()
         charge = value_charge(request.nbytes, None, self.manager.state.granularity)
         return ledger.charged_bytes - leaving + charge > ledger.budget_bytes
 
