@@ -611,7 +611,9 @@ class RingEpoch:
             offsets.append(total)
             total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
         pack = self.loader.pack_min_bytes
-        on_host = all(part.device.type == "cpu" for part in host.parts)  # else copy_into says
+        on_host = all(part.device.type == "cpu" for part in host.parts)
+        if not on_host or self.backend.simulated:  # (the simulation's devices are host memory)
+            self._refuse_device_parts(host)
         pageable = (
             pack is not None
             and on_host
@@ -642,6 +644,22 @@ class RingEpoch:
         if self.host_wait and event is not None:  # None: nothing to copy (no bytes)
             self._wait_host(event)
         return _Ready(host.index, slot, data, host.nbytes, event, views=views)
+
+    def _refuse_device_parts(self, host: HostBatch) -> None:
+        """``ValueError`` naming the batch and the place of a tensor already in device memory:
+        the ring fills its slots from host memory only (the backend's ``copy_into`` refuses a
+        device source), so such a batch would fail in the copy with an error naming neither.
+        Through managed values it is handed out where it is (copied from another device)."""
+        for number, part in enumerate(host.parts):
+            where = self.backend.location_of(part)
+            if where.is_cuda:
+                path = host.structure.part_path(host.leaf_part, number)
+                raise ValueError(
+                    f"batch {host.index} holds a tensor in {where} memory at {path}, which the "
+                    "loader's ring cannot take: it fills its device buffers from host memory. "
+                    "Hand out host tensors (move it to the CPU in the source), or pass "
+                    "ring=False, which hands a device tensor out where it is"
+                )
 
     def _issue(self, host: HostBatch, offsets: list[int], slot: Slot) -> Any:
         """Enqueue the batch's copies into ``slot`` after its last readers; the event after

@@ -401,6 +401,36 @@ class _NoCopyInto(SimBackend):
     copy_into = Backend.copy_into  # type: ignore[assignment]
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+async def test_a_tensor_already_in_device_memory_is_refused_naming_its_batch_and_place(
+    device: str,
+) -> None:
+    """A source whose batches hold a tensor already on a device (a collate_fn that ran a
+    transform there). On CUDA the ring's copy refuses a device source ("copy_into copies
+    host memory to a device, got a cuda source"), naming neither the batch nor the tensor;
+    the simulation copied it silently. Both now refuse it at its place, after the batches
+    before it, saying what to do; through managed values it is handed out (the docs say
+    so)."""
+    async with ResidencyManager(backend=SimBackend()) as m:
+        on_device = m.backend.allocate((4,), torch.float32, device)
+        on_device.fill_(7.0)
+        items = [{"x": t, "extra": ["id", torch.ones(2)]} for t in batches(3)]
+        items[2]["extra"][1] = on_device
+        async with DeviceLoader(m, items, "cuda:0", prefetch=2) as loader:
+            got = []
+            pattern = rf"batch 2 holds a tensor in {device} memory at \['extra'\]\[1\]"
+            with pytest.raises(ValueError, match=pattern):
+                async for batch in loader:
+                    got.append(batch["x"].clone())
+            assert [g.tolist() for g in got] == [i["x"].tolist() for i in items[:2]]
+        assert live_slots(m) == []
+        async with DeviceLoader(m, items, "cuda:0", ring=False) as loader:
+            seen = [batch["extra"][1].tolist() async for batch in loader]
+        assert seen[2] == [7.0] * 4
+        del on_device, items
+        assert_nothing_left(m)
+
+
 async def test_ring_true_is_refused_where_it_cannot_run() -> None:
     async with ResidencyManager(backend=_NoCopyInto()) as m:
         with pytest.raises(ValueError, match="needs a backend with copy_into"):
