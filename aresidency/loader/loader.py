@@ -534,6 +534,8 @@ class _Iteration:
                 raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
             if epoch.ended_by_close:
                 raise ended_by_close(self._loader.name, epoch.number, self._handed)
+            if epoch.closed_by_manager:  # the manager's close ended it, the loader closed since
+                raise epoch.closed_error()
             raise StopAsyncIteration
         try:
             batch = await epoch.next()
