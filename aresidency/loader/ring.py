@@ -612,7 +612,9 @@ class RingEpoch:
             total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
         pack = self.loader.pack_min_bytes
         on_host = all(part.device.type == "cpu" for part in host.parts)
-        if not on_host or self.backend.simulated:  # (the simulation's devices are host memory)
+        # Where the device computes on the host (the simulation), its memory is host memory
+        # too: a CPU tensor may still be device memory, so each one is asked where it lives.
+        if not on_host or self.host_wait:
             self._refuse_device_parts(host)
         pageable = (
             pack is not None
