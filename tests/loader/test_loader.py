@@ -1098,6 +1098,46 @@ async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
             await anext(second)
 
 
+@pytest.mark.parametrize("wrap", [False, True], ids=["data", "batches"])
+async def test_two_tasks_sharing_one_iterator_refuse_the_second_and_spare_the_first(
+    ring: bool | None, wrap: bool
+) -> None:
+    """Two worker tasks pulling from one iterator (``it = aiter(loader)``, ``async for b in
+    it`` in each). Both found the iterator without a pass and each started one: the first
+    worker was told a newer pass ended its own ("which another 'async for' over the loader
+    began", though there was none), and the second read what the first pass's thread left
+    of a generator, nothing, ending quietly. As an async generator does, the iterator now
+    refuses an ``anext`` while another task waits in one, and the first worker gets every
+    batch."""
+    gate = Gate()
+    data = batches(6)
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, gated(data, gate, at=0), "cuda:0", ring=ring) as loader:
+            it = aiter(loader.batches() if wrap else loader)
+            got: list[torch.Tensor] = []
+            refused: list[BaseException] = []
+
+            async def first() -> None:
+                async for item in it:
+                    got.append((item.data if wrap else item).clone())
+
+            async def second() -> None:
+                with pytest.raises(RuntimeError, match="while another task waits") as info:
+                    await anext(it)
+                refused.append(info.value)
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(first)
+                await anyio.to_thread.run_sync(gate.reached.wait)
+                await anyio.wait_all_tasks_blocked()  # the first waits for batch 0
+                tasks.start_soon(second)
+                await anyio.wait_all_tasks_blocked()  # refused, or blocked in a second pass
+                gate.open.set()
+            assert len(refused) == 1
+            assert [g.tolist() for g in got] == [d.tolist() for d in data]
+        assert_nothing_left(m)
+
+
 async def test_two_tasks_iterating_one_loader_at_once_fail_clearly(ring: bool | None) -> None:
     """The second task's pass ends the first's; the first task, waiting for its next batch,
     gets an error saying so (not the end of its pass, which would look like the end of the
