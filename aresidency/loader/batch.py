@@ -59,6 +59,7 @@ class DeviceBatch:
     __slots__ = (
         "_entered",
         "_keeper",
+        "_on_loop",
         "_register",
         "_release",
         "data",
@@ -75,6 +76,7 @@ class DeviceBatch:
         device: Location,
         release: Callable[[], None],
         register_stream: Callable[[Any], None],
+        on_loop: Callable[[], bool] | None = None,
     ) -> None:
         self.index = index
         self.data = data
@@ -84,6 +86,19 @@ class DeviceBatch:
         self._register = register_stream
         self._entered = 0
         self._keeper: object | None = None  # the task whose ``async with`` keeps it
+        self._on_loop = on_loop  # whether the calling thread is the loader's loop's
+
+    def _check_thread(self, what: str) -> None:
+        """``RuntimeError`` off the loop's thread: the release and the reader streams change
+        the loader's state (and, through managed values, the manager's), which only the
+        loop's thread may touch."""
+        if self._on_loop is not None and not self._on_loop():
+            raise RuntimeError(
+                f"{what} of {self!r} was called from another thread than its event loop's; "
+                "the batch belongs to the loop that handed it out: call it there (from a "
+                "worker thread of anyio.to_thread, anyio.from_thread.run_sync(batch.release); "
+                "from any thread, loop.call_soon_threadsafe(batch.release))"
+            )
 
     @property
     def released(self) -> bool:
@@ -102,7 +117,10 @@ class DeviceBatch:
 
     def release(self) -> None:
         """Release the batch now (see the class docstring); later calls do nothing. Loop
-        thread; the host does not wait."""
+        thread (another thread gets ``RuntimeError`` and the batch stays as it was); the host
+        does not wait."""
+        if self._release is not None:
+            self._check_thread("release()")
         release, self._release = self._release, None
         if release is not None:
             # The callbacks reach the loader's record of this batch, which holds the batch:
@@ -115,6 +133,7 @@ class DeviceBatch:
         recorded there too at the release). ``RuntimeError`` once released."""
         if self._release is None:
             raise RuntimeError(f"{self!r} was released: register_stream protects nothing now")
+        self._check_thread("register_stream()")
         self._register(stream)
 
     async def __aenter__(self) -> Any:

@@ -17,6 +17,7 @@ traceback of the ``next`` call that raised it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -79,14 +80,26 @@ class End:
     ``next`` that leaked one, a staged read, an ``__aiter__``) is kept as the ``__cause__`` of
     a ``RuntimeError`` naming the batch, as Python does for a generator (PEP 479): raised as
     it is inside the consumer's ``__anext__``, it would end the pass as if the source had run
-    out, and a truncated pass would look whole."""
+    out, and a truncated pass would look whole. So is an ``asyncio.CancelledError`` the source
+    raised itself (a thread's, or an async source's while nothing cancelled the loader: an
+    await on something cancelled elsewhere): raised as it is, it would pass for a
+    cancellation of the consumer, which a task group takes for a quiet end."""
 
     index: int
     error: BaseException | None = None
 
     def __post_init__(self) -> None:
         error = self.error
-        if isinstance(error, (StopIteration, StopAsyncIteration)):
+        if isinstance(error, asyncio.CancelledError):
+            wrapped = RuntimeError(
+                f"the source raised CancelledError at batch {self.index} ({error!r}) while "
+                "nothing cancelled the loader (an await of the source's on something cancelled "
+                "elsewhere, say): raised as it is, it would pass for a cancellation of the "
+                "consumer and end its pass without an error"
+            )
+            wrapped.__cause__ = error
+            self.error = wrapped
+        elif isinstance(error, (StopIteration, StopAsyncIteration)):
             wrapped = RuntimeError(
                 f"the source raised {type(error).__name__} at batch {self.index} ({error!r}), "
                 "which is not how a source ends (a synchronous one stops with StopIteration "
@@ -164,12 +177,31 @@ def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int)
     :func:`~aresidency.runtime.manager.tensor_problem`), naming where it lies in the batch."""
     for position, tensor in enumerate(tensors):
         problem = tensor_problem(tensor)
+        if problem is None and type(tensor) is not torch.Tensor and not _has_memory(tensor):
+            problem = (
+                TypeError,
+                f"a {type(tensor).__name__}, a tensor subclass with no memory of its own (a "
+                "wrapper that computes through __torch_dispatch__, as DTensor or a quantized "
+                "weight subclass does)",
+                "hand out the plain tensors it wraps (a DTensor's full_tensor() or "
+                "to_local(), a quantized tensor's dequantize())",
+            )
         if problem is not None:
             kind, what, instead = problem
             raise kind(
                 f"batch {index} holds {what} at {structure.paths[position]}, which the loader "
                 f"cannot copy to the device: {instead}"
             )
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether a tensor subclass has memory of its own to copy (a wrapper subclass made with
+    ``_make_wrapper_subclass`` has none: torch refuses its data pointer)."""
+    try:
+        tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def prepare(
@@ -433,8 +465,12 @@ async def feed_async(
                     )
                 else:
                     batch = prepare(item, index, own_memory=own_memory)
-            except anyio.get_cancelled_exc_class():
-                raise
+            except anyio.get_cancelled_exc_class() as error:
+                if _cancelled_for_real():
+                    raise
+                # Raised by the source itself, nothing cancels this task: its error.
+                await arrivals.put_async(End(index, error))
+                return
             except BaseException as error:  # the source's own error, for the consumer
                 await arrivals.put_async(End(index, error))
                 return
@@ -453,6 +489,16 @@ async def feed_async(
                     await aclose()
                 except Exception:
                     pass
+
+
+def _cancelled_for_real() -> bool:
+    """Whether the calling task is being cancelled (under asyncio, a cancellation request is
+    pending for it: anyio's cancel scopes make one too); trio's ``Cancelled`` always is."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop: trio
+        return True
+    return task is None or task.cancelling() > 0
 
 
 def bridge_wake(bridge: LoopBridge, fn: Callable[[], None]) -> Callable[[], None]:

@@ -35,6 +35,7 @@ __all__ = [
     "HostWaits",
     "closed_under_pass",
     "end_on_loop",
+    "ended_by_aclose",
     "ended_by_cancelled_wait",
     "ended_by_close",
     "ended_by_newer_pass",
@@ -78,6 +79,19 @@ def ended_by_close(loader: str, number: int, handed: int) -> anyio.ClosedResourc
         f"this iterator: the rest of the source was not read. Close the loader after its "
         f"consumers finished (their loops inside its 'async with' block), or break out of "
         f"the loop to end a pass early"
+    )
+
+
+def ended_by_aclose(loader: str, number: int, handed: int) -> anyio.ClosedResourceError:
+    """The error of a consumer of an iterator whose ``aclose()`` ended pass ``number`` while it
+    ran (from another task while the consumer waited for a batch, or before it asked for the
+    next one): as a channel closed under its receiver, because a consumer told only "end of
+    iteration" would take the truncated pass for the whole source."""
+    return anyio.ClosedResourceError(
+        f"pass {number} of {loader} was ended by its iterator's aclose() while it ran, after "
+        f"{handed} batch(es) of it reached this iterator: the rest of the source was not read. "
+        f"Call aclose() once the loop is done with the iterator (or break out of the loop to "
+        f"end a pass early)"
     )
 
 

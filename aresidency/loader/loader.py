@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
@@ -21,6 +22,7 @@ from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
 from .lifetime import (
     end_on_loop,
+    ended_by_aclose,
     ended_by_cancelled_wait,
     ended_by_close,
     ended_by_newer_pass,
@@ -56,10 +58,12 @@ class DeviceLoader:
     it, unless one batch alone exceeds the whole budget). ``stream``: the stream the consumer's
     kernels run on (default: the device's current stream when each batch is handed out).
     ``timeout``: seconds a batch may wait for room at the device before ``TimeoutError``
-    (``None``: as long as it takes). ``staging_slots``: pinned buffers for a staged source
-    (default: its ``workers`` + 2). ``read_ahead``: batches the source may run ahead of the
-    loader's admission (default ``prefetch + 1``). ``ring``: copy through a ring of device
-    buffers the pass owns, from a thread, with no per-batch work on the loop
+    (``None``: as long as it takes; the wait for the loader's own released batches or retired
+    slots to leave it, as the device passes them, is not counted: :meth:`leaving_bytes`).
+    ``staging_slots``: pinned buffers for a staged source (default: its ``workers`` + 2).
+    ``read_ahead``: batches the source may run ahead of the loader's admission (default
+    ``prefetch + 1``). ``ring``: copy through a ring of device buffers the pass owns, from a
+    thread, with no per-batch work on the loop
     (:mod:`~aresidency.loader.ring`; ``None``: whenever the backend has ``copy_into``, for
     every kind of source; ``False``: every batch a managed value). ``pack_min_bytes``: in the
     ring, a batch with pageable tensors of at least this many bytes (an int, or a size such as
@@ -124,6 +128,9 @@ class DeviceLoader:
         manager.check_thread()
         _check_count(prefetch, "prefetch", 0)
         self.manager = manager
+        # The manager's loop thread (checked just above): the loader's state is that loop's,
+        # after the manager closed too (when the manager's own check says only "closed").
+        self._loop_thread = threading.get_ident()
         self.device = Location.parse(device)
         backend = manager.backend
         backend.check_location(self.device)
@@ -136,6 +143,11 @@ class DeviceLoader:
         self.timeout = check_timeout(timeout)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string or None, got {name!r}")
+        if name is not None and not name.strip():
+            raise ValueError(
+                f"name must name the loader (its reservations, errors and statistics carry it), "
+                f"got {name!r}: give a non-blank string, or None for a name of its own"
+            )
         self.name = name if name is not None else f"loader-{next(_NAMES)}"
         named = _open.get(manager)
         other = None if named is None else named.get(self.name)
@@ -158,6 +170,12 @@ class DeviceLoader:
                 "in a list)"
             )
         if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
+            if hasattr(source, "__getitem__"):  # a map-style torch Dataset, say
+                raise TypeError(
+                    f"DeviceLoader reads an iterable of batches, got {type(source).__name__}, "
+                    "which is indexed (a map-style Dataset: samples, not batches): wrap it in a "
+                    "DataLoader(dataset, batch_size=...) and pass that"
+                )
             raise TypeError(
                 f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
                 f"generator, a ShardSource), got {type(source).__name__}"
@@ -281,6 +299,16 @@ class DeviceLoader:
             epoch.start(list(plans) if plans is not None else None)
             return epoch
 
+    def _check_loop(self, what: str) -> None:
+        """``RuntimeError`` unless called on the thread of the event loop the loader belongs
+        to (its manager's): everything the loader holds is that loop's."""
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError(
+                f"{what} of {self.name} was called from another thread than its manager's event "
+                "loop; the loader belongs to that loop: call it there (from a worker thread of "
+                "anyio.to_thread, with anyio.from_thread.run)"
+            )
+
     def _check_open(self) -> None:
         if self.status != "open":
             raise RuntimeError(f"{self.name} is closed")
@@ -318,6 +346,17 @@ class DeviceLoader:
         """What the loader measured since it was made (see :class:`LoaderStats`)."""
         return self.counters.snapshot()
 
+    def leaving_bytes(self) -> int:
+        """Bytes at the device that the loader's passes hold only until the device has run
+        the consumer's last steps (released batches through managed values, retired slots
+        through the ring), the current pass's and the ended ones'. A batch that waits for
+        them waits for the device, not for room others hold: ``timeout`` does not count
+        that wait. Loop."""
+        epochs = list(self._handed_over)
+        if self._epoch is not None and all(self._epoch is not e for e in epochs):
+            epochs.append(self._epoch)
+        return sum(epoch.leaving_bytes for epoch in epochs)
+
     @property
     def pinned_bytes(self) -> int:
         """Pinned staging memory the loader holds (charged to ``pinned-host``); 0 when its
@@ -338,6 +377,7 @@ class DeviceLoader:
         """Park until every batch released so far has left the device budget (its readers'
         events completed and its values were discarded), the slots of ended passes
         included. The host does not block."""
+        self._check_loop("drain()")
         epoch = self._epoch
         if epoch is not None:
             await epoch.drain(releases_only=epoch.status == "running")
@@ -354,6 +394,7 @@ class DeviceLoader:
         that no step reported, and ``ManagerClosedError`` when the manager closed under a pass
         that no step reported it for (then everything was released by the manager's close).
         After the manager closed it never waits for the device (it stopped)."""
+        self._check_loop("aclose()")
         await self._close(raise_deferred=True)
 
     async def _close(self, *, raise_deferred: bool) -> None:
@@ -426,6 +467,7 @@ class DeviceLoader:
             epoch.end_soon()
 
     async def __aenter__(self) -> DeviceLoader:
+        self._check_loop("async with")
         if self.task_group is not None:
             raise RuntimeError(f"{self.name} is entered already")
         if self.status != "open":
@@ -474,35 +516,58 @@ class _Iteration:
         self._epoch: Epoch | RingEpoch | None = None
         self._handed = 0  # batches this iteration handed out
         self._cancelled = False  # a wait for a batch was cancelled (which ended the pass)
+        self._closed = False  # its aclose() ended the pass while it ran
+        self._waiting = False  # a task is in __anext__
 
     def __aiter__(self) -> _Iteration:
         return self
 
     async def __anext__(self) -> Any:
-        epoch = self._epoch
-        if self._cancelled and epoch is not None:
-            raise ended_by_cancelled_wait(self._loader.name, epoch.number, self._handed)
-        if epoch is None:
-            epoch = self._epoch = await self._loader._begin()
-        elif not self._loader.current(epoch):
-            if epoch.ended_by is not None:
-                raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
-            if epoch.ended_by_close:
-                raise ended_by_close(self._loader.name, epoch.number, self._handed)
-            raise StopAsyncIteration
+        if self._waiting:
+            raise RuntimeError(
+                f"anext() of an iterator of {self._loader.name} was called while another task "
+                "waits in this iterator's anext(): an iterator has one consumer (a batch is "
+                "released when its consumer asks for the next one, so a second one would "
+                "release the first one's batch, or start a second pass). Iterate from one task "
+                "and hand the batches to the others (loader.batches(), each kept with "
+                "'async with batch')"
+            )
+        self._waiting = True
         try:
-            batch = await epoch.next()
-        except StopAsyncIteration:
-            if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
-                raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by) from None
-            if epoch.ended_by_close:  # the loader closed while this consumer waited
-                raise ended_by_close(self._loader.name, epoch.number, self._handed) from None
-            raise
-        except anyio.get_cancelled_exc_class():
-            self._cancelled = True  # the pass ended (epoch.next releases everything)
-            raise
-        self._handed += 1
-        return batch if self._wrap else batch.data
+            epoch = self._epoch
+            if self._cancelled and epoch is not None:
+                raise ended_by_cancelled_wait(self._loader.name, epoch.number, self._handed)
+            if self._closed and epoch is not None:
+                raise ended_by_aclose(self._loader.name, epoch.number, self._handed)
+            if epoch is None:
+                epoch = self._epoch = await self._loader._begin()
+            elif not self._loader.current(epoch):
+                if epoch.ended_by is not None:
+                    raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
+                if epoch.ended_by_close:
+                    raise ended_by_close(self._loader.name, epoch.number, self._handed)
+                if epoch.closed_by_manager:  # the manager's close ended it, the loader closed since
+                    raise epoch.closed_error()
+                raise StopAsyncIteration
+            try:
+                batch = await epoch.next()
+            except StopAsyncIteration:
+                if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
+                    raise ended_by_newer_pass(
+                        self._loader.name, epoch.number, epoch.ended_by
+                    ) from None
+                if epoch.ended_by_close:  # the loader closed while this consumer waited
+                    raise ended_by_close(self._loader.name, epoch.number, self._handed) from None
+                if self._closed:  # this iterator's aclose(), from another task, while it waited
+                    raise ended_by_aclose(self._loader.name, epoch.number, self._handed) from None
+                raise
+            except anyio.get_cancelled_exc_class():
+                self._cancelled = True  # the pass ended (epoch.next releases everything)
+                raise
+            self._handed += 1
+            return batch if self._wrap else batch.data
+        finally:
+            self._waiting = False
 
     def __del__(self) -> None:
         # Dropped mid-pass (a break or an exception out of ``async for``, no one calling
@@ -512,9 +577,15 @@ class _Iteration:
             end_on_loop(epoch.bridge, functools.partial(self._loader._dropped, epoch))
 
     async def aclose(self) -> None:
-        """End this pass now (as breaking out of it and starting the next would)."""
+        """End this pass now (as breaking out of it and starting the next would). If it was
+        still running, a consumer of this iterator waiting for a batch, or asking for the
+        next one, gets ``anyio.ClosedResourceError``: never the quiet end of a truncated
+        pass."""
+        self._loader._check_loop("aclose() of an iterator")
         epoch = self._epoch
         if epoch is not None and self._loader.current(epoch):
+            if epoch.status == "running":
+                self._closed = True
             epoch.shutdown()
             await finish_shielded(epoch.drain)
 

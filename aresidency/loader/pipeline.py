@@ -700,7 +700,12 @@ class Epoch:
                         raise
                 deadline = None
                 timeout = self.loader.timeout
-                if cause == "budget" and timeout is not None and head is not None:
+                if (
+                    cause == "budget"
+                    and timeout is not None
+                    and head is not None
+                    and not self._fits_once_released(head)
+                ):
                     assert head.blocked_since is not None
                     deadline = anyio.current_time() + (
                         head.blocked_since + timeout - time.perf_counter()
@@ -711,13 +716,43 @@ class Epoch:
                 finally:
                     waiting.__exit__(None, None, None)
                 counters.add_wait(cause, time.perf_counter() - start)
-                if timed_out and head is not None and head.state == QUEUED:
+                if (
+                    timed_out
+                    and head is not None
+                    and head.state == QUEUED
+                    and not self._fits_once_released(head)
+                ):
                     raise timeout_error(
                         self.manager, self.device, head, self.name, self.loader.timeout
                     )
         finally:
             self._consumer_waiting = False
             counters.wait_s += time.perf_counter() - began
+
+    @property
+    def leaving_bytes(self) -> int:
+        """Bytes the released batches of this pass still hold at the device: their values
+        are discarded as the device passes their readers (the consumer's last steps)."""
+        return sum(
+            part.charge
+            for released in self._releasing
+            for part in released.parts
+            if part.handle is not None and not part.discarded
+        )
+
+    def _fits_once_released(self, batch: BatchRecord) -> bool:
+        """Whether ``batch`` fits the device budget once the loader's released batches left
+        it (this pass's or an earlier one's: see :meth:`DeviceLoader.leaving_bytes`).
+        Waiting for that is waiting for the device, not for room others hold, so
+        ``timeout`` does not count it (the ring reuses such a batch's slot and never waits
+        for it on the host)."""
+        loader = self._loader
+        ledger = self.manager.state.find_ledger(self.device)
+        if loader is None or ledger is None or ledger.budget_bytes is None:
+            return True  # (no loader: the pass finished, the manager's close say)
+        leaving = loader.leaving_bytes()
+        need = sum(p.charge for p in batch.parts if p.pending is None)
+        return ledger.charged_bytes - leaving + need <= ledger.budget_bytes
 
     def _kept_for(self, task: object) -> Kept | None:
         """For admission: the device copies of the batches copied ahead and handed out, when
@@ -826,6 +861,7 @@ class Epoch:
             self.device,
             functools.partial(self._release, batch),
             functools.partial(self._register_stream, batch),
+            on_loop=self.manager.bridge.on_loop,
         )
         batch.handed = handed
         counters = self.counters

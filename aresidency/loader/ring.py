@@ -287,6 +287,10 @@ class RingEpoch:
         self._unlisten: Callable[[], None] | None = None
         self._servicing = False
         self._pending_retires = 0
+        self.leaving_bytes = 0  # charged by the slots retired, until the device passed them
+        # The request the consumer waits for without a deadline while only the loader's own
+        # retired slots stand in its way (a wait for the device; :meth:`_waits_for_room`).
+        self._device_wait: _Request | None = None
         self._thread: threading.Thread | None = None
         self._feeder: ThreadFeeder | None = None
         self._feed_scope: anyio.CancelScope | None = None
@@ -607,7 +611,11 @@ class RingEpoch:
             offsets.append(total)
             total += -(-(part.numel() * part.element_size()) // ALIGN) * ALIGN
         pack = self.loader.pack_min_bytes
-        on_host = all(part.device.type == "cpu" for part in host.parts)  # else copy_into says
+        on_host = all(part.device.type == "cpu" for part in host.parts)
+        # Where the device computes on the host (the simulation), its memory is host memory
+        # too: a CPU tensor may still be device memory, so each one is asked where it lives.
+        if not on_host or self.host_wait:
+            self._refuse_device_parts(host)
         pageable = (
             pack is not None
             and on_host
@@ -638,6 +646,22 @@ class RingEpoch:
         if self.host_wait and event is not None:  # None: nothing to copy (no bytes)
             self._wait_host(event)
         return _Ready(host.index, slot, data, host.nbytes, event, views=views)
+
+    def _refuse_device_parts(self, host: HostBatch) -> None:
+        """``ValueError`` naming the batch and the place of a tensor already in device memory:
+        the ring fills its slots from host memory only (the backend's ``copy_into`` refuses a
+        device source), so such a batch would fail in the copy with an error naming neither.
+        Through managed values it is handed out where it is (copied from another device)."""
+        for number, part in enumerate(host.parts):
+            where = self.backend.location_of(part)
+            if where.is_cuda:
+                path = host.structure.part_path(host.leaf_part, number)
+                raise ValueError(
+                    f"batch {host.index} holds a tensor in {where} memory at {path}, which the "
+                    "loader's ring cannot take: it fills its device buffers from host memory. "
+                    "Hand out host tensors (move it to the CPU in the source), or pass "
+                    "ring=False, which hands a device tensor out where it is"
+                )
 
     def _issue(self, host: HostBatch, offsets: list[int], slot: Slot) -> Any:
         """Enqueue the batch's copies into ``slot`` after its last readers; the event after
@@ -839,6 +863,15 @@ class RingEpoch:
                     # Cached data went idle since the consumer asked (a pool request
                     # ended): given back now, and the request is answered once it left.
                     self.bridge.call_soon_quietly(self._service)
+                elif self._device_wait is request:
+                    # The consumer waits, with no deadline, for the loader's own retired
+                    # slots to leave: once they left (or others took their room), the wait
+                    # is for room, and its timeout applies from when the request blocked.
+                    with self._cond:
+                        judged = self._waits_for_room(request)
+                    if judged:
+                        self._device_wait = None
+                        self._wake()
                 return
             try:
                 buffer = self.backend.allocate((charge,), torch.uint8, self.device)
@@ -1033,9 +1066,13 @@ class RingEpoch:
         self._free_later(slots, waits)
 
     def _free_later(self, slots: list[Slot], waits: list[Any]) -> None:
+        charge = sum(slot.charge for slot in slots)
+        self.leaving_bytes += charge
+
         def passed() -> None:
             self._free(slots)
             self._pending_retires -= 1
+            self.leaving_bytes -= charge
 
         def wait() -> None:
             self._waits.wait_all(waits)  # abandoned: the manager closed, nothing to wait for
@@ -1120,11 +1157,12 @@ class RingEpoch:
                         self._consumer_waiting = True
                         self._cond.notify_all()  # prefetch=0: the window opens now
                         request = self._request
-                        blocked = (
-                            request.blocked_since
-                            if request is not None and not request.answered
-                            else None
-                        )
+                        blocked = None
+                        if request is not None and not request.answered:
+                            if self._waits_for_room(request):
+                                blocked = request.blocked_since
+                            elif request.blocked_since is not None:
+                                self._device_wait = request
                         progress = self._progress = anyio.Event()
                     else:
                         self._consumer_waiting = False
@@ -1185,10 +1223,18 @@ class RingEpoch:
                         timed_out = scope.cancelled_caught
                 counters.add_wait(cause, time.perf_counter() - start)
                 if timed_out:
-                    raise self._timeout_error(timeout)
+                    # Judged again under the lock: the thread may have taken a slot of the
+                    # ring's own meanwhile (the one this consumer's previous batch just left)
+                    # and withdrawn the request; that was never a wait for room.
+                    with self._cond:
+                        still = self._request is request and self._waits_for_room(request)
+                    if still:
+                        assert request is not None
+                        raise self._timeout_error(timeout, request)
         finally:
             with self._cond:
                 self._consumer_waiting = False
+            self._device_wait = None
             counters.wait_s += time.perf_counter() - began
 
     async def _catch_up(self) -> None:
@@ -1244,15 +1290,37 @@ class RingEpoch:
             if out.handed is not None and out.handed.kept_by is task
         ]
 
-    def _timeout_error(self, timeout: float | None) -> TimeoutError:
-        with self._cond:
-            request = self._request
+    def _waits_for_room(self, request: _Request | None) -> bool:
+        """Whether the thread's ``request`` for a slot still waits for room that others
+        hold at the device (what ``timeout`` bounds): neither answered nor withdrawn, no free
+        slot of the ring fits it (the thread takes such a slot, as :meth:`_acquire` does,
+        once it runs), and it would not fit once the loader's own retired slots left (this
+        pass's or an earlier one's: freed as the device passes the consumer's last steps,
+        a wait for the device). Under ``_cond``."""
+        loader = self._loader
+        if request is None or request.answered or request.cancelled or loader is None:
+            return False  # (no loader: the pass finished, the manager's close say)
+        twin = request.pageable and self._twins
+        if any(
+            s.state == FREE
+            and s.nbytes >= request.nbytes
+            and (not twin or s.host_nbytes >= request.nbytes)
+            for s in self.slots
+        ):
+            return False
+        ledger = self.manager.state.find_ledger(self.device)
+        if ledger is None or ledger.budget_bytes is None:
+            return False
+        leaving = loader.leaving_bytes()
+        charge = value_charge(request.nbytes, None, self.manager.state.granularity)
+        return ledger.charged_bytes - leaving + charge > ledger.budget_bytes
+
+    def _timeout_error(self, timeout: float | None, request: _Request) -> TimeoutError:
         ledger = self.manager.state.ledger(self.device)
         budget = "no" if ledger.budget_bytes is None else format_nbytes(ledger.budget_bytes)
-        need = 0 if request is None else request.nbytes
-        index = "?" if request is None else request.index
+        need = -(-request.nbytes // ALIGN) * ALIGN
         return TimeoutError(
-            f"batch {index} of {self.name} waited {timeout} s for room at "
+            f"batch {request.index} of {self.name} waited {timeout} s for room at "
             f"{self.device}: its slot needs {format_nbytes(need)}, and "
             f"{format_nbytes(ledger.used_bytes)} used + "
             f"{format_nbytes(ledger.reserved_bytes)} reserved of a {budget} budget left too "
@@ -1282,6 +1350,7 @@ class RingEpoch:
             self.device,
             functools.partial(self._release, out),
             functools.partial(self._register_stream, out),
+            on_loop=self.bridge.on_loop,
         )
         out.handed = handed
         counters = self.counters

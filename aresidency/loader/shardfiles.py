@@ -257,6 +257,8 @@ def open_npy(path: Path) -> tuple[torch.Tensor, mmap.mmap, int]:
     if offset + nbytes > len(mapped):
         mapped.close()
         raise ValueError(f"{path} is truncated: its header promises {nbytes} B of data")
+    if not nbytes:  # samples of no bytes (a (rows, 0) array): torch maps no empty buffer
+        return torch.empty(shape, dtype=dtype), mapped, offset
     raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape), mapped, offset
 

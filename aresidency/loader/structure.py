@@ -7,8 +7,10 @@ a fixed order with a :class:`Structure` that rebuilds the same shape around new 
 (:meth:`Structure.rebuild`), so the loader can hand out a batch of the same type holding device
 tensors. Containers are rebuilt as the type they were: a ``dict`` subclass through its
 constructor (an ``OrderedDict`` stays one; a ``defaultdict`` keeps its factory), a namedtuple
-through its fields, a dataclass as a shallow copy with its fields replaced (frozen ones too,
-``init=False`` fields kept). Other objects, tensors inside them included, are passed through
+through its fields, another ``tuple`` or ``list`` subclass through its constructor given the
+items (what ``torch.sort`` or ``torch.max`` return keeps ``.values`` and ``.indices``), a
+dataclass as a shallow copy with its fields replaced (frozen ones too, ``init=False`` fields
+kept). Other objects, tensors inside them included, are passed through
 unchanged: the loader does not look inside them.
 
 Pure: no device is touched and nothing waits.
@@ -140,7 +142,10 @@ def _walk_container(
         if kind is tuple or kind is list:
             return lambda ts: kind(child(ts) for child in children)
         try:
-            kind(())  # a subclass that rebuilds from an iterable
+            # A subclass that rebuilds from an iterable of its items (tried with the items
+            # themselves: a structseq such as torch.return_types.sort takes exactly as many
+            # as it has fields, so an empty one would be refused).
+            kind(list(node))
         except Exception:
             plain: type = tuple if isinstance(node, tuple) else list
             return lambda ts: plain(child(ts) for child in children)

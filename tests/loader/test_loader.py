@@ -8,7 +8,9 @@ charged or registered."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import threading
 import time
 from collections import OrderedDict, defaultdict, namedtuple
@@ -153,6 +155,29 @@ async def test_a_bare_tensor_batch_is_handed_out_as_a_tensor(ring: bool | None) 
     ):
         got = await collect(loader)
     assert all(torch.equal(a, b) for a, b in zip(got, data))
+
+
+async def test_torch_result_tuples_in_a_batch_keep_their_type_and_field_names(
+    ring: bool | None,
+) -> None:
+    # A collate_fn that keeps what torch.sort / torch.max return (structseqs: tuples with
+    # named fields that take exactly their items): the batch came back with plain tuples,
+    # without .values and .indices, because the type was probed with an empty tuple.
+    scores = [torch.randn(4, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    data = [{"sorted": torch.sort(s, dim=1), "best": torch.max(s, dim=1)} for s in scores]
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+            seen = 0
+            async for batch in loader:
+                for key in ("sorted", "best"):
+                    got, want = batch[key], data[seen][key]
+                    assert type(got) is type(want)
+                    assert str(m.backend.location_of(got.values)) == "cuda:0"
+                    assert torch.equal(got.values, want.values)
+                    assert torch.equal(got.indices, want.indices)
+                seen += 1
+            assert seen == 3
+        assert_nothing_left(m)
 
 
 async def test_views_into_a_larger_tensor_are_copied_to_memory_of_their_own() -> None:
@@ -491,6 +516,35 @@ async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_e
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+async def test_timeout_zero_does_not_count_the_wait_for_the_consumers_own_released_batches(
+    ring: bool | None, prefetch: int
+) -> None:
+    # A budget of exactly prefetch + 1 batches (what the guide says the loader needs) and
+    # timeout=0 (never wait for room that others hold). The next batch's room is the one the
+    # consumer's own previous batch leaves once the device passed its step: through managed
+    # values that wait raised TimeoutError at the second batch; through the ring, the slot
+    # the consumer had just released was taken for a wait for room ("batch ? ... needs 0 B").
+    # (The ring's race, between its thread taking that slot and the consumer's judging of the
+    # wait, is lost in most passes of a dozen batches with steps that enqueue nothing.)
+    data = batches(12)
+    budget = (prefetch + 1) * CHARGE
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=sim()) as m:
+        async with DeviceLoader(
+            m, data, "cuda:0", prefetch=prefetch, timeout=0, ring=ring
+        ) as loader:
+            for number in range(3):
+                seen = []
+                async for batch in loader:
+                    seen.append(batch.clone())
+                    if number == 0:  # a step the device takes a while to run
+                        step = m.backend.current_stream("cuda:0")
+                        m.backend.run_in_stream_order(step, functools.partial(time.sleep, 0.005))
+                assert [s.tolist() for s in seen] == [d.tolist() for d in data]
+        assert max_charge(m.trace()) <= budget
+        assert_nothing_left(m)
+
+
 async def test_a_batch_that_only_the_consumers_own_holdings_keep_out_fails_at_once(
     ring: bool | None,
 ) -> None:
@@ -808,6 +862,64 @@ async def test_a_source_that_leaks_stop_iteration_is_an_error_not_a_short_pass(
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_cancelled_error_the_source_raises_itself_is_an_error_not_a_cancellation(
+    kind: str, ring: bool | None
+) -> None:
+    """A source that raises ``asyncio.CancelledError`` itself (an await of its own on
+    something cancelled elsewhere), while nothing cancels the loader or the consumer. It
+    reached the consumer as a cancellation, which a task group takes for a quiet end: from a
+    thread after the batches before it; from an async source it cancelled the loader's task
+    group, so the consumer got no batch at all. It is a ``RuntimeError`` naming the batch,
+    after the batches before it, with the source's exception as its cause."""
+    data = batches(4)
+
+    def sync_source() -> Iterator[torch.Tensor]:
+        for index, item in enumerate(data):
+            if index == 2:
+                raise asyncio.CancelledError("the source's own")
+            yield item
+
+    async def async_source() -> AsyncIterator[torch.Tensor]:
+        for index, item in enumerate(data):
+            await anyio.lowlevel.checkpoint()
+            if index == 2:
+                raise asyncio.CancelledError("the source's own")
+            yield item
+
+    source = sync_source() if kind == "sync" else async_source()
+    async with (
+        ResidencyManager(backend=sim()) as m,
+        DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader,
+    ):
+        got = []
+        message = "the source raised CancelledError at batch 2"
+        with anyio.fail_after(10), pytest.raises(RuntimeError, match=message) as info:
+            async for batch in loader:
+                got.append(batch.clone())
+        assert type(info.value.__cause__) is asyncio.CancelledError
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, data))
+        assert_nothing_left(m)
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor or a quantized weight subclass is): no memory of its
+    own, every op computed on the tensor it wraps."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapper:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = [a.inner if isinstance(a, Wrapper) else a for a in args]
+        return func(*unwrap, **(kwargs or {}))
+
+
 UNCOPYABLE = {
     "sparse": (lambda: torch.eye(4).to_sparse(), TypeError, "layout torch.sparse_coo"),
     "sparse csr": (lambda: torch.eye(4).to_sparse_csr(), TypeError, "layout torch.sparse_csr"),
@@ -831,6 +943,13 @@ UNCOPYABLE = {
         lambda: torch.ones(4, dtype=torch.complex64).conj().imag,
         TypeError,
         "lazy negative view",
+    ),
+    # It failed with torch's "Attempted to access the data pointer on an invalid python
+    # storage", naming neither the batch nor the place.
+    "wrapper subclass": (
+        lambda: Wrapper(torch.ones(4)),
+        TypeError,
+        "a Wrapper, a tensor subclass with no memory of its own",
     ),
 }
 
@@ -905,6 +1024,14 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
                 DeviceLoader(m, text, "cuda:0", ring=ring)
         with pytest.raises(TypeError, match="a dict of tensors is one batch"):
             DeviceLoader(m, {"x": torch.ones(4)}, "cuda:0", ring=ring)
+        # A map-style Dataset (samples, not batches) was refused without saying what to do.
+        with pytest.raises(TypeError, match=r"map-style Dataset.*wrap it in a DataLoader"):
+            DeviceLoader(m, Numbered(), "cuda:0", ring=ring)
+        # A blank name was taken: reservations " ring e1 #0", errors "batch 1 of : ...".
+        for blank in ("", "  "):
+            with pytest.raises(ValueError, match="name must name the loader"):
+                DeviceLoader(m, [], "cuda:0", name=blank, ring=ring)
+        assert not m.snapshot().location("cuda:0").reservations  # nothing was made
         for bad in ("abc", 2.0, None, True):  # the wrong type is a TypeError, naming it
             with pytest.raises(TypeError, match=r"prefetch must be an int >= 0, got .*\("):
                 DeviceLoader(m, [], "cuda:0", prefetch=bad, ring=ring)  # type: ignore[arg-type]
@@ -969,6 +1096,46 @@ async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
             break
         with pytest.raises(StopAsyncIteration):
             await anext(second)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["data", "batches"])
+async def test_two_tasks_sharing_one_iterator_refuse_the_second_and_spare_the_first(
+    ring: bool | None, wrap: bool
+) -> None:
+    """Two worker tasks pulling from one iterator (``it = aiter(loader)``, ``async for b in
+    it`` in each). Both found the iterator without a pass and each started one: the first
+    worker was told a newer pass ended its own ("which another 'async for' over the loader
+    began", though there was none), and the second read what the first pass's thread left
+    of a generator, nothing, ending quietly. As an async generator does, the iterator now
+    refuses an ``anext`` while another task waits in one, and the first worker gets every
+    batch."""
+    gate = Gate()
+    data = batches(6)
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, gated(data, gate, at=0), "cuda:0", ring=ring) as loader:
+            it = aiter(loader.batches() if wrap else loader)
+            got: list[torch.Tensor] = []
+            refused: list[BaseException] = []
+
+            async def first() -> None:
+                async for item in it:
+                    got.append((item.data if wrap else item).clone())
+
+            async def second() -> None:
+                with pytest.raises(RuntimeError, match="while another task waits") as info:
+                    await anext(it)
+                refused.append(info.value)
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(first)
+                await anyio.to_thread.run_sync(gate.reached.wait)
+                await anyio.wait_all_tasks_blocked()  # the first waits for batch 0
+                tasks.start_soon(second)
+                await anyio.wait_all_tasks_blocked()  # refused, or blocked in a second pass
+                gate.open.set()
+            assert len(refused) == 1
+            assert [g.tolist() for g in got] == [d.tolist() for d in data]
+        assert_nothing_left(m)
 
 
 async def test_two_tasks_iterating_one_loader_at_once_fail_clearly(ring: bool | None) -> None:
@@ -1088,6 +1255,58 @@ async def test_a_consumer_in_another_task_is_told_when_the_loader_closes_under_i
         await whole.aclose()  # after the source's end: nothing to report
         with pytest.raises(StopAsyncIteration):  # the whole pass reached it: still ended
             await anext(it)
+        assert_nothing_left(m)
+
+
+async def test_a_consumer_is_told_when_its_iterator_s_aclose_ends_the_pass(
+    ring: bool | None,
+) -> None:
+    """One task iterates ``it = aiter(loader)``, another calls ``it.aclose()`` while the
+    consumer waits for a batch (the source is held back). The consumer's loop ended quietly
+    after 3 of 6 batches, as if the source were exhausted; it raises ``ClosedResourceError``
+    naming how far it got, and so does a later ``anext(it)``. An ``aclose()`` after the
+    pass ran to its end still leaves the iterator at its quiet end."""
+    gate = Gate()
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, gated(batches(6), gate, at=3), "cuda:0", ring=ring)
+        it = aiter(loader.batches())
+        got: list[int] = []
+        errors: list[BaseException] = []
+        three = anyio.Event()
+
+        async def consume() -> None:
+            try:
+                async for batch in it:
+                    got.append(batch.index)
+                    if len(got) == 3:
+                        three.set()
+            except anyio.ClosedResourceError as error:
+                errors.append(error)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(consume)
+            with anyio.fail_after(10):
+                await three.wait()
+            await anyio.to_thread.run_sync(gate.reached.wait)
+            await anyio.wait_all_tasks_blocked()  # the consumer waits for batch 3
+            await it.aclose()
+            await anyio.wait_all_tasks_blocked()
+            assert errors  # told at once, while the source's thread is held at the gate
+            gate.open.set()
+        assert got == [0, 1, 2]
+        assert len(errors) == 1 and "ended by its iterator's aclose()" in str(errors[0])
+        assert "after 3 batch(es)" in str(errors[0])
+        with pytest.raises(anyio.ClosedResourceError, match="after 3 batch"):
+            await anext(it)
+        await loader.aclose()
+        assert_nothing_left(m)
+        whole = DeviceLoader(m, batches(3), "cuda:0", ring=ring)
+        it = aiter(whole)
+        assert sum([1 async for _ in it]) == 3
+        await it.aclose()  # after the source's end: nothing to report
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+        await whole.aclose()
         assert_nothing_left(m)
 
 
@@ -1307,6 +1526,55 @@ async def test_release_frees_a_batch_before_the_next_step(ring: bool | None) -> 
         await loader.drain()
         assert [v.handle.name for v in m.state.values()] == []
         assert "released" in repr(batch)
+
+
+async def test_a_batch_released_from_another_thread_is_refused_and_stays_as_it_was(
+    ring: bool | None,
+) -> None:
+    # A batch handed to a worker thread (anyio.to_thread) that releases it there: the release
+    # changes the loader's state (the ring's slots, or the manager's leases and values), which
+    # only the loop's thread may touch. It used to go through from the worker thread.
+    data = batches(3)
+    async with ResidencyManager(backend=sim()) as m:
+        side = m.backend.new_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring) as loader:
+            iterator = loader.batches()
+            batch = await anext(iterator)
+            for call in (batch.release, functools.partial(batch.register_stream, side)):
+                with pytest.raises(RuntimeError, match="another thread than its event loop") as no:
+                    await anyio.to_thread.run_sync(call)
+                no.value.__traceback__ = None  # (its frames hold the batch)
+            assert not batch.released
+            assert torch.equal(batch.data, data[0])
+            await anyio.to_thread.run_sync(anyio.from_thread.run_sync, batch.release)
+            assert batch.released
+            await anyio.to_thread.run_sync(batch.release)  # released already: does nothing
+            del batch, call, no  # (not kept past its release)
+            rest = [b.data.clone() async for b in iterator]
+            assert [r.tolist() for r in rest] == [d.tolist() for d in data[1:]]
+        assert_nothing_left(m)
+
+
+async def test_the_loader_s_aclose_and_drain_from_another_thread_are_refused_and_change_nothing(
+    ring: bool | None,
+) -> None:
+    # loader.aclose() run on another thread's event loop (asyncio.run in a worker thread)
+    # marked the loader closed, then stopped at the first batch it released (or, before the
+    # batch's own check, released it off the loop); drain() and the iterator's aclose() ran
+    # off the loop too. Each is refused before it changes anything, and the pass goes on.
+    data = batches(4)
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, data, "cuda:0", prefetch=1, ring=ring)
+        it = aiter(loader)
+        first = (await anext(it)).clone()
+        for call in (loader.drain, loader.aclose, it.aclose):
+            with pytest.raises(RuntimeError, match="another thread than its manager's event loop"):
+                await anyio.to_thread.run_sync(asyncio.run, call())
+        assert loader.status == "open"
+        rest = [batch.clone() async for batch in it]
+        assert [b.tolist() for b in [first, *rest]] == [d.tolist() for d in data]
+        await loader.aclose()
+        assert_nothing_left(m)
 
 
 async def test_a_reader_stream_registered_on_a_batch_keeps_its_memory_until_it_ran(

@@ -135,6 +135,27 @@ async def test_aclose_after_the_manager_closed_under_a_pass_says_so_once(
     del iterator
 
 
+async def test_a_consumer_is_told_of_the_manager_s_close_after_the_loader_closed_too(
+    ring: bool | None,
+) -> None:
+    """The manager closes under a running pass, then the loader is closed (its ``aclose``
+    reports the manager's close): the pass's consumer, asking for its next batch, got
+    ``StopAsyncIteration``, a quiet end after 1 of 50 batches; before the loader's close it
+    got ``ManagerClosedError``, and it still does."""
+    async with ResidencyManager(backend=SimBackend()) as m:
+        loader = DeviceLoader(m, batches(50), "cuda:0", prefetch=2, ring=ring)
+        iterator = aiter(loader)
+        await anext(iterator)
+    await until(lambda: not loader_threads(loader))
+    with anyio.fail_after(5):
+        with pytest.raises(ManagerClosedError, match="manager closed"):
+            await loader.aclose()
+        for _ in range(2):
+            with pytest.raises(ManagerClosedError, match="manager closed"):
+                await anext(iterator)
+    del iterator
+
+
 async def test_the_manager_close_ends_the_threads_of_a_loader_nobody_closes(
     ring: bool | None,
 ) -> None:

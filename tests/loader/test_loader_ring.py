@@ -401,6 +401,36 @@ class _NoCopyInto(SimBackend):
     copy_into = Backend.copy_into  # type: ignore[assignment]
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+async def test_a_tensor_already_in_device_memory_is_refused_naming_its_batch_and_place(
+    device: str,
+) -> None:
+    """A source whose batches hold a tensor already on a device (a collate_fn that ran a
+    transform there). On CUDA the ring's copy refuses a device source ("copy_into copies
+    host memory to a device, got a cuda source"), naming neither the batch nor the tensor;
+    the simulation copied it silently. Both now refuse it at its place, after the batches
+    before it, saying what to do; through managed values it is handed out (the docs say
+    so)."""
+    async with ResidencyManager(backend=SimBackend()) as m:
+        on_device = m.backend.allocate((4,), torch.float32, device)
+        on_device.fill_(7.0)
+        items = [{"x": t, "extra": ["id", torch.ones(2)]} for t in batches(3)]
+        items[2]["extra"][1] = on_device
+        async with DeviceLoader(m, items, "cuda:0", prefetch=2) as loader:
+            got = []
+            pattern = rf"batch 2 holds a tensor in {device} memory at \['extra'\]\[1\]"
+            with pytest.raises(ValueError, match=pattern):
+                async for batch in loader:
+                    got.append(batch["x"].clone())
+            assert [g.tolist() for g in got] == [i["x"].tolist() for i in items[:2]]
+        assert live_slots(m) == []
+        async with DeviceLoader(m, items, "cuda:0", ring=False) as loader:
+            seen = [batch["extra"][1].tolist() async for batch in loader]
+        assert seen[2] == [7.0] * 4
+        del on_device, items
+        assert_nothing_left(m)
+
+
 async def test_ring_true_is_refused_where_it_cannot_run() -> None:
     async with ResidencyManager(backend=_NoCopyInto()) as m:
         with pytest.raises(ValueError, match="needs a backend with copy_into"):
@@ -709,6 +739,53 @@ async def test_a_next_pass_without_room_waits_for_the_old_slots_to_be_freed() ->
         assert_nothing_left(m)
         assert max_charge(m.trace()) <= CHARGE
     assert all(torch.equal(a, b) for a, b in zip(rest, data[1:], strict=True))
+
+
+async def test_a_next_pass_waiting_for_old_slots_times_out_once_others_took_their_room() -> None:
+    """The wait for the old pass's slot (freed once the device ran its last step) is a wait for
+    the device, which ``timeout`` does not count; but a scope that waited first gets that room
+    when the slot goes, and from then on the batch waits for room others hold: the timeout
+    applies (the consumer, parked without a deadline, is woken to judge the wait again)."""
+    data = batches(2)
+    gate = threading.Event()
+    async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=SimBackend()) as m:
+        stream = m.backend.current_stream("cuda:0")
+        async with DeviceLoader(m, data, "cuda:0", prefetch=0, timeout=0.05) as loader:
+            first = aiter(loader)
+            assert [(await anext(first)).tolist() for _ in data] == [d.tolist() for d in data]
+            # A step still reading the last batch: its release (the pass's end) comes after it.
+            m.backend.run_in_stream_order(stream, lambda: gate.wait(10))
+            with pytest.raises(StopAsyncIteration):
+                await anext(first)
+            plan = ResidencyPlan(reserve=[MemoryReservation("other", "cuda:0", CHARGE)])
+            holding, done = anyio.Event(), anyio.Event()
+
+            async def other() -> None:
+                async with m.scope(plan, timeout=None):
+                    holding.set()
+                    await done.wait()
+
+            second = aiter(loader)
+            failed: list[BaseException] = []
+
+            async def first_of_second_pass() -> None:
+                with pytest.raises(TimeoutError, match=r"batch 0 .* waited 0\.05 s") as caught:
+                    await anext(second)
+                failed.append(caught.value)
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(other)
+                await until(lambda: m.waiting > 0)  # the scope waits for the old slot's room
+                tasks.start_soon(first_of_second_pass)
+                await until(lambda: waiting_for_room(loader))  # parked, no deadline yet
+                assert not failed
+                gate.set()  # the old slot goes, the scope gets its room
+                with anyio.fail_after(5):
+                    await holding.wait()
+                    await until(lambda: bool(failed))
+                done.set()
+        assert_nothing_left(m)
+        assert max_charge(m.trace()) <= CHARGE
 
 
 async def test_drain_waits_for_the_slots_of_the_pass_before(
@@ -1098,8 +1175,15 @@ async def test_a_request_the_ring_s_thread_withdrew_meanwhile_raises_nothing(
             forced += 1
         return reclaim_for(manager, device, need)
 
+    def unanswered(self: RingEpoch, request: Any) -> bool:
+        return request is not None and not (request.answered or request.cancelled)
+
     monkeypatch.setattr(RingEpoch, "_withdraw", withdrawing)
     monkeypatch.setattr(ring_module, "reclaim_for", reclaiming)
+    # The consumer no longer reads a request that a free slot fits as a wait for room (the
+    # thread takes that slot): read every unanswered one as blocked, as it once did, so that
+    # the judging after the read, which this test is about, still meets the race.
+    monkeypatch.setattr(RingEpoch, "_waits_for_room", unanswered)
     data = batches(24)
     async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=SimBackend()) as m:
         got = []

@@ -348,6 +348,36 @@ async def test_a_loader_over_shards_hands_out_the_files_bit_identical(
     assert stats.pinned_bytes == loader.pinned_bytes
 
 
+async def test_npy_shards_whose_samples_hold_no_bytes_are_read_like_safetensors_ones(
+    tmp_path: Path, ring: bool | None
+) -> None:
+    """A key whose samples hold no bytes (an array of shape (rows, 0), say a modality absent
+    from this dataset) beside one that does: the ``.npy`` shard was refused at construction
+    with torch's "both buffer length (128) and count (0) must not be 0", naming no file,
+    while the same shard as safetensors was read."""
+    rows = (5, 3)
+    ys = [np.arange(n, dtype=np.int64) + 10 * i for i, n in enumerate(rows)]
+    files: dict[str, list[Path]] = {"empty": [], "y": []}
+    for number, (n, y) in enumerate(zip(rows, ys, strict=True)):
+        for key, array in (("empty", np.zeros((n, 0), np.float32)), ("y", y)):
+            path = tmp_path / f"{key}-{number}.npy"
+            np.save(path, array)
+            files[key].append(path)
+    with ShardSource(files, batch_size=3, workers=2) as source:
+        alone = list(source)
+        async with ResidencyManager(backend=sim()) as m:
+            async with DeviceLoader(m, source, "cuda:0", prefetch=1, ring=ring) as loader:
+                got = [
+                    {key: tensor.clone() for key, tensor in batch.items()} async for batch in loader
+                ]
+            assert_nothing_left(m)
+    for batches_ in (alone, got):
+        assert [b["empty"].shape for b in batches_] == [(3, 0), (3, 0), (2, 0)]
+        assert torch.equal(
+            torch.cat([b["y"] for b in batches_]), torch.from_numpy(np.concatenate(ys))
+        )
+
+
 async def test_shuffled_shards_give_every_sample_once_in_a_new_order_each_epoch(
     tmp_path: Path, ring: bool | None
 ) -> None:
