@@ -138,6 +138,35 @@ async def test_step_3_reconciles_the_five_byte_fields_with_the_snapshot() -> Non
         assert "a new materialization of value c" in " ".join(step.findings)
 
 
+async def test_step_3_judges_a_refused_set_budget_against_the_new_budget() -> None:
+    """set_budget below the charge: the budget in force stays, nothing is requested. The
+    diagnosis used to weigh the 0 requested bytes against the old budget's free room and say
+    "the request fits now: retry it", which fails again."""
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=16), name="a")
+        await m.move(a, "cuda:0")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            m.set_budget("cuda:0", 4 * KiB)
+        error = caught.value
+        assert (error.kind, error.budget_bytes, error.used_bytes) == ("budget", 4 * KiB, 16 * KiB)
+        assert m.snapshot().location("cuda:0").budget_bytes == 64 * KiB  # unchanged
+        report = diagnose(error, m)
+        step = report.step(3)
+        text = " ".join(step.findings) + " " + (step.action or "")
+        assert "retry" not in (step.action or "")
+        assert "fits now" not in text and "would fit" not in text
+        assert step.evidence["over_new_budget_bytes"] == 12 * KiB
+        assert "still 12288 B over the new budget of 4096 B" in text
+        assert "before lowering its budget" in (step.action or "")
+        assert report.next_action == step.action
+        assert "set_budget" in " ".join(report.step(8).findings)
+        # once the charge fits under the new budget, retrying is the advice
+        await m.move(a, "pinned-host")
+        step = diagnose(error, m).step(3)
+        assert step.evidence["over_new_budget_bytes"] == 0
+        assert "retry set_budget" in (step.action or "")
+
+
 async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
     async with ResidencyManager(
         budgets={"cuda:0": 8 * KiB, "pinned-host": 2 * KiB}, backend="sim"
