@@ -193,6 +193,11 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "or keep a budget no lower than the charge"
             )
             findings = [f"{name}: {meaning}"]
+        if name == "ResidencyInUseError" and error is not None and error.get("transfer"):
+            findings.append(
+                f"here a transfer in flight ({error.get('transfer')}) protects it, not a lease, "
+                "a hold or a reader event: await the transfer (or cancel it) first"
+            )
         if name == "ResidencyPlanExecutionError":
             findings.append(
                 "a sibling of ResidencyPlanError, not a subclass: it always needs an analysis "

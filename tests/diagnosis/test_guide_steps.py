@@ -249,6 +249,36 @@ async def test_step_4_names_the_task_holding_the_lease_that_blocks_a_release() -
         assert m.owners() == []
 
 
+async def test_step_4_names_a_transfer_in_flight_and_never_says_retry_while_it_is() -> None:
+    """A removal refused because the copy there is still arriving: no lease, hold or event
+    counts, so the diagnosis used to say "nothing protects it any more: retry the removal"
+    while the transfer was still in flight."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(kib=64), name="w")
+        gate = threading.Event()
+        m.backend._devices[1].h2d.submit(lambda: gate.wait(10))  # holds up the copy
+        pending = m.materialize_nowait(h, "cuda:1")
+        try:
+            with pytest.raises(ResidencyInUseError) as caught:
+                await m.release(h, "cuda:1")
+            error = caught.value
+            assert error.transfer == "incoming"
+            assert m.snapshot().value(h).materialization("cuda:1").state.value == "incoming"
+            report = diagnose(error, m)
+            step = report.step(4)
+            assert step.evidence["transfer"] == "incoming"
+            assert "a transfer is in flight" in " ".join(step.findings)
+            assert "await that transfer" in (step.action or "")
+            assert "nothing protects it" not in (step.action or "")
+            assert report.next_action == step.action
+            assert "transfer in flight (incoming)" in " ".join(report.step(8).findings)
+        finally:
+            gate.set()
+        await pending
+        step = diagnose(error, m).step(4)  # landed: now the removal may be retried
+        assert step.action == "nothing protects it any more: retry the removal"
+
+
 # --------------------------------------------------------------- 5: decision evidence
 
 
