@@ -372,6 +372,8 @@ class Lease:
         # A checkpoint, entering and leaving (as trio's async context managers are): a caller
         # already cancelled enters nothing; __aexit__ lets the loop run once the use ended.
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if self.mode == "write":
+            await self._wait_for_other_replicas_readers()
         payload = self._begin()
         rt = self._rt
         try:
@@ -393,6 +395,23 @@ class Lease:
             self._abandon()
             raise
         return self
+
+    async def _wait_for_other_replicas_readers(self) -> None:
+        """A write lease invalidates the value's other replicas: while the only thing keeping
+        one of them is reader events still pending (a read lease there just exited), wait for
+        them, as ``release`` does, since they always complete. A lease or hold on another
+        replica is left to :meth:`_begin`, which refuses it (``ResidencyInUseError``)."""
+        rt = self._rt
+        while True:
+            value = rt.state.find_value(self.handle)
+            if value is None:
+                return  # _begin says why
+            others = [m for loc, m in value.materializations.items() if loc != self.location]
+            if any(m.use_count or m.hold_count for m in others):
+                return
+            if not any(m.pending_event_count for m in others):
+                return
+            await rt.signal.wait()
 
     def _check_filling(self) -> None:
         """Raise ``ResidencyUnavailableError`` if the materialization this lease counts on,
