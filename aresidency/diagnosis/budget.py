@@ -180,11 +180,13 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             if evidence is not None and location is not None and limit is not None:
                 action = _budget_room_now(evidence, location, int(limit), findings, data) or action
         elif evidence is not None and location is not None:
-            # What must fit beside the current charge: the request itself for a live check;
-            # for one from explain's simulation, what the whole plan adds at its peak (from
-            # explain against the current state, when the evidence has it).
+            # What must fit beside the current charge: the request itself for a direct
+            # operation's live check; for one from explain's simulation, or one of a plan's
+            # actions or reservations (the evidence then explains the plan against the current
+            # state), what the whole plan adds at its peak: the one request alone fitting now
+            # does not make the plan fit.
             need: int | None = requested
-            if budget.get("in_simulation"):
+            if budget.get("in_simulation") or evidence.explanation is not None:
                 need = None
                 now = evidence.snapshot.locations.get(location)
                 current_plan = evidence.explanation

@@ -426,6 +426,54 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         assert "scope" not in " ".join(step.findings)
 
 
+async def test_step_3_of_a_failed_reservation_weighs_the_whole_plan_not_the_one_request() -> None:
+    """A scope's reserve phase fails after preflight (the budget was lowered while its reclaim
+    ran): the cause is a live budget error for one reservation. The reservation prefix is
+    released, so that one reservation alone fits now, but the plan still does not: step 3 used
+    to say "the request fits now: retry it" beside explain(plan) saying infeasible."""
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=32), name="a")
+        await m.move(a, "cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Move(a, "pinned-host")],
+            reserve=[
+                MemoryReservation("r0", "cuda:0", 8 * KiB),
+                MemoryReservation("r1", "cuda:0", 40 * KiB),
+            ],
+        )
+        gate = threading.Event()
+        m.backend._devices[0].d2h.submit(lambda: gate.wait(10))  # holds up the reclaim's copy
+        failed: list[BaseException] = []
+
+        async def enter() -> None:
+            try:
+                async with m.scope(plan, timeout=0):
+                    pass
+            except ResidencyPlanExecutionError as error:
+                failed.append(error)
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(enter)
+                await anyio.wait_all_tasks_blocked()
+                m.set_budget("cuda:0", 40 * KiB)  # the charge is 32 KiB: allowed
+                gate.set()
+        finally:
+            gate.set()
+        (error,) = failed
+        assert error.phase == "reserve" and error.failed_reservation_index == 1
+        cause = error.__cause__
+        assert isinstance(cause, ResidencyBudgetError) and not cause.in_simulation
+        assert m.snapshot().location("cuda:0").charged_bytes == 0  # the prefix was released
+        report = diagnose(error, m)
+        step = report.step(3)
+        text = " ".join(step.findings)
+        assert "explain(plan): infeasible" in text
+        assert "the whole plan would peak at 49152 B at cuda:0, 8192 B over budget" in text
+        assert "retry" not in (step.action or "") and "fits now" not in (report.next_action or "")
+        assert "free 8192 B at cuda:0" in (step.action or "")
+
+
 # ------------------------------------------------------------------ 8: classification
 
 
