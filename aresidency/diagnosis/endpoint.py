@@ -87,7 +87,11 @@ def step_2(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                     f"the handle belongs to manager {handle.manager_id}, not to this manager "
                     f"({snap.manager_id})"
                 )
-                action = "use the handle with the manager that registered it"
+                action = (
+                    f"use the handle with the manager that registered it ({handle.manager_id}), "
+                    "and diagnose errors about it with that manager (this one's state is not "
+                    "that value's)"
+                )
             elif value is None:
                 findings.append(
                     "the value is not in the state: it was discarded (or was never registered "

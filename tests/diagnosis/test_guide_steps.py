@@ -109,6 +109,26 @@ async def test_step_2_tells_a_discarded_value_and_a_foreign_handle() -> None:
         assert other.id in " ".join(step.findings) and "registered it" in (step.action or "")
 
 
+async def test_an_error_diagnosed_with_another_manager_says_so_first() -> None:
+    """diagnose(error, manager) with a manager other than the one that raised it: the
+    next action used to come from step 3 with the other manager's free room ("free 4096 B at
+    cuda:0"), a state the failure never saw; the foreign handle of step 2 now comes first."""
+    async with (
+        ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m,
+        ResidencyManager(backend="sim") as other,
+    ):
+        h = m.register(tensor(kib=8), name="w")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(h, "cuda:0")
+        report = diagnose(caught.value, other)
+        assert report.step(2).evidence["belongs"] is False
+        assert report.next_action == report.step(2).action
+        assert m.id in report.next_action and "registered it" in report.next_action
+        # with its own manager the budget arithmetic leads, as before
+        own = diagnose(caught.value, m)
+        assert own.next_action == own.step(3).action
+
+
 # ------------------------------------------------------------------- 3: budget arithmetic
 
 
