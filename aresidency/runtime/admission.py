@@ -570,13 +570,17 @@ class AdmissionQueue:
 
     def short_of(self) -> frozenset[Location]:
         """Locations some waiting scope is short of (or where one about to wait is being
-        judged: see :meth:`admit`)."""
+        judged: see :meth:`admit`). Only budgeted ones: room never runs short where no budget
+        applies, so an operation there overtakes nobody (it was refused with a budget error
+        "of unlimited" while a scope charging that location was admitted and entering)."""
         out: set[Location] = set()
         for waiter in self._queue:
             out |= waiter.short_of
         for charged in self._judging:
             out |= charged
-        return frozenset(out)
+        if not out:
+            return frozenset()
+        return frozenset(out) & self._budgeted()
 
     # -- scopes
 
