@@ -461,6 +461,7 @@ class Lease:
         when nothing went wrong. Does not wait for an incoming copy: see :meth:`failure`."""
         if self.status != "entered":
             raise RuntimeError(f"the lease is {self.status}, not entered")
+        self._rt.check_loop_thread()  # before anything changes: the state is the loop's
         self.status = "exited"
         self._tensor = None
         rt = self._rt
@@ -573,6 +574,7 @@ class Hold:
         runtime.settle()
 
     def release(self) -> None:
+        self._rt.check_loop_thread()  # before anything changes: the state is the loop's
         if not self.active:
             raise RuntimeError(f"{self!r} was already released")
         if self._rt.frozen:

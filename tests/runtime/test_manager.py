@@ -272,6 +272,41 @@ async def test_calls_from_another_thread_fail_clearly() -> None:
         assert "event loop" in str(errors[0])
 
 
+async def test_ending_a_hold_or_lease_from_another_thread_fails_clearly_and_changes_nothing() -> (
+    None
+):
+    """hold.release() from a worker thread used to unhold on that thread: a mutation of the
+    loop's state off the loop (a transition and a new state_version from another thread), and
+    lease.exit_nowait() would do the same. Both are refused there now, before anything
+    changes; the hold and the lease stay active and end normally on the loop."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        hold = m.hold(h, "pageable-host")
+        lease = m.acquire(h, "pageable-host").enter_nowait()
+        before = m.snapshot()
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            for end in (hold.release, lease.exit_nowait):
+                try:
+                    end()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        assert m.snapshot() == before and hold.active and lease.status == "entered"
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (1, 1)
+        assert lease.exit_nowait() is None
+        hold.release()
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (0, 0)
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
