@@ -236,6 +236,30 @@ async def test_reconstruction_is_refused_when_source_location_budget_is_too_smal
         assert m.state_version == version
 
 
+@pytest.mark.parametrize(
+    ("shape", "error", "match"),
+    [
+        ((2.5,), TypeError, r"dimension 2.5 \(float\) that is not an int"),  # was (2,)
+        ((True, 4), TypeError, "bool dimension"),  # was (1, 4)
+        ("34", TypeError, "sequence of ints"),  # was (3, 4)
+        (5, TypeError, "sequence of ints"),  # was "'int' object is not iterable"
+        ((2, "3"), TypeError, r"dimension '3' \(str\)"),  # was (2, 3)
+        ((-1,), ValueError, "negative dimension"),
+    ],
+)
+def test_a_callable_source_refuses_a_shape_that_is_not_ints_naming_it(
+    shape: object, error: type[Exception], match: str
+) -> None:
+    """CallableSource truncated or parsed what is not a shape (int(2.5), int(True), the
+    characters of a string): the value was declared with another shape than asked and the
+    load failed later with a shape mismatch, or the error named no shape at all."""
+    with pytest.raises(error, match=match):
+        CallableSource(lambda: torch.zeros(4), shape=shape, dtype=torch.float32)  # type: ignore[arg-type]
+    size = CallableSource(lambda: torch.zeros(2, 3), shape=torch.Size([2, 3]), dtype=torch.float32)
+    assert size.shape == (2, 3)
+    assert CallableSource(lambda: torch.zeros(2), shape=[2], dtype=torch.float32).shape == (2,)
+
+
 async def test_discard_frees_everything_and_the_handle_is_then_refused() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
