@@ -301,11 +301,14 @@ class ResidencyPlanError(ResidencyError):
 
     Raised for an infeasible plan, its ``__cause__`` is the explanation's ``blocking_error``
     (a ``ResidencyBudgetError`` names the location and the five byte counts). ``plan`` and
-    ``decision`` are set when a scope's entry raised it (``None`` otherwise)."""
+    ``decision`` are set when a scope's entry raised it (``None`` otherwise); ``request`` when
+    the controller refused a request (invalid, infeasible, or its search limit reached), so
+    that each of its requirements can be checked on its own."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision")
+    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision", "request")
     plan: Any = None
     decision: Any = None
+    request: Any = None
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

@@ -40,12 +40,15 @@ def _endpoint(errors: Errors) -> tuple[ValueHandle | None, Location | None, Mapp
 
 
 def _requirements(errors: Errors) -> list[Mapping[str, Any]]:
+    """The requirements of the request behind the failure: a decision's, or the one the
+    controller refused (the error's ``request``: no decision was made)."""
     for error in errors:
         decision = error.get("decision")
-        if isinstance(decision, Mapping):
-            request = decision.get("request")
-            if isinstance(request, Mapping):
-                return [r for r in request.get("requirements", ()) if isinstance(r, Mapping)]
+        request = decision.get("request") if isinstance(decision, Mapping) else None
+        if not isinstance(request, Mapping):
+            request = error.get("request")
+        if isinstance(request, Mapping):
+            return [r for r in request.get("requirements", ()) if isinstance(r, Mapping)]
     return []
 
 

@@ -5,6 +5,7 @@ evidence the step names against the manager's own snapshot and trace."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
@@ -21,6 +22,7 @@ from aresidency import (
     ResidencyInUseError,
     ResidencyManager,
     ResidencyPlan,
+    ResidencyPlanError,
     ResidencyPlanExecutionError,
     ResidencyRequest,
     ResidencyRequirement,
@@ -29,6 +31,7 @@ from aresidency import (
     ResidencyUnavailableError,
     diagnose,
 )
+from aresidency.diagnosis import diagnose_dump
 
 pytestmark = pytest.mark.anyio
 
@@ -127,6 +130,46 @@ async def test_an_error_diagnosed_with_another_manager_says_so_first() -> None:
         # with its own manager the budget arithmetic leads, as before
         own = diagnose(caught.value, m)
         assert own.next_action == own.step(3).action
+
+
+async def test_step_2_checks_each_requirement_of_a_request_the_controller_refused(
+    tmp_path: Path,
+) -> None:
+    """The guide's step 2: "for a request, verify every ResidencyRequirement independently".
+    A request refused by controller.decide (no decision was made) left the report with no
+    step 2 at all: the error carried no request. It now carries ``request``, and step 2 lists
+    each requirement with where its value is now, live and from a dump alike."""
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=8), name="a")
+        b = m.register(tensor(kib=16), name="b")
+        request = ResidencyRequest(
+            "two",
+            requirements=[ResidencyRequirement(a, "cuda:0"), ResidencyRequirement(b, "cuda:0")],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        error = caught.value
+        assert error.request is request
+        assert [r["handle"] for r in error.to_dict()["request"]["requirements"]] == [
+            a.to_dict(),
+            b.to_dict(),
+        ]
+        report = diagnose(error, m)
+        step = report.step(2)
+        assert [r["handle"] for r in step.evidence["requirements"]] == [a.to_dict(), b.to_dict()]
+        text = step.text()
+        assert "(value a (#1) (exclusive), cuda:0): now at pageable-host" in text
+        assert "(value b (#2) (exclusive), cuda:0): now at pageable-host" in text
+        path = tmp_path / "refused.json"
+        m.dump(path, error=error)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # the search limit's error names its request too
+        for i in range(4):
+            await m.move(m.register(tensor(kib=4, seed=i), name=f"v{i}"), "cuda:0")
+        crowded = ResidencyRequest("crowded", requirements=[ResidencyRequirement(b, "cuda:0")])
+        with pytest.raises(ResidencySearchLimitError) as limited:
+            ResidencyController(m, search_state_limit=1).decide_nowait(crowded)
+        assert limited.value.request is crowded
 
 
 # ------------------------------------------------------------------- 3: budget arithmetic
