@@ -7,6 +7,12 @@ A :class:`Lease` is made by ``manager.acquire(handle, location, stream=..., mode
 Each active lease and hold is listed with the task that entered it (:class:`LeaseOwners`, one
 table per runtime), so that a ``ResidencyInUseError`` can name who protects the
 materialization (:func:`add_owners`) and a dump can list them.
+
+Why this module is long: leases and holds are the two kinds of protection and share one
+owners table and one notion of the owning task (``TaskRef``); the lease's entry and exit
+(waiting for the copy, ordering streams, recording reader events, a write lease invalidating
+the other replicas) are one state machine that the streaming pipeline also drives without
+awaiting (``enter_nowait``, ``exit_nowait``).
 """
 
 from __future__ import annotations
@@ -397,15 +403,11 @@ class Lease:
         return self
 
     async def _wait_for_other_replicas_readers(self) -> None:
-        """A write lease invalidates the value's other replicas: while the only thing keeping
-        one of them is reader events still pending (a read lease there just exited), wait for
-        them, as ``release`` does, since they always complete. A lease or hold on another
-        replica is left to :meth:`_begin`, which refuses it (``ResidencyInUseError``)."""
+        """A write lease invalidates the other replicas: while reader events still pending
+        (they always complete) are all that keeps one, wait, as ``release`` does. A lease or
+        hold on one is left to :meth:`_begin`, which refuses it (``ResidencyInUseError``)."""
         rt = self._rt
-        while True:
-            value = rt.state.find_value(self.handle)
-            if value is None:
-                return  # _begin says why
+        while (value := rt.state.find_value(self.handle)) is not None:
             others = [m for loc, m in value.materializations.items() if loc != self.location]
             if any(m.use_count or m.hold_count for m in others):
                 return
