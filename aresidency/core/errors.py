@@ -303,12 +303,16 @@ class ResidencyPlanError(ResidencyError):
     (a ``ResidencyBudgetError`` names the location and the five byte counts). ``plan`` and
     ``decision`` are set when a scope's entry raised it (``None`` otherwise); ``request`` when
     the controller refused a request (invalid, infeasible, or its search limit reached), so
-    that each of its requirements can be checked on its own."""
+    that each of its requirements can be checked on its own. ``hold_and_wait`` is true when a
+    scope that could otherwise wait was refused because waiting would never end: only what
+    the waiting task holds itself (its scopes, leases, holds), or what tasks waiting for each
+    other's room hold, stands in the way."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision", "request")
+    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision", "request", "hold_and_wait")
     plan: Any = None
     decision: Any = None
     request: Any = None
+    hold_and_wait: bool = False
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

@@ -220,7 +220,16 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                 "transient",
             )
         }
-        if explanation.get("transient"):
+        if explanation.get("transient") and errors and errors[0].get("hold_and_wait"):
+            # Transient for the state, but what stands in the way ends only when the waiting
+            # task goes on: the scope was refused (hold and wait), never to be admitted.
+            findings.append(
+                "only transient state blocks it, but the waiting task holds it itself (its own "
+                "scopes, leases or holds), or tasks waiting for each other's room do: waiting "
+                "would never end (hold and wait); end those first, or put these values in one "
+                "plan"
+            )
+        elif explanation.get("transient"):
             findings.append(
                 "only transient state blocks it (leases, holds, pending events, transfers in "
                 "flight, others' reservations): waiting could admit it"

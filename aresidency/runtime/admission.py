@@ -713,10 +713,12 @@ class AdmissionQueue:
         found = self.waiting_on_each_other(wait)
         if found is not None:
             others, own, (where, error) = found
-            raise ResidencyPlanError(
+            refused = ResidencyPlanError(
                 f"infeasible at {where}: {error}; {what}, {others}; "
                 f"{own.describe(getattr(error, 'location', None))}"
-            ) from error
+            )
+            refused.hold_and_wait = True
+            raise refused from error
         return self.add_room_wait(wait)
 
     def _holds_room(self, task: object | None) -> bool:
@@ -758,9 +760,11 @@ class AdmissionQueue:
         if failure is None:
             return
         where, error = failure
-        raise ResidencyPlanError(
+        refused = ResidencyPlanError(
             f"infeasible at {where}: {error}; {own.describe(getattr(error, 'location', None))}"
-        ) from error
+        )
+        refused.hold_and_wait = True
+        raise refused from error
 
     def budget_waiting_on_itself(
         self,

@@ -16,6 +16,7 @@ from aresidency import (
     Materialize,
     MemoryReservation,
     Move,
+    Release,
     ReplicaMode,
     ResidencyBudgetError,
     ResidencyController,
@@ -228,6 +229,48 @@ async def test_step_3_judges_a_refused_set_budget_against_the_new_budget() -> No
         step = diagnose(error, m).step(3)
         assert step.evidence["over_new_budget_bytes"] == 0
         assert "retry set_budget" in (step.action or "")
+
+
+async def test_step_3_never_says_waiting_could_admit_a_scope_refused_as_waiting_on_itself() -> None:
+    """A scope whose reclaim needs a value its own task holds is refused at once (waiting would
+    never end). Its diagnosis said, in step 3, "only transient state blocks it: waiting could
+    admit it", contradicting the error. The error now says hold_and_wait, and step 3 says
+    waiting would never end; a scope that only may not wait (timeout=0) keeps the old line."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=16), name="a", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(a, "cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Release(a, "cuda:0")],
+            reserve=[MemoryReservation("w", "cuda:0", 28 * KiB)],
+        )
+        own_hold = m.hold(a, "cuda:0")
+        with pytest.raises(ResidencyPlanError, match="waiting task holds itself") as caught:
+            async with m.scope(plan, timeout=5):
+                pytest.fail("admitted past its own hold")
+        error = caught.value
+        assert error.hold_and_wait is True and error.to_dict()["hold_and_wait"] is True
+        text = diagnose(error, m).step(3).text()  # taken before the hold ends, as the guide says
+        own_hold.release()
+        assert "waiting would never end (hold and wait)" in text
+        assert "waiting could admit it" not in text
+        # another task's hold, and a scope that may not wait: transient, and it says so
+        held, done = anyio.Event(), anyio.Event()
+
+        async def holder() -> None:
+            with m.hold(a, "cuda:0"):
+                held.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(holder)
+            await held.wait()
+            with pytest.raises(ResidencyPlanError) as caught:
+                async with m.scope(plan, timeout=0):
+                    pytest.fail("admitted past another task's hold")
+            text = diagnose(caught.value, m).step(3).text()
+            done.set()
+        assert caught.value.hold_and_wait is False
+        assert "waiting could admit it" in text
 
 
 async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
