@@ -236,6 +236,38 @@ async def test_reconstruction_is_refused_when_source_location_budget_is_too_smal
         assert m.state_version == version
 
 
+async def test_cancelling_a_pending_operation_from_another_thread_fails_and_cancels_nothing() -> (
+    None
+):
+    """PendingOperation.cancel() from a worker thread drove the run (its transfers, its
+    phase generator, its listeners) on that thread and cancelled it. It is refused there now
+    (RuntimeError, as its docstring says it works on the manager's loop), and the operation
+    completes as if nothing was asked."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        gate = threading.Event()
+        async with m.acquire(h, "cuda:0") as lease:
+            m.backend.run_in_stream_order(lease.stream, lambda: gate.wait(10))  # a long kernel
+        pending = m.release_nowait(h, "cuda:0")  # waits for that reader
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                pending.cancel()
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        gate.set()
+        assert [type(e) for e in errors] == [RuntimeError] and "event loop" in str(errors[0])
+        await pending  # not cancelled: the release went through
+        assert not pending.cancelled()
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
+
+
 @pytest.mark.parametrize(
     ("shape", "error", "match"),
     [
