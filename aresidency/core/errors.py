@@ -109,9 +109,18 @@ def exception_to_dict(error: BaseException, depth: int = 0) -> dict[str, Any]:
     with its type and message; the chained cause (``__cause__``) nested under ``cause``."""
     if isinstance(error, ResidencyError):
         return error.to_dict(depth)
-    out: dict[str, Any] = {"type": type(error).__name__, "message": str(error)}
+    out: dict[str, Any] = {"type": type(error).__name__, "message": _safe_str(error)}
     _add_cause(out, error, depth)
     return out
+
+
+def _safe_str(error: BaseException) -> str:
+    """``str(error)``, or a stand-in when the exception's own ``__str__`` raises (as the
+    traceback module prints it): converting the error being diagnosed must not fail."""
+    try:
+        return str(error)
+    except Exception as failure:  # any failure of a foreign __str__
+        return f"<exception str() failed: {type(failure).__name__}: {failure}>"
 
 
 def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
@@ -123,7 +132,7 @@ def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
         out["cause"] = (
             exception_to_dict(cause, depth + 1)
             if depth < _MAX_DEPTH
-            else {"type": type(cause).__name__, "message": str(cause)}
+            else {"type": type(cause).__name__, "message": _safe_str(cause)}
         )
 
 
