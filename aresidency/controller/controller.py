@@ -181,9 +181,17 @@ class ResidencyController:
     def decide_nowait(self, request: ResidencyRequest) -> ResidencyDecision:
         """Derive a decision synchronously: blocks the loop for the whole search (use
         :meth:`decide` on the loop; this is for tests and tools). A location the manager does
-        not have is ``ValueError``, as with :meth:`decide`."""
+        not have is ``ValueError``, as with :meth:`decide`. A ``ResidencyPlanError`` carries
+        the ``request``."""
         self._check_loop()
         self._check_locations(request)
+        try:
+            return self._decide_nowait(request)
+        except ResidencyPlanError as error:
+            _with_request(error, request)
+            raise
+
+    def _decide_nowait(self, request: ResidencyRequest) -> ResidencyDecision:
         state = self._state()
         for attempt in range(2):
             index = self._index_for(state)
@@ -247,6 +255,13 @@ class ResidencyController:
                 )
 
     async def _decide(self, request: ResidencyRequest) -> ResidencyDecision:
+        try:
+            return await self._decide_sliced(request)
+        except ResidencyPlanError as error:
+            _with_request(error, request)
+            raise
+
+    async def _decide_sliced(self, request: ResidencyRequest) -> ResidencyDecision:
         restarts = 0
         mismatches = 0
         while True:
@@ -565,3 +580,10 @@ class ControllerScope:
         finally:
             self.status = "exited"
         return result
+
+
+def _with_request(error: ResidencyPlanError, request: ResidencyRequest) -> None:
+    """Give ``error`` the request it refused (its ``request`` field, for ``to_dict`` and the
+    diagnosis's check of every requirement), unless it already names one."""
+    if getattr(error, "request", None) is None:
+        error.request = request

@@ -109,9 +109,18 @@ def exception_to_dict(error: BaseException, depth: int = 0) -> dict[str, Any]:
     with its type and message; the chained cause (``__cause__``) nested under ``cause``."""
     if isinstance(error, ResidencyError):
         return error.to_dict(depth)
-    out: dict[str, Any] = {"type": type(error).__name__, "message": str(error)}
+    out: dict[str, Any] = {"type": type(error).__name__, "message": _safe_str(error)}
     _add_cause(out, error, depth)
     return out
+
+
+def _safe_str(error: BaseException) -> str:
+    """``str(error)``, or a stand-in when the exception's own ``__str__`` raises (as the
+    traceback module prints it): converting the error being diagnosed must not fail."""
+    try:
+        return str(error)
+    except Exception as failure:  # any failure of a foreign __str__
+        return f"<exception str() failed: {type(failure).__name__}: {failure}>"
 
 
 def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
@@ -123,7 +132,7 @@ def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
         out["cause"] = (
             exception_to_dict(cause, depth + 1)
             if depth < _MAX_DEPTH
-            else {"type": type(cause).__name__, "message": str(cause)}
+            else {"type": type(cause).__name__, "message": _safe_str(cause)}
         )
 
 
@@ -301,11 +310,18 @@ class ResidencyPlanError(ResidencyError):
 
     Raised for an infeasible plan, its ``__cause__`` is the explanation's ``blocking_error``
     (a ``ResidencyBudgetError`` names the location and the five byte counts). ``plan`` and
-    ``decision`` are set when a scope's entry raised it (``None`` otherwise)."""
+    ``decision`` are set when a scope's entry raised it (``None`` otherwise); ``request`` when
+    the controller refused a request (invalid, infeasible, or its search limit reached), so
+    that each of its requirements can be checked on its own. ``hold_and_wait`` is true when a
+    scope that could otherwise wait was refused because waiting would never end: only what
+    the waiting task holds itself (its scopes, leases, holds), or what tasks waiting for each
+    other's room hold, stands in the way."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision")
+    FIELDS: ClassVar[tuple[str, ...]] = ("reason", "plan", "decision", "request", "hold_and_wait")
     plan: Any = None
     decision: Any = None
+    request: Any = None
+    hold_and_wait: bool = False
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

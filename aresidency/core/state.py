@@ -100,8 +100,15 @@ class ResidencyState:
         # Budgets as people write them ("10GiB", 10.5e9, 8 << 30): parse_nbytes reads them
         # exactly; all are parsed before any ledger exists, so a bad one leaves no state.
         parsed: list[tuple[Location, int | None]] = []
+        keys: dict[Location, Any] = {}
         for key, budget in (budgets or {}).items():
             location = Location.parse(key)
+            if location in keys:  # {"cuda:0": ..., torch.device("cuda:0"): ...}: which one?
+                raise ValueError(
+                    f"budgets keys {keys[location]!r} and {key!r} both name {location}; give "
+                    "each location one budget"
+                )
+            keys[location] = key
             nbytes = None if budget is None else parse_nbytes(budget, f"budget for {location}")
             parsed.append((location, nbytes))
         for location, budget in parsed:

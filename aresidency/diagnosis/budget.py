@@ -168,12 +168,25 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                 f"free {size(missing)} there (or load it straight into {loc_text} first), or "
                 "raise that budget only if the measured peak supports it"
             )
-        if evidence is not None and location is not None:
-            # What must fit beside the current charge: the request itself for a live check;
-            # for one from explain's simulation, what the whole plan adds at its peak (from
-            # explain against the current state, when the evidence has it).
+        if kind == "budget":
+            # set_budget below the charge: budget_bytes is the refused new budget, nothing was
+            # requested, and the budget in force is another one. What must fit is the current
+            # charge under the new budget, not a request under the old one.
+            action = (
+                f"free {size(missing)} at {loc_text} (release or move values nobody protects, "
+                "end reservations) before lowering its budget to "
+                f"{size(limit)}, or set a budget no lower than what it charges"
+            )
+            if evidence is not None and location is not None and limit is not None:
+                action = _budget_room_now(evidence, location, int(limit), findings, data) or action
+        elif evidence is not None and location is not None:
+            # What must fit beside the current charge: the request itself for a direct
+            # operation's live check; for one from explain's simulation, or one of a plan's
+            # actions or reservations (the evidence then explains the plan against the current
+            # state), what the whole plan adds at its peak: the one request alone fitting now
+            # does not make the plan fit.
             need: int | None = requested
-            if budget.get("in_simulation"):
+            if budget.get("in_simulation") or evidence.explanation is not None:
                 need = None
                 now = evidence.snapshot.locations.get(location)
                 current_plan = evidence.explanation
@@ -207,12 +220,61 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                 "transient",
             )
         }
-        if explanation.get("transient"):
+        if explanation.get("transient") and errors and errors[0].get("hold_and_wait"):
+            # Transient for the state, but what stands in the way ends only when the waiting
+            # task goes on: the scope was refused (hold and wait), never to be admitted.
+            findings.append(
+                "only transient state blocks it, but the waiting task holds it itself (its own "
+                "scopes, leases or holds), or tasks waiting for each other's room do: waiting "
+                "would never end (hold and wait); end those first, or put these values in one "
+                "plan"
+            )
+        elif explanation.get("transient"):
             findings.append(
                 "only transient state blocks it (leases, holds, pending events, transfers in "
                 "flight, others' reservations): waiting could admit it"
             )
     return make_step(3, findings, data, action)
+
+
+def _budget_room_now(
+    evidence: Evidence,
+    location: Location,
+    new_budget: int,
+    findings: list[str],
+    data: dict[str, Any],
+) -> str | None:
+    """For a refused ``set_budget``: the location now, judged against the refused new budget
+    (what is charged there must fit under it) rather than against the budget in force."""
+    record = evidence.snapshot.locations.get(location)
+    if record is None:
+        return None
+    # _room_now with no request lists the record and what could be freed, and says nothing
+    # about fitting: the verdict below is the new budget's.
+    _room_now(evidence, location, None, findings, data)
+    over = record.charged_bytes - new_budget
+    data["new_budget_bytes"] = new_budget
+    data["over_new_budget_bytes"] = max(0, over)
+    if over <= 0:
+        findings.append(
+            f"{location} charges {size(record.charged_bytes)} now: the new budget of "
+            f"{size(new_budget)} would fit in the current state"
+        )
+        return "the state changed since the failure and the new budget fits now: retry set_budget"
+    findings.append(
+        f"{location} charges {size(record.charged_bytes)} now: still {size(over)} over the new "
+        f"budget of {size(new_budget)}"
+    )
+    freeable = int(data.get("freeable_bytes") or 0)
+    candidates = data.get("candidates") or []
+    if candidates and freeable >= over:
+        names = ", ".join(e["name"] for e in candidates[:3])
+        return (
+            f"free {size(over)} at {location} before lowering its budget: release or move values "
+            f"nobody protects there (largest first: {names}), or end reservations; or set a "
+            "budget no lower than what it charges"
+        )
+    return None
 
 
 def _plan_peak(explanation: Mapping[str, Any] | None, location: str) -> int | None:

@@ -182,6 +182,22 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "a specialized ResidencyPlanError: catch it before ResidencyPlanError when its "
                 "evidence needs different handling"
             )
+        if name == "ResidencyBudgetError" and error is not None and error.get("kind") == "budget":
+            # set_budget refused: not a request over the budget but a budget under the charge
+            meaning = (
+                "a new budget (set_budget) would be below what one location already charges; "
+                "the budget was not changed"
+            )
+            first_action = (
+                "reconcile the charge there with the new budget (step 3): free that much first, "
+                "or keep a budget no lower than the charge"
+            )
+            findings = [f"{name}: {meaning}"]
+        if name == "ResidencyInUseError" and error is not None and error.get("transfer"):
+            findings.append(
+                f"here a transfer in flight ({error.get('transfer')}) protects it, not a lease, "
+                "a hold or a reader event: await the transfer (or cancel it) first"
+            )
         if name == "ResidencyPlanExecutionError":
             findings.append(
                 "a sibling of ResidencyPlanError, not a subclass: it always needs an analysis "

@@ -41,6 +41,11 @@ def build_report(error: Mapping[str, Any] | None, evidence: Evidence | None) -> 
     error_type = None if error is None else str(error.get("type"))
     preferred = _PRIMARY_STEP.get(error_type or "")
     order = ((preferred,) if preferred is not None else ()) + _ACTION_ORDER
+    endpoint = by_number.get(2)
+    if endpoint is not None and endpoint.evidence.get("belongs") is False:
+        # The error names a handle of another manager: every "now" fact of this manager's
+        # state is beside the point, so the endpoint's action comes first.
+        order = (2, *order)
     actions = [by_number[n].action for n in order if n in by_number]
     next_action = next((a for a in actions if a), "nothing failed: read the state above")
     if error_type == "ResidencyPlanExecutionError":

@@ -40,12 +40,15 @@ def _endpoint(errors: Errors) -> tuple[ValueHandle | None, Location | None, Mapp
 
 
 def _requirements(errors: Errors) -> list[Mapping[str, Any]]:
+    """The requirements of the request behind the failure: a decision's, or the one the
+    controller refused (the error's ``request``: no decision was made)."""
     for error in errors:
         decision = error.get("decision")
-        if isinstance(decision, Mapping):
-            request = decision.get("request")
-            if isinstance(request, Mapping):
-                return [r for r in request.get("requirements", ()) if isinstance(r, Mapping)]
+        request = decision.get("request") if isinstance(decision, Mapping) else None
+        if not isinstance(request, Mapping):
+            request = error.get("request")
+        if isinstance(request, Mapping):
+            return [r for r in request.get("requirements", ()) if isinstance(r, Mapping)]
     return []
 
 
@@ -87,7 +90,11 @@ def step_2(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                     f"the handle belongs to manager {handle.manager_id}, not to this manager "
                     f"({snap.manager_id})"
                 )
-                action = "use the handle with the manager that registered it"
+                action = (
+                    f"use the handle with the manager that registered it ({handle.manager_id}), "
+                    "and diagnose errors about it with that manager (this one's state is not "
+                    "that value's)"
+                )
             elif value is None:
                 findings.append(
                     "the value is not in the state: it was discarded (or was never registered "

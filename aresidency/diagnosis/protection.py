@@ -42,6 +42,17 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             f"(holds), pending_event_count={counts['pending_event_count']} (consumer events not "
             "yet complete)"
         )
+        transfer = in_use.get("transfer")
+        if transfer == "incoming":
+            findings.append(
+                f"a transfer is in flight: the copy into {location} was still arriving (state "
+                "incoming); it is not a lease, a hold or a reader event"
+            )
+        elif transfer == "outgoing":
+            findings.append(
+                f"a transfer is in flight: a copy out of {location} was still running (state "
+                "outgoing); it is not a lease, a hold or a reader event"
+            )
         if owners:
             findings.append(
                 "leases and holds owned by task(s): " + ", ".join(repr(o) for o in owners)
@@ -52,6 +63,7 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             handle=None if handle is None else handle.to_dict(),
             location=None if location is None else str(location),
             owners=owners,
+            transfer=transfer,
             **counts,
         )
         # Which task owns which: the evidence's owners carry their kind; the error's are
@@ -76,6 +88,12 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             steps.append(f"release the obsolete hold{tasks_of('hold', not counts['use_count'])}")
         if counts["pending_event_count"]:
             steps.append("wait for the consumer stream if the removal must happen now")
+        if transfer in ("incoming", "outgoing"):
+            steps.append(
+                "await the transfer in flight (or cancel it) before the removal"
+                if transfer == "incoming"
+                else "await the transfer out of it before the removal"
+            )
         steps.append("or defer the removal to a later decision")
         action = (
             "; ".join(steps)
@@ -95,7 +113,16 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                     f"hold_count={record.hold_count}, "
                     f"pending_event_count={record.pending_event_count}"
                 )
-                if not record.protected:
+                state = record.state.value
+                if state != "resident":
+                    findings.append(
+                        f"now its state there is {state}: a transfer is still in flight"
+                    )
+                    action = (
+                        f"the materialization is still {state} (a transfer in flight): await "
+                        "that transfer (or cancel it), then retry the removal, or defer it"
+                    )
+                elif not record.protected:
                     action = "nothing protects it any more: retry the removal"
             if now_owners:
                 findings.append(

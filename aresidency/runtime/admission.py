@@ -570,13 +570,17 @@ class AdmissionQueue:
 
     def short_of(self) -> frozenset[Location]:
         """Locations some waiting scope is short of (or where one about to wait is being
-        judged: see :meth:`admit`)."""
+        judged: see :meth:`admit`). Only budgeted ones: room never runs short where no budget
+        applies, so an operation there overtakes nobody (it was refused with a budget error
+        "of unlimited" while a scope charging that location was admitted and entering)."""
         out: set[Location] = set()
         for waiter in self._queue:
             out |= waiter.short_of
         for charged in self._judging:
             out |= charged
-        return frozenset(out)
+        if not out:
+            return frozenset()
+        return frozenset(out) & self._budgeted()
 
     # -- scopes
 
@@ -612,8 +616,7 @@ class AdmissionQueue:
         queued = queued and not ahead
         waiter = _Waiter(plan, charged, ahead=ahead)
         if not queued and (
-            plan_fits_at_once(state, plan)
-            or await self._sliced(lambda: plan_fits_steps(state, plan))
+            plan_fits_at_once(state, plan) or await self._fits(plan, expected_version)
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
             self._enqueue(waiter)
@@ -650,9 +653,7 @@ class AdmissionQueue:
                 waiter.arm()
                 if self._is_first(waiter):
                     self._check_stale(expected_version)
-                    if plan_fits_at_once(state, plan) or await self._sliced(
-                        lambda: plan_fits_steps(state, plan)
-                    ):
+                    if plan_fits_at_once(state, plan) or await self._fits(plan, expected_version):
                         return waiter
                     explanation = await self._sliced(
                         lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
@@ -712,10 +713,12 @@ class AdmissionQueue:
         found = self.waiting_on_each_other(wait)
         if found is not None:
             others, own, (where, error) = found
-            raise ResidencyPlanError(
+            refused = ResidencyPlanError(
                 f"infeasible at {where}: {error}; {what}, {others}; "
                 f"{own.describe(getattr(error, 'location', None))}"
-            ) from error
+            )
+            refused.hold_and_wait = True
+            raise refused from error
         return self.add_room_wait(wait)
 
     def _holds_room(self, task: object | None) -> bool:
@@ -757,9 +760,11 @@ class AdmissionQueue:
         if failure is None:
             return
         where, error = failure
-        raise ResidencyPlanError(
+        refused = ResidencyPlanError(
             f"infeasible at {where}: {error}; {own.describe(getattr(error, 'location', None))}"
-        ) from error
+        )
+        refused.hold_and_wait = True
+        raise refused from error
 
     def budget_waiting_on_itself(
         self,
@@ -893,6 +898,18 @@ class AdmissionQueue:
             if value is not None and value.has_source and value.source_location is not None:
                 out.add(value.source_location)
         return frozenset(out)
+
+    async def _fits(self, plan: ResidencyPlan, expected_version: int | None) -> bool:
+        """Whether ``plan`` fits the current state. In slices, except for a plan bound to a
+        state version (a controller decision, just found current): a slice lets other tasks
+        run, and any transition one of them commits meanwhile (another value's lease, a reaped
+        event) makes that plan stale for good, so under steady activity elsewhere it went stale
+        at every attempt and ``controller.scope`` never got in. Such a plan is simulated in one
+        step, as ``decide`` already explains it in one step."""
+        state = self._rt.state
+        if expected_version is not None:
+            return drain(plan_fits_steps(state, plan))
+        return await self._sliced(lambda: plan_fits_steps(state, plan))
 
     async def _sliced(self, make: Callable[[], Steps[T]]) -> T:
         """Run a simulation in slices (a checkpoint every few actions), so that a plan of

@@ -156,6 +156,11 @@ class Runtime:
         """Raise ``RuntimeError`` unless called on the loop's thread while running."""
         if self.closing:
             raise ManagerClosedError("the manager is closing: it carries out nothing more")
+        self.check_loop_thread()
+
+    def check_loop_thread(self) -> None:
+        """Raise ``RuntimeError`` unless called on the loop's thread (closing or not: for the
+        end of a lease or hold, which must still be possible while the manager closes)."""
         if threading.get_ident() != self.bridge.thread:
             raise RuntimeError(
                 "ResidencyManager state is owned by its event loop's thread; call it from that "

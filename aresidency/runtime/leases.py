@@ -7,6 +7,12 @@ A :class:`Lease` is made by ``manager.acquire(handle, location, stream=..., mode
 Each active lease and hold is listed with the task that entered it (:class:`LeaseOwners`, one
 table per runtime), so that a ``ResidencyInUseError`` can name who protects the
 materialization (:func:`add_owners`) and a dump can list them.
+
+Why this module is long: leases and holds are the two kinds of protection and share one
+owners table and one notion of the owning task (``TaskRef``); the lease's entry and exit
+(waiting for the copy, ordering streams, recording reader events, a write lease invalidating
+the other replicas) are one state machine that the streaming pipeline also drives without
+awaiting (``enter_nowait``, ``exit_nowait``).
 """
 
 from __future__ import annotations
@@ -372,6 +378,8 @@ class Lease:
         # A checkpoint, entering and leaving (as trio's async context managers are): a caller
         # already cancelled enters nothing; __aexit__ lets the loop run once the use ended.
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if self.mode == "write":
+            await self._wait_for_other_replicas_readers()
         payload = self._begin()
         rt = self._rt
         try:
@@ -393,6 +401,19 @@ class Lease:
             self._abandon()
             raise
         return self
+
+    async def _wait_for_other_replicas_readers(self) -> None:
+        """A write lease invalidates the other replicas: while reader events still pending
+        (they always complete) are all that keeps one, wait, as ``release`` does. A lease or
+        hold on one is left to :meth:`_begin`, which refuses it (``ResidencyInUseError``)."""
+        rt = self._rt
+        while (value := rt.state.find_value(self.handle)) is not None:
+            others = [m for loc, m in value.materializations.items() if loc != self.location]
+            if any(m.use_count or m.hold_count for m in others):
+                return
+            if not any(m.pending_event_count for m in others):
+                return
+            await rt.signal.wait()
 
     def _check_filling(self) -> None:
         """Raise ``ResidencyUnavailableError`` if the materialization this lease counts on,
@@ -442,6 +463,7 @@ class Lease:
         when nothing went wrong. Does not wait for an incoming copy: see :meth:`failure`."""
         if self.status != "entered":
             raise RuntimeError(f"the lease is {self.status}, not entered")
+        self._rt.check_loop_thread()  # before anything changes: the state is the loop's
         self.status = "exited"
         self._tensor = None
         rt = self._rt
@@ -554,6 +576,7 @@ class Hold:
         runtime.settle()
 
     def release(self) -> None:
+        self._rt.check_loop_thread()  # before anything changes: the state is the loop's
         if not self.active:
             raise RuntimeError(f"{self!r} was already released")
         if self._rt.frozen:

@@ -35,7 +35,9 @@ class PendingOperation:
 
     def cancel(self) -> None:
         """Cancel the transfer if nobody uses its destination yet (synchronous; it settles
-        later, through the normal path)."""
+        later, through the normal path). On the manager's loop only: from another thread it
+        raises ``RuntimeError`` and cancels nothing (it would drive the run off the loop)."""
+        self._run._rt.check_loop_thread()
         self._run.cancel()
 
     def cancelled(self) -> bool:

@@ -7,6 +7,7 @@ A source is any object with ``shape``, ``dtype``, ``source_location`` and a sync
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -35,6 +36,30 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return count * torch.empty((), dtype=dtype).element_size()
 
 
+def _check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, or a ``TypeError``/``ValueError`` naming it: a sequence of
+    non-negative integers (a ``torch.Size``, a tuple or list of ints or integer scalars). A
+    float, bool or str dimension is refused rather than truncated (``(2.5,)`` was ``(2,)``,
+    ``"34"`` was ``(3, 4)``)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(
+            f"shape must be a sequence of ints (a tuple, a list or a torch.Size), got {shape!r}"
+        )
+    dims = []
+    for dim in shape:
+        if isinstance(dim, bool):
+            raise TypeError(f"shape {shape!r} has a bool dimension {dim!r}; give ints")
+        try:
+            dims.append(operator.index(dim))
+        except TypeError:
+            raise TypeError(
+                f"shape {shape!r} has a dimension {dim!r} ({type(dim).__name__}) that is not an int"
+            ) from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must have no negative dimension, got {tuple(dims)}")
+    return tuple(dims)
+
+
 class CallableSource:
     """A source that calls ``load()`` to produce the tensor (shape and dtype declared up front).
 
@@ -56,9 +81,7 @@ class CallableSource:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self._load = load
-        self.shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"shape must have no negative dimension, got {self.shape}")
+        self.shape = _check_shape(shape)
         self.dtype = dtype
         self.source_location = Location.parse(source_location)
         if self.source_location.is_cuda:

@@ -513,6 +513,41 @@ async def test_request_that_could_never_fit_fails_at_once() -> None:
         assert time.perf_counter() - started < 1.0
 
 
+async def test_controller_scope_gets_in_while_other_tasks_keep_the_state_changing() -> None:
+    """A busy manager: another task takes and ends a lease on an unrelated value at every turn
+    of the loop (each a transition). The decision (five evictions) was found current at
+    entry, but admission then checked that it fits in slices, a slice let the other task run,
+    and the entry was stale every time: controller.scope never got in (hundreds of stale
+    decisions, then TimeoutError). A plan bound to a state version is now checked in one
+    step."""
+    async with sim_manager(64 * UNIT) as manager:
+        for i in range(8):
+            h = manager.register(torch.ones(256 * (i + 1)), name=f"v{i}")
+            await manager.move(h, "cuda:0")
+        charged = manager.snapshot().location("cuda:0").charged_bytes
+        manager.set_budget("cuda:0", charged + KIB)
+        new = manager.register(torch.ones(4096), name="new")
+        other = manager.register(torch.ones(16), name="other")
+        controller = ResidencyController(manager)
+        request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
+        stop = anyio.Event()
+
+        async def busy() -> None:
+            while not stop.is_set():
+                async with manager.acquire(other, "pageable-host"):
+                    pass  # a lease and its end: two transitions, then the loop turns
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(busy)
+            await anyio.lowlevel.checkpoint()  # busy never blocks: no wait_all_tasks_blocked
+            try:
+                async with controller.scope(request, timeout=2.0) as scope:
+                    assert "cuda:0" in [str(x) for x in manager.snapshot().value(new).locations]
+            finally:
+                stop.set()
+        assert scope.stale_retries <= 2 and len(scope.decision.evictions) >= 3
+
+
 async def test_scope_keeps_rederiving_stale_decisions_while_time_remains() -> None:
     state = ResidencyState(budgets={"cuda:0": 8 * UNIT})
     new = state.register(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from aresidency.core import (
     Location,
@@ -594,6 +595,18 @@ def test_budgets_given_to_the_constructor_are_checked():
     state = ResidencyState(budgets={Location.parse(CUDA0): 1024, PINNED: None})
     assert state.ledger(CUDA0).budget_bytes == 1024
     assert state.ledger(PINNED).budget_bytes is None
+
+
+def test_two_budget_keys_naming_one_location_are_refused_not_one_picked() -> None:
+    """{"cuda:0": 8 GiB, torch.device("cuda:0"): 10 GiB} (or a Location and its string) name
+    one location twice: the later key silently won, where budgets_from_max_memory refuses the
+    same mistake. Now a ValueError naming both keys."""
+    with pytest.raises(ValueError, match=r"'cuda:0' and device\(type='cuda', index=0\) both"):
+        ResidencyState(budgets={CUDA0: 5, torch.device("cuda:0"): 10})
+    with pytest.raises(ValueError, match="both name pageable-host"):
+        ResidencyState(budgets={PAGEABLE: 1, torch.device("cpu"): 2})
+    with pytest.raises(ValueError, match="one budget"):
+        ResidencyState(budgets={Location.parse(CUDA0): 7, CUDA0: 9})
 
 
 def test_a_refused_rebuild_adds_no_location_record_for_the_source_location():

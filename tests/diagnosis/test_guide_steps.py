@@ -5,6 +5,7 @@ evidence the step names against the manager's own snapshot and trace."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
@@ -15,12 +16,14 @@ from aresidency import (
     Materialize,
     MemoryReservation,
     Move,
+    Release,
     ReplicaMode,
     ResidencyBudgetError,
     ResidencyController,
     ResidencyInUseError,
     ResidencyManager,
     ResidencyPlan,
+    ResidencyPlanError,
     ResidencyPlanExecutionError,
     ResidencyRequest,
     ResidencyRequirement,
@@ -29,6 +32,7 @@ from aresidency import (
     ResidencyUnavailableError,
     diagnose,
 )
+from aresidency.diagnosis import diagnose_dump
 
 pytestmark = pytest.mark.anyio
 
@@ -109,6 +113,66 @@ async def test_step_2_tells_a_discarded_value_and_a_foreign_handle() -> None:
         assert other.id in " ".join(step.findings) and "registered it" in (step.action or "")
 
 
+async def test_an_error_diagnosed_with_another_manager_says_so_first() -> None:
+    """diagnose(error, manager) with a manager other than the one that raised it: the
+    next action used to come from step 3 with the other manager's free room ("free 4096 B at
+    cuda:0"), a state the failure never saw; the foreign handle of step 2 now comes first."""
+    async with (
+        ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m,
+        ResidencyManager(backend="sim") as other,
+    ):
+        h = m.register(tensor(kib=8), name="w")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(h, "cuda:0")
+        report = diagnose(caught.value, other)
+        assert report.step(2).evidence["belongs"] is False
+        assert report.next_action == report.step(2).action
+        assert m.id in report.next_action and "registered it" in report.next_action
+        # with its own manager the budget arithmetic leads, as before
+        own = diagnose(caught.value, m)
+        assert own.next_action == own.step(3).action
+
+
+async def test_step_2_checks_each_requirement_of_a_request_the_controller_refused(
+    tmp_path: Path,
+) -> None:
+    """The guide's step 2: "for a request, verify every ResidencyRequirement independently".
+    A request refused by controller.decide (no decision was made) left the report with no
+    step 2 at all: the error carried no request. It now carries ``request``, and step 2 lists
+    each requirement with where its value is now, live and from a dump alike."""
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=8), name="a")
+        b = m.register(tensor(kib=16), name="b")
+        request = ResidencyRequest(
+            "two",
+            requirements=[ResidencyRequirement(a, "cuda:0"), ResidencyRequirement(b, "cuda:0")],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        error = caught.value
+        assert error.request is request
+        assert [r["handle"] for r in error.to_dict()["request"]["requirements"]] == [
+            a.to_dict(),
+            b.to_dict(),
+        ]
+        report = diagnose(error, m)
+        step = report.step(2)
+        assert [r["handle"] for r in step.evidence["requirements"]] == [a.to_dict(), b.to_dict()]
+        text = step.text()
+        assert "(value a (#1) (exclusive), cuda:0): now at pageable-host" in text
+        assert "(value b (#2) (exclusive), cuda:0): now at pageable-host" in text
+        path = tmp_path / "refused.json"
+        m.dump(path, error=error)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # the search limit's error names its request too
+        for i in range(4):
+            await m.move(m.register(tensor(kib=4, seed=i), name=f"v{i}"), "cuda:0")
+        crowded = ResidencyRequest("crowded", requirements=[ResidencyRequirement(b, "cuda:0")])
+        with pytest.raises(ResidencySearchLimitError) as limited:
+            ResidencyController(m, search_state_limit=1).decide_nowait(crowded)
+        assert limited.value.request is crowded
+
+
 # ------------------------------------------------------------------- 3: budget arithmetic
 
 
@@ -136,6 +200,77 @@ async def test_step_3_reconciles_the_five_byte_fields_with_the_snapshot() -> Non
         assert {e["name"] for e in ev["candidates"]} == {"a", "b"}
         assert ev["freeable_bytes"] == 8 * KiB
         assert "a new materialization of value c" in " ".join(step.findings)
+
+
+async def test_step_3_judges_a_refused_set_budget_against_the_new_budget() -> None:
+    """set_budget below the charge: the budget in force stays, nothing is requested. The
+    diagnosis used to weigh the 0 requested bytes against the old budget's free room and say
+    "the request fits now: retry it", which fails again."""
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=16), name="a")
+        await m.move(a, "cuda:0")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            m.set_budget("cuda:0", 4 * KiB)
+        error = caught.value
+        assert (error.kind, error.budget_bytes, error.used_bytes) == ("budget", 4 * KiB, 16 * KiB)
+        assert m.snapshot().location("cuda:0").budget_bytes == 64 * KiB  # unchanged
+        report = diagnose(error, m)
+        step = report.step(3)
+        text = " ".join(step.findings) + " " + (step.action or "")
+        assert "retry" not in (step.action or "")
+        assert "fits now" not in text and "would fit" not in text
+        assert step.evidence["over_new_budget_bytes"] == 12 * KiB
+        assert "still 12288 B over the new budget of 4096 B" in text
+        assert "before lowering its budget" in (step.action or "")
+        assert report.next_action == step.action
+        assert "set_budget" in " ".join(report.step(8).findings)
+        # once the charge fits under the new budget, retrying is the advice
+        await m.move(a, "pinned-host")
+        step = diagnose(error, m).step(3)
+        assert step.evidence["over_new_budget_bytes"] == 0
+        assert "retry set_budget" in (step.action or "")
+
+
+async def test_step_3_never_says_waiting_could_admit_a_scope_refused_as_waiting_on_itself() -> None:
+    """A scope whose reclaim needs a value its own task holds is refused at once (waiting would
+    never end). Its diagnosis said, in step 3, "only transient state blocks it: waiting could
+    admit it", contradicting the error. The error now says hold_and_wait, and step 3 says
+    waiting would never end; a scope that only may not wait (timeout=0) keeps the old line."""
+    async with ResidencyManager(budgets={"cuda:0": 32 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=16), name="a", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(a, "cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Release(a, "cuda:0")],
+            reserve=[MemoryReservation("w", "cuda:0", 28 * KiB)],
+        )
+        own_hold = m.hold(a, "cuda:0")
+        with pytest.raises(ResidencyPlanError, match="waiting task holds itself") as caught:
+            async with m.scope(plan, timeout=5):
+                pytest.fail("admitted past its own hold")
+        error = caught.value
+        assert error.hold_and_wait is True and error.to_dict()["hold_and_wait"] is True
+        text = diagnose(error, m).step(3).text()  # taken before the hold ends, as the guide says
+        own_hold.release()
+        assert "waiting would never end (hold and wait)" in text
+        assert "waiting could admit it" not in text
+        # another task's hold, and a scope that may not wait: transient, and it says so
+        held, done = anyio.Event(), anyio.Event()
+
+        async def holder() -> None:
+            with m.hold(a, "cuda:0"):
+                held.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(holder)
+            await held.wait()
+            with pytest.raises(ResidencyPlanError) as caught:
+                async with m.scope(plan, timeout=0):
+                    pytest.fail("admitted past another task's hold")
+            text = diagnose(caught.value, m).step(3).text()
+            done.set()
+        assert caught.value.hold_and_wait is False
+        assert "waiting could admit it" in text
 
 
 async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
@@ -218,6 +353,36 @@ async def test_step_4_names_the_task_holding_the_lease_that_blocks_a_release() -
             hold.release()
             done.set()
         assert m.owners() == []
+
+
+async def test_step_4_names_a_transfer_in_flight_and_never_says_retry_while_it_is() -> None:
+    """A removal refused because the copy there is still arriving: no lease, hold or event
+    counts, so the diagnosis used to say "nothing protects it any more: retry the removal"
+    while the transfer was still in flight."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(kib=64), name="w")
+        gate = threading.Event()
+        m.backend._devices[1].h2d.submit(lambda: gate.wait(10))  # holds up the copy
+        pending = m.materialize_nowait(h, "cuda:1")
+        try:
+            with pytest.raises(ResidencyInUseError) as caught:
+                await m.release(h, "cuda:1")
+            error = caught.value
+            assert error.transfer == "incoming"
+            assert m.snapshot().value(h).materialization("cuda:1").state.value == "incoming"
+            report = diagnose(error, m)
+            step = report.step(4)
+            assert step.evidence["transfer"] == "incoming"
+            assert "a transfer is in flight" in " ".join(step.findings)
+            assert "await that transfer" in (step.action or "")
+            assert "nothing protects it" not in (step.action or "")
+            assert report.next_action == step.action
+            assert "transfer in flight (incoming)" in " ".join(report.step(8).findings)
+        finally:
+            gate.set()
+        await pending
+        step = diagnose(error, m).step(4)  # landed: now the removal may be retried
+        assert step.action == "nothing protects it any more: retry the removal"
 
 
 # --------------------------------------------------------------- 5: decision evidence
@@ -365,6 +530,54 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         # execute ran no scope: nothing is said of re-entering one
         assert "execute does not roll back" in step.text()
         assert "scope" not in " ".join(step.findings)
+
+
+async def test_step_3_of_a_failed_reservation_weighs_the_whole_plan_not_the_one_request() -> None:
+    """A scope's reserve phase fails after preflight (the budget was lowered while its reclaim
+    ran): the cause is a live budget error for one reservation. The reservation prefix is
+    released, so that one reservation alone fits now, but the plan still does not: step 3 used
+    to say "the request fits now: retry it" beside explain(plan) saying infeasible."""
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        a = m.register(tensor(kib=32), name="a")
+        await m.move(a, "cuda:0")
+        plan = ResidencyPlan(
+            reclaim=[Move(a, "pinned-host")],
+            reserve=[
+                MemoryReservation("r0", "cuda:0", 8 * KiB),
+                MemoryReservation("r1", "cuda:0", 40 * KiB),
+            ],
+        )
+        gate = threading.Event()
+        m.backend._devices[0].d2h.submit(lambda: gate.wait(10))  # holds up the reclaim's copy
+        failed: list[BaseException] = []
+
+        async def enter() -> None:
+            try:
+                async with m.scope(plan, timeout=0):
+                    pass
+            except ResidencyPlanExecutionError as error:
+                failed.append(error)
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(enter)
+                await anyio.wait_all_tasks_blocked()
+                m.set_budget("cuda:0", 40 * KiB)  # the charge is 32 KiB: allowed
+                gate.set()
+        finally:
+            gate.set()
+        (error,) = failed
+        assert error.phase == "reserve" and error.failed_reservation_index == 1
+        cause = error.__cause__
+        assert isinstance(cause, ResidencyBudgetError) and not cause.in_simulation
+        assert m.snapshot().location("cuda:0").charged_bytes == 0  # the prefix was released
+        report = diagnose(error, m)
+        step = report.step(3)
+        text = " ".join(step.findings)
+        assert "explain(plan): infeasible" in text
+        assert "the whole plan would peak at 49152 B at cuda:0, 8192 B over budget" in text
+        assert "retry" not in (step.action or "") and "fits now" not in (report.next_action or "")
+        assert "free 8192 B at cuda:0" in (step.action or "")
 
 
 # ------------------------------------------------------------------ 8: classification

@@ -30,6 +30,7 @@ from aresidency.core import (
 )
 from aresidency.core.errors import exception_to_dict
 from aresidency.core.state import ResidencyState
+from aresidency.diagnosis import diagnose
 from aresidency.diagnosis.evidence import trace_from_dict, transition_from_dict
 
 H = ValueHandle("m-1", 7, "w0")
@@ -109,6 +110,28 @@ def test_error_dicts_turn_handles_locations_and_plans_into_json():
     assert execution["plan"]["reserve"][0]["nbytes"] == 512
     assert execution["partial_report"]["in_effect"] == [1]
     assert execution["cause"] == {"type": "OSError", "message": "copy engine fault"}
+
+
+def test_an_exception_whose_str_raises_is_converted_and_diagnosed_not_raised():
+    """An application exception with a broken __str__ (raised while diagnosing, or chained
+    under a residency error): exception_to_dict called str() on it and diagnose raised that
+    failure instead of reporting. It now reads as the traceback module prints it."""
+
+    class Broken(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    data = exception_to_dict(Broken())
+    assert data == {
+        "type": "Broken",
+        "message": "<exception str() failed: RuntimeError: no text>",
+    }
+    json.dumps(data)
+    chained = ResidencyPlanError("infeasible")
+    chained.__cause__ = Broken()
+    assert chained.to_dict()["cause"]["type"] == "Broken"
+    report = diagnose(Broken())
+    assert report.error_type == "Broken" and "str() failed" in str(report)
 
 
 def test_a_chained_residency_cause_is_nested_with_its_fields():

@@ -10,7 +10,12 @@ import anyio
 import pytest
 import torch
 
-from aresidency import ReplicaMode, ResidencyManager, ResidencyUnavailableError
+from aresidency import (
+    ReplicaMode,
+    ResidencyInUseError,
+    ResidencyManager,
+    ResidencyUnavailableError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -74,3 +79,43 @@ async def test_track_readers_checks_the_materialization() -> None:
         h = m.register(torch.ones(16), name="w")
         with pytest.raises(ResidencyUnavailableError):
             m.track_readers(h, "cuda:0", [])
+
+
+async def test_a_write_lease_waits_for_the_readers_of_the_replicas_it_invalidates() -> None:
+    """Read a REPLICABLE value on one device, then write it on another: the read lease's
+    reader event keeps its replica until the kernel ran. The write lease, which invalidates
+    that replica, used to raise ResidencyInUseError (pending_event_count=1) where release
+    waits; it now waits for those readers, then invalidates and enters. A lease or hold on
+    another replica is still refused at once."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(torch.ones(1024), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        await m.materialize(h, "cuda:1")
+        gate = threading.Event()
+        async with m.acquire(h, "cuda:1") as read:
+            m.backend.run_in_stream_order(read.stream, lambda: gate.wait(10))  # a long kernel
+        record = m.snapshot().values[h].materialization("cuda:1")
+        assert record is not None and record.pending_event_count == 1
+        entered = anyio.Event()
+
+        async def writer() -> None:
+            async with m.acquire(h, "cuda:0", mode="write") as lease:
+                assert places(m, h) == {"cuda:0"}  # the others were invalidated
+                lease.tensor.add_(1)
+                entered.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(writer)
+                await anyio.wait_all_tasks_blocked()
+                assert not entered.is_set()  # the reader's kernel has not run yet
+                assert "cuda:1" in places(m, h)
+                gate.set()
+        finally:
+            gate.set()
+        assert entered.is_set() and places(m, h) == {"cuda:0"}
+        await m.materialize(h, "cuda:1")
+        with m.hold(h, "cuda:1"), pytest.raises(ResidencyInUseError, match="hold_count=1"):
+            async with m.acquire(h, "cuda:0", mode="write"):
+                pass
+        assert places(m, h) == {"cuda:0", "cuda:1"}

@@ -236,6 +236,62 @@ async def test_reconstruction_is_refused_when_source_location_budget_is_too_smal
         assert m.state_version == version
 
 
+async def test_cancelling_a_pending_operation_from_another_thread_fails_and_cancels_nothing() -> (
+    None
+):
+    """PendingOperation.cancel() from a worker thread drove the run (its transfers, its
+    phase generator, its listeners) on that thread and cancelled it. It is refused there now
+    (RuntimeError, as its docstring says it works on the manager's loop), and the operation
+    completes as if nothing was asked."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        gate = threading.Event()
+        async with m.acquire(h, "cuda:0") as lease:
+            m.backend.run_in_stream_order(lease.stream, lambda: gate.wait(10))  # a long kernel
+        pending = m.release_nowait(h, "cuda:0")  # waits for that reader
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                pending.cancel()
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        gate.set()
+        assert [type(e) for e in errors] == [RuntimeError] and "event loop" in str(errors[0])
+        await pending  # not cancelled: the release went through
+        assert not pending.cancelled()
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "error", "match"),
+    [
+        ((2.5,), TypeError, r"dimension 2.5 \(float\) that is not an int"),  # was (2,)
+        ((True, 4), TypeError, "bool dimension"),  # was (1, 4)
+        ("34", TypeError, "sequence of ints"),  # was (3, 4)
+        (5, TypeError, "sequence of ints"),  # was "'int' object is not iterable"
+        ((2, "3"), TypeError, r"dimension '3' \(str\)"),  # was (2, 3)
+        ((-1,), ValueError, "negative dimension"),
+    ],
+)
+def test_a_callable_source_refuses_a_shape_that_is_not_ints_naming_it(
+    shape: object, error: type[Exception], match: str
+) -> None:
+    """CallableSource truncated or parsed what is not a shape (int(2.5), int(True), the
+    characters of a string): the value was declared with another shape than asked and the
+    load failed later with a shape mismatch, or the error named no shape at all."""
+    with pytest.raises(error, match=match):
+        CallableSource(lambda: torch.zeros(4), shape=shape, dtype=torch.float32)  # type: ignore[arg-type]
+    size = CallableSource(lambda: torch.zeros(2, 3), shape=torch.Size([2, 3]), dtype=torch.float32)
+    assert size.shape == (2, 3)
+    assert CallableSource(lambda: torch.zeros(2), shape=[2], dtype=torch.float32).shape == (2,)
+
+
 async def test_discard_frees_everything_and_the_handle_is_then_refused() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
@@ -270,6 +326,41 @@ async def test_calls_from_another_thread_fail_clearly() -> None:
         await anyio.to_thread.run_sync(thread.join)
         assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
         assert "event loop" in str(errors[0])
+
+
+async def test_ending_a_hold_or_lease_from_another_thread_fails_clearly_and_changes_nothing() -> (
+    None
+):
+    """hold.release() from a worker thread used to unhold on that thread: a mutation of the
+    loop's state off the loop (a transition and a new state_version from another thread), and
+    lease.exit_nowait() would do the same. Both are refused there now, before anything
+    changes; the hold and the lease stay active and end normally on the loop."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        hold = m.hold(h, "pageable-host")
+        lease = m.acquire(h, "pageable-host").enter_nowait()
+        before = m.snapshot()
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            for end in (hold.release, lease.exit_nowait):
+                try:
+                    end()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        assert m.snapshot() == before and hold.active and lease.status == "entered"
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (1, 1)
+        assert lease.exit_nowait() is None
+        hold.release()
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (0, 0)
 
 
 async def test_unknown_cuda_device_is_a_clear_error() -> None:

@@ -6,11 +6,15 @@ the waiter is told, instead of sleeping through a change nobody announced). Simu
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import torch
 
 from aresidency import (
+    Materialize,
+    MemoryReservation,
     Move,
     ResidencyBudgetError,
     ResidencyManager,
@@ -167,3 +171,43 @@ async def test_reclaimable_changed_wakes_only_while_someone_waits_for_room() -> 
             m.reclaimable_changed()
             assert calls == [1]
         assert m.room_waits() == []
+
+
+async def test_an_operation_that_cannot_wait_is_never_refused_where_no_budget_applies() -> None:
+    """A scope admitted and still entering (its copy to cuda:0 in flight) also reserves at
+    pinned-host, which has no budget. A reservation block or a materialize_nowait there was
+    refused with ResidencyBudgetError "fits the budget now (... of unlimited), but 1 scope(s)
+    waiting for room there come first": room never runs short without a budget, so nobody is
+    overtaken. At the budgeted cuda:0 the first-come-first-served refusal stays."""
+    async with ResidencyManager(budgets={"cuda:0": 4 * MIB}, backend="sim") as m:
+        a, b = values(m, 2)
+        gate = threading.Event()
+        m.backend._devices[0].h2d.submit(lambda: gate.wait(10))  # holds up the scope's copy
+        plan = ResidencyPlan(
+            reserve=[MemoryReservation("w", "pinned-host", 4096)], enter=[Materialize(a, "cuda:0")]
+        )
+        entered = anyio.Event()
+
+        async def enter() -> None:
+            async with m.scope(plan):
+                entered.set()
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(enter)
+                with anyio.fail_after(10):
+                    while m.snapshot().location("pinned-host").reserved_bytes == 0:
+                        await anyio.wait_all_tasks_blocked()
+                assert m.waiting == 1 and not entered.is_set()  # admitted, entering
+                async with m.reservation("x", "pinned-host", 4096):
+                    assert m.snapshot().location("pinned-host").reserved_bytes == 8192
+                await m.materialize_nowait(b, "pinned-host")
+                assert "pinned-host" in [str(x) for x in m.snapshot().value(b).locations]
+                with pytest.raises(ResidencyBudgetError, match="come first") as caught:
+                    async with m.reservation("y", "cuda:0", 4096):
+                        pass
+                assert caught.value.waiting_scopes == 1
+                gate.set()
+        finally:
+            gate.set()
+        assert entered.is_set()
