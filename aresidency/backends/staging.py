@@ -20,9 +20,10 @@ each completed chunk out with ``memcpy_threads`` threads (without the GIL) while
 cross the link; pageable destinations are private mappings asked for transparent huge pages
 (:func:`pageable_empty`), which makes the faults few and large. Those threads copy with
 non-temporal stores where they can (:mod:`~aresidency.backends.streamcopy`): a plain
-``memmove`` of a 4 MiB piece reads every destination line before writing it, and that traffic
-was what kept the memcpy at 35-41 GB/s (8 threads on an H100 host: 27.1 GB/s plain, 44.3 with
-streaming stores, ``benchmarks/diag_host_memcpy.py``).
+``memmove`` of a 4 MiB piece reads every destination line before writing it (8 threads on an
+H100 host: 27.1 GB/s plain, 44.3 with streaming stores, ``benchmarks/diag_host_memcpy.py``);
+in the lane, with the link writing the buffers at the same time, a 1 GB device-to-pageable copy
+went from 32.0 to 35.9 GB/s (``benchmarks/bench_copy.py --staging-only``).
 """
 
 from __future__ import annotations
