@@ -6,7 +6,8 @@ names: the Hugging Face layout), or the path of an index JSON itself. The checkp
 every tensor name, its shard file, torch dtype, shape and byte size (:meth:`Checkpoint.info`),
 and copies a tensor into a preallocated host tensor (:meth:`Checkpoint.read_into`), converting
 floating-point dtypes on the way when the destination's differs (a bf16 checkpoint into a float32
-module, or the reverse).
+module, or the reverse). Quantized dtypes (float8, float4) are never converted: their values mean
+something only with the scales saved beside them (see :func:`convertible`).
 
 What the host waits on: :meth:`Checkpoint.open` reads the index and every shard's header (file
 I/O in the calling thread); :meth:`~Checkpoint.info` the first time it is asked about a tensor
@@ -57,7 +58,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Checkpoint", "TensorInfo", "convertible"]
+__all__ = ["Checkpoint", "TensorInfo", "convertible", "quantized", "why_not_converted"]
 
 StrPath = str | os.PathLike[str]
 
@@ -73,20 +74,53 @@ class TensorInfo:
     nbytes: int
 
 
+def quantized(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a scaled low-precision encoding (the float8 dtypes, ``float8_e8m0fnu``
+    and ``float4_e2m1fn_x2``: floating point in one byte or less per element). A checkpoint's
+    tensor of such a dtype means its values only together with the scale tensors saved beside
+    it (``*.weight_scale_inv``, ``*_scale``), which only a model built with that quantization
+    applies."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 @functools.cache
 def convertible(source: torch.dtype, destination: torch.dtype) -> bool:
     """Whether a tensor of dtype ``source`` is read into one of dtype ``destination``: the same
     dtype, or two floating-point dtypes torch converts between (integers and booleans are never
-    converted: a silent truncation or widening would hide a checkpoint that does not match)."""
+    converted: a silent truncation or widening would hide a checkpoint that does not match),
+    neither of them :func:`quantized` (a conversion ignores the scales: the weights would be
+    wrong)."""
     if source == destination:
         return True
     if not (source.is_floating_point and destination.is_floating_point):
+        return False
+    if quantized(source) or quantized(destination):
         return False
     try:
         torch.ones(1, dtype=source).to(destination)
     except (RuntimeError, TypeError):
         return False
     return True
+
+
+def why_not_converted(source: torch.dtype, destination: torch.dtype) -> str:
+    """Why a tensor of dtype ``source`` is not read into one of ``destination`` (see
+    :func:`convertible`), and what to do: a clause for an error message."""
+    if quantized(source):
+        return (
+            f"{source} is a quantized encoding whose values mean something only with the scale "
+            "tensors saved beside it (such as '*.weight_scale_inv' or '*_scale'), so converting "
+            f"it to {destination} would give wrong weights: a quantized checkpoint needs its "
+            "model built with its quantization (in transformers, from the checkpoint's config "
+            "with its quantization_config), so that the tensor has the checkpoint's dtype"
+        )
+    if quantized(destination):
+        return (
+            f"{destination} is a quantized encoding, which needs scales computed for it, so "
+            f"converting a {source} tensor to it would give wrong weights: a model built with "
+            "a quantization needs a checkpoint quantized the same way"
+        )
+    return "only floating-point dtypes are converted"
 
 
 @dataclass(slots=True)
@@ -342,7 +376,7 @@ class Checkpoint:
         if not convertible(info.dtype, dtype):
             raise ValueError(
                 f"{info.file}: tensor {name!r} is {info.dtype} and cannot be read into "
-                f"{dtype} (only floating-point dtypes are converted): the checkpoint does not "
+                f"{dtype} ({why_not_converted(info.dtype, dtype)}): the checkpoint does not "
                 "match the model"
             )
         return info

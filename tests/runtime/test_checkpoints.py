@@ -392,3 +392,15 @@ def test_a_file_truncated_in_place_is_an_error_not_a_crash(tmp_path: Path) -> No
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
     assert "refused:" in done.stdout and "now 200 B" in done.stdout
+
+
+def test_float8_tensors_are_never_converted_to_or_from_another_dtype(tmp_path: Path) -> None:
+    """A float8 value means something only with its scale: converting it would be wrong."""
+    save_file({"w": torch.ones(4).to(torch.float8_e4m3fn)}, str(tmp_path / "w.safetensors"))
+    with Checkpoint.open(tmp_path / "w.safetensors") as checkpoint:
+        with pytest.raises(ValueError, match=r"'w' is torch\.float8_e4m3fn.*bfloat16.*scale"):
+            checkpoint.read("w", torch.bfloat16)
+        assert checkpoint.read("w").dtype == torch.float8_e4m3fn  # its own dtype reads as is
+    assert not convertible(torch.float32, torch.float8_e5m2)
+    assert not convertible(torch.float8_e5m2, torch.float8_e4m3fn)
+    assert convertible(torch.float16, torch.bfloat16)

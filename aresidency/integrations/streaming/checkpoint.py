@@ -16,7 +16,9 @@ from:
   device it is recovered once, when the loader is built, by :func:`recover_meta_buffers`.
 
 Shapes must match (a ``ValueError`` naming both); floating-point dtypes may differ and are
-converted during the copy (a bf16 checkpoint into a float32 module, or the reverse).
+converted during the copy (a bf16 checkpoint into a float32 module, or the reverse), but for
+quantized ones (float8, float4: their values mean something only with the scale tensors saved
+beside them), which must be the module's own dtype (a ``ValueError`` naming both dtypes).
 
 What blocks: building a loader reads nothing but the headers the checkpoint already holds (and
 runs the model's buffer initialisation for meta buffers). Calling it blocks the calling thread,
@@ -48,7 +50,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ...runtime.checkpoints import Checkpoint, convertible
+from ...runtime.checkpoints import Checkpoint, convertible, why_not_converted
 from .packing import PackedTensor, TensorGroup
 
 __all__ = [
@@ -193,8 +195,9 @@ def block_loader(
             if not convertible(info.dtype, entry.dtype):
                 raise ValueError(
                     f"{info.file}: tensor {found!r} is {info.dtype}, but the module's tensor "
-                    f"{_names(entry)} is {entry.dtype} and only floating-point dtypes are "
-                    f"converted: the checkpoint {checkpoint.path} does not match the model"
+                    f"{_names(entry)} is {entry.dtype}, and "
+                    f"{why_not_converted(info.dtype, entry.dtype)}: the checkpoint "
+                    f"{checkpoint.path} does not match the model"
                 )
             reads.append((index, found))
         elif entry.persistent:

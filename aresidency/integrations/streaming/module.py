@@ -1162,30 +1162,31 @@ def stream_module(
     reading every shard's header on the calling thread), or a
     :class:`~aresidency.runtime.checkpoints.Checkpoint` opened already (off the loop: ``await
     anyio.to_thread.run_sync(Checkpoint.open, path)``; the caller closes it) (keys are the
-    module's ``state_dict`` names; dtypes are converted to the module's; a parameter or
-    persistent buffer missing there is a ``KeyError`` naming it; non-persistent buffers, such
-    as a rotary embedding's ``inv_freq``, are taken from the module, recovered when the module
-    is on the ``meta`` device). ``checkpoint_names``: for a checkpoint whose keys are not the
-    module's state_dict names (a model's own loader renames them: transformers 5 saves
-    GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``), a mapping from the module's name to
-    the checkpoint's (``{"lm_head.weight": "embed_out.weight"}``), or a function of the module's
-    name returning the checkpoint's (``None``: the same); the ``KeyError`` for a missing tensor
-    names the checkpoint's tensors of its shape the module has no name for. ``blocks``: the
-    submodules to stream, in call order, a block once for each time the forward runs it
-    (default: see :func:`find_blocks`). ``stream``: the compute stream (default: the caller's
-    current stream at each call). ``timeout``: seconds a block may wait for budget before
-    ``TimeoutError`` (``None``: as long as it takes; once admitted, the wait for its copy is
-    not counted). ``name``: a non-blank string naming the module's values, ring reservations
-    and errors (default: the module's class and id; ``TypeError`` or ``ValueError``
-    otherwise). ``keep_resident``: between calls, keep on the device the tensors outside the
-    blocks and the blocks that fit beside the prefetch window (spread
-    evenly over the call order), so a call copies only what does not fit (see
-    :meth:`StreamedModule.residency`); needs a strict ``device`` budget. ``ring``: copy the
-    streamed blocks through a ring of ``prefetch + 1`` device buffers admitted once per call
-    as one reservation, enqueued from the thread that runs the blocks (the cost of a
-    hand-written double buffer; see :mod:`aresidency.integrations.streaming.ring`) instead
-    of as managed values one by one; ``None`` (the default) uses it wherever it applies
-    (weights in pinned host memory, no checkpoint), ``False`` never.
+    module's ``state_dict`` names; floating-point dtypes are converted to the module's, but
+    for float8 and float4, which are refused (``ValueError``: their scales would be ignored);
+    a parameter or persistent buffer missing there is a ``KeyError`` naming it; non-persistent
+    buffers, such as a rotary embedding's ``inv_freq``, are taken from the module, recovered
+    when the module is on the ``meta`` device). ``checkpoint_names``: for a checkpoint whose
+    keys are not the module's state_dict names (a model's own loader renames them: transformers
+    5 saves GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``), a mapping from the module's
+    name to the checkpoint's (``{"lm_head.weight": "embed_out.weight"}``), or a function of the
+    module's name returning the checkpoint's (``None``: the same); the ``KeyError`` for a
+    missing tensor names the checkpoint's tensors of its shape the module has no name for.
+    ``blocks``: the submodules to stream, in call order, a block once for each time the forward
+    runs it (default: see :func:`find_blocks`). ``stream``: the compute stream (default: the
+    caller's current stream at each call). ``timeout``: seconds a block may wait for budget
+    before ``TimeoutError`` (``None``: as long as it takes; once admitted, the wait for its copy
+    is not counted). ``name``: a non-blank string naming the module's values, ring reservations
+    and errors (default: the module's class and id; ``TypeError`` or ``ValueError`` otherwise).
+    ``keep_resident``: between calls, keep on the device the tensors outside the blocks and the
+    blocks that fit beside the prefetch window (spread evenly over the call order), so a call
+    copies only what does not fit (see :meth:`StreamedModule.residency`); needs a strict
+    ``device`` budget. ``ring``: copy the streamed blocks through a ring of ``prefetch + 1``
+    device buffers admitted once per call as one reservation, enqueued from the thread that runs
+    the blocks (the cost of a hand-written double buffer; see
+    :mod:`aresidency.integrations.streaming.ring`) instead of as managed values one by one;
+    ``None`` (the default) uses it wherever it applies (weights in pinned host memory, no
+    checkpoint), ``False`` never.
 
     Call on the manager's event loop (registration copies the weights into host memory
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors

@@ -1,0 +1,85 @@
+"""What ``stream_module`` refuses, and that a refusal leaves everything as it was: quantized
+(float8) checkpoints into a model of another dtype, budgets that could never fit (checked
+before a tensor moves), and the messages of refusals a user has to act on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("safetensors")
+from safetensors.torch import save_file
+
+from aresidency import ResidencyManager
+from aresidency.integrations import stream_module
+
+pytestmark = pytest.mark.anyio
+
+
+def _fp8_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
+    """``model``'s weights quantized per tensor to ``dtype`` with their scales beside them, as
+    block-wise fp8 checkpoints store them (``*.weight_scale_inv``)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("weight"):
+            scale = tensor.abs().max() / 64
+            state[name] = (tensor / scale).to(dtype)
+            state[f"{name}_scale_inv"] = scale.reshape(1)
+        else:
+            state[name] = tensor.contiguous()
+    save_file(state, str(path))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+async def test_a_float8_checkpoint_into_a_model_of_another_dtype_is_refused(
+    tmp_path: Path, fp8: torch.dtype, model_dtype: torch.dtype
+) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(model_dtype).eval()
+    _fp8_checkpoint(model, tmp_path / "model.safetensors", fp8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pointers = [t.data_ptr() for t in model.state_dict().values()]
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError) as caught:
+            stream_module(m, model, "cuda:0", checkpoint=tmp_path)
+        message = str(caught.value)
+        assert "'0.weight'" in message and str(fp8) in message and str(model_dtype) in message
+        assert "quantiz" in message and "scale" in message
+        assert not m.snapshot().values  # nothing registered, nothing left
+        # nothing moved: the module is as it was, and can be streamed (without the checkpoint)
+        assert [t.data_ptr() for t in model.state_dict().values()] == pointers
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        streamed = stream_module(m, model, "cuda:0")
+        await streamed.aclose()
+
+
+async def test_a_float_checkpoint_into_a_float8_model_is_refused(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.st"))
+    quantized = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    quantized[1].weight.data = quantized[1].weight.data.to(torch.float8_e4m3fn)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match=r"'1\.weight' is torch\.float32.*float8_e4m3fn"):
+            stream_module(m, quantized, "cuda:0", checkpoint=tmp_path / "m.st")
+        assert not m.snapshot().values
+
+
+async def test_a_float8_checkpoint_streams_into_a_float8_model_unchanged(tmp_path: Path) -> None:
+    """The same dtype is no conversion: a model built with the checkpoint's quantization (its
+    float8 weights and their scales as tensors of its own) gets the bytes as they are."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, "cuda:0", checkpoint=tmp_path / "m.safetensors")
+        for group in streamed.all_groups:
+            flat = streamed._loaders[group.index]()
+            for entry, view in zip(group.entries, group.views(flat)):
+                assert view.dtype == state[entry.names[0]].dtype
+                assert torch.equal(view.view(torch.uint8), state[entry.names[0]].view(torch.uint8))
+        await streamed.aclose()
