@@ -83,3 +83,44 @@ async def test_a_float8_checkpoint_streams_into_a_float8_model_unchanged(tmp_pat
                 assert view.dtype == state[entry.names[0]].dtype
                 assert torch.equal(view.view(torch.uint8), state[entry.names[0]].view(torch.uint8))
         await streamed.aclose()
+
+
+def _linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))).eval()
+
+
+@pytest.mark.parametrize(
+    "budgets, error",
+    [
+        pytest.param({"cuda:0": 4096}, ValueError, id="device-budget-never-fits"),
+        pytest.param({"pinned-host": 3 * 17_000}, Exception, id="host-budget-too-small"),
+    ],
+)
+async def test_a_budget_that_can_never_fit_is_refused_before_a_tensor_moves(
+    budgets: dict[str, int], error: type[Exception]
+) -> None:
+    """Packing gives every tensor new storage: a refusal that could be made up front is made
+    before that, so the module is exactly as it was (same storage, a view taken earlier still
+    a view of it), not a copy of itself."""
+    model = _linears()
+    pointers = [t.data_ptr() for t in model.state_dict().values()]
+    view = model[3].weight[0]  # a view of the last block: its group would be packed last
+    async with ResidencyManager(backend="sim", budgets=budgets) as m:
+        with pytest.raises(error, match="budget") as caught:
+            stream_module(m, model, "cuda:0")
+        assert "pinned-host" in str(caught.value) or "cuda:0" in str(caught.value)
+        assert not m.snapshot().values
+        assert [t.data_ptr() for t in model.state_dict().values()] == pointers
+        assert view.data_ptr() == model[3].weight.data_ptr()
+
+
+async def test_a_meta_tensor_in_the_last_block_is_refused_before_a_tensor_moves() -> None:
+    model = _linears()
+    model[3].bias = nn.Parameter(torch.empty(64, device="meta"))
+    pointers = [t.data_ptr() for t in model[0].state_dict().values()]
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(ValueError, match=r"3\.bias is on the meta device.*checkpoint="):
+            stream_module(m, model, "cuda:0")
+        assert not m.snapshot().values
+        assert [t.data_ptr() for t in model[0].state_dict().values()] == pointers

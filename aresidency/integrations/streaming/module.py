@@ -25,7 +25,7 @@ from torch import nn
 from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
 from ...core.timeouts import check_timeout
-from ...core.values import MaterializationState, ReplicaMode, ValueHandle
+from ...core.values import MaterializationState, ReplicaMode, ValueHandle, value_charge
 from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
@@ -236,8 +236,9 @@ class StreamedModule:
         self.copied_bytes = 0
         self._refuse_streamed_twice()
         try:
+            # What can be refused is refused before a tensor moves or a value is registered.
+            self._check_before_moving()
             self._register_all()
-            self._check_budget()
             if not self._sequential:
                 self._threaded.install_hooks()
         except BaseException:
@@ -308,10 +309,41 @@ class StreamedModule:
         """The device charge of the tensors outside the blocks (held for a whole call)."""
         return 0 if self.resident_group is None else self.resident_group.charge_bytes
 
-    def _register_all(self) -> None:
-        manager = self.manager
+    def _check_before_moving(self) -> None:
+        """Everything the construction can refuse, before a tensor moves (packing gives each
+        tensor new storage, and frees the old as it goes, so that host memory is never
+        doubled) or a value is registered: the checkpoint opens and holds every tensor in a
+        dtype that converts (a loader per group), no tensor is on the meta device without a
+        checkpoint, the largest block fits the device budget beside the tensors outside the
+        blocks, and the packed groups fit the host budget. Sets each group's charge (what the
+        manager will charge for it) and ``_largest``."""
         if self.checkpoint is not None and self._checkpoint is None:
             self._checkpoint = Checkpoint.open(self.checkpoint)
+        opened = self._checkpoint
+        granularity = self.manager.state.granularity
+        for group in self.all_groups:
+            if opened is not None:
+                self._loaders[group.index] = block_loader(
+                    group, opened, module=self.module, names=self._checkpoint_names
+                )
+            else:
+                meta = [e.names[0] for e in group.entries if e.tensor.is_meta]
+                if meta:
+                    raise ValueError(
+                        f"{meta[0]} is on the meta device: give checkpoint= to load the weights"
+                    )
+            group.charge_bytes = value_charge(group.nbytes, None, granularity)
+        self._largest = max((g.charge_bytes for g in self._groups), default=0)
+        self._check_budget()
+        if opened is None:
+            assert self.host is not None
+            self.manager.state.ledger(Location.parse(self.host)).check_admit(
+                sum(g.charge_bytes for g in self.all_groups),
+                f"{self.name}: packing its {len(self.all_groups)} groups into {self.host}",
+            )
+
+    def _register_all(self) -> None:
+        manager = self.manager
         opened = self._checkpoint
         # Packing and pinning every block of a large model takes seconds on the loop thread:
         # one report over all of it (the registrations inside report nothing of their own).
@@ -334,8 +366,7 @@ class StreamedModule:
         repointed: set[int] = set()
         for group in self.all_groups:
             if opened is not None:
-                load = block_loader(group, opened, module=self.module, names=self._checkpoint_names)
-                self._loaders[group.index] = load
+                load = self._loaders[group.index]
                 source = CallableSource(
                     load, shape=(group.nbytes,), dtype=torch.uint8, source_location="pageable-host"
                 )
@@ -345,11 +376,6 @@ class StreamedModule:
                 group.from_source = True
             else:
                 assert self.host is not None
-                meta = [e.names[0] for e in group.entries if e.tensor.is_meta]
-                if meta:
-                    raise ValueError(
-                        f"{meta[0]} is on the meta device: give checkpoint= to load the weights"
-                    )
                 flat = torch.zeros(group.nbytes, dtype=torch.uint8)
                 group.pack_from(flat)
                 group.handle = manager.register(
@@ -453,6 +479,7 @@ class StreamedModule:
                 with contextlib.suppress(ResidencyError):
                     self.manager.discard_nowait(group.handle)
         self._registered.clear()
+        self._close_checkpoint()
 
     def _restore_host_tensors(self) -> None:
         """Give the module's tensors their own host memory again (a copy out of the managed
@@ -1192,6 +1219,8 @@ def stream_module(
     synchronously: a start-up cost). ``ValueError`` if the largest block plus the tensors
     outside the blocks could never fit the ``device`` budget, or if the module (or one of its
     submodules) is streamed already, by this manager or another, and not ``aclose()``d.
+    These refusals, the checkpoint's and a host budget too small for the packed weights come
+    before a tensor moves: the module is left as it was.
     A call in flight when the manager closes raises ``ManagerClosedError``.
     """
     return StreamedModule(
