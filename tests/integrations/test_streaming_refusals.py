@@ -4,8 +4,10 @@ before a tensor moves), and the messages of refusals a user has to act on."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -124,3 +126,54 @@ async def test_a_meta_tensor_in_the_last_block_is_refused_before_a_tensor_moves(
             stream_module(m, model, "cuda:0")
         assert not m.snapshot().values
         assert [t.data_ptr() for t in model[0].state_dict().values()] == pointers
+
+
+def _run_in_thread(
+    module: nn.Module, x: torch.Tensor, kwargs: dict[str, object], threads: int
+) -> torch.Tensor:
+    """``module(x, **kwargs)`` in a worker thread (not on the loop) whose BLAS uses the
+    process's intra-op thread count, as the thread running a streamed forward does: a new
+    thread's first CPU matmul may otherwise round differently."""
+    torch.set_num_threads(threads)
+    out = module(x, **kwargs)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+async def reference_output(module: nn.Module, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return await anyio.to_thread.run_sync(
+        _run_in_thread, module, x, kwargs, torch.get_num_threads()
+    )
+
+
+def _encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).eval()
+
+
+def _as_streamed(encoder: nn.TransformerEncoder) -> nn.TransformerEncoder:
+    """A copy of ``encoder`` that picks the kernels its streamed calls pick (see
+    docs/streaming.md, Gradients): weights that do not require grad, a hook on each block."""
+    reference = copy.deepcopy(encoder).requires_grad_(False)
+    for block in reference.layers:
+        block.register_forward_pre_hook(lambda module, args: None)
+    return reference
+
+
+async def test_the_first_call_in_the_new_worker_thread_rounds_as_the_callers_thread() -> None:
+    """The thread that runs a streamed forward uses the caller's intra-op thread count from
+    its first operation on (``torch.set_num_threads``; the tests run with one): a new
+    thread's BLAS otherwise sets itself up from the default and may split (and round) the
+    first call's CPU matmuls differently from every later call's."""
+    encoder = _encoder()
+    x = torch.randn(2, 5, 32)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, encoder, "cuda:0")
+        with torch.no_grad():
+            first = await streamed(x)
+            second = await streamed(x)
+        assert torch.equal(first, second)
+        await streamed.aclose()
+    with torch.no_grad():
+        assert torch.equal(first, await reference_output(_as_streamed(encoder), x))

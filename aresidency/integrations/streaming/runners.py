@@ -264,8 +264,15 @@ class ThreadedRunner:
         if executor is not None:
             return executor
         if self._executor is None:
+            # The thread gets the caller's intra-op thread count (torch.set_num_threads): a
+            # new thread's BLAS sets its own up from the default on its first operation, so
+            # the first forward there could split a CPU matmul otherwise, and round
+            # differently, than the same forward run in the caller's thread.
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"aresidency-stream-{streamed.name}"
+                max_workers=1,
+                thread_name_prefix=f"aresidency-stream-{streamed.name}",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
             )
         return self._executor
 
