@@ -177,3 +177,32 @@ async def test_the_first_call_in_the_new_worker_thread_rounds_as_the_callers_thr
         await streamed.aclose()
     with torch.no_grad():
         assert torch.equal(first, await reference_output(_as_streamed(encoder), x))
+
+
+async def test_grad_mode_changes_nothing_the_weights_never_require_grad() -> None:
+    """Streamed calls are for inference (docs/streaming.md, Gradients): a call in grad mode
+    computes what it computes under no_grad, with weights that do not require grad, so a
+    kernel chosen by those flags (nn.TransformerEncoderLayer's, nn.MultiheadAttention's) is
+    the one the module picks with ``requires_grad_(False)`` and a hook on each block."""
+    encoder = _encoder()
+    reference = _as_streamed(encoder)
+    seen: list[bool] = []
+    encoder.layers[1].linear1.register_forward_pre_hook(
+        lambda module, args: seen.append(module.weight.requires_grad)
+    )
+    x = torch.randn(2, 5, 32)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, encoder, "cuda:0")
+        for kwargs in ({}, {"src_key_padding_mask": mask}):
+            expected = await reference_output(reference, x, **kwargs)
+            in_grad_mode = await streamed(x, **kwargs)
+            with torch.no_grad():
+                under_no_grad = await streamed(x, **kwargs)
+            assert torch.is_grad_enabled() and not in_grad_mode.requires_grad
+            assert torch.equal(in_grad_mode, under_no_grad)
+            assert torch.equal(in_grad_mode, expected)
+        assert seen == [False] * 4
+        assert all(p.requires_grad for p in encoder.parameters())  # the module's flags stay
+        await streamed.aclose()
