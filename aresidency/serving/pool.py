@@ -483,20 +483,37 @@ class PooledModel:
 
     def _refuse_stale(self, entry: ModelEntry) -> None:
         """Raise if the model's weights were written in place (``load_state_dict``, ``copy_``
-        under ``no_grad``) while requests hold its device replicas: the call would run the
-        replicas as they were copied. A group not held is copied again by the call itself.
-        ``ValueError`` (from the check) for a tensor replaced instead of written."""
-        changed = entry.streamed._changed_groups()
-        held = [g for g in changed if entry.held[g.index]]
-        if held:
-            names = ", ".join(entry.streamed.block_label(g) for g in held[:4])
-            more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+        under ``no_grad``), or an earlier call's forward put new tensors in place of some
+        (a dynamic RoPE's ``inv_freq``), while requests hold its device replicas: the call
+        would run the replicas as they were copied. A group not held is copied again by the
+        call itself. ``ValueError`` (from the check) for a tensor replaced from outside a
+        call instead of written. The message says which happened: they call for different
+        things."""
+        streamed = entry.streamed
+        held = [g for g in streamed._changed_groups() if entry.held[g.index]]
+        if not held:
+            return
+        by_forward = [g for g in held if g.replaced]
+        if by_forward:
+            tensors = [g.entries[i].names[0] for g in by_forward for i in sorted(g.replaced)]
+            more = f" and {len(tensors) - 4} more" if len(tensors) > 4 else ""
+            blocks = ", ".join(streamed.block_label(g) for g in by_forward[:4])
             raise RuntimeError(
-                f"{self.name!r}: weights of {names}{more} were written in place while requests "
-                "hold them on the device, so this call would run the old weights; write them "
-                "between requests (the next request admitted once the model's active requests "
-                "ended copies them again)"
+                f"{self.name!r}: an earlier call's forward replaced {', '.join(tensors[:4])}"
+                f"{more} (it put a new tensor in its place, as a dynamic RoPE does with "
+                "inv_freq once a sequence outgrows the longest it has seen), and requests hold "
+                f"the device copy of {blocks}, so this call would run the old value. The pool "
+                "writes the new value into the model once the model's active requests end: "
+                "make this call in a new request (async with pool.use(...)), which runs it"
             )
+        names = ", ".join(streamed.block_label(g) for g in held[:4])
+        more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+        raise RuntimeError(
+            f"{self.name!r}: weights of {names}{more} were written in place while requests "
+            "hold them on the device, so this call would run the old weights; write them "
+            "between requests (the next request admitted once the model's active requests "
+            "ended copies them again)"
+        )
 
     def __repr__(self) -> str:
         state = "active" if self._request.active else "ended"
@@ -1029,9 +1046,14 @@ class ModelPool:
             # a tensor replaced instead): the stale replicas go once no request holds them.
             changed = entry.streamed._changed_groups()
             if changed and entry.active[mode]:
+                how = (
+                    "replaced by a call's forward"
+                    if any(g.replaced for g in changed)
+                    else "written in place"
+                )
                 request.why = (
-                    f"{entry.name!r} to finish its requests (its weights were written in place "
-                    "since they were copied: its device replicas are stale)"
+                    f"{entry.name!r} to finish its requests (its weights were {how} since "
+                    "they were copied: its device replicas are stale)"
                 )
                 await self._park(request, before, frozenset({entry.name}))
                 continue

@@ -107,3 +107,42 @@ async def test_a_request_arriving_after_the_write_waits_until_the_model_is_idle(
         assert len(got) == 1 and torch.equal(got[0], reference(module, TOKENS))
         assert not torch.equal(got[0], old)
         assert_nothing_leaked(m, pool)
+
+
+class _Counting(TinyLM):
+    """A TinyLM whose second block's forward replaces a buffer with a new tensor at each call
+    (as a dynamic RoPE replaces its ``inv_freq``): it counts its calls there."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.layers[1].register_buffer("calls", torch.zeros(4), persistent=False)
+        self.layers[1].register_forward_pre_hook(_count)
+
+
+def _count(block: torch.nn.Module, args: object) -> None:
+    block.calls = block.calls + 1  # a new tensor in the buffer's place, not a write into it
+
+
+async def test_a_call_after_the_forward_replaced_a_held_tensor_is_refused_saying_so() -> None:
+    """Not "written in place": the message names the tensor the forward replaced and says to
+    make the call in a new request, which runs the new value."""
+    async with (
+        ResidencyManager(budgets={"cuda:0": int(1.5 * TOTAL)}, backend="sim") as m,
+        ModelPool(m) as pool,
+    ):
+        module = _Counting()
+        pool.add("a", module)
+        with anyio.fail_after(10):
+            async with pool.use("a") as model:
+                assert model.mode == "resident"
+                await model(TOKENS)
+                with pytest.raises(RuntimeError) as caught:
+                    await model(TOKENS)
+            message = str(caught.value)
+            assert "layers.1.calls" in message and "forward replaced" in message
+            assert "written in place" not in message and "new request" in message
+            async with pool.use("a") as model:  # runs the value the first call left
+                await model(TOKENS)
+            assert torch.equal(module.layers[1].calls, torch.ones(4))
+        assert_nothing_leaked(m, pool)
+    assert torch.equal(module.layers[1].calls, torch.full((4,), 2.0))  # kept at the pool's end
