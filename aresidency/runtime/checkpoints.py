@@ -169,6 +169,15 @@ def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
         if len(indexes) == 1:
             return indexes[0], []
         if not indexes:
+            pickles = sorted(
+                p.name for p in path.iterdir() if p.is_file() and p.suffix in _PICKLE_SUFFIXES
+            )
+            if pickles:
+                raise FileNotFoundError(
+                    f"checkpoint directory {path} holds no safetensors checkpoint, only PyTorch "
+                    f"pickle files ({', '.join(pickles[:4])}"
+                    f"{', ...' if len(pickles) > 4 else ''}), which are not read here: " + _CONVERT
+                )
             raise FileNotFoundError(
                 f"checkpoint directory {path} holds neither model.safetensors nor a "
                 "*.safetensors.index.json (a sharded checkpoint): give the path of the "
@@ -214,6 +223,32 @@ def _read_index(index: Path) -> dict[str, Path]:
     return shards
 
 
+#: Suffixes of PyTorch's own checkpoint files (``torch.save``: a zip archive or a pickle).
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+#: How to turn a PyTorch pickle checkpoint into safetensors, for the errors that find one.
+_CONVERT = (
+    "convert it to safetensors once (memory-mapped, read without running pickled code). A "
+    "Hugging Face model: model = AutoModelForCausalLM.from_pretrained(its directory) (or the "
+    "model's own class), then "
+    "model.save_pretrained(new directory), which writes model.safetensors (or shards and "
+    "their index). A plain state dict: safetensors.torch.save_file({k: v.contiguous() for "
+    "k, v in torch.load(file, weights_only=True).items()}, 'model.safetensors') "
+    "(safetensors.torch.save_model(module, ...) for a module with tied weights)"
+)
+
+
+def _torch_pickle(file: Path) -> bool:
+    """Whether ``file`` looks like a ``torch.save`` file: a zip archive (the format since
+    torch 1.6) or a pickle (the legacy one), by its first bytes; or a PyTorch suffix."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith((b"PK\x03\x04", b"\x80")) or file.suffix in _PICKLE_SUFFIXES
+
+
 def _safe_open(file: Path) -> Any:
     try:
         from safetensors import SafetensorError, safe_open
@@ -224,6 +259,11 @@ def _safe_open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt")
     except SafetensorError as error:
+        if _torch_pickle(file):
+            raise ValueError(
+                f"{file} is a PyTorch checkpoint (torch.save: pickle or zip), not a "
+                f"safetensors file, and is not read here: {_CONVERT}"
+            ) from error
         raise ValueError(
             f"{file} is not a readable safetensors file ({error}): a damaged or partial file, "
             "or a dtype this safetensors version does not know (then upgrade safetensors)"

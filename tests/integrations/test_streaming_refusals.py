@@ -206,3 +206,16 @@ async def test_grad_mode_changes_nothing_the_weights_never_require_grad() -> Non
         assert seen == [False] * 4
         assert all(p.requires_grad for p in encoder.parameters())  # the module's flags stay
         await streamed.aclose()
+
+
+async def test_a_checkpoint_directory_of_pytorch_model_bin_is_refused_saying_to_convert(
+    tmp_path: Path,
+) -> None:
+    model = _linears()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(
+            FileNotFoundError, match=r"pytorch_model\.bin.*convert it to safetensors"
+        ):
+            stream_module(m, model, "cuda:0", checkpoint=tmp_path)
+        assert not m.snapshot().values

@@ -404,3 +404,17 @@ def test_float8_tensors_are_never_converted_to_or_from_another_dtype(tmp_path: P
     assert not convertible(torch.float32, torch.float8_e5m2)
     assert not convertible(torch.float8_e5m2, torch.float8_e4m3fn)
     assert convertible(torch.float16, torch.bfloat16)
+
+
+def test_pytorch_pickle_checkpoints_are_refused_saying_how_to_convert(tmp_path: Path) -> None:
+    """A directory of ``pytorch_model.bin`` (or such a file given itself) is not read: the
+    error says it is a PyTorch checkpoint and how to convert it to safetensors."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"only PyTorch pickle files \(pytorch_model\.bin"):
+        Checkpoint.open(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"save_pretrained.*safetensors\.torch\.save_file"):
+        Checkpoint.open(tmp_path)
+    renamed = tmp_path / "weights.data"  # found by its first bytes, whatever its name
+    (tmp_path / "pytorch_model.bin").rename(renamed)
+    with pytest.raises(ValueError, match=r"weights\.data is a PyTorch checkpoint.*save_file"):
+        Checkpoint.open(renamed)
