@@ -670,6 +670,64 @@ def tiny_m2m100() -> nn.Module:
     return M2M100ForConditionalGeneration(config).eval()
 
 
+def tiny_bart() -> nn.Module:
+    """A small ``BartForConditionalGeneration``: two encoder layers, three decoder layers."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(5)
+    return BartForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+async def test_generate_through_the_ring_stops_copying_the_encoder_after_its_pass(
+    prefetch: int,
+) -> None:
+    """``blocks=[*encoder, *decoder]``: generate runs the encoder once, then the decoder for
+    every token. The ring learns that cycle at the first wrap, so the copies it issues ahead
+    at the end of a pass are the decoder's first blocks, not encoder blocks it never runs
+    again (before: each encoder block copied about once per token)."""
+    model, reference = await off_loop(tiny_bart), await off_loop(tiny_bart)
+    ids = inputs(batch=1, length=7)[0]
+    options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    expected = await off_loop(lambda: reference.generate(ids, **options))
+    encoder, decoder = list(model.model.encoder.layers), list(model.model.decoder.layers)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(
+            m, model, blocks=[*encoder, *decoder], prefetch=prefetch, keep_resident=False
+        )
+        assert streamed.ring
+        owner = {g.host_flat.data_ptr(): g.index for g in streamed.groups}  # type: ignore[union-attr]
+        copies: dict[int, int] = {}
+        copy_into = m.backend.copy_into
+
+        def counting(src: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            index = owner[src.data_ptr()]
+            copies[index] = copies.get(index, 0) + 1
+            return copy_into(src, *args, **kwargs)
+
+        m.backend.copy_into = counting  # type: ignore[method-assign]
+        with torch.no_grad():
+            got = await streamed.generate(ids, **options)
+        assert torch.equal(got, expected)
+        passes = 8
+        # once in the first pass, at most once more ahead of the first wrap
+        assert all(copies[index] <= 2 for index in range(len(encoder))), copies
+        # decoder blocks: at most once per pass, and once ahead of a pass that never came
+        assert all(copies[len(encoder) + i] <= passes + 1 for i in range(len(decoder))), copies
+        await streamed.aclose()
+
+
 async def test_a_position_table_the_forward_grows_keeps_streaming_with_a_warning() -> None:
     """M2M100 (NLLB) grows its sinusoidal position tables for an input longer than they are:
     a replacement of another shape, which the streamed module cannot keep. Every call still

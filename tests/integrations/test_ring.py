@@ -11,6 +11,7 @@ device passed the previous one takes its ring over instead of waiting."""
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 from typing import Any
 
@@ -504,3 +505,48 @@ async def test_two_modules_with_one_name_stream_through_rings_at_once() -> None:
             await streamed.drain()
             assert_nothing_left(m, streamed)
             await streamed.aclose()
+
+
+class _EncoderDecoder(nn.Module):
+    """Blocks 0-1 an "encoder" run once, blocks 2-4 a "decoder" run per step; ``generate``
+    runs the encoder, some decoder steps, and then (unlike a Hugging Face generate) the
+    whole model again, so the ring must give back the blocks its learned cycle left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+
+    def run(self, x: torch.Tensor, blocks: range) -> torch.Tensor:
+        for i in blocks:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, range(5))
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.run(x, range(2))
+        for _ in range(4):
+            h = self.run(h, range(2, 5))
+        h = self.run(h, range(5))  # the encoder again, after the ring left it out
+        return self.run(h, range(2, 5))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
+async def test_a_cyclic_ring_learns_a_pass_that_starts_later_and_gives_it_up_when_needed(
+    prefetch: int,
+) -> None:
+    model = _EncoderDecoder()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).generate(x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=prefetch, keep_resident=False)
+        assert streamed.ring
+        with torch.no_grad():
+            got = await streamed.generate(x)
+            again = await streamed.generate(x)
+        assert torch.equal(got, expected) and torch.equal(again, expected)
+        await streamed.drain()
+        await streamed.aclose()

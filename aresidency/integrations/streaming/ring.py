@@ -27,7 +27,9 @@ loop's work, not the link, sets the pace. The ring takes that work off the per-b
 Order: blocks run in call order; a block asked out of order (a model that skips or repeats a
 block) moves the ring there and copies from it on (copies already issued for blocks skipped
 are wasted link time, never wrong data: every slot is reused only after its last reader and
-its last copy, both ordered on the device). A cyclic call (``generate``) wraps around.
+its last copy, both ordered on the device). A cyclic call (``generate``) wraps around; one
+whose passes, after the first, start further on (an encoder-decoder's ``generate``: the encoder
+once, the decoder per token) wraps to where they start from then on (see ``RingCall._seek``).
 
 Used for a module whose weights are in pinned host memory (no staging, no checkpoint loads),
 on a backend with :meth:`~aresidency.backends.base.Backend.copy_into`; everything else goes
@@ -133,7 +135,8 @@ class RingCall:
     """One call's copies through a ring (see the module docstring).
 
     State: ``slots`` (``k``), ``stride`` (bytes per slot), ``buffers`` (one per slot),
-    ``sequence`` (the streamed group indexes in call order), ``issued`` and ``used`` (positions
+    ``sequence`` (the streamed group indexes in call order; a cyclic call's passes, once
+    learned, when they start further on: see :meth:`_seek`), ``issued`` and ``used`` (positions
     in the sequence, counting on past its end when cyclic: the next copy to enqueue, the next
     block expected), ``readers`` (slot -> event after its last reader, or ``None``),
     ``copied`` (slot -> the event of the copy into it), ``_content`` (slot -> the group its
@@ -168,6 +171,8 @@ class RingCall:
         # The streamed groups in call order, a group each time its block runs (a block listed
         # twice comes twice: see _content for the copy that saves).
         self.sequence = [index for index in streamed.order if index not in keep]
+        # The whole sequence, when a cyclic call's passes run only its end (see _seek).
+        self._whole = self.sequence
         self.slots = 0
         self.stride = 0
         self.charge = 0
@@ -330,6 +335,7 @@ class RingCall:
         """A block planned to stay that found no room: it streams through the ring."""
         self.keep.discard(group.index)
         self.sequence = [index for index in self.streamed.order if index not in self.keep]
+        self._whole = self.sequence
         self._index_sequence()
 
     def _index_sequence(self) -> None:
@@ -507,14 +513,33 @@ class RingCall:
     def _seek(self, index: int) -> int:
         """The position of the block asked for: the expected one in the common case; else the
         next time ``index`` comes (cyclic) or its place in the call order, and the ring
-        restarts copying there."""
+        restarts copying there.
+
+        A cyclic call whose pass, once wrapped around, starts further on than the call
+        order's first block runs only the blocks from there on in each pass: an
+        encoder-decoder's ``generate`` runs the encoder once and the decoder for every token.
+        The sequence becomes those blocks, so that the copies issued ahead at the end of a
+        pass are the next pass's first blocks, not the encoder's. A block left out that is
+        asked after all brings the whole sequence back."""
         p = self.used
         count = len(self.sequence)
         if count and self._group_at(p) == index and (self.cyclic or p < count):
             return p
-        places = self._places[index]
+        places = self._places.get(index)
+        if places is None:
+            self.sequence = self._whole
+            self._index_sequence()
+            count = len(self.sequence)
+            places = self._places[index]
         if self.cyclic:
-            p = p + min((where - p) % count for where in places)
+            ahead = min((where - p) % count for where in places)
+            if ahead and p >= count and p % count == 0:
+                self.sequence = self.sequence[ahead:]
+                self._index_sequence()
+                count = len(self.sequence)
+                p = -(-p // count) * count  # a position of the new first block
+            else:
+                p = p + ahead
         else:
             p = next((where for where in places if where >= p), places[-1])
         # Copies issued from here on were for other blocks: issue again from p.
