@@ -219,3 +219,32 @@ async def test_a_checkpoint_directory_of_pytorch_model_bin_is_refused_saying_to_
         ):
             stream_module(m, model, "cuda:0", checkpoint=tmp_path)
         assert not m.snapshot().values
+
+
+async def test_a_refused_stream_module_closes_the_checkpoint_it_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint opened from a path is the streamed module's: a refusal closes it (its
+    shards' descriptors and mappings), not the garbage collector some time later."""
+    from aresidency.runtime.checkpoints import Checkpoint
+
+    closed: list[Checkpoint] = []
+    close = Checkpoint.close
+
+    def recording(self: Checkpoint) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(Checkpoint, "close", recording)
+    model = _linears()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "3.bias"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(KeyError, match=r"3\.bias"):
+            stream_module(m, model, "cuda:0", checkpoint=tmp_path)
+        assert len(closed) == 1 and closed[0].path == tmp_path
+        with Checkpoint.open(tmp_path) as given:  # one given opened stays the caller's
+            with pytest.raises(KeyError, match=r"3\.bias"):
+                stream_module(m, model, "cuda:0", checkpoint=given)
+            assert len(closed) == 1
+            assert "0.weight" in given and given.read("0.weight").shape == (64, 64)
