@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import anyio
 import torch
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from torch import nn
@@ -327,8 +327,13 @@ def create_app(
         prompt = prompt_of(manager, spec, body.tokens, body.prompt_len)
         length = prompt.shape[1] + body.max_new_tokens + 1
         element = torch.empty((), dtype=request.app.state.dtype).element_size()
-        reserve = body.reserve
-        if reserve is None:
+        reserve: ByteSize | None = body.reserve
+        if reserve is not None:
+            try:  # a bad size is the client's mistake (422), not the server's (500)
+                reserve = parse_nbytes(reserve, "reserve")
+            except (TypeError, ValueError) as error:
+                raise HTTPException(422, str(error)) from None
+        else:
             reserve = spec.kv_bytes(length, element) + config.workspace_per_token * length
         timeout = body.timeout if body.timeout is not None else config.timeout
         started = time.perf_counter()
@@ -391,9 +396,12 @@ def create_app(
         return pool.stats()
 
     @app.get("/decisions")
-    async def decisions(request: Request, limit: int = 20) -> list[dict[str, Any]]:
+    async def decisions(
+        request: Request, limit: int = Query(20, ge=0, description="how many, latest last")
+    ) -> list[dict[str, Any]]:
         _, pool, _ = state(request)
-        return [d.summary() for d in list(pool.decisions)[-limit:]]
+        latest = list(pool.decisions)
+        return [d.summary() for d in latest[len(latest) - min(limit, len(latest)) :]]
 
     @app.exception_handler(ResidencyPlanError)
     async def never_fits(request: Request, error: ResidencyPlanError) -> JSONResponse:

@@ -277,3 +277,26 @@ async def test_freeze_gc_freezes_what_start_up_made_and_unfreezes_at_shutdown(
         assert not any(obj is module for obj in gc.get_objects())
         assert (await running.client.post("/embed/llama-a", json={"prompt_len": 4})).is_success
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_bad_reserve_or_limit_is_422_naming_it_and_admits_nothing(server: Served) -> None:
+    # A size the pool refuses is the client's mistake: 422 with the pool's sentence naming
+    # 'reserve', never a 500; nothing was asked of the pool.
+    for reserve in ["lots", "-5", -1]:
+        answer = await server.client.post("/generate/llama-a", json={"reserve": reserve})
+        assert answer.status_code == 422, (reserve, answer.text)
+        assert "reserve must be a byte count" in answer.json()["detail"]
+    assert server.pool.stats()["llama-a"]["requests"] == 0
+    ok = await server.client.post("/generate/llama-a", json={"reserve": "64KiB"})
+    assert ok.status_code == 200, ok.text
+    await server.client.post("/embed/llama-b", json={"prompt_len": 4})
+    # limit=0 is none of them (a slice [-0:] would be all), a negative limit is refused.
+    answer = await server.client.get("/decisions", params={"limit": 0})
+    assert answer.status_code == 200 and answer.json() == []
+    answer = await server.client.get("/decisions", params={"limit": 1})
+    assert [d["model"] for d in answer.json()] == ["llama-b"]
+    answer = await server.client.get("/decisions", params={"limit": 50})
+    assert [d["model"] for d in answer.json()] == ["llama-a", "llama-b"]
+    answer = await server.client.get("/decisions", params={"limit": -1})
+    assert answer.status_code == 422 and "limit" in answer.text
+    assert_nothing_leaked(server.manager, server.pool)
