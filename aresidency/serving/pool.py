@@ -578,6 +578,18 @@ class ModelPool:
             )
         if decision_log < 0:
             raise ValueError(f"decision_log must be >= 0, got {decision_log}")
+        # Checked here, not when the first request needs an eviction (an AttributeError deep
+        # in the search, for every request from then on).
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(
+                f"cost_model must be an aresidency.CostModel (transfer rates) or None, got "
+                f"{cost_model!r}"
+            )
+        if fallback_graph is not None and not isinstance(fallback_graph, FallbackGraph):
+            raise TypeError(
+                f"fallback_graph must be an aresidency.FallbackGraph or None, got "
+                f"{fallback_graph!r}; build one with FallbackGraph(...) or FallbackGraph.default()"
+            )
         self.demand = DemandTracker(demand_half_life, clock=clock)
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()
