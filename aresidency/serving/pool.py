@@ -670,6 +670,14 @@ class ModelPool:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a model needs a non-empty str name, got {name!r}")
         if name in self._entries:
+            if self._entries[name].removing is not None:
+                # A hot swap (remove the old version, add the new one under its name): the
+                # name is free only once the removal returned.
+                raise ValueError(
+                    f"the model named {name!r} is being removed from the pool (its requests "
+                    "are still served): the name is free once 'await pool.remove(...)' "
+                    "returned; add the new version after it, or under another name"
+                )
             raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
         if isinstance(module, nn.Module):
             mine = {id(sub) for sub in module.modules()}
