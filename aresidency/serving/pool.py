@@ -1570,9 +1570,10 @@ class ModelPool:
             if entry.in_flight > entry.leaving or entry.busy or entry.removing is not None:
                 continue
             releasing = set(entry.streamed.releasing)
+            given = 0  # of this model's bytes (counted in its evictions, as a decision's are)
             for group in entry.groups:
                 if freed >= nbytes:
-                    return freed
+                    break
                 handle = group.handle
                 value = None if handle is None else state.find_value(handle)
                 if handle is None or value is None or group.index in releasing:
@@ -1587,6 +1588,12 @@ class ModelPool:
                 except ResidencyError:
                     continue
                 freed += mat.charged_bytes
+                given += mat.charged_bytes
+            if given:
+                entry.stats.evictions += 1
+                entry.stats.evicted_bytes += given
+            if freed >= nbytes:
+                break
         if freed:
             logger.info("pool: gave back %s of idle models at %s", format_nbytes(freed), location)
         return freed
