@@ -234,6 +234,18 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]])
     return result
 
 
+class ShuttingDown(Exception):
+    """The pool is closing (the server shuts down): the request is refused with 503."""
+
+
+def check_open(pool: ModelPool) -> None:
+    """Raise :class:`ShuttingDown` once the pool began closing. Called right before
+    ``pool.use`` with no await in between, so that no request is refused with the pool's
+    ``RuntimeError`` (a 500) while the server shuts down."""
+    if pool.closed:
+        raise ShuttingDown("the server is shutting down: it admits no new request")
+
+
 # ---------------------------------------------------------------------------- the app
 
 
@@ -339,6 +351,7 @@ def create_app(
         started = time.perf_counter()
 
         async def work() -> dict[str, Any]:
+            check_open(pool)
             async with pool.use(name, reserve=reserve, timeout=timeout) as model:
                 admitted = time.perf_counter()
                 # No grad-mode context around awaits (it would leak into other requests'
@@ -371,6 +384,7 @@ def create_app(
         )
 
         async def work() -> dict[str, Any]:
+            check_open(pool)
             async with pool.use(name, reserve=reserve, timeout=config.timeout) as model:
                 out = await model(prompt, output_hidden_states=True, use_cache=False)
                 vector = await to_host(manager, out.hidden_states[-1].float().mean(dim=1))
@@ -411,6 +425,11 @@ def create_app(
     @app.exception_handler(TimeoutError)
     async def not_admitted(request: Request, error: TimeoutError) -> JSONResponse:
         return JSONResponse({"error": str(error)}, status_code=503)
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(request: Request, error: ShuttingDown) -> JSONResponse:
+        # 503 with Retry-After: a load balancer sends the request to another replica.
+        return JSONResponse({"error": str(error)}, status_code=503, headers={"Retry-After": "1"})
 
     return app
 

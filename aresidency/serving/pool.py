@@ -2022,6 +2022,12 @@ class ModelPool:
         return out
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` began: from then on the pool admits no new request
+        (``use`` raises ``RuntimeError``; a server answers 503 while it shuts down)."""
+        return self._closed
+
+    @property
     def waiting(self) -> int:
         """Requests that arrived and are not admitted yet."""
         return self._requests - self._admitted
