@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import anyio
 import torch
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from torch import nn
@@ -234,6 +234,18 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]])
     return result
 
 
+class ShuttingDown(Exception):
+    """The pool is closing (the server shuts down): the request is refused with 503."""
+
+
+def check_open(pool: ModelPool) -> None:
+    """Raise :class:`ShuttingDown` once the pool began closing. Called right before
+    ``pool.use`` with no await in between, so that no request is refused with the pool's
+    ``RuntimeError`` (a 500) while the server shuts down."""
+    if pool.closed:
+        raise ShuttingDown("the server is shutting down: it admits no new request")
+
+
 # ---------------------------------------------------------------------------- the app
 
 
@@ -327,13 +339,19 @@ def create_app(
         prompt = prompt_of(manager, spec, body.tokens, body.prompt_len)
         length = prompt.shape[1] + body.max_new_tokens + 1
         element = torch.empty((), dtype=request.app.state.dtype).element_size()
-        reserve = body.reserve
-        if reserve is None:
+        reserve: ByteSize | None = body.reserve
+        if reserve is not None:
+            try:  # a bad size is the client's mistake (422), not the server's (500)
+                reserve = parse_nbytes(reserve, "reserve")
+            except (TypeError, ValueError) as error:
+                raise HTTPException(422, str(error)) from None
+        else:
             reserve = spec.kv_bytes(length, element) + config.workspace_per_token * length
         timeout = body.timeout if body.timeout is not None else config.timeout
         started = time.perf_counter()
 
         async def work() -> dict[str, Any]:
+            check_open(pool)
             async with pool.use(name, reserve=reserve, timeout=timeout) as model:
                 admitted = time.perf_counter()
                 # No grad-mode context around awaits (it would leak into other requests'
@@ -366,6 +384,7 @@ def create_app(
         )
 
         async def work() -> dict[str, Any]:
+            check_open(pool)
             async with pool.use(name, reserve=reserve, timeout=config.timeout) as model:
                 out = await model(prompt, output_hidden_states=True, use_cache=False)
                 vector = await to_host(manager, out.hidden_states[-1].float().mean(dim=1))
@@ -391,9 +410,12 @@ def create_app(
         return pool.stats()
 
     @app.get("/decisions")
-    async def decisions(request: Request, limit: int = 20) -> list[dict[str, Any]]:
+    async def decisions(
+        request: Request, limit: int = Query(20, ge=0, description="how many, latest last")
+    ) -> list[dict[str, Any]]:
         _, pool, _ = state(request)
-        return [d.summary() for d in list(pool.decisions)[-limit:]]
+        latest = list(pool.decisions)
+        return [d.summary() for d in latest[len(latest) - min(limit, len(latest)) :]]
 
     @app.exception_handler(ResidencyPlanError)
     async def never_fits(request: Request, error: ResidencyPlanError) -> JSONResponse:
@@ -403,6 +425,11 @@ def create_app(
     @app.exception_handler(TimeoutError)
     async def not_admitted(request: Request, error: TimeoutError) -> JSONResponse:
         return JSONResponse({"error": str(error)}, status_code=503)
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(request: Request, error: ShuttingDown) -> JSONResponse:
+        # 503 with Retry-After: a load balancer sends the request to another replica.
+        return JSONResponse({"error": str(error)}, status_code=503, headers={"Retry-After": "1"})
 
     return app
 

@@ -289,7 +289,8 @@ class PooledStreamedModule(StreamedModule):
 class ModelStats:
     """Counters of one model (``ModelPool.stats()``): ``requests`` (asked), ``hits`` (admitted
     with every group already on the device), ``loads`` (admissions that copied groups in),
-    ``evictions`` (decisions that took groups of it off the device) and ``evicted_bytes``,
+    ``evictions`` (times the pool took groups of it off the device: its decisions, and room
+    given back to another tenant, ``manager.reclaim``) and ``evicted_bytes``,
     ``bytes_copied`` (host to device: admission loads and what streamed calls copied),
     ``wait_seconds`` (time from arrival to admission, summed), ``failures`` (requests that
     raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),

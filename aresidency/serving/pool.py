@@ -595,6 +595,18 @@ class ModelPool:
             )
         if decision_log < 0:
             raise ValueError(f"decision_log must be >= 0, got {decision_log}")
+        # Checked here, not when the first request needs an eviction (an AttributeError deep
+        # in the search, for every request from then on).
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(
+                f"cost_model must be an aresidency.CostModel (transfer rates) or None, got "
+                f"{cost_model!r}"
+            )
+        if fallback_graph is not None and not isinstance(fallback_graph, FallbackGraph):
+            raise TypeError(
+                f"fallback_graph must be an aresidency.FallbackGraph or None, got "
+                f"{fallback_graph!r}; build one with FallbackGraph(...) or FallbackGraph.default()"
+            )
         self.demand = DemandTracker(demand_half_life, clock=clock)
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()
@@ -675,6 +687,14 @@ class ModelPool:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a model needs a non-empty str name, got {name!r}")
         if name in self._entries:
+            if self._entries[name].removing is not None:
+                # A hot swap (remove the old version, add the new one under its name): the
+                # name is free only once the removal returned.
+                raise ValueError(
+                    f"the model named {name!r} is being removed from the pool (its requests "
+                    "are still served): the name is free once 'await pool.remove(...)' "
+                    "returned; add the new version after it, or under another name"
+                )
             raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
         if isinstance(module, nn.Module):
             mine = {id(sub) for sub in module.modules()}
@@ -1572,9 +1592,10 @@ class ModelPool:
             if entry.in_flight > entry.leaving or entry.busy or entry.removing is not None:
                 continue
             releasing = set(entry.streamed.releasing)
+            given = 0  # of this model's bytes (counted in its evictions, as a decision's are)
             for group in entry.groups:
                 if freed >= nbytes:
-                    return freed
+                    break
                 handle = group.handle
                 value = None if handle is None else state.find_value(handle)
                 if handle is None or value is None or group.index in releasing:
@@ -1589,6 +1610,12 @@ class ModelPool:
                 except ResidencyError:
                     continue
                 freed += mat.charged_bytes
+                given += mat.charged_bytes
+            if given:
+                entry.stats.evictions += 1
+                entry.stats.evicted_bytes += given
+            if freed >= nbytes:
+                break
         if freed:
             logger.info("pool: gave back %s of idle models at %s", format_nbytes(freed), location)
         return freed
@@ -2015,6 +2042,12 @@ class ModelPool:
             row["active"] = sum(entry.active.values())
             out[name] = row
         return out
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` began: from then on the pool admits no new request
+        (``use`` raises ``RuntimeError``; a server answers 503 while it shuts down)."""
+        return self._closed
 
     @property
     def waiting(self) -> int:

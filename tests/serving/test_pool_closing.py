@@ -156,3 +156,33 @@ async def test_a_decision_log_that_is_not_a_count_is_refused_by_name(decision_lo
             ModelPool(m, decision_log=decision_log)
         with pytest.raises(ValueError, match="decision_log must be >= 0"):
             ModelPool(m, decision_log=-1)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("fallback_graph", {"cuda:0": ["pinned-host"]}),
+        ("fallback_graph", "pinned-host"),
+        ("cost_model", {"bandwidths": ()}),
+        ("cost_model", 3),
+    ],
+)
+async def test_a_cost_model_or_fallback_graph_of_the_wrong_type_is_refused_by_name(
+    keyword: str, value: Any
+) -> None:
+    # Accepted, a dict for the fallback graph failed every request that needed an eviction
+    # with an AttributeError deep in the search (and a bad cost model an AttributeError at
+    # construction that named neither). Refused at once now, naming the keyword; the pool
+    # made after it serves and evicts as usual.
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + TOTAL // 2}, backend="sim") as m:
+        with pytest.raises(TypeError, match=f"{keyword} must be an aresidency"):
+            ModelPool(m, **{keyword: value})
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        for name in ["a", "b", "a"]:
+            async with pool.use(name) as model:
+                await model(TOKENS)
+        assert pool.stats()["a"]["evictions"] >= 1
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

@@ -208,3 +208,31 @@ async def test_a_waiting_scope_gets_room_an_idle_model_caches_before_the_holder_
             assert at_device(m, "a") < TOTAL  # given back for it
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_room_given_back_counts_in_the_models_evictions() -> None:
+    # The stats must add up with what happened: a model whose groups the pool gave back to
+    # another tenant (manager.reclaim) is copied in again at its next request (a load), so
+    # its evictions and evicted_bytes count what left, as for a decision's eviction; before,
+    # they stayed at 0 and the load seemed to come from nowhere.
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        pool.add("b", TinyLM(seed=2))
+        with anyio.fail_after(10):
+            for name in ("b", "a", "a"):  # 'b' is the colder one
+                async with pool.use(name) as model:
+                    await model(TOKENS)
+            given = m.reclaim("cuda:0", 4096)
+            assert 4096 <= given < TOTAL
+            while at_device(m, "b") != TOTAL - given:  # (the releases began; they commit)
+                await m.wait_for_change()
+            stats = pool.stats()
+            assert (stats["b"]["evictions"], stats["b"]["evicted_bytes"]) == (1, given)
+            assert (stats["a"]["evictions"], stats["a"]["evicted_bytes"]) == (0, 0)
+            async with pool.use("b") as model:
+                await model(TOKENS)
+            stats = pool.stats()
+            assert stats["b"]["loads"] == 2 and stats["b"]["bytes_copied"] == TOTAL + given
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

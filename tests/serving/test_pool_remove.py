@@ -343,3 +343,38 @@ async def test_a_removal_cancelled_natively_while_it_closes_the_model_still_comp
         assert all(m.state.find_value(h) is None for h in handles)
         pool.add("a", TinyLM(seed=3))  # the name is free
         await pool.aclose()
+
+
+async def test_adding_a_new_version_while_the_old_one_is_being_removed_says_to_wait() -> None:
+    # A hot swap started as a task: the old version still serves its request, so its name is
+    # taken. The refusal says it is being removed and when the name is free (it said "pick
+    # another name", as for a model that stays); nothing is registered; after the removal
+    # returned, the new version goes in under the name.
+    async with ResidencyManager(budgets={"cuda:0": 3 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        new = TinyLM(seed=2)
+        inside, go_on = anyio.Event(), anyio.Event()
+
+        async def request() -> None:
+            async with pool.use("a") as model:
+                inside.set()
+                await go_on.wait()
+                await model(TOKENS)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request)
+                await inside.wait()
+                tasks.start_soon(pool.remove, "a")
+                await anyio.wait_all_tasks_blocked()
+                before = len(list(m.state.values()))
+                with pytest.raises(ValueError, match=r"'a' is being removed.*once 'await pool"):
+                    pool.add("a", new)
+                assert len(list(m.state.values())) == before and pool.models == ["a"]
+                go_on.set()
+            pool.add("a", new)
+            async with pool.use("a") as model:
+                assert torch.equal(await model(TOKENS), reference(new, TOKENS))
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

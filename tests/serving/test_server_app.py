@@ -277,3 +277,62 @@ async def test_freeze_gc_freezes_what_start_up_made_and_unfreezes_at_shutdown(
         assert not any(obj is module for obj in gc.get_objects())
         assert (await running.client.post("/embed/llama-a", json={"prompt_len": 4})).is_success
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_bad_reserve_or_limit_is_422_naming_it_and_admits_nothing(server: Served) -> None:
+    # A size the pool refuses is the client's mistake: 422 with the pool's sentence naming
+    # 'reserve', never a 500; nothing was asked of the pool.
+    for reserve in ["lots", "-5", -1]:
+        answer = await server.client.post("/generate/llama-a", json={"reserve": reserve})
+        assert answer.status_code == 422, (reserve, answer.text)
+        assert "reserve must be a byte count" in answer.json()["detail"]
+    assert server.pool.stats()["llama-a"]["requests"] == 0
+    ok = await server.client.post("/generate/llama-a", json={"reserve": "64KiB"})
+    assert ok.status_code == 200, ok.text
+    await server.client.post("/embed/llama-b", json={"prompt_len": 4})
+    # limit=0 is none of them (a slice [-0:] would be all), a negative limit is refused.
+    answer = await server.client.get("/decisions", params={"limit": 0})
+    assert answer.status_code == 200 and answer.json() == []
+    answer = await server.client.get("/decisions", params={"limit": 1})
+    assert [d["model"] for d in answer.json()] == ["llama-b"]
+    answer = await server.client.get("/decisions", params={"limit": 50})
+    assert [d["model"] for d in answer.json()] == ["llama-a", "llama-b"]
+    answer = await server.client.get("/decisions", params={"limit": -1})
+    assert answer.status_code == 422 and "limit" in answer.text
+    assert_nothing_leaked(server.manager, server.pool)
+
+
+async def test_a_request_that_arrives_while_the_server_shuts_down_is_503_not_500() -> None:
+    # The lifespan's shutdown closes the pool and waits for the request in flight; a request
+    # that arrives meanwhile was refused by pool.use with a RuntimeError: a 500 (raised out
+    # of the app). It is a 503 with Retry-After now, and the one in flight is served.
+    backend = SimBackend(copy_gbps=0.05)
+    app = make_app(backend)
+    answers: list[Any] = []
+    async with anyio.create_task_group() as tasks, served(app) as running:
+        pool = running.pool
+
+        async def ask() -> None:
+            answers.append(
+                await running.client.post(
+                    "/generate/llama-wide", json={"prompt_len": 8, "max_new_tokens": 20}
+                )
+            )
+
+        tasks.start_soon(ask)
+        await eventually(lambda: pool.admitted == 1)
+        assert not pool.closed
+
+        async def late() -> None:
+            await eventually(lambda: pool.closed)  # the shutdown began
+            for path in ("/generate/llama-a", "/embed/llama-b"):
+                answers.append(await running.client.post(path, json={"prompt_len": 4}))
+            backend.copy_gbps = None  # then let the request in flight finish
+
+        tasks.start_soon(late)
+        # Leaving the lifespan closes the pool: it waits for the request in flight.
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [200, 503, 503]
+    refused = [a for a in answers if a.status_code == 503]
+    assert all("shutting down" in a.json()["error"] for a in refused)
+    assert all(a.headers["retry-after"] == "1" for a in refused)
