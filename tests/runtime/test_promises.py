@@ -6,6 +6,8 @@ poison)."""
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -16,6 +18,7 @@ from _holders import held_by_another_task
 
 from aresidency import (
     CallableSource,
+    Location,
     Materialize,
     MemoryReservation,
     Move,
@@ -601,14 +604,59 @@ async def test_bad_calls_get_designed_errors_and_change_nothing() -> None:
         ResidencyManager(budgets="cuda:0")  # type: ignore[arg-type]
 
 
-async def test_a_source_that_returns_the_wrong_tensor_fails_the_load_and_leaks_nothing() -> None:
+class _PlainSource:
+    """A source that is only the protocol (not a CallableSource): the runtime checks it too."""
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        self.shape = (16,)
+        self.dtype = torch.float32
+        self.source_location = Location("pageable-host")
+        self._load = load
+
+    def load(self) -> object:
+        return self._load()
+
+
+@pytest.mark.parametrize("kind", ["callable", "plain"])
+@pytest.mark.parametrize(
+    ("load", "error", "returned"),
+    [
+        (lambda: torch.zeros(8), ValueError, r"shape \(8,\) and dtype torch.float32"),
+        (lambda: torch.zeros(16, dtype=torch.int64), ValueError, "dtype torch.int64"),
+        (lambda: [0.0] * 16, TypeError, r"returned list \[0.0"),
+        (lambda: None, TypeError, "returned NoneType None"),
+    ],
+    ids=["shape", "dtype", "list", "none"],
+)
+async def test_a_source_that_returns_the_wrong_tensor_names_the_value_and_leaks_nothing(
+    kind: str, load: Callable[[], object], error: type[Exception], returned: str
+) -> None:
+    """The error names the value (its name and handle), what was expected and what came
+    back, whatever kind of source it is; nothing is left charged."""
     async with ResidencyManager(backend="sim") as m:
-        source = CallableSource(lambda: torch.zeros(8), shape=(16,), dtype=torch.float32)
-        h = m.register_source(source, name="s")
-        with pytest.raises(ValueError, match="declared"):
+        source: object = (
+            CallableSource(load, shape=(16,), dtype=torch.float32)  # type: ignore[arg-type]
+            if kind == "callable"
+            else _PlainSource(load)
+        )
+        h = m.register_source(source, name="weights.7")  # type: ignore[arg-type]
+        with pytest.raises(error) as info:
             await m.materialize(h, "cuda:0")
+        message = str(info.value)
+        assert str(h) in message and "weights.7" in message and f"#{h.value_id}" in message
+        assert "expected a tensor of shape (16,) and dtype torch.float32" in message
+        assert re.search(returned, message), message
         assert m.snapshot().value(h).locations == ()
+        assert all(r.charged_bytes == 0 for r in m.snapshot().locations.values())
         quiet(m)
+
+
+def test_a_callable_source_loaded_directly_names_itself() -> None:
+    source = CallableSource(lambda: torch.zeros(8), shape=(16,), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"loading <CallableSource \(16,\).*shape \(8,\)"):
+        source.load()
+    good = CallableSource(lambda: torch.ones(()), shape=(), dtype=torch.float32)
+    assert good.load().item() == 1.0
 
 
 # ---------------------------------------------------------------- checkpoints
