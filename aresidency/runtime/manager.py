@@ -60,6 +60,7 @@ from ..core.values import (
     Materialization,
     ReplicaMode,
     ValueHandle,
+    check_value_name,
     value_charge,
 )
 from ..progress import progress_if_large
@@ -579,6 +580,8 @@ class ResidencyManager:
         a budgeted ``location`` that a waiting scope needs first (it cannot wait its turn)."""
         rt = self._running()
         _check_tensor(tensor)
+        if name is not None:
+            check_value_name(name)  # before anything is copied or checked against a budget
         if charge_bytes is not None:
             charge_bytes = parse_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
         owner = rt.payloads.owner_of(tensor)
@@ -627,6 +630,8 @@ class ResidencyManager:
         ``shape``, ``dtype`` and a host ``source_location``; what ``load`` returns is checked
         against them."""
         rt = self._running()
+        if name is not None:
+            check_value_name(name)
         for attribute in ("shape", "dtype", "source_location", "load"):
             if not hasattr(source, attribute):
                 raise TypeError(f"a source needs {attribute!r}; {source!r} has none")

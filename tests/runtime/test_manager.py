@@ -3,6 +3,7 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 
 from __future__ import annotations
 
+import re
 import threading
 
 import anyio
@@ -451,3 +452,37 @@ async def test_snapshot_async_refuses_a_bad_slice() -> None:
     async with ResidencyManager(backend="sim") as m:
         with pytest.raises(ValueError, match="slice_seconds"):
             await m.snapshot_async(slice_seconds=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["", " ", "\t\n "], ids=["empty", "space", "whitespace"])
+@pytest.mark.parametrize("how", ["register", "register_at", "register_source"])
+async def test_a_blank_value_name_is_refused_and_registers_nothing(name: str, how: str) -> None:
+    """A value is named in errors, snapshots and traces: a blank name is refused, as a
+    MemoryReservation's is, before anything is copied or charged; None still derives one."""
+    async with ResidencyManager(backend="sim", budgets={"pinned-host": 1 * MiB}) as m:
+        before = m.snapshot()
+        source = CallableSource(lambda: torch.zeros(16), shape=(16,), dtype=torch.float32)
+        with pytest.raises(ValueError, match="non-blank name .*got " + re.escape(repr(name))):
+            if how == "register":
+                m.register(torch.zeros(16), name=name)
+            elif how == "register_at":
+                m.register(torch.zeros(16), name=name, location="pinned-host")
+            else:
+                m.register_source(source, name=name)
+        assert m.snapshot() == before
+        with pytest.raises(TypeError, match="name must be a str"):
+            m.register(torch.zeros(16), name=7)  # type: ignore[arg-type]
+        assert m.snapshot() == before
+        derived = [m.register(torch.zeros(16)), m.register_source(source)]
+        assert all(h.name.strip() for h in derived)
+        assert m.register(torch.zeros(16), name=" w ").name == " w "  # kept as given
+
+
+def test_a_blank_reservation_or_request_name_is_refused_like_a_value_name() -> None:
+    from aresidency import MemoryReservation, ResidencyRequest
+
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="non-blank str name"):
+            MemoryReservation(name, "cuda:0", 1024)
+        with pytest.raises(ValueError, match="non-blank str name"):
+            ResidencyRequest(name)
