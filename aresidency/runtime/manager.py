@@ -144,6 +144,17 @@ def tensor_problem(tensor: torch.Tensor) -> tuple[type[Exception], str, str] | N
     return None
 
 
+def _on_loop_thread(rt: Runtime, remove: Callable[[], None]) -> Callable[[], None]:
+    """``remove``, refused with a ``RuntimeError`` (nothing removed) unless called on the
+    manager's loop thread: the lists it changes are the loop's."""
+
+    def remove_on_loop_thread() -> None:
+        rt.check_loop_thread()
+        remove()
+
+    return remove_on_loop_thread
+
+
 def _check_tensor(tensor: Any) -> torch.Tensor:
     """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`)."""
     if not isinstance(tensor, torch.Tensor):
@@ -250,6 +261,7 @@ class ResidencyManager:
         rt = self._rt
         if rt is None or self._status != "running":
             return False
+        rt.check_loop_thread()
         loc = Location.parse(location)
         return loc in rt.admission.short_of() or self._wanting.get(loc, 0) > 0
 
@@ -258,7 +270,8 @@ class ResidencyManager:
         streamed call waiting for a block's room): until the returned function is called,
         :meth:`waiting_for_room` says so, so that tenants that could take that room first
         hold back and give back what they can (a loader's free buffers), as they do for a
-        waiting scope. Notifies the change listeners at once. Loop thread."""
+        waiting scope. Notifies the change listeners at once. Loop thread, and so is the
+        returned function."""
         rt = self._running()
         loc = Location.parse(location)
         self._wanting[loc] = self._wanting.get(loc, 0) + 1
@@ -266,6 +279,7 @@ class ResidencyManager:
 
         def release() -> None:
             nonlocal done
+            rt.check_loop_thread()  # it notifies the listeners: never from another thread
             if done:
                 return
             done = True
@@ -408,8 +422,10 @@ class ResidencyManager:
     def add_change_listener(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` on the loop after every batch of committed transitions, until
         the returned function is called. For state machines that advance without a task of
-        their own (a prefetch pipeline); the callback must not raise and must not await."""
-        return self._running().signal.add_listener(callback)
+        their own (a prefetch pipeline); the callback must not raise and must not await. Loop
+        thread, and so is the returned function (it works after the manager closed too)."""
+        rt = self._running()
+        return _on_loop_thread(rt, rt.signal.add_listener(callback))
 
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
         """Offer what a tenant caches and could give back (a model pool's idle models on the
@@ -417,17 +433,23 @@ class ResidencyManager:
         begins releasing up to about ``nbytes`` at ``location`` of what nothing protects and
         another copy keeps (``release_nowait``) and returns the bytes it began releasing.
         Called by :meth:`reclaim`, and by a scope's admission before it refuses a plan that
-        only resident values nobody protects keep out. Loop thread; it must not raise or
+        only resident values nobody protects keep out. Loop thread, and so is the returned
+        function (it works after the manager closed too); ``reclaimer`` must not raise or
         await."""
-        return self._running().admission.add_reclaimer(reclaimer)
+        rt = self._running()
+        return _on_loop_thread(rt, rt.admission.add_reclaimer(reclaimer))
 
     def reclaimable_changed(self) -> None:
         """Tell the tenants waiting for room that a reclaimer (:meth:`add_reclaimer`) may
         give back more than when they last asked, with no transition to say so (a model
         pool's idle model that a request no longer waits for): they look again, soon, on the
-        loop. Loop thread; never waits."""
+        loop. Loop thread (a ``RuntimeError`` from another); never waits; does nothing once
+        the manager closes."""
         rt = self._rt
-        if rt is not None and self._status == "running" and rt.admission.has_room_waits:
+        if rt is None:
+            return
+        rt.check_loop_thread()  # before reading the state: another thread must not touch it
+        if self._status == "running" and rt.admission.has_room_waits:
             rt.signal.notify()
 
     def reclaim(self, location: LocationLike, nbytes: int) -> int:

@@ -364,6 +364,59 @@ async def test_ending_a_hold_or_lease_from_another_thread_fails_clearly_and_chan
         assert record is not None and (record.use_count, record.hold_count) == (0, 0)
 
 
+async def test_tenant_hooks_from_another_thread_fail_clearly_and_change_nothing() -> None:
+    """reclaimable_changed() and the functions that remove a change listener or a reclaimer
+    change lists the loop owns: from another thread they are refused, like every other call,
+    and the listener and the reclaimer stay; on the loop they work, after close too."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        heard: list[int] = []
+        asked: list[tuple[Location, int]] = []
+
+        def reclaimer(location: Location, nbytes: int) -> int:
+            asked.append((location, nbytes))
+            return 0
+
+        remove_listener = m.add_change_listener(lambda: heard.append(threading.get_ident()))
+        remove_reclaimer = m.add_reclaimer(reclaimer)
+        stop_wanting = m.want_room("cuda:0")
+        heard.clear()
+        before = m.snapshot()
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            calls = (
+                remove_listener,
+                remove_reclaimer,
+                m.reclaimable_changed,
+                stop_wanting,
+                lambda: m.waiting_for_room("cuda:0"),
+            )
+            for call in calls:
+                try:
+                    call()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError] * 5
+        assert all("event loop" in str(e) for e in errors)
+        assert m.snapshot() == before and heard == [] and m.waiting_for_room("cuda:0")
+        stop_wanting()
+        assert not m.waiting_for_room("cuda:0")
+        await m.move(h, "pinned-host")  # the listener still hears, on the loop's thread
+        assert heard and set(heard) == {threading.get_ident()}
+        m.reclaim("cuda:0", 1024)  # the reclaimer is still asked
+        assert asked == [(Location.parse("cuda:0"), 1024)]
+        m.reclaimable_changed()
+        remove_reclaimer()
+    remove_listener()  # on the loop's thread, after close: fine
+    remove_reclaimer()
+    m.reclaimable_changed()
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
