@@ -126,6 +126,18 @@ def tensor_problem(tensor: torch.Tensor) -> tuple[type[Exception], str, str] | N
         )
     if tensor.is_meta:
         return ValueError, "a tensor on the meta device", "it has no data to copy"
+    if type(tensor) is not torch.Tensor and not _has_memory(tensor):
+        # A wrapper subclass (``torch.Tensor._make_wrapper_subclass``: DTensor, quantized
+        # weight subclasses) computes through ``__torch_dispatch__`` and has no storage of its
+        # own; torch's own error at the first copy names no value ("invalid python storage").
+        return (
+            TypeError,
+            f"a {type(tensor).__name__}, a tensor subclass with no memory of its own (a "
+            "wrapper that computes through __torch_dispatch__, as DTensor or a quantized "
+            "weight subclass does)",
+            "hand out the plain tensors it wraps (a DTensor's full_tensor() or "
+            "to_local(), a quantized tensor's dequantize())",
+        )
     # A lazily conjugated or negated view (``x.conj()`` of a complex tensor, what some ops
     # return) cannot be copied into a new buffer as it is (torch refuses the copy), so it
     # could never move: refused up front rather than at its first transfer.
@@ -144,6 +156,16 @@ def tensor_problem(tensor: torch.Tensor) -> tuple[type[Exception], str, str] | N
     return None
 
 
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether a tensor subclass has memory of its own to copy (a wrapper subclass made with
+    ``_make_wrapper_subclass`` has none: torch refuses its data pointer)."""
+    try:
+        tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _on_loop_thread(rt: Runtime, remove: Callable[[], None]) -> Callable[[], None]:
     """``remove``, refused with a ``RuntimeError`` (nothing removed) unless called on the
     manager's loop thread: the lists it changes are the loop's."""
@@ -155,14 +177,18 @@ def _on_loop_thread(rt: Runtime, remove: Callable[[], None]) -> Callable[[], Non
     return remove_on_loop_thread
 
 
-def _check_tensor(tensor: Any) -> torch.Tensor:
-    """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`)."""
+def _check_tensor(tensor: Any, name: str | None) -> torch.Tensor:
+    """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`);
+    the error names the value (``name``, when given)."""
+    value = "a value" if name is None else f"value {name!r}"
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"register takes a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(
+            f"cannot register {value}: register takes a torch.Tensor, got {type(tensor).__name__}"
+        )
     problem = tensor_problem(tensor)
     if problem is not None:
         kind, what, instead = problem
-        raise kind(f"register cannot take {what}: {instead}")
+        raise kind(f"cannot register {value}: it is {what}; {instead}")
     return tensor
 
 
@@ -601,7 +627,7 @@ class ResidencyManager:
         must not share memory. Refused with ``ResidencyBudgetError`` when it would take room at
         a budgeted ``location`` that a waiting scope needs first (it cannot wait its turn)."""
         rt = self._running()
-        _check_tensor(tensor)
+        _check_tensor(tensor, name)
         if name is not None:
             check_value_name(name)  # before anything is copied or checked against a budget
         if charge_bytes is not None:

@@ -284,6 +284,28 @@ async def test_a_source_must_load_into_host_memory() -> None:
         assert m.snapshot() == before
 
 
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor is): no storage of its own, it computes through
+    ``__torch_dispatch__`` on the tensor it wraps."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        made = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, inner.shape, dtype=inner.dtype, device=inner.device
+        )
+        made.inner = inner
+        return made  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(x: Any) -> Any:
+            return x.inner if isinstance(x, _Wrapper) else x
+
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -293,17 +315,36 @@ async def test_a_source_must_load_into_host_memory() -> None:
         lambda: torch.empty(8, device="meta"),
         lambda: torch.randn(4, dtype=torch.complex64).conj(),
         lambda: torch.randn(4, dtype=torch.complex64).conj().imag,
+        lambda: _Wrapper(torch.zeros(8)),
     ],
-    ids=["quantized", "nested", "sparse", "meta", "conj view", "negative view"],
+    ids=["quantized", "nested", "sparse", "meta", "conj view", "negative view", "wrapper"],
 )
 async def test_tensors_that_cannot_be_copied_whole_are_refused(make: Any) -> None:
     async with ResidencyManager(backend="sim") as m:
         before = m.snapshot()
-        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
+        with pytest.raises((TypeError, ValueError), match=r"cannot register a value: it is a"):
             m.register(make())
-        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
-            m.register(make(), location="cuda:0")
+        with pytest.raises((TypeError, ValueError), match=r"cannot register value 'w': it is"):
+            m.register(make(), name="w", location="cuda:0")
         assert m.snapshot() == before
+
+
+async def test_a_wrapper_subclass_is_refused_naming_the_value_and_what_to_register() -> None:
+    """A tensor subclass made with _make_wrapper_subclass (as DTensor is) has no memory of its
+    own: register used to fail inside torch ("invalid python storage"), naming nothing. It is
+    refused up front, as the loader refuses it in a batch; a subclass with memory of its own
+    (a Parameter) is still taken."""
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises(TypeError) as info:
+            m.register(_Wrapper(torch.zeros(8)), name="shard.0")
+        message = str(info.value)
+        assert "value 'shard.0'" in message and "_Wrapper" in message
+        assert "no memory of its own" in message and "to_local()" in message
+        assert m.snapshot() == before
+        h = m.register(torch.nn.Parameter(torch.ones(8)), name="p")
+        await m.materialize(h, "cuda:0")
+        assert m.snapshot().value(h).locations == (Location.parse("cuda:0"),)
 
 
 # ---------------------------------------------------------------- hangs
