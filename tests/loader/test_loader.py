@@ -31,6 +31,8 @@ from aresidency import (
 )
 from aresidency.backends import is_poisoned
 from aresidency.backends.sim import SimBackend
+from aresidency.core.errors import format_bytes
+from aresidency.core.locations import Location
 from aresidency.loader import DeviceBatch, DeviceLoader, LoaderStats
 
 from ._support import (
@@ -490,6 +492,15 @@ async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic(
         error = info.value
         assert error.requested_bytes == 16 * KiB and error.budget_bytes == 8 * KiB
         assert "batch 2" in str(error) and "could never be copied" in str(error)
+        # Freeing room cannot help (even an empty device would not hold it): the message says
+        # what would, and the fields stay the arithmetic.
+        assert "free " not in str(error) and "release or move" not in str(error)
+        assert (
+            "; it can never fit under this budget, even with nothing else charged at cuda:0: "
+            f"raise the budget to at least {format_bytes(16 * KiB)}, or make the "
+        ) in str(error)
+        assert str(error).endswith(", a smaller batch size)")
+        assert error.location == Location.parse("cuda:0") and error.handle is None
         assert_nothing_left(m)
 
 
