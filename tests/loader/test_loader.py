@@ -606,6 +606,36 @@ async def test_keeping_more_batches_than_the_budget_holds_is_an_error_not_a_hang
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("bound", ["fail_after_each_anext", "loader_timeout"])
+async def test_a_bounded_wait_in_the_consuming_task_still_refuses_what_it_keeps_at_once(
+    ring: bool | None, bound: str
+) -> None:
+    """The forms docs/loader.md gives instead of asyncio.wait_for(anext(it), t) (which, on
+    Python 3.11, asks in a task of its own, so the kept batches look like a worker's): a
+    deadline around each anext() in the consuming task, or the loader's own timeout=. Either
+    way the wait is the keeping task's, and it is refused at once, not at the deadline."""
+    async with ResidencyManager(budgets={"cuda:0": 3 * CHARGE}, backend=sim()) as m:
+        kept: list[DeviceBatch] = []
+        timeout = 60.0 if bound == "loader_timeout" else None
+        async with DeviceLoader(
+            m, batches(8), "cuda:0", prefetch=2, ring=ring, timeout=timeout
+        ) as loader:
+            it = aiter(loader.batches())
+            with pytest.raises(ResidencyBudgetError) as info:
+                for _ in range(4):
+                    if bound == "fail_after_each_anext":
+                        with anyio.fail_after(60):
+                            batch = await anext(it)
+                    else:
+                        batch = await anext(it)
+                    await batch.__aenter__()
+                    kept.append(batch)
+            assert "keeps 3 earlier batch(es)" in str(info.value)
+            for batch in kept:
+                await batch.__aexit__(None, None, None)
+        assert_nothing_left(m)
+
+
 async def test_batches_kept_by_another_task_are_waited_for(ring: bool | None) -> None:
     """The same keeping, but by a worker task the consumer hands each batch to (three at a
     time, then it releases them): the worker can release them while the consumer waits for
