@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from ..backends.bridge import LoopBridge
-from ..runtime.manager import tensor_problem
+from ..runtime.tensors import tensor_problem
 from .stats import BusyClock
 from .structure import Structure, flatten
 
@@ -174,7 +174,7 @@ def changed_since_yielded(
 def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int) -> None:
     """Refuse batch ``index`` if one of its tensors cannot be copied whole (sparse, nested,
     quantized, meta, a lazy conj() view...: see
-    :func:`~aresidency.runtime.manager.tensor_problem`), naming where it lies in the batch."""
+    :func:`~aresidency.runtime.tensors.tensor_problem`), naming where it lies in the batch."""
     for position, tensor in enumerate(tensors):
         problem = tensor_problem(tensor)
         if problem is not None:

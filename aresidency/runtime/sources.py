@@ -16,6 +16,7 @@ import torch
 
 from ..core.locations import Location, LocationLike
 from .checkpoints import Checkpoint
+from .tensors import tensor_problem
 
 __all__ = ["CallableSource", "SafetensorsSource", "Source"]
 
@@ -76,6 +77,13 @@ def check_loaded(
         raise ValueError(
             f"loading {what}: load() returned a tensor of shape {tuple(tensor.shape)} and "
             f"dtype {tensor.dtype}, expected {expected}"
+        )
+    problem = tensor_problem(tensor)  # sparse, meta, a wrapper subclass...: no whole copy
+    if problem is not None:
+        kind, returned, instead = problem
+        raise kind(
+            f"loading {what}: load() returned {returned}, expected {expected} that can be "
+            f"copied whole; {instead}"
         )
     return tensor.cpu() if tensor.device.type != "cpu" else tensor
 

@@ -666,8 +666,11 @@ class _PlainSource:
         (lambda: torch.zeros(16, dtype=torch.int64), ValueError, "dtype torch.int64"),
         (lambda: [0.0] * 16, TypeError, r"returned list \[0.0"),
         (lambda: None, TypeError, "returned NoneType None"),
+        (lambda: torch.zeros(16).to_sparse(), TypeError, "layout torch.sparse_coo"),
+        (lambda: torch.empty(16, device="meta"), ValueError, "on the meta device"),
+        (lambda: _Wrapper(torch.zeros(16)), TypeError, "_Wrapper, a tensor subclass with no"),
     ],
-    ids=["shape", "dtype", "list", "none"],
+    ids=["shape", "dtype", "list", "none", "sparse", "meta", "wrapper"],
 )
 async def test_a_source_that_returns_the_wrong_tensor_names_the_value_and_leaks_nothing(
     kind: str, load: Callable[[], object], error: type[Exception], returned: str
@@ -685,7 +688,7 @@ async def test_a_source_that_returns_the_wrong_tensor_names_the_value_and_leaks_
             await m.materialize(h, "cuda:0")
         message = str(info.value)
         assert str(h) in message and "weights.7" in message and f"#{h.value_id}" in message
-        assert "expected a tensor of shape (16,) and dtype torch.float32" in message
+        assert "expected a tensor of shape (16,) and dtype torch.float32" in message, message
         assert re.search(returned, message), message
         assert m.snapshot().value(h).locations == ()
         assert all(r.charged_bytes == 0 for r in m.snapshot().locations.values())
