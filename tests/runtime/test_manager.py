@@ -417,6 +417,45 @@ async def test_tenant_hooks_from_another_thread_fail_clearly_and_change_nothing(
     m.reclaimable_changed()
 
 
+async def test_a_lease_s_stream_or_a_done_callback_from_another_thread_is_refused() -> None:
+    """lease.register_stream() and pending.add_done_callback() change what the loop owns (the
+    streams the lease's exit records events on; the run's callbacks, or a callback run at once
+    on the calling thread): from another thread both are refused and nothing is added."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        stream = m.backend.new_stream("cuda:0")  # type: ignore[attr-defined]
+        compute = m.backend.current_stream("cuda:0")
+        pending = m.materialize_nowait(h, "pinned-host")
+        called: list[object] = []
+        errors: list[BaseException] = []
+        async with m.acquire(h, "cuda:0", stream=stream) as lease:
+
+            def other() -> None:
+                for call in (
+                    lambda: lease.register_stream(compute),
+                    lambda: pending.add_done_callback(called.append),
+                ):
+                    try:
+                        call()
+                    except BaseException as e:
+                        errors.append(e)
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            await anyio.to_thread.run_sync(thread.join)
+            stream.sleep(0.1)
+            compute.sleep(0.1)  # were it registered, its event would be pending too
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        record = m.snapshot().value(h).materialization("cuda:0")
+        assert record is not None and record.pending_event_count == 1  # the lease's own
+        await pending.wait()
+        assert called == []
+        pending.add_done_callback(called.append)  # on the loop: called at once (it is done)
+        assert called == [pending]
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
