@@ -114,8 +114,10 @@ class ResidencyRequest:
         requirements: Iterable[RequirementLike] = (),
         reservations: Iterable[MemoryReservation] = (),
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a ResidencyRequest needs a non-empty str name, got {name!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"a ResidencyRequest needs a non-empty, non-blank str name, got {name!r}"
+            )
         parsed: list[ResidencyRequirement] = []
         for index, item in enumerate(items_of(requirements, f"request {name!r} requirements")):
             if isinstance(item, ResidencyRequirement):

@@ -54,6 +54,15 @@ BUDGET_KINDS: Mapping[str, str] = {
     "budget": "a new budget",
 }
 
+#: What to make smaller when a request is larger than a whole budget, by kind.
+_SMALLER: Mapping[str, str] = {
+    "materialization": ("the value smaller (split it; for a loader's batch, a smaller batch size)"),
+    "reservation": "the reservation smaller (for a loader's ring slot, a smaller batch size)",
+    "reconstruction": (
+        "the value smaller, or give its source a source_location with a budget that holds it"
+    ),
+}
+
 #: How deep ``to_dict`` follows nested errors and records before it summarizes with ``str``.
 _MAX_DEPTH = 8
 
@@ -265,6 +274,16 @@ class ResidencyBudgetError(ResidencyError):
             return 0
         return max(0, self.new_peak_bytes - self.budget_bytes)
 
+    @property
+    def never_fits(self) -> bool:
+        """Whether the request alone is larger than the whole budget: it would not fit even
+        with nothing else charged at the location, so freeing room there cannot help."""
+        return (
+            self.kind != "budget"
+            and self.budget_bytes is not None
+            and self.requested_bytes > self.budget_bytes
+        )
+
     def _message(self) -> str:
         if self.kind == "budget":
             return (
@@ -295,13 +314,24 @@ class ResidencyBudgetError(ResidencyError):
             if self.in_simulation
             else ""
         )
+        if self.never_fits:
+            # Freeing room cannot help: even an empty location would not hold it.
+            advice = (
+                f"it can never fit under this budget, even with nothing else charged at "
+                f"{self.location}: raise the budget to at least "
+                f"{format_bytes(self.requested_bytes)}, or make {_SMALLER[self.kind]}"
+            )
+        else:
+            advice = (
+                f"free {format_bytes(self.missing_bytes)} there (release or move values, end "
+                "reservations) or raise the budget"
+            )
         return (
             f"budget exceeded at {self.location} by {BUDGET_KINDS[self.kind]}{what}: requested "
             f"{format_bytes(self.requested_bytes)}, but used {format_bytes(self.used_bytes)} + "
             f"reserved {format_bytes(self.reserved_bytes)} + requested would reach "
             f"{format_bytes(self.new_peak_bytes)} against a budget of "
-            f"{format_bytes(self.budget_bytes)}; free {format_bytes(self.missing_bytes)} there "
-            f"(release or move values, end reservations) or raise the budget{simulation}"
+            f"{format_bytes(self.budget_bytes)}; {advice}{simulation}"
         )
 
 

@@ -140,8 +140,10 @@ class MemoryReservation:
     nbytes: int
 
     def __init__(self, name: str, location: LocationLike, nbytes: ByteSize) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a MemoryReservation needs a non-empty str name, got {name!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"a MemoryReservation needs a non-empty, non-blank str name, got {name!r}"
+            )
         # "512MB", 10.5e9 or an int: kept as the exact int parse_nbytes reads.
         nbytes = parse_nbytes(nbytes, f"MemoryReservation {name!r} nbytes")
         object.__setattr__(self, "name", name)

@@ -50,6 +50,7 @@ from .values import (
     Value,
     ValueHandle,
     check_nbytes,
+    check_value_name,
 )
 
 __all__ = ["ResidencyState"]
@@ -303,8 +304,7 @@ class ResidencyState:
         source_location: LocationLike | None = None,
     ) -> ValueHandle:
         """Register a value: resident at ``location``, or (with a source) nowhere yet."""
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {name!r}")
+        check_value_name(name)
         if not isinstance(replica_mode, ReplicaMode):
             raise TypeError(f"replica_mode must be a ReplicaMode, got {replica_mode!r}")
         check_nbytes(charge_bytes, f"charge of {name!r}", allow_zero=False)
@@ -360,8 +360,8 @@ class ResidencyState:
     ) -> None:
         """Admit a named reservation of ``nbytes`` (as :func:`~.sizes.parse_nbytes` reads it)
         at ``location``."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a reservation needs a non-empty str name, got {name!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a reservation needs a non-empty, non-blank str name, got {name!r}")
         loc = Location.parse(location)
         nbytes = parse_nbytes(nbytes, f"reservation {name!r}")
         entry = self.ledger(loc)

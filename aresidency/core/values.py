@@ -89,6 +89,22 @@ class ValueHandle:
         return cls(str(data["manager_id"]), int(data["value_id"]), str(data.get("name", "")))
 
 
+def check_value_name(name: Any) -> str:
+    """Return ``name`` if it can name a value: a str with something other than whitespace in
+    it (the name is how errors, snapshots, traces and diagnoses tell values apart); else a
+    ``TypeError`` (not a str) or ``ValueError`` (blank) naming it."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"a value's name must be a str (or None for a name of its own), got {name!r}"
+        )
+    if not name.strip():
+        raise ValueError(
+            f"a value needs a non-blank name (errors, snapshots and traces name it by it), got "
+            f"{name!r}: give a name, or None for a name of its own"
+        )
+    return name
+
+
 def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:
     """Return ``value`` if it is a byte count (an int >= 0), else raise naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -205,6 +205,18 @@ def step_3(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
                 f"whose plan reserves the bytes), which takes its turn behind the {waiting} "
                 "waiting scope(s), or retry once they are admitted"
             )
+        if limit is not None and requested > int(limit) and kind != "budget":
+            # Larger than the whole budget: no freeing of room there can admit it.
+            findings.append(
+                f"requested {size(requested)} is more than the whole budget of {size(limit)} "
+                f"at {loc_text}: it would not fit even with nothing else charged there"
+            )
+            data["never_fits"] = True
+            action = (
+                f"it can never fit under this budget: raise the budget at {loc_text} to at "
+                f"least {size(requested)} (only if the complete measured peak and the "
+                "unmanaged headroom support it), or make what is requested smaller"
+            )
     if explanation is not None:
         shown = None if budget is None else budget.get("message")
         findings.extend(_explanation_findings(explanation, shown, explained_at))

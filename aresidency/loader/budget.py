@@ -56,7 +56,7 @@ def never_fits(
                 f"batch {batch.index} of {name}: its {len(batch.parts)} "
                 f"tensor(s) need {format_nbytes(need)} at {location}, more than the whole "
                 f"budget of {format_nbytes(ledger.budget_bytes)}, so it could never be "
-                "copied there; lower the batch size or raise the budget"
+                "copied there"
             ),
         )
     return None

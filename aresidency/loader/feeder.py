@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from ..backends.bridge import LoopBridge
-from ..runtime.manager import tensor_problem
+from ..runtime.tensors import tensor_problem
 from .stats import BusyClock
 from .structure import Structure, flatten
 
@@ -174,34 +174,15 @@ def changed_since_yielded(
 def check_tensors(tensors: list[torch.Tensor], structure: Structure, index: int) -> None:
     """Refuse batch ``index`` if one of its tensors cannot be copied whole (sparse, nested,
     quantized, meta, a lazy conj() view...: see
-    :func:`~aresidency.runtime.manager.tensor_problem`), naming where it lies in the batch."""
+    :func:`~aresidency.runtime.tensors.tensor_problem`), naming where it lies in the batch."""
     for position, tensor in enumerate(tensors):
         problem = tensor_problem(tensor)
-        if problem is None and type(tensor) is not torch.Tensor and not _has_memory(tensor):
-            problem = (
-                TypeError,
-                f"a {type(tensor).__name__}, a tensor subclass with no memory of its own (a "
-                "wrapper that computes through __torch_dispatch__, as DTensor or a quantized "
-                "weight subclass does)",
-                "hand out the plain tensors it wraps (a DTensor's full_tensor() or "
-                "to_local(), a quantized tensor's dequantize())",
-            )
         if problem is not None:
             kind, what, instead = problem
             raise kind(
                 f"batch {index} holds {what} at {structure.paths[position]}, which the loader "
                 f"cannot copy to the device: {instead}"
             )
-
-
-def _has_memory(tensor: torch.Tensor) -> bool:
-    """Whether a tensor subclass has memory of its own to copy (a wrapper subclass made with
-    ``_make_wrapper_subclass`` has none: torch refuses its data pointer)."""
-    try:
-        tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 def prepare(

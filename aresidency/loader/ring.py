@@ -1048,8 +1048,7 @@ class RingEpoch:
             what=(
                 f"batch {request.index} of {self.name}: its tensors need "
                 f"{format_nbytes(charge)} at {self.device}, more than the whole budget of "
-                f"{format_nbytes(ledger.budget_bytes)}, so it could never be copied there; "
-                "lower the batch size or raise the budget"
+                f"{format_nbytes(ledger.budget_bytes)}, so it could never be copied there"
             ),
         )
 

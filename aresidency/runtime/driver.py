@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
-import torch
 
 from ..backends.base import CopyRequest, Transfer, TransferCancelledError
 from ..core.errors import ResidencyError
@@ -74,9 +73,10 @@ from ..core.plans import (
     run_phase,
 )
 from ..core.trace import Transition
-from ..core.values import CopyTicket
+from ..core.values import CopyTicket, ValueHandle
 from .payloads import Payload
 from .shield import wait_shielded
+from .sources import CallableSource, check_loaded
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -653,7 +653,7 @@ class PhaseRun:
         place_at = first if first.is_pinned else None
         if ticket.via is not None and ticket.destination.is_host:
             place_at = ticket.destination  # a host destination is filled in the thread too
-        future = rt.loads.submit(_load_checked, source, rt.backend, place_at)
+        future = rt.loads.submit(_load_checked, source, rt.backend, place_at, ticket.handle)
         future.add_done_callback(
             lambda done: rt.bridge.call_soon_quietly(self._loaded, ticket, done)
         )
@@ -795,20 +795,15 @@ class PhaseRun:
             raise self.error
 
 
-def _load_checked(source: Any, backend: Any, place_at: Location | None) -> Any:
-    """``source.load()``, checked against what the source declared, contiguous, and placed at
-    ``place_at`` when given (a worker thread: loading and pinning block it, not the loop)."""
-    tensor = source.load()
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{source!r}.load() returned {type(tensor).__name__}, not a tensor")
-    shape = tuple(int(d) for d in source.shape)
-    if tuple(tensor.shape) != shape or tensor.dtype != source.dtype:
-        raise ValueError(
-            f"{source!r}.load() returned {tuple(tensor.shape)} {tensor.dtype}, but the source "
-            f"declared {shape} {source.dtype}"
-        )
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: ValueHandle) -> Any:
+    """``source.load()``, checked against what the source declared (an error naming the value,
+    what was expected and what came back), contiguous, and placed at ``place_at`` when given
+    (a worker thread: loading and pinning block it, not the loop)."""
+    what = str(handle)
+    if isinstance(source, CallableSource):
+        tensor = source.load(what=what)  # it checks, naming the value
+    else:
+        tensor = check_loaded(source.load(), source.shape, source.dtype, what=what)
     tensor = tensor.contiguous()
     if place_at is not None:
         tensor = backend.place(tensor, place_at)

@@ -285,7 +285,9 @@ class Lease:
     def register_stream(self, stream: Any) -> None:
         """Also record a reader event on ``stream`` when the lease exits (a stream other than the
         lease's own that reads the tensor). Registering a stream twice records it once. A
-        stream of another device, or not a stream, is refused here rather than at exit."""
+        stream of another device, or not a stream, is refused here rather than at exit. Loop
+        thread: from another thread it raises ``RuntimeError`` and registers nothing."""
+        self._rt.check_loop_thread()
         if self.status == "exited":
             raise RuntimeError("register_stream after the lease exited protects nothing")
         if stream is None:

@@ -60,6 +60,7 @@ from ..core.values import (
     Materialization,
     ReplicaMode,
     ValueHandle,
+    check_value_name,
     value_charge,
 )
 from ..progress import progress_if_large
@@ -73,6 +74,7 @@ from .scopes import Scope, plan_of
 from .shield import finish_shielded
 from .signal import ManagerClosedError
 from .sources import Source
+from .tensors import tensor_problem
 
 __all__ = ["STAGING_RESERVATION", "ResidencyManager"]
 
@@ -99,58 +101,29 @@ def _make_backend(spec: Any) -> Backend:
     raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {spec!r}")
 
 
-def tensor_problem(tensor: torch.Tensor) -> tuple[type[Exception], str, str] | None:
-    """Why aresidency cannot hold and copy ``tensor`` whole, or None if it can (dense,
-    strided, with data, nothing pending): the error's type, what the tensor is, and what to
-    use instead. :meth:`ResidencyManager.register` and the loader refuse such tensors with
-    it, rather than fail at their first copy."""
-    if tensor.is_nested:
-        return (
-            TypeError,
-            "a nested tensor",
-            "it cannot be copied whole; use its to_padded_tensor() or its components",
-        )
-    if tensor.layout is not torch.strided:
-        return (
-            TypeError,
-            f"a tensor of layout {tensor.layout}",
-            "only dense (strided) tensors are copied; use .to_dense(), or its index and value "
-            "tensors",
-        )
-    if tensor.is_quantized:
-        return (
-            TypeError,
-            f"a quantized {tensor.dtype} tensor",
-            "use its int_repr() and keep the scale and zero point beside it",
-        )
-    if tensor.is_meta:
-        return ValueError, "a tensor on the meta device", "it has no data to copy"
-    # A lazily conjugated or negated view (``x.conj()`` of a complex tensor, what some ops
-    # return) cannot be copied into a new buffer as it is (torch refuses the copy), so it
-    # could never move: refused up front rather than at its first transfer.
-    if tensor.is_conj():
-        return (
-            TypeError,
-            "a lazy conj() view (a pending conjugation)",
-            "use tensor.resolve_conj() (or tensor.conj_physical())",
-        )
-    if tensor.is_neg():
-        return (
-            TypeError,
-            "a lazy negative view (the imaginary part of a conj() view)",
-            "use tensor.resolve_neg()",
-        )
-    return None
+def _on_loop_thread(rt: Runtime, remove: Callable[[], None]) -> Callable[[], None]:
+    """``remove``, refused with a ``RuntimeError`` (nothing removed) unless called on the
+    manager's loop thread: the lists it changes are the loop's."""
+
+    def remove_on_loop_thread() -> None:
+        rt.check_loop_thread()
+        remove()
+
+    return remove_on_loop_thread
 
 
-def _check_tensor(tensor: Any) -> torch.Tensor:
-    """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`)."""
+def _check_tensor(tensor: Any, name: str | None) -> torch.Tensor:
+    """``tensor`` if it is a tensor the manager can hold and copy (see :func:`tensor_problem`);
+    the error names the value (``name``, when given)."""
+    value = "a value" if name is None else f"value {name!r}"
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"register takes a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(
+            f"cannot register {value}: register takes a torch.Tensor, got {type(tensor).__name__}"
+        )
     problem = tensor_problem(tensor)
     if problem is not None:
         kind, what, instead = problem
-        raise kind(f"register cannot take {what}: {instead}")
+        raise kind(f"cannot register {value}: it is {what}; {instead}")
     return tensor
 
 
@@ -249,6 +222,7 @@ class ResidencyManager:
         rt = self._rt
         if rt is None or self._status != "running":
             return False
+        rt.check_loop_thread()
         loc = Location.parse(location)
         return loc in rt.admission.short_of() or self._wanting.get(loc, 0) > 0
 
@@ -257,7 +231,8 @@ class ResidencyManager:
         streamed call waiting for a block's room): until the returned function is called,
         :meth:`waiting_for_room` says so, so that tenants that could take that room first
         hold back and give back what they can (a loader's free buffers), as they do for a
-        waiting scope. Notifies the change listeners at once. Loop thread."""
+        waiting scope. Notifies the change listeners at once. Loop thread, and so is the
+        returned function."""
         rt = self._running()
         loc = Location.parse(location)
         self._wanting[loc] = self._wanting.get(loc, 0) + 1
@@ -265,6 +240,7 @@ class ResidencyManager:
 
         def release() -> None:
             nonlocal done
+            rt.check_loop_thread()  # it notifies the listeners: never from another thread
             if done:
                 return
             done = True
@@ -407,8 +383,10 @@ class ResidencyManager:
     def add_change_listener(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` on the loop after every batch of committed transitions, until
         the returned function is called. For state machines that advance without a task of
-        their own (a prefetch pipeline); the callback must not raise and must not await."""
-        return self._running().signal.add_listener(callback)
+        their own (a prefetch pipeline); the callback must not raise and must not await. Loop
+        thread, and so is the returned function (it works after the manager closed too)."""
+        rt = self._running()
+        return _on_loop_thread(rt, rt.signal.add_listener(callback))
 
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
         """Offer what a tenant caches and could give back (a model pool's idle models on the
@@ -416,17 +394,23 @@ class ResidencyManager:
         begins releasing up to about ``nbytes`` at ``location`` of what nothing protects and
         another copy keeps (``release_nowait``) and returns the bytes it began releasing.
         Called by :meth:`reclaim`, and by a scope's admission before it refuses a plan that
-        only resident values nobody protects keep out. Loop thread; it must not raise or
+        only resident values nobody protects keep out. Loop thread, and so is the returned
+        function (it works after the manager closed too); ``reclaimer`` must not raise or
         await."""
-        return self._running().admission.add_reclaimer(reclaimer)
+        rt = self._running()
+        return _on_loop_thread(rt, rt.admission.add_reclaimer(reclaimer))
 
     def reclaimable_changed(self) -> None:
         """Tell the tenants waiting for room that a reclaimer (:meth:`add_reclaimer`) may
         give back more than when they last asked, with no transition to say so (a model
         pool's idle model that a request no longer waits for): they look again, soon, on the
-        loop. Loop thread; never waits."""
+        loop. Loop thread (a ``RuntimeError`` from another); never waits; does nothing once
+        the manager closes."""
         rt = self._rt
-        if rt is not None and self._status == "running" and rt.admission.has_room_waits:
+        if rt is None:
+            return
+        rt.check_loop_thread()  # before reading the state: another thread must not touch it
+        if self._status == "running" and rt.admission.has_room_waits:
             rt.signal.notify()
 
     def reclaim(self, location: LocationLike, nbytes: int) -> int:
@@ -578,7 +562,9 @@ class ResidencyManager:
         must not share memory. Refused with ``ResidencyBudgetError`` when it would take room at
         a budgeted ``location`` that a waiting scope needs first (it cannot wait its turn)."""
         rt = self._running()
-        _check_tensor(tensor)
+        _check_tensor(tensor, name)
+        if name is not None:
+            check_value_name(name)  # before anything is copied or checked against a budget
         if charge_bytes is not None:
             charge_bytes = parse_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
         owner = rt.payloads.owner_of(tensor)
@@ -627,6 +613,8 @@ class ResidencyManager:
         ``shape``, ``dtype`` and a host ``source_location``; what ``load`` returns is checked
         against them."""
         rt = self._running()
+        if name is not None:
+            check_value_name(name)
         for attribute in ("shape", "dtype", "source_location", "load"):
             if not hasattr(source, attribute):
                 raise TypeError(f"a source needs {attribute!r}; {source!r} has none")

@@ -55,7 +55,10 @@ class PendingOperation:
 
     def add_done_callback(self, callback: Callable[[PendingOperation], None]) -> None:
         """Call ``callback(self)`` on the loop when done (now, if it is). A callback that
-        raises is logged (logger ``aresidency``) and the other callbacks still run."""
+        raises is logged (logger ``aresidency``) and the other callbacks still run. On the
+        manager's loop only: from another thread it raises ``RuntimeError`` and adds nothing
+        (the callback would run on that thread, or join a list the loop owns)."""
+        self._run._rt.check_loop_thread()
         self._run.add_done_callback(lambda _run: callback(self))
 
     async def wait(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from ..core.locations import Location, LocationLike
 from .checkpoints import Checkpoint
+from .tensors import tensor_problem
 
 __all__ = ["CallableSource", "SafetensorsSource", "Source"]
 
@@ -60,12 +61,49 @@ def _check_shape(shape: object) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def check_loaded(
+    tensor: object, shape: Sequence[int], dtype: torch.dtype, *, what: str
+) -> torch.Tensor:
+    """``tensor`` on the CPU if it is a tensor of ``shape`` and ``dtype``; else a ``TypeError``
+    (not a tensor) or a ``ValueError`` (another shape or dtype) naming ``what``, what was
+    expected and what came back."""
+    expected = f"a tensor of shape {tuple(shape)} and dtype {dtype}"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"loading {what}: load() returned {type(tensor).__name__} {_short_repr(tensor)}, "
+            f"expected {expected}"
+        )
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise ValueError(
+            f"loading {what}: load() returned a tensor of shape {tuple(tensor.shape)} and "
+            f"dtype {tensor.dtype}, expected {expected}"
+        )
+    problem = tensor_problem(tensor)  # sparse, meta, a wrapper subclass...: no whole copy
+    if problem is not None:
+        kind, returned, instead = problem
+        raise kind(
+            f"loading {what}: load() returned {returned}, expected {expected} that can be "
+            f"copied whole; {instead}"
+        )
+    return tensor.cpu() if tensor.device.type != "cpu" else tensor
+
+
+def _short_repr(obj: object, limit: int = 60) -> str:
+    """``repr(obj)`` cut to ``limit`` characters (and never raising: it names a bad value)."""
+    try:
+        text = repr(obj)
+    except Exception:
+        return f"<{type(obj).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class CallableSource:
     """A source that calls ``load()`` to produce the tensor (shape and dtype declared up front).
 
     ``source_location`` is where the loaded data is charged temporarily while it is copied to
     its destination (``pageable-host`` by default, or ``pinned-host``). The loaded tensor must
-    match ``shape`` and ``dtype``; a mismatch is an error naming both.
+    match ``shape`` and ``dtype``; a mismatch is an error naming the value being loaded, what
+    was expected and what came back (see :func:`check_loaded`).
     """
 
     def __init__(
@@ -91,16 +129,12 @@ class CallableSource:
     def nbytes(self) -> int:
         return _nbytes(self.shape, self.dtype)
 
-    def load(self) -> torch.Tensor:
-        tensor = self._load()
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"source load() returned {type(tensor).__name__}, not a tensor")
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
-            raise ValueError(
-                f"source load() returned shape {tuple(tensor.shape)} {tensor.dtype}, declared "
-                f"{self.shape} {self.dtype}"
-            )
-        return tensor.cpu() if tensor.device.type != "cpu" else tensor
+    def load(self, *, what: str | None = None) -> torch.Tensor:
+        """Call the load function and check what it returned against the declared shape and
+        dtype (a ``TypeError`` for something not a tensor, a ``ValueError`` for another shape
+        or dtype). ``what`` names what is being loaded in that error (the runtime passes the
+        value, its name and handle); the source itself is named when it is not given."""
+        return check_loaded(self._load(), self.shape, self.dtype, what=what or repr(self))
 
     def __repr__(self) -> str:
         return f"<CallableSource {self.shape} {self.dtype} at {self.source_location}>"

@@ -684,8 +684,11 @@ class ModelPool:
         tensors outside the blocks plus its largest block exceed the budget). Loop thread."""
         self._check_open()
         self.manager.check_thread()
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a model needs a non-empty str name, got {name!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"a model needs a non-empty, non-blank str name (requests, statistics and "
+                f"errors name it by it), got {name!r}"
+            )
         if name in self._entries:
             if self._entries[name].removing is not None:
                 # A hot swap (remove the old version, add the new one under its name): the

@@ -214,6 +214,36 @@ def test_budget_error_str_shows_every_byte_field_and_the_missing_headroom():
     assert "raise the budget" in text
 
 
+@pytest.mark.parametrize(
+    ("kind", "smaller"),
+    [
+        ("materialization", "the value smaller"),
+        ("reservation", "the reservation smaller"),
+        ("reconstruction", "the value smaller, or give its source a source_location"),
+    ],
+)
+def test_a_request_larger_than_the_whole_budget_says_it_can_never_fit(kind, smaller):
+    """Freeing room cannot admit what an empty location would not hold: the advice says what
+    would (a budget of at least the request, or a smaller request); every field stays."""
+    handle = None if kind == "reservation" else ValueHandle("m", 1, "big")
+    error = ResidencyBudgetError(CUDA0, 4096, 1024, 512, 8192, handle=handle, kind=kind)
+    text = str(error)
+    assert error.never_fits
+    assert "free " not in text and "release or move" not in text
+    assert (
+        "; it can never fit under this budget, even with nothing else charged at cuda:0: "
+        f"raise the budget to at least {format_bytes(8192)}, or make {smaller}"
+    ) in text
+    fields = (error.location, error.budget_bytes, error.used_bytes, error.reserved_bytes)
+    assert fields == (CUDA0, 4096, 1024, 512)
+    assert (error.requested_bytes, error.handle, error.kind) == (8192, handle, kind)
+    assert error.missing_bytes == 1024 + 512 + 8192 - 4096
+    # Exactly the whole budget fits an empty location: the usual advice.
+    fits_empty = ResidencyBudgetError(CUDA0, 4096, 1024, 0, 4096, kind=kind)
+    assert not fits_empty.never_fits
+    assert f"free {format_bytes(1024)} there (release or move values" in str(fits_empty)
+
+
 def test_plan_error_reason_is_its_message_and_subclasses_carry_a_reason_too():
     assert ResidencyPlanError("no room").reason == "no room"
     limit = ResidencySearchLimitError("r", 5, 5, "d")

@@ -202,6 +202,33 @@ async def test_step_3_reconciles_the_five_byte_fields_with_the_snapshot() -> Non
         assert "a new materialization of value c" in " ".join(step.findings)
 
 
+async def test_step_3_of_a_value_larger_than_the_whole_budget_says_it_can_never_fit() -> None:
+    """Freeing room at the location cannot help what an empty location would not hold: the
+    diagnosis says so and what would, while the evidence keeps the five byte fields."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        small = m.register(tensor(kib=2, seed=1), name="small")
+        await m.move(small, "cuda:0")
+        big = m.register(tensor(kib=16, seed=2), name="big")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.materialize(big, "cuda:0")
+        error = caught.value
+        assert (error.budget_bytes, error.used_bytes, error.requested_bytes) == (
+            8 * KiB,
+            2 * KiB,
+            16 * KiB,
+        )
+        assert "it can never fit under this budget" in str(error)
+        report = diagnose(error, m)
+        step = report.step(3)
+        action = step.action or ""
+        assert action.startswith("it can never fit under this budget: raise the budget at")
+        assert "at least 16384 B" in action and "free " not in action
+        assert report.next_action == action
+        assert step.evidence["never_fits"] is True
+        assert step.evidence["missing_bytes"] == 10 * KiB == error.missing_bytes
+        assert any("more than the whole budget" in f for f in step.findings)
+
+
 async def test_step_3_judges_a_refused_set_budget_against_the_new_budget() -> None:
     """set_budget below the charge: the budget in force stays, nothing is requested. The
     diagnosis used to weigh the 0 requested bytes against the old budget's free room and say

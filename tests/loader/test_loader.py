@@ -31,6 +31,8 @@ from aresidency import (
 )
 from aresidency.backends import is_poisoned
 from aresidency.backends.sim import SimBackend
+from aresidency.core.errors import format_bytes
+from aresidency.core.locations import Location
 from aresidency.loader import DeviceBatch, DeviceLoader, LoaderStats
 
 from ._support import (
@@ -490,6 +492,15 @@ async def test_a_batch_larger_than_the_whole_budget_fails_with_the_arithmetic(
         error = info.value
         assert error.requested_bytes == 16 * KiB and error.budget_bytes == 8 * KiB
         assert "batch 2" in str(error) and "could never be copied" in str(error)
+        # Freeing room cannot help (even an empty device would not hold it): the message says
+        # what would, and the fields stay the arithmetic.
+        assert "free " not in str(error) and "release or move" not in str(error)
+        assert (
+            "; it can never fit under this budget, even with nothing else charged at cuda:0: "
+            f"raise the budget to at least {format_bytes(16 * KiB)}, or make the "
+        ) in str(error)
+        assert str(error).endswith(", a smaller batch size)")
+        assert error.location == Location.parse("cuda:0") and error.handle is None
         assert_nothing_left(m)
 
 
@@ -592,6 +603,36 @@ async def test_keeping_more_batches_than_the_budget_holds_is_an_error_not_a_hang
             for batch in kept:
                 await batch.__aexit__(None, None, None)
         assert [b.index for b in kept] == [0, 1, 2]
+        assert_nothing_left(m)
+
+
+@pytest.mark.parametrize("bound", ["fail_after_each_anext", "loader_timeout"])
+async def test_a_bounded_wait_in_the_consuming_task_still_refuses_what_it_keeps_at_once(
+    ring: bool | None, bound: str
+) -> None:
+    """The forms docs/loader.md gives instead of asyncio.wait_for(anext(it), t) (which, on
+    Python 3.11, asks in a task of its own, so the kept batches look like a worker's): a
+    deadline around each anext() in the consuming task, or the loader's own timeout=. Either
+    way the wait is the keeping task's, and it is refused at once, not at the deadline."""
+    async with ResidencyManager(budgets={"cuda:0": 3 * CHARGE}, backend=sim()) as m:
+        kept: list[DeviceBatch] = []
+        timeout = 60.0 if bound == "loader_timeout" else None
+        async with DeviceLoader(
+            m, batches(8), "cuda:0", prefetch=2, ring=ring, timeout=timeout
+        ) as loader:
+            it = aiter(loader.batches())
+            with pytest.raises(ResidencyBudgetError) as info:
+                for _ in range(4):
+                    if bound == "fail_after_each_anext":
+                        with anyio.fail_after(60):
+                            batch = await anext(it)
+                    else:
+                        batch = await anext(it)
+                    await batch.__aenter__()
+                    kept.append(batch)
+            assert "keeps 3 earlier batch(es)" in str(info.value)
+            for batch in kept:
+                await batch.__aexit__(None, None, None)
         assert_nothing_left(m)
 
 

@@ -3,6 +3,7 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 
 from __future__ import annotations
 
+import re
 import threading
 
 import anyio
@@ -363,6 +364,98 @@ async def test_ending_a_hold_or_lease_from_another_thread_fails_clearly_and_chan
         assert record is not None and (record.use_count, record.hold_count) == (0, 0)
 
 
+async def test_tenant_hooks_from_another_thread_fail_clearly_and_change_nothing() -> None:
+    """reclaimable_changed() and the functions that remove a change listener or a reclaimer
+    change lists the loop owns: from another thread they are refused, like every other call,
+    and the listener and the reclaimer stay; on the loop they work, after close too."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        heard: list[int] = []
+        asked: list[tuple[Location, int]] = []
+
+        def reclaimer(location: Location, nbytes: int) -> int:
+            asked.append((location, nbytes))
+            return 0
+
+        remove_listener = m.add_change_listener(lambda: heard.append(threading.get_ident()))
+        remove_reclaimer = m.add_reclaimer(reclaimer)
+        stop_wanting = m.want_room("cuda:0")
+        heard.clear()
+        before = m.snapshot()
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            calls = (
+                remove_listener,
+                remove_reclaimer,
+                m.reclaimable_changed,
+                stop_wanting,
+                lambda: m.waiting_for_room("cuda:0"),
+            )
+            for call in calls:
+                try:
+                    call()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError] * 5
+        assert all("event loop" in str(e) for e in errors)
+        assert m.snapshot() == before and heard == [] and m.waiting_for_room("cuda:0")
+        stop_wanting()
+        assert not m.waiting_for_room("cuda:0")
+        await m.move(h, "pinned-host")  # the listener still hears, on the loop's thread
+        assert heard and set(heard) == {threading.get_ident()}
+        m.reclaim("cuda:0", 1024)  # the reclaimer is still asked
+        assert asked == [(Location.parse("cuda:0"), 1024)]
+        m.reclaimable_changed()
+        remove_reclaimer()
+    remove_listener()  # on the loop's thread, after close: fine
+    remove_reclaimer()
+    m.reclaimable_changed()
+
+
+async def test_a_lease_s_stream_or_a_done_callback_from_another_thread_is_refused() -> None:
+    """lease.register_stream() and pending.add_done_callback() change what the loop owns (the
+    streams the lease's exit records events on; the run's callbacks, or a callback run at once
+    on the calling thread): from another thread both are refused and nothing is added."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        stream = m.backend.new_stream("cuda:0")  # type: ignore[attr-defined]
+        compute = m.backend.current_stream("cuda:0")
+        pending = m.materialize_nowait(h, "pinned-host")
+        called: list[object] = []
+        errors: list[BaseException] = []
+        async with m.acquire(h, "cuda:0", stream=stream) as lease:
+
+            def other() -> None:
+                for call in (
+                    lambda: lease.register_stream(compute),
+                    lambda: pending.add_done_callback(called.append),
+                ):
+                    try:
+                        call()
+                    except BaseException as e:
+                        errors.append(e)
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            await anyio.to_thread.run_sync(thread.join)
+            stream.sleep(0.1)
+            compute.sleep(0.1)  # were it registered, its event would be pending too
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        record = m.snapshot().value(h).materialization("cuda:0")
+        assert record is not None and record.pending_event_count == 1  # the lease's own
+        await pending.wait()
+        assert called == []
+        pending.add_done_callback(called.append)  # on the loop: called at once (it is done)
+        assert called == [pending]
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
@@ -451,3 +544,37 @@ async def test_snapshot_async_refuses_a_bad_slice() -> None:
     async with ResidencyManager(backend="sim") as m:
         with pytest.raises(ValueError, match="slice_seconds"):
             await m.snapshot_async(slice_seconds=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["", " ", "\t\n "], ids=["empty", "space", "whitespace"])
+@pytest.mark.parametrize("how", ["register", "register_at", "register_source"])
+async def test_a_blank_value_name_is_refused_and_registers_nothing(name: str, how: str) -> None:
+    """A value is named in errors, snapshots and traces: a blank name is refused, as a
+    MemoryReservation's is, before anything is copied or charged; None still derives one."""
+    async with ResidencyManager(backend="sim", budgets={"pinned-host": 1 * MiB}) as m:
+        before = m.snapshot()
+        source = CallableSource(lambda: torch.zeros(16), shape=(16,), dtype=torch.float32)
+        with pytest.raises(ValueError, match="non-blank name .*got " + re.escape(repr(name))):
+            if how == "register":
+                m.register(torch.zeros(16), name=name)
+            elif how == "register_at":
+                m.register(torch.zeros(16), name=name, location="pinned-host")
+            else:
+                m.register_source(source, name=name)
+        assert m.snapshot() == before
+        with pytest.raises(TypeError, match="name must be a str"):
+            m.register(torch.zeros(16), name=7)  # type: ignore[arg-type]
+        assert m.snapshot() == before
+        derived = [m.register(torch.zeros(16)), m.register_source(source)]
+        assert all(h.name.strip() for h in derived)
+        assert m.register(torch.zeros(16), name=" w ").name == " w "  # kept as given
+
+
+def test_a_blank_reservation_or_request_name_is_refused_like_a_value_name() -> None:
+    from aresidency import MemoryReservation, ResidencyRequest
+
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="non-blank str name"):
+            MemoryReservation(name, "cuda:0", 1024)
+        with pytest.raises(ValueError, match="non-blank str name"):
+            ResidencyRequest(name)

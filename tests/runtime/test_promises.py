@@ -6,6 +6,8 @@ poison)."""
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -16,6 +18,7 @@ from _holders import held_by_another_task
 
 from aresidency import (
     CallableSource,
+    Location,
     Materialize,
     MemoryReservation,
     Move,
@@ -281,6 +284,28 @@ async def test_a_source_must_load_into_host_memory() -> None:
         assert m.snapshot() == before
 
 
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor is): no storage of its own, it computes through
+    ``__torch_dispatch__`` on the tensor it wraps."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        made = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, inner.shape, dtype=inner.dtype, device=inner.device
+        )
+        made.inner = inner
+        return made  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(x: Any) -> Any:
+            return x.inner if isinstance(x, _Wrapper) else x
+
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -290,17 +315,36 @@ async def test_a_source_must_load_into_host_memory() -> None:
         lambda: torch.empty(8, device="meta"),
         lambda: torch.randn(4, dtype=torch.complex64).conj(),
         lambda: torch.randn(4, dtype=torch.complex64).conj().imag,
+        lambda: _Wrapper(torch.zeros(8)),
     ],
-    ids=["quantized", "nested", "sparse", "meta", "conj view", "negative view"],
+    ids=["quantized", "nested", "sparse", "meta", "conj view", "negative view", "wrapper"],
 )
 async def test_tensors_that_cannot_be_copied_whole_are_refused(make: Any) -> None:
     async with ResidencyManager(backend="sim") as m:
         before = m.snapshot()
-        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
+        with pytest.raises((TypeError, ValueError), match=r"cannot register a value: it is a"):
             m.register(make())
-        with pytest.raises((TypeError, ValueError), match=r"register|meta"):
-            m.register(make(), location="cuda:0")
+        with pytest.raises((TypeError, ValueError), match=r"cannot register value 'w': it is"):
+            m.register(make(), name="w", location="cuda:0")
         assert m.snapshot() == before
+
+
+async def test_a_wrapper_subclass_is_refused_naming_the_value_and_what_to_register() -> None:
+    """A tensor subclass made with _make_wrapper_subclass (as DTensor is) has no memory of its
+    own: register used to fail inside torch ("invalid python storage"), naming nothing. It is
+    refused up front, as the loader refuses it in a batch; a subclass with memory of its own
+    (a Parameter) is still taken."""
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises(TypeError) as info:
+            m.register(_Wrapper(torch.zeros(8)), name="shard.0")
+        message = str(info.value)
+        assert "value 'shard.0'" in message and "_Wrapper" in message
+        assert "no memory of its own" in message and "to_local()" in message
+        assert m.snapshot() == before
+        h = m.register(torch.nn.Parameter(torch.ones(8)), name="p")
+        await m.materialize(h, "cuda:0")
+        assert m.snapshot().value(h).locations == (Location.parse("cuda:0"),)
 
 
 # ---------------------------------------------------------------- hangs
@@ -601,14 +645,62 @@ async def test_bad_calls_get_designed_errors_and_change_nothing() -> None:
         ResidencyManager(budgets="cuda:0")  # type: ignore[arg-type]
 
 
-async def test_a_source_that_returns_the_wrong_tensor_fails_the_load_and_leaks_nothing() -> None:
+class _PlainSource:
+    """A source that is only the protocol (not a CallableSource): the runtime checks it too."""
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        self.shape = (16,)
+        self.dtype = torch.float32
+        self.source_location = Location("pageable-host")
+        self._load = load
+
+    def load(self) -> object:
+        return self._load()
+
+
+@pytest.mark.parametrize("kind", ["callable", "plain"])
+@pytest.mark.parametrize(
+    ("load", "error", "returned"),
+    [
+        (lambda: torch.zeros(8), ValueError, r"shape \(8,\) and dtype torch.float32"),
+        (lambda: torch.zeros(16, dtype=torch.int64), ValueError, "dtype torch.int64"),
+        (lambda: [0.0] * 16, TypeError, r"returned list \[0.0"),
+        (lambda: None, TypeError, "returned NoneType None"),
+        (lambda: torch.zeros(16).to_sparse(), TypeError, "layout torch.sparse_coo"),
+        (lambda: torch.empty(16, device="meta"), ValueError, "on the meta device"),
+        (lambda: _Wrapper(torch.zeros(16)), TypeError, "_Wrapper, a tensor subclass with no"),
+    ],
+    ids=["shape", "dtype", "list", "none", "sparse", "meta", "wrapper"],
+)
+async def test_a_source_that_returns_the_wrong_tensor_names_the_value_and_leaks_nothing(
+    kind: str, load: Callable[[], object], error: type[Exception], returned: str
+) -> None:
+    """The error names the value (its name and handle), what was expected and what came
+    back, whatever kind of source it is; nothing is left charged."""
     async with ResidencyManager(backend="sim") as m:
-        source = CallableSource(lambda: torch.zeros(8), shape=(16,), dtype=torch.float32)
-        h = m.register_source(source, name="s")
-        with pytest.raises(ValueError, match="declared"):
+        source: object = (
+            CallableSource(load, shape=(16,), dtype=torch.float32)  # type: ignore[arg-type]
+            if kind == "callable"
+            else _PlainSource(load)
+        )
+        h = m.register_source(source, name="weights.7")  # type: ignore[arg-type]
+        with pytest.raises(error) as info:
             await m.materialize(h, "cuda:0")
+        message = str(info.value)
+        assert str(h) in message and "weights.7" in message and f"#{h.value_id}" in message
+        assert "expected a tensor of shape (16,) and dtype torch.float32" in message, message
+        assert re.search(returned, message), message
         assert m.snapshot().value(h).locations == ()
+        assert all(r.charged_bytes == 0 for r in m.snapshot().locations.values())
         quiet(m)
+
+
+def test_a_callable_source_loaded_directly_names_itself() -> None:
+    source = CallableSource(lambda: torch.zeros(8), shape=(16,), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"loading <CallableSource \(16,\).*shape \(8,\)"):
+        source.load()
+    good = CallableSource(lambda: torch.ones(()), shape=(), dtype=torch.float32)
+    assert good.load().item() == 1.0
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -335,6 +335,18 @@ async def test_add_refuses_a_model_that_could_never_run_and_registers_nothing() 
         await pool.aclose()
 
 
+@pytest.mark.parametrize("name", ["", "  ", "\t"])
+async def test_add_refuses_a_blank_model_name_and_registers_nothing(name: str) -> None:
+    """As a value's, a reservation's and a request's name: a blank one is refused up front,
+    by the pool, with nothing registered."""
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        with pytest.raises(ValueError, match="a model needs a non-empty, non-blank str name"):
+            pool.add(name, TinyLM())
+        assert not list(m.state.values()) and pool.models == []
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("again", ["itself", "a wrapper"])
 async def test_add_refuses_a_module_already_pooled_under_another_name(again: str) -> None:
     # Registered twice, its tensors would take twice the device bytes.
