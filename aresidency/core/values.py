@@ -105,6 +105,20 @@ def check_value_name(name: Any) -> str:
     return name
 
 
+def check_optional_name(name: Any, what: str, carried_by: str) -> str | None:
+    """Return ``name`` if it is ``None`` (a name of its own is made) or a str with something
+    other than whitespace in it; else a ``TypeError`` (not a str) or ``ValueError`` (blank)
+    saying that it must name ``what``, whose ``carried_by`` carry it."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string or None, got {name!r}")
+    if name is not None and not name.strip():
+        raise ValueError(
+            f"name must name the {what} ({carried_by} carry it), got {name!r}: give a "
+            "non-blank string, or None for a name of its own"
+        )
+    return name
+
+
 def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:
     """Return ``value`` if it is a byte count (an int >= 0), else raise naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):

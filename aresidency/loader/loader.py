@@ -17,6 +17,7 @@ import anyio.abc
 from ..core.locations import Location, LocationLike
 from ..core.sizes import parse_nbytes
 from ..core.timeouts import check_timeout
+from ..core.values import check_optional_name
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
@@ -141,13 +142,7 @@ class DeviceLoader:
         self.stream = stream
         self.prefetch = prefetch
         self.timeout = check_timeout(timeout)
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a string or None, got {name!r}")
-        if name is not None and not name.strip():
-            raise ValueError(
-                f"name must name the loader (its reservations, errors and statistics carry it), "
-                f"got {name!r}: give a non-blank string, or None for a name of its own"
-            )
+        check_optional_name(name, "loader", "its reservations, errors and statistics")
         self.name = name if name is not None else f"loader-{next(_NAMES)}"
         named = _open.get(manager)
         other = None if named is None else named.get(self.name)

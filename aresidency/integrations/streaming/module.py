@@ -25,7 +25,13 @@ from torch import nn
 from ...core.errors import ResidencyBudgetError, ResidencyError
 from ...core.locations import Location, LocationLike
 from ...core.timeouts import check_timeout
-from ...core.values import MaterializationState, ReplicaMode, ValueHandle, value_charge
+from ...core.values import (
+    MaterializationState,
+    ReplicaMode,
+    ValueHandle,
+    check_optional_name,
+    value_charge,
+)
 from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
@@ -156,13 +162,7 @@ class StreamedModule:
         else:
             self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.host: HostKind | None = None if checkpoint is not None else host
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a string or None, got {name!r}")
-        if name is not None and not name.strip():
-            raise ValueError(
-                f"name must name the streamed module (its values, ring reservations and "
-                f"errors carry it), got {name!r}: give a non-blank string, or None"
-            )
+        check_optional_name(name, "streamed module", "its values, ring reservations and errors")
         self.name = name or f"{type(module).__name__}-{id(module):x}"
         self._stream = stream
         manager.check_thread()
