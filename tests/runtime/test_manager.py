@@ -426,7 +426,9 @@ async def test_a_lease_s_stream_or_a_done_callback_from_another_thread_is_refuse
         await m.materialize(h, "cuda:0")
         stream = m.backend.new_stream("cuda:0")  # type: ignore[attr-defined]
         compute = m.backend.current_stream("cuda:0")
-        pending = m.materialize_nowait(h, "pinned-host")
+        # Another value's copy, so that its events never count on w's cuda:0 record.
+        other_value = m.register(random_tensor(), name="other")
+        pending = m.materialize_nowait(other_value, "cuda:0")
         called: list[object] = []
         errors: list[BaseException] = []
         async with m.acquire(h, "cuda:0", stream=stream) as lease:
