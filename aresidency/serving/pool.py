@@ -56,6 +56,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
+from ..integrations.streaming.packing import TensorGroup
 from ..runtime.admission import Kept
 from ..runtime.checkpoints import Checkpoint
 from ..runtime.leases import Hold, current_owner, current_task, current_task_ref
@@ -65,7 +66,13 @@ from ..runtime.scopes import Scope
 from ..runtime.shield import finish_shielded, wait_shielded
 from ..runtime.signal import ManagerClosedError
 from .demand import DEMAND_HALF_LIFE_VERSIONS, DemandTracker, DemandView
-from .entry import Mode, ModelEntry, PooledStreamedModule, fixed_reserved_bytes
+from .entry import (
+    CHECKPOINT_READ_INTO,
+    Mode,
+    ModelEntry,
+    PooledStreamedModule,
+    fixed_reserved_bytes,
+)
 
 __all__ = ["ModelPool", "PoolDecision", "PooledModel"]
 
@@ -300,7 +307,16 @@ class _Loading:
                         continue  # moving out: copied once it left (the next round)
                     group = self.entry.streamed.group(index)
                     assert group.handle is not None
-                    operation = self.manager.materialize_nowait(group.handle, self.device)
+                    try:
+                        operation = self.manager.materialize_nowait(group.handle, self.device)
+                    except ResidencyBudgetError as error:
+                        if error.location == self.device or not pending:
+                            raise
+                        # Where its source loads it on the way (a checkpoint's groups are
+                        # read into pageable-host) holds fewer groups than are missing: the
+                        # rest are copied in the next round, once these landed and gave that
+                        # room back.
+                        break
                     operation.add_done_callback(functools.partial(self._landed, index))
                     pending.append(operation)
                     copied += group.charge_bytes
@@ -681,7 +697,10 @@ class ModelPool:
         then be on the ``meta`` device). ``prefetch``: blocks copied ahead when it is streamed.
         Registration copies the weights into host memory synchronously (a start-up cost).
         ``ValueError`` for a name in use, or a model that could never run on the device (its
-        tensors outside the blocks plus its largest block exceed the budget). Loop thread."""
+        tensors outside the blocks plus its largest block exceed the budget), or one rebuilt
+        from a checkpoint whose largest group the ``pageable-host`` budget can never hold (each
+        is read there on its way to the device; a request loads them as few at a time as that
+        budget needs). Loop thread."""
         self._check_open()
         self.manager.check_thread()
         if not isinstance(name, str) or not name.strip():
@@ -968,6 +987,9 @@ class ModelPool:
         entry.stats.requests += 1
         try:
             self._mode_for(entry, nbytes, request.task)  # one that could never fit fails now
+            short = entry.streamed.source_short()  # (a budget lowered since it was added)
+            if short is not None:
+                raise ResidencyPlanError(short[0]) from short[1]
         except ResidencyPlanError:
             entry.stats.failures += 1
             raise
@@ -1745,8 +1767,10 @@ class ModelPool:
         the release commits, such a block is protected by nothing, and a release whose block
         was evicted meanwhile fails."""
         entry = request.entry
+        loaded_in_rounds: list[TensorGroup] = []
         if mode == "resident":
-            needed = list(entry.groups)
+            loaded_in_rounds = self._loaded_in_rounds(entry)
+            needed = [g for g in entry.groups if g not in loaded_in_rounds]
         elif joining or entry.outside is None:
             needed = []
         else:
@@ -1763,6 +1787,11 @@ class ModelPool:
         if request.reserve:
             name = self._reservation_name(request)
             reservations.append(MemoryReservation(name, self.device, request.reserve))
+        if loaded_in_rounds:
+            nbytes = sum(g.charge_bytes for g in loaded_in_rounds)
+            reservations.append(
+                MemoryReservation(f"pool:{request.label}:load", self.device, nbytes)
+            )
         if window:
             reservations.append(
                 MemoryReservation(f"pool:{request.label}:window", self.device, window)
@@ -1772,6 +1801,28 @@ class ModelPool:
                 MemoryReservation(f"pool:{request.label}:streams", self.device, headroom)
             )
         return ResidencyRequest(f"pool:{request.label}", requirements, reservations)
+
+    def _loaded_in_rounds(self, entry: ModelEntry) -> list[TensorGroup]:
+        """The groups of a model rebuilt from its checkpoint that are nowhere now, when
+        pageable-host (where each is read on its way to the device, charged there until its
+        copy landed) can never hold them all at once: the controller would count them all
+        there at once and find the request infeasible for ever, while :class:`_Loading` copies
+        them in as many rounds as that room needs. The decision counts their room at the
+        device instead (a reservation of their bytes). Empty otherwise."""
+        if not any(group.from_source for group in entry.groups):
+            return []
+        state = self.manager.state
+        source = CHECKPOINT_READ_INTO
+        ledger = state.find_ledger(source)
+        if ledger is None or ledger.budget_bytes is None:
+            return []
+        nowhere = []
+        for group in entry.groups:
+            value = None if group.handle is None else state.find_value(group.handle)
+            if group.from_source and value is not None and not value.materializations:
+                nowhere.append(group)
+        room = ledger.budget_bytes - fixed_reserved_bytes(state, source)
+        return nowhere if sum(g.charge_bytes for g in nowhere) > room else []
 
     def _surely_short(self, entry: ModelEntry, mode: Mode, joining: bool, extra: int) -> bool:
         """Whether the request cannot fit now even if every unprotected value left the device
