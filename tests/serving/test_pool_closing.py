@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -15,7 +16,7 @@ import torch
 
 from aresidency import ResidencyManager
 from aresidency.runtime import ManagerClosedError
-from aresidency.serving import ModelPool
+from aresidency.serving import DemandTracker, ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
 from .test_pool import TOKENS, TOTAL, eventually, hold_copies
@@ -186,3 +187,15 @@ async def test_a_cost_model_or_fallback_graph_of_the_wrong_type_is_refused_by_na
         assert pool.stats()["a"]["evictions"] >= 1
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("clock", [datetime.now, lambda: float("nan"), lambda: None])
+async def test_a_clock_that_does_not_return_seconds_is_refused_by_name(clock: Any) -> None:
+    # clock=datetime.now was accepted: the first request failed with a TypeError about
+    # datetimes from deep in the demand arithmetic, and so did every later one, stats() and
+    # aclose() (the pool could not be closed, its models never got their tensors back).
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(TypeError, match=r"clock must return seconds .* got "):
+            ModelPool(m, clock=clock)
+        with pytest.raises(TypeError, match=r"clock must return seconds"):
+            DemandTracker(clock=clock)
