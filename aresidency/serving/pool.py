@@ -1933,6 +1933,14 @@ class ModelPool:
                     break
                 room -= group.charge_bytes
                 keep.append(group.index)
+        copies = [
+            g for g in entry.groups if g.index in keep and states.get(g.index) is not _RESIDENT
+        ]
+        if copies:  # (what a timeout, or the manager's close, then says it waited for)
+            request.why = (
+                f"the copies of {entry.name!r} to {self.device} to land ({len(copies)} "
+                f"group(s), {format_nbytes(sum(g.charge_bytes for g in copies))})"
+            )
         loading = _Loading(self.manager, self.device, entry)
         try:
             loaded = await loading.run(keep)

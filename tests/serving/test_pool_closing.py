@@ -126,6 +126,9 @@ async def test_closing_the_manager_while_a_requests_copies_land_logs_no_error(
     assert len(outcome) == 1, outcome
     notes = getattr(outcome[0], "__notes__", [])
     assert any("when the manager closed" in note for note in notes), notes
+    # What it waited for: the copies (it was said to wait for "its admission (deciding, and
+    # entering with the manager)", as a timeout then did too).
+    assert any(f"copies of 'a' to cuda:0 to land (5 group(s), {TOTAL} B)" in n for n in notes)
     assert not any("while loading" in note for note in notes), notes  # (not a failed load)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
