@@ -344,7 +344,8 @@ class ModelStats:
     with every group already on the device), ``loads`` (admissions that copied groups in),
     ``evictions`` (times the pool took groups of it off the device: its decisions, and room
     given back to another tenant, ``manager.reclaim``) and ``evicted_bytes``,
-    ``bytes_copied`` (host to device: admission loads and what streamed calls copied),
+    ``bytes_copied`` (host to device: admission loads, a cancelled or failed one's copies that
+    landed included, and what streamed calls copied),
     ``wait_seconds`` (time from arrival to admission, summed), ``failures`` (requests that
     raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),
     ``joined_past`` (hits admitted at once past a head of the line waiting for other models),

@@ -253,7 +253,7 @@ class _Loading:
     State: ``holds`` (group index -> the hold on its device materialization), ``open``
     (cleared when the loading gave up: a copy that lands later is not held), ``closed`` (the
     ``ManagerClosedError`` a hold got: the manager closed, :meth:`run` raises it; a done
-    callback never raises). Invariant: once
+    callback never raises), ``landed`` (bytes of its copies that landed). Invariant: once
     :meth:`run` raised, nothing is held and nothing it copied is in flight."""
 
     def __init__(self, manager: ResidencyManager, device: Location, entry: ModelEntry) -> None:
@@ -263,6 +263,7 @@ class _Loading:
         self.holds: dict[int, Hold] = {}
         self.open = True
         self.closed: ManagerClosedError | None = None  # a hold refused: the manager closed
+        self.landed = 0  # bytes of the copies it issued that landed (a failed run's too)
         # The request's task (made in it): the holds are that task's, also those taken in
         # a copy's done callback, where no task runs.
         self.task = current_task_ref()
@@ -283,6 +284,7 @@ class _Loading:
 
     def _landed(self, index: int, operation: PendingOperation) -> None:
         if operation.exception() is None:
+            self.landed += self.entry.streamed.group(index).charge_bytes
             self._hold(index)
 
     async def run(self, keep: list[int]) -> int:
@@ -1945,6 +1947,8 @@ class ModelPool:
         try:
             loaded = await loading.run(keep)
         except BaseException as error:
+            # What landed stays on the device (evictable): host-to-device bytes all the same.
+            entry.stats.bytes_copied += loading.landed
             if isinstance(error, Exception) and not isinstance(
                 error, (ResidencyBudgetError, ManagerClosedError)
             ):

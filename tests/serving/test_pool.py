@@ -853,6 +853,33 @@ async def test_cancelling_a_request_while_its_model_loads_leaks_nothing() -> Non
         await pool.aclose()
 
 
+async def test_the_copies_a_cancelled_load_landed_count_in_bytes_copied() -> None:
+    # A request cancelled once part of its model had landed: those groups stay on the device
+    # (the next request copies only the rest), but bytes_copied counted none of them.
+    backend = SimBackend(copy_gbps=0.0005)  # 0.5 MB/s: a model takes about 0.2 s to load
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend=backend) as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=6))
+        scope = anyio.CancelScope()
+
+        async def request() -> None:
+            with scope:
+                async with pool.use("a"):  # (admitted only if every copy beat the cancel)
+                    await anyio.sleep_forever()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(request)
+            await until_changed(m, lambda: pool.stats()["a"]["resident_bytes"] > 0)
+            scope.cancel()
+        landed = pool.stats()["a"]["resident_bytes"]
+        assert landed > 0 and pool.stats()["a"]["bytes_copied"] == landed
+        backend.copy_gbps = None
+        assert await run(pool, "a") == "resident"
+        assert pool.decisions[-1].loaded_bytes == TOTAL - landed
+        assert pool.stats()["a"]["bytes_copied"] == TOTAL
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("budget_models", [2.0, 0.7], ids=["resident", "streamed"])
 async def test_cancelling_a_request_inside_its_body_leaks_nothing(budget_models: float) -> None:
     backend = SimBackend(copy_gbps=0.001)
