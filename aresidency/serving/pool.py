@@ -89,6 +89,9 @@ _RECHECK_S = 0.5
 #: budget (``set_budget(device, None)``) is growth of the free room a waiting request sees.
 _UNLIMITED = 1 << 62
 
+#: What a parked request watches (see :meth:`ModelPool._progress`).
+_Progress = tuple[int, int, int, int, int, int]
+
 
 @dataclass(frozen=True)
 class PoolDecision:
@@ -1223,7 +1226,7 @@ class ModelPool:
             except ResidencyBudgetError as error:
                 # Refused synchronously (another tenant's scope waits for room first): undo
                 # and wait for our turn again.
-                refused = await self._undo_refused(request)
+                refused = await self._undo_refused(request, error)
                 request.why = f"room: {error}"
                 await self._park(request, refused, None)
                 continue
@@ -1238,7 +1241,7 @@ class ModelPool:
     async def _park(
         self,
         request: _Request,
-        before: tuple[int, int, int, int, int],
+        before: _Progress,
         blockers: frozenset[str] | None,
     ) -> None:
         """The head of the line parks until progress, naming the models whose requests it
@@ -1404,7 +1407,7 @@ class ModelPool:
 
     async def _enter_hit(
         self, request: _Request, headroom: int, *, joining: bool, passed: str | None = None
-    ) -> tuple[int, int, int, int, int] | None:
+    ) -> _Progress | None:
         """Admit a request whose model is resident whole without a decision (there is
         nothing to evict): a scope for its reserve, then its holds. ``None`` once admitted;
         if the reserve or a copy is refused (another tenant's scope came first), nothing
@@ -1426,23 +1429,27 @@ class ModelPool:
         request.mode, request.prefetch = "resident", 0
         try:
             loaded = await self._load_and_hold(request, joining=joining)
-        except ResidencyBudgetError:
-            return await self._undo_refused(request)
+        except ResidencyBudgetError as error:
+            return await self._undo_refused(request, error)
         except BaseException:
             await self._exit_scope(request)
             raise
         self._record(request, None, loaded, headroom, scope, passed=passed)
         return None
 
-    async def _undo_refused(self, request: _Request) -> tuple[int, int, int, int, int]:
-        """Exit the scope of a request whose copies the manager refused (another tenant's
-        scope waits for room first) and return the reading to park on: the room as it is once
-        the request's own reserve went, and the manager's queue as it was at the refusal (a
-        scope that entered while this one exited is progress)."""
+    async def _undo_refused(self, request: _Request, error: ResidencyBudgetError) -> _Progress:
+        """Exit the scope of a request whose copies the manager refused (``error``: another
+        tenant's scope waits for room first, or the room a checkpoint's groups are read into
+        is short) and return the reading to park on: the room as it is once the request's own
+        reserve went, and the manager's queue and the room where the groups are read as they
+        were at the refusal (a scope that entered, or room there that another tenant's copies
+        gave back, while this one exited is progress)."""
         queued = self.manager.waiting
         await self._exit_scope(request)
-        ended, free, unprotected, incoming, now_queued = self._progress()
-        return ended, free, unprotected, incoming, max(queued, now_queued)
+        ended, free, unprotected, incoming, now_queued, read_free = self._progress()
+        if error.location == CHECKPOINT_READ_INTO and error.budget_bytes is not None:
+            read_free = min(read_free, error.budget_bytes - error.current_bytes)
+        return ended, free, unprotected, incoming, max(queued, now_queued), read_free
 
     async def _evict_coldest_idle(self, entry: ModelEntry) -> str | None:
         """Release every resident device replica of the idle model with the lowest demand
@@ -1530,25 +1537,43 @@ class ModelPool:
 
     # -- waiting
 
-    def _progress(self) -> tuple[int, int, int, int, int]:
+    def _progress(self) -> _Progress:
         """What a waiting request watches: requests ended, free room at the device, the room
-        nothing protects there, the bytes still arriving (a landed copy can be evicted), and
-        the scopes waiting in the manager's admission queue (another tenant's)."""
-        ledger = self.manager.state.ledger(self.device)
+        nothing protects there, the bytes still arriving (a landed copy can be evicted), the
+        scopes waiting in the manager's admission queue (another tenant's), and the free room
+        at pageable-host, where a checkpoint's groups are read on their way (another tenant's
+        loads, a pool's on another device, give it back with no change at this device)."""
+        state = self.manager.state
+        ledger = state.ledger(self.device)
         # No budget (none set, or lifted: set_budget(device, None)) is more room than any.
         budget = _UNLIMITED if ledger.budget_bytes is None else ledger.budget_bytes
         free = budget - ledger.charged_bytes
         unprotected = budget - ledger.reserved_bytes - ledger.protected_bytes
-        return self._ended, free, unprotected, ledger.incoming_bytes, self.manager.waiting
+        read = state.find_ledger(CHECKPOINT_READ_INTO)
+        read_free = (
+            _UNLIMITED
+            if read is None or read.budget_bytes is None
+            else read.budget_bytes - read.charged_bytes
+        )
+        return (
+            self._ended,
+            free,
+            unprotected,
+            ledger.incoming_bytes,
+            self.manager.waiting,
+            read_free,
+        )
 
-    async def _wait_for_progress(self, before: tuple[int, int, int, int, int]) -> None:
+    async def _wait_for_progress(self, before: _Progress) -> None:
         """Park until something happened since ``before`` that could admit a waiting request:
         a request ended (its model is idle, its mode over), free room grew, the room nothing
         protects grew (a hold or a lease ended, readers' events were reaped: an eviction became
-        possible), a copy landed, or a scope of another tenant left the manager's queue (the
+        possible), a copy landed, a scope of another tenant left the manager's queue (the
         manager refuses the pool's copies while one waits there for room: first come, first
-        served). Only those can turn a refusal into an admission, so the head of the line does
-        not decide again on every transition of the calls in flight.
+        served), or room at pageable-host grew (where a checkpoint's groups are read on their
+        way: another pool's loads give it back). Only those can turn a refusal into an
+        admission, so the head of the line does not decide again on every transition of the
+        calls in flight.
 
         ``before`` must be read in the same synchronous step as the judgement that refused the
         request (see :meth:`_admit_in_turn`): room that shrank while an await ran and came back
@@ -1561,10 +1586,12 @@ class ModelPool:
         ``ManagerClosedError`` as soon as the manager closes."""
         closed = self._closed
         while True:
-            ended, free, unprotected, incoming, queued = self._progress()
+            ended, free, unprotected, incoming, queued, read_free = self._progress()
             if ended != before[0] or free > before[1] or unprotected > before[2]:
                 return
             if incoming < before[3] or queued < before[4] or self._closed != closed:
+                return
+            if read_free > before[5]:
                 return
             with anyio.move_on_after(_RECHECK_S) as wake:
                 self._wakes.add(wake)

@@ -13,13 +13,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aresidency import ResidencyBudgetError, ResidencyManager, ResidencyPlanError
+from aresidency import Location, ResidencyBudgetError, ResidencyManager, ResidencyPlanError
+from aresidency.backends.sim import SimBackend
 from aresidency.serving import ModelPool
+from aresidency.testing import until
 
 from ._models import TinyLM, assert_nothing_leaked, max_charge, reference
 from .test_pool import BLOCK, OUTSIDE, TOKENS, TOTAL, model_bytes
 
 pytestmark = pytest.mark.anyio
+
+PAGEABLE = Location.parse("pageable-host")
 
 
 def checkpoint_of(module: torch.nn.Module, path: Path) -> Path:
@@ -103,3 +107,42 @@ async def test_a_block_its_pageable_budget_can_never_hold_is_refused_at_add_and_
                 assert model.mode == "resident"
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("pageable_blocks", [2, 5], ids=["two groups", "a model and a group"])
+async def test_a_request_waiting_for_the_room_another_pools_load_reads_into_goes_in(
+    tmp_path: Path, pageable_blocks: int
+) -> None:
+    # Two pools on two devices share the pageable-host budget their checkpoints are read
+    # into. A request whose load found that room taken by the other pool's load waited for
+    # progress at its own device only, which never came: it waited for ever.
+    originals = [TinyLM(seed=1), TinyLM(seed=2)]
+    paths = [checkpoint_of(o, tmp_path / f"{i}.safetensors") for i, o in enumerate(originals)]
+    budgets = {
+        "cuda:0": 2 * TOTAL,
+        "cuda:1": 2 * TOTAL,
+        "pageable-host": pageable_blocks * BLOCK,
+    }
+    backend = SimBackend(copy_gbps=0.0002)  # 0.2 MB/s: a model takes about 0.4 s to load
+    async with ResidencyManager(budgets=budgets, backend=backend) as m:
+        pools = [ModelPool(m, "cuda:0"), ModelPool(m, "cuda:1")]
+        for pool, path, name in zip(pools, paths, "ab"):
+            pool.add(name, TinyLM(seed=9), checkpoint=path)
+        modes: list[str] = []
+
+        async def request(pool: ModelPool, name: str, original: torch.nn.Module) -> None:
+            async with pool.use(name) as model:
+                assert torch.equal(await model(TOKENS), reference(original, TOKENS))
+                modes.append(model.mode)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(request, pools[0], "a", originals[0])
+                # 'b' asks once 'a' is being read into pageable-host.
+                await until(m, lambda: m.state.ledger(PAGEABLE).charged_bytes > 0)
+                tasks.start_soon(request, pools[1], "b", originals[1])
+        assert modes == ["resident", "resident"]
+        for pool in pools:
+            assert pool.admitted == pool.waiting == 0
+            await pool.aclose()
+        assert m.snapshot().location("pageable-host").reserved_bytes == 0
