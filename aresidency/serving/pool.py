@@ -1834,10 +1834,11 @@ class ModelPool:
     def _loaded_in_rounds(self, entry: ModelEntry) -> list[TensorGroup]:
         """The groups of a model rebuilt from its checkpoint that are nowhere now, when
         pageable-host (where each is read on its way to the device, charged there until its
-        copy landed) can never hold them all at once: the controller would count them all
-        there at once and find the request infeasible for ever, while :class:`_Loading` copies
-        them in as many rounds as that room needs. The decision counts their room at the
-        device instead (a reservation of their bytes). Empty otherwise."""
+        copy landed) cannot hold them all at once, even with everything evictable gone: the
+        controller would count them all there at once and find the request infeasible (for
+        as long as what it cannot evict stays), while :class:`_Loading` copies them in as
+        many rounds as that room needs. The decision counts their room at the device instead
+        (a reservation of their bytes). Empty otherwise: the decision makes their room."""
         if not any(group.from_source for group in entry.groups):
             return []
         state = self.manager.state
@@ -1850,7 +1851,17 @@ class ModelPool:
             value = None if group.handle is None else state.find_value(group.handle)
             if group.from_source and value is not None and not value.materializations:
                 nowhere.append(group)
-        room = ledger.budget_bytes - fixed_reserved_bytes(state, source)
+        if not nowhere:
+            return []
+        # What no decision can evict there: protected copies, and sole ones with no source.
+        stuck = 0
+        for value in state.values():
+            mat = value.materializations.get(source)
+            if mat is not None and (
+                mat.protected or (len(value.materializations) < 2 and not value.has_source)
+            ):
+                stuck += mat.charged_bytes
+        room = ledger.budget_bytes - fixed_reserved_bytes(state, source) - stuck
         return nowhere if sum(g.charge_bytes for g in nowhere) > room else []
 
     def _surely_short(self, entry: ModelEntry, mode: Mode, joining: bool, extra: int) -> bool:

@@ -31,16 +31,24 @@ def checkpoint_of(module: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-async def test_a_model_larger_than_the_pageable_budget_loads_resident_a_few_groups_at_a_time(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("pageable", "other"),
+    [(2 * BLOCK, 0), (TOTAL + BLOCK, 2 * BLOCK)],
+    ids=["two groups", "a model but for another value"],
+)
+async def test_a_model_larger_than_the_pageable_room_loads_resident_a_few_groups_at_a_time(
+    tmp_path: Path, pageable: int, other: int
 ) -> None:
-    # The device holds the model whole, pageable-host two of its groups at a time: the request
-    # was refused as infeasible at pageable-host (the whole model's temporary storage at
-    # once) and waited for room that never comes, for ever.
+    # The device holds the model whole, pageable-host two of its groups at a time (or the
+    # model whole, but for a value registered there that nothing can evict): the request was
+    # refused as infeasible at pageable-host (the whole model's temporary storage at once)
+    # and waited for room that never comes, for ever.
     original = TinyLM(seed=1)
     path = checkpoint_of(original, tmp_path / "a.safetensors")
-    budgets = {"cuda:0": 2 * TOTAL, "pageable-host": 2 * BLOCK}
+    budgets = {"cuda:0": 2 * TOTAL, "pageable-host": pageable}
     async with ResidencyManager(budgets=budgets, backend="sim") as m:
+        if other:
+            m.register(torch.ones(other // 4), name="other", location="pageable-host")
         pool = ModelPool(m)
         pool.add("a", TinyLM(seed=1), checkpoint=path)
         with anyio.fail_after(10):
@@ -49,7 +57,7 @@ async def test_a_model_larger_than_the_pageable_budget_loads_resident_a_few_grou
                 assert torch.equal(await model(TOKENS), reference(original, TOKENS))
             async with pool.use("a") as model:  # nothing to load again
                 assert model.decision.loaded_bytes == 0
-        assert max_charge(m.trace(), "pageable-host") <= 2 * BLOCK
+        assert max_charge(m.trace(), "pageable-host") <= pageable
         assert pool.stats()["a"]["bytes_copied"] == TOTAL
         assert_nothing_leaked(m, pool)
         await pool.aclose()
