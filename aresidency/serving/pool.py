@@ -191,10 +191,11 @@ def _span_of(tensor: Any) -> tuple[int, int] | None:
 class _Place:
     """A request's place in :class:`_Line`: woken to look again (loop thread)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "entry")
 
-    def __init__(self) -> None:
+    def __init__(self, entry: ModelEntry | None = None) -> None:
         self._event = anyio.Event()
+        self.entry = entry  # the model its request is for
 
     def wake(self) -> None:
         self._event.set()
@@ -215,8 +216,8 @@ class _Line:
     def __len__(self) -> int:
         return len(self._places)
 
-    def join(self) -> _Place:
-        place = _Place()
+    def join(self, entry: ModelEntry | None = None) -> _Place:
+        place = _Place(entry)
         self._places.append(place)
         return place
 
@@ -234,9 +235,24 @@ class _Line:
         if was_first and self._places:
             self._places[0].wake()
 
-    def wake_all(self) -> None:
+    def wake_all(self, blockers: frozenset[str] | None = None) -> None:
+        """Wake the places behind the head that may join past it (their model resident and
+        in use resident, and not one of the head's ``blockers``: what
+        :meth:`ModelPool._try_express` asks first), all of them without ``blockers``. The
+        others could not pass: waking them all, thousands of requests in line each time the
+        head parks, kept the loop from every other task for as long as they took to look."""
         for place in self._places:
-            place.wake()
+            entry = place.entry
+            if (
+                blockers is None
+                or entry is None
+                or (
+                    entry.name not in blockers
+                    and entry.active["resident"]
+                    and not entry.active["streamed"]
+                )
+            ):
+                place.wake()
 
 
 class _Loading:
@@ -1047,7 +1063,7 @@ class ModelPool:
                     async with self._deciding:
                         await self._admit_in_turn(request)
                     return
-                place = self._line.join()
+                place = self._line.join(request.entry)
                 try:
                     while not self._line.first(place):
                         # Woken when the head parks (and when it leaves): a request that
@@ -1218,7 +1234,7 @@ class ModelPool:
                     # streamed head's window is not charged yet, so it lets nobody by).
                     self._head_blockers = frozenset({entry.name})
                     self._head_why = f"request {request.id} for {entry.name!r}, which loads it"
-                    self._line.wake_all()
+                    self._line.wake_all(self._head_blockers)
                 try:
                     loaded = await self._load_and_hold(request, joining)
                 finally:
@@ -1283,7 +1299,7 @@ class ModelPool:
                     f"{request.why}"
                 )
                 if blockers is not None and self.express_joins:
-                    self._line.wake_all()  # the requests in line may look for a way past now
+                    self._line.wake_all(blockers)  # (those that may pass look for a way now)
                 try:
                     await self._wait_for_progress(before)
                 finally:

@@ -1146,6 +1146,49 @@ async def test_a_search_past_its_limit_evicts_the_coldest_idle_model_whole() -> 
 # ------------------------------------------------------------------------- joining past the head
 
 
+async def test_requests_in_line_that_cannot_pass_are_not_woken_when_the_head_parks() -> None:
+    # Every request in line was woken to look for a way past the head each time the head
+    # parked, also those whose model is not on the device (they can never pass): with
+    # thousands of requests in line that is thousands of task steps per park, holding the
+    # loop from everything else (1500 requests for 100 models: 397,591 wake-ups, 1,499 now).
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + KiB}, backend="sim") as m:
+        pool = ModelPool(m)
+        for seed, name in enumerate("abc"):
+            pool.add(name, TinyLM(seed=seed))
+        looks: list[str] = []
+        try_express = pool._try_express
+
+        async def counted(request: Any) -> bool:
+            looks.append(request.entry.name)
+            return await try_express(request)
+
+        pool._try_express = counted  # type: ignore[method-assign]
+        release = anyio.Event()
+
+        async def request(name: str, hold: bool = False) -> None:
+            async with pool.use(name) as model:
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                if hold:
+                    await release.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(request, "a", True)
+            await eventually(lambda: pool.admitted == 1)
+            tasks.start_soon(request, "b")  # the head: it waits for 'a' to end
+            await eventually(lambda: pool.waiting == 1)
+            for _ in range(10):
+                tasks.start_soon(request, "c")  # behind it: 'c' is not on the device
+            await eventually(lambda: pool.waiting == 11)
+            assert looks == ["c"] * 10  # each looked once, as it arrived
+            for extra in range(2, 6):  # more room, never enough: the head decides, parks again
+                m.set_budget("cuda:0", TOTAL + extra * KiB)
+                await anyio.wait_all_tasks_blocked()
+            assert looks == ["c"] * 10
+            release.set()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("express", [True, False], ids=["express", "strict"])
 async def test_a_request_for_a_busy_resident_model_joins_past_a_head_that_waits_for_another(
     express: bool,
