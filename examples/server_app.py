@@ -31,6 +31,7 @@ host memory, tiny models). ``create_app(ServerConfig(...))`` or
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
@@ -44,13 +45,13 @@ import anyio
 import torch
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictFloat, StrictInt, StrictStr
 from torch import nn
 
-from aresidency import ResidencyManager, ResidencyPlanError
+from aresidency import ResidencyError, ResidencyManager, ResidencyPlanError
 from aresidency.core.locations import Location
 from aresidency.core.sizes import ByteSize, parse_nbytes
-from aresidency.serving import ModelPool
+from aresidency.serving import ModelPool, PooledModel
 
 logger = logging.getLogger("aresidency.examples.server")
 
@@ -163,7 +164,10 @@ class GenerateBody(BaseModel):
     tokens: list[int] | None = Field(None, description="prompt token ids (default: random)")
     prompt_len: int = Field(32, ge=1, le=4096, description="random prompt length")
     max_new_tokens: int = Field(4, ge=0, le=256)
-    reserve: int | str | None = Field(None, description="workspace to reserve (default: KV)")
+    # Strict: pydantic would take JSON true for the int 1 (a reserve of one byte).
+    reserve: StrictInt | StrictFloat | StrictStr | None = Field(
+        None, description="workspace to reserve, bytes or a size such as '64MiB' (default: KV)"
+    )
     timeout: float | None = Field(None, ge=0, description="seconds to wait for admission")
 
 
@@ -244,6 +248,36 @@ def check_open(pool: ModelPool) -> None:
     ``RuntimeError`` (a 500) while the server shuts down."""
     if pool.closed:
         raise ShuttingDown("the server is shutting down: it admits no new request")
+
+
+class LoadFailed(Exception):
+    """Bringing the request's model to the device failed (a copy, or an allocation the device
+    refused): answered 503 with the error. The pool's other requests go on, and the next
+    request for the model loads it again."""
+
+
+@asynccontextmanager
+async def use_loaded(
+    pool: ModelPool, name: str, *, reserve: ByteSize, timeout: float | None
+) -> AsyncIterator[PooledModel]:
+    """``pool.use(name, ...)`` once the pool is open (:func:`check_open`), with a failure to
+    load the model (a ``RuntimeError`` such as a CUDA error or ``torch.OutOfMemoryError``, a
+    ``ResidencyError`` other than the never-fits ``ResidencyPlanError``) raised as
+    :class:`LoadFailed`. What the body raises is left as it is."""
+    check_open(pool)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            model = await stack.enter_async_context(
+                pool.use(name, reserve=reserve, timeout=timeout)
+            )
+        except ResidencyPlanError:
+            raise
+        except (RuntimeError, ResidencyError) as error:
+            notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
+            raise LoadFailed(
+                f"model {name!r} could not be loaded: {type(error).__name__}: {error}{notes}"
+            ) from error
+        yield model
 
 
 # ---------------------------------------------------------------------------- the app
@@ -351,8 +385,7 @@ def create_app(
         started = time.perf_counter()
 
         async def work() -> dict[str, Any]:
-            check_open(pool)
-            async with pool.use(name, reserve=reserve, timeout=timeout) as model:
+            async with use_loaded(pool, name, reserve=reserve, timeout=timeout) as model:
                 admitted = time.perf_counter()
                 # No grad-mode context around awaits (it would leak into other requests'
                 # tasks): the models were built without autograd.
@@ -384,8 +417,7 @@ def create_app(
         )
 
         async def work() -> dict[str, Any]:
-            check_open(pool)
-            async with pool.use(name, reserve=reserve, timeout=config.timeout) as model:
+            async with use_loaded(pool, name, reserve=reserve, timeout=config.timeout) as model:
                 out = await model(prompt, output_hidden_states=True, use_cache=False)
                 vector = await to_host(manager, out.hidden_states[-1].float().mean(dim=1))
                 return {"model": name, "mode": model.mode, "embedding": vector[0].tolist()}
@@ -425,6 +457,11 @@ def create_app(
     @app.exception_handler(TimeoutError)
     async def not_admitted(request: Request, error: TimeoutError) -> JSONResponse:
         return JSONResponse({"error": str(error)}, status_code=503)
+
+    @app.exception_handler(LoadFailed)
+    async def load_failed(request: Request, error: LoadFailed) -> JSONResponse:
+        # 503: the next request for the model loads it again (a client may retry).
+        return JSONResponse({"error": str(error)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(ShuttingDown)
     async def shutting_down(request: Request, error: ShuttingDown) -> JSONResponse:

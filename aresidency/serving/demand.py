@@ -66,6 +66,16 @@ class DemandTracker:
             raise TypeError(f"half_life must be a number of seconds, got {half_life!r}")
         if not (half_life > 0 and math.isfinite(half_life)):
             raise ValueError(f"half_life must be a finite number of seconds > 0, got {half_life}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        # Read once now: a clock of another kind (datetime.now) would fail every request, the
+        # statistics and the pool's close, far from the cause.
+        now = clock()
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise TypeError(
+                f"clock must return seconds as a finite number (like time.monotonic), got "
+                f"{now!r} from {clock!r}"
+            )
         self.half_life = float(half_life)
         self.clock = clock
         self._counts: dict[str, tuple[float, float]] = {}

@@ -22,6 +22,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
+from ..core.errors import ResidencyBudgetError
 from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.state import ResidencyState
@@ -31,9 +32,20 @@ from ..integrations.streaming.packing import TensorGroup
 from ..integrations.streaming.runners import TorchState, run_once
 from ..runtime.leases import Lease, LeaseWouldWait
 
-__all__ = ["Mode", "ModelEntry", "ModelStats", "PooledStreamedModule", "fixed_reserved_bytes"]
+__all__ = [
+    "CHECKPOINT_READ_INTO",
+    "Mode",
+    "ModelEntry",
+    "ModelStats",
+    "PooledStreamedModule",
+    "fixed_reserved_bytes",
+]
 
 Mode = Literal["resident", "streamed"]
+
+#: Where a checkpoint's group is read on its way to the device (``stream_module`` registers
+#: each as a source loading there): temporary storage, charged there until its copy landed.
+CHECKPOINT_READ_INTO = Location.parse("pageable-host")
 
 
 def fixed_reserved_bytes(state: ResidencyState, location: Location) -> int:
@@ -262,13 +274,54 @@ class PooledStreamedModule(StreamedModule):
         finally:
             self._exclusive -= 1
 
+    def source_short(self) -> tuple[str, ResidencyBudgetError] | None:
+        """For a model rebuilt from its checkpoint whose largest group ``pageable-host``
+        (where a checkpoint's group is read on its way to the device: temporary storage,
+        charged there until the copy landed) can never hold, its budget less fixed
+        reservations too small: why the model can never be loaded, and the refusal with the
+        bytes as fields. ``None`` otherwise, and for a model whose host copies are kept
+        (nothing is loaded from a source)."""
+        if self._checkpoint is None or not self.all_groups:
+            return None
+        where = CHECKPOINT_READ_INTO
+        state = self.manager.state
+        ledger = state.find_ledger(where)
+        if ledger is None or ledger.budget_bytes is None:
+            return None
+        fixed = fixed_reserved_bytes(state, where)
+        largest = max(self.all_groups, key=lambda group: group.charge_bytes)
+        if largest.charge_bytes <= ledger.budget_bytes - fixed:
+            return None
+        error = ResidencyBudgetError(
+            where,
+            ledger.budget_bytes,
+            0,
+            fixed,
+            largest.charge_bytes,
+            what=f"{largest.name} (read from its checkpoint on its way to {self.device})",
+            handle=largest.handle,
+            kind="reconstruction",
+        )
+        reason = (
+            f"model {self.name!r} can never be loaded: each of its groups is read from its "
+            f"checkpoint into {where} on its way to {self.device}, and its largest "
+            f"({largest.name}, {format_nbytes(largest.charge_bytes)}) needs more than the "
+            f"{where} budget ({format_nbytes(ledger.budget_bytes)}) less fixed reservations "
+            f"({format_nbytes(fixed)}); raise the {where} budget or split the blocks"
+        )
+        return reason, error
+
     def _check_budget(self) -> None:
         """At construction: refuse a model that could never run at all, even streamed with no
         prefetch and nothing else on the device (the module's own check would also count the
-        reservations of requests in flight). At a call: nothing, the pool did the arithmetic
-        when it admitted the request."""
+        reservations of requests in flight), or one rebuilt from a checkpoint whose largest
+        group the pageable-host budget can never hold on its way (:meth:`source_short`). At a
+        call: nothing, the pool did the arithmetic when it admitted the request."""
         if self.constructed:
             return
+        short = self.source_short()
+        if short is not None:
+            raise ValueError(short[0]) from short[1]
         ledger = self.manager.state.find_ledger(self.device)
         if ledger is None or ledger.budget_bytes is None:
             return
@@ -291,7 +344,8 @@ class ModelStats:
     with every group already on the device), ``loads`` (admissions that copied groups in),
     ``evictions`` (times the pool took groups of it off the device: its decisions, and room
     given back to another tenant, ``manager.reclaim``) and ``evicted_bytes``,
-    ``bytes_copied`` (host to device: admission loads and what streamed calls copied),
+    ``bytes_copied`` (host to device: admission loads, a cancelled or failed one's copies that
+    landed included, and what streamed calls copied),
     ``wait_seconds`` (time from arrival to admission, summed), ``failures`` (requests that
     raised before or during their body), ``last_mode`` (``resident`` or ``streamed``),
     ``joined_past`` (hits admitted at once past a head of the line waiting for other models),

@@ -56,6 +56,7 @@ from ..core.timeouts import check_timeout
 from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle
 from ..integrations.streaming import HostKind
+from ..integrations.streaming.packing import TensorGroup
 from ..runtime.admission import Kept
 from ..runtime.checkpoints import Checkpoint
 from ..runtime.leases import Hold, current_owner, current_task, current_task_ref
@@ -65,7 +66,13 @@ from ..runtime.scopes import Scope
 from ..runtime.shield import finish_shielded, wait_shielded
 from ..runtime.signal import ManagerClosedError
 from .demand import DEMAND_HALF_LIFE_VERSIONS, DemandTracker, DemandView
-from .entry import Mode, ModelEntry, PooledStreamedModule, fixed_reserved_bytes
+from .entry import (
+    CHECKPOINT_READ_INTO,
+    Mode,
+    ModelEntry,
+    PooledStreamedModule,
+    fixed_reserved_bytes,
+)
 
 __all__ = ["ModelPool", "PoolDecision", "PooledModel"]
 
@@ -81,6 +88,9 @@ _RECHECK_S = 0.5
 #: The room a device without a budget counts as having (more than any budget): lifting a
 #: budget (``set_budget(device, None)``) is growth of the free room a waiting request sees.
 _UNLIMITED = 1 << 62
+
+#: What a parked request watches (see :meth:`ModelPool._progress`).
+_Progress = tuple[int, int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -181,10 +191,11 @@ def _span_of(tensor: Any) -> tuple[int, int] | None:
 class _Place:
     """A request's place in :class:`_Line`: woken to look again (loop thread)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "entry")
 
-    def __init__(self) -> None:
+    def __init__(self, entry: ModelEntry | None = None) -> None:
         self._event = anyio.Event()
+        self.entry = entry  # the model its request is for
 
     def wake(self) -> None:
         self._event.set()
@@ -205,8 +216,8 @@ class _Line:
     def __len__(self) -> int:
         return len(self._places)
 
-    def join(self) -> _Place:
-        place = _Place()
+    def join(self, entry: ModelEntry | None = None) -> _Place:
+        place = _Place(entry)
         self._places.append(place)
         return place
 
@@ -224,9 +235,24 @@ class _Line:
         if was_first and self._places:
             self._places[0].wake()
 
-    def wake_all(self) -> None:
+    def wake_all(self, blockers: frozenset[str] | None = None) -> None:
+        """Wake the places behind the head that may join past it (their model resident and
+        in use resident, and not one of the head's ``blockers``: what
+        :meth:`ModelPool._try_express` asks first), all of them without ``blockers``. The
+        others could not pass: waking them all, thousands of requests in line each time the
+        head parks, kept the loop from every other task for as long as they took to look."""
         for place in self._places:
-            place.wake()
+            entry = place.entry
+            if (
+                blockers is None
+                or entry is None
+                or (
+                    entry.name not in blockers
+                    and entry.active["resident"]
+                    and not entry.active["streamed"]
+                )
+            ):
+                place.wake()
 
 
 class _Loading:
@@ -246,7 +272,7 @@ class _Loading:
     State: ``holds`` (group index -> the hold on its device materialization), ``open``
     (cleared when the loading gave up: a copy that lands later is not held), ``closed`` (the
     ``ManagerClosedError`` a hold got: the manager closed, :meth:`run` raises it; a done
-    callback never raises). Invariant: once
+    callback never raises), ``landed`` (bytes of its copies that landed). Invariant: once
     :meth:`run` raised, nothing is held and nothing it copied is in flight."""
 
     def __init__(self, manager: ResidencyManager, device: Location, entry: ModelEntry) -> None:
@@ -256,6 +282,7 @@ class _Loading:
         self.holds: dict[int, Hold] = {}
         self.open = True
         self.closed: ManagerClosedError | None = None  # a hold refused: the manager closed
+        self.landed = 0  # bytes of the copies it issued that landed (a failed run's too)
         # The request's task (made in it): the holds are that task's, also those taken in
         # a copy's done callback, where no task runs.
         self.task = current_task_ref()
@@ -276,6 +303,7 @@ class _Loading:
 
     def _landed(self, index: int, operation: PendingOperation) -> None:
         if operation.exception() is None:
+            self.landed += self.entry.streamed.group(index).charge_bytes
             self._hold(index)
 
     async def run(self, keep: list[int]) -> int:
@@ -300,7 +328,16 @@ class _Loading:
                         continue  # moving out: copied once it left (the next round)
                     group = self.entry.streamed.group(index)
                     assert group.handle is not None
-                    operation = self.manager.materialize_nowait(group.handle, self.device)
+                    try:
+                        operation = self.manager.materialize_nowait(group.handle, self.device)
+                    except ResidencyBudgetError as error:
+                        if error.location == self.device or not pending:
+                            raise
+                        # Where its source loads it on the way (a checkpoint's groups are
+                        # read into pageable-host) holds fewer groups than are missing: the
+                        # rest are copied in the next round, once these landed and gave that
+                        # room back.
+                        break
                     operation.add_done_callback(functools.partial(self._landed, index))
                     pending.append(operation)
                     copied += group.charge_bytes
@@ -681,7 +718,10 @@ class ModelPool:
         then be on the ``meta`` device). ``prefetch``: blocks copied ahead when it is streamed.
         Registration copies the weights into host memory synchronously (a start-up cost).
         ``ValueError`` for a name in use, or a model that could never run on the device (its
-        tensors outside the blocks plus its largest block exceed the budget). Loop thread."""
+        tensors outside the blocks plus its largest block exceed the budget), or one rebuilt
+        from a checkpoint whose largest group the ``pageable-host`` budget can never hold (each
+        is read there on its way to the device; a request loads them as few at a time as that
+        budget needs). Loop thread."""
         self._check_open()
         self.manager.check_thread()
         if not isinstance(name, str) or not name.strip():
@@ -968,6 +1008,9 @@ class ModelPool:
         entry.stats.requests += 1
         try:
             self._mode_for(entry, nbytes, request.task)  # one that could never fit fails now
+            short = entry.streamed.source_short()  # (a budget lowered since it was added)
+            if short is not None:
+                raise ResidencyPlanError(short[0]) from short[1]
         except ResidencyPlanError:
             entry.stats.failures += 1
             raise
@@ -1020,7 +1063,7 @@ class ModelPool:
                     async with self._deciding:
                         await self._admit_in_turn(request)
                     return
-                place = self._line.join()
+                place = self._line.join(request.entry)
                 try:
                     while not self._line.first(place):
                         # Woken when the head parks (and when it leaves): a request that
@@ -1191,7 +1234,7 @@ class ModelPool:
                     # streamed head's window is not charged yet, so it lets nobody by).
                     self._head_blockers = frozenset({entry.name})
                     self._head_why = f"request {request.id} for {entry.name!r}, which loads it"
-                    self._line.wake_all()
+                    self._line.wake_all(self._head_blockers)
                 try:
                     loaded = await self._load_and_hold(request, joining)
                 finally:
@@ -1199,7 +1242,7 @@ class ModelPool:
             except ResidencyBudgetError as error:
                 # Refused synchronously (another tenant's scope waits for room first): undo
                 # and wait for our turn again.
-                refused = await self._undo_refused(request)
+                refused = await self._undo_refused(request, error)
                 request.why = f"room: {error}"
                 await self._park(request, refused, None)
                 continue
@@ -1214,7 +1257,7 @@ class ModelPool:
     async def _park(
         self,
         request: _Request,
-        before: tuple[int, int, int, int, int],
+        before: _Progress,
         blockers: frozenset[str] | None,
     ) -> None:
         """The head of the line parks until progress, naming the models whose requests it
@@ -1256,7 +1299,7 @@ class ModelPool:
                     f"{request.why}"
                 )
                 if blockers is not None and self.express_joins:
-                    self._line.wake_all()  # the requests in line may look for a way past now
+                    self._line.wake_all(blockers)  # (those that may pass look for a way now)
                 try:
                     await self._wait_for_progress(before)
                 finally:
@@ -1380,7 +1423,7 @@ class ModelPool:
 
     async def _enter_hit(
         self, request: _Request, headroom: int, *, joining: bool, passed: str | None = None
-    ) -> tuple[int, int, int, int, int] | None:
+    ) -> _Progress | None:
         """Admit a request whose model is resident whole without a decision (there is
         nothing to evict): a scope for its reserve, then its holds. ``None`` once admitted;
         if the reserve or a copy is refused (another tenant's scope came first), nothing
@@ -1402,23 +1445,27 @@ class ModelPool:
         request.mode, request.prefetch = "resident", 0
         try:
             loaded = await self._load_and_hold(request, joining=joining)
-        except ResidencyBudgetError:
-            return await self._undo_refused(request)
+        except ResidencyBudgetError as error:
+            return await self._undo_refused(request, error)
         except BaseException:
             await self._exit_scope(request)
             raise
         self._record(request, None, loaded, headroom, scope, passed=passed)
         return None
 
-    async def _undo_refused(self, request: _Request) -> tuple[int, int, int, int, int]:
-        """Exit the scope of a request whose copies the manager refused (another tenant's
-        scope waits for room first) and return the reading to park on: the room as it is once
-        the request's own reserve went, and the manager's queue as it was at the refusal (a
-        scope that entered while this one exited is progress)."""
+    async def _undo_refused(self, request: _Request, error: ResidencyBudgetError) -> _Progress:
+        """Exit the scope of a request whose copies the manager refused (``error``: another
+        tenant's scope waits for room first, or the room a checkpoint's groups are read into
+        is short) and return the reading to park on: the room as it is once the request's own
+        reserve went, and the manager's queue and the room where the groups are read as they
+        were at the refusal (a scope that entered, or room there that another tenant's copies
+        gave back, while this one exited is progress)."""
         queued = self.manager.waiting
         await self._exit_scope(request)
-        ended, free, unprotected, incoming, now_queued = self._progress()
-        return ended, free, unprotected, incoming, max(queued, now_queued)
+        ended, free, unprotected, incoming, now_queued, read_free = self._progress()
+        if error.location == CHECKPOINT_READ_INTO and error.budget_bytes is not None:
+            read_free = min(read_free, error.budget_bytes - error.current_bytes)
+        return ended, free, unprotected, incoming, max(queued, now_queued), read_free
 
     async def _evict_coldest_idle(self, entry: ModelEntry) -> str | None:
         """Release every resident device replica of the idle model with the lowest demand
@@ -1506,25 +1553,43 @@ class ModelPool:
 
     # -- waiting
 
-    def _progress(self) -> tuple[int, int, int, int, int]:
+    def _progress(self) -> _Progress:
         """What a waiting request watches: requests ended, free room at the device, the room
-        nothing protects there, the bytes still arriving (a landed copy can be evicted), and
-        the scopes waiting in the manager's admission queue (another tenant's)."""
-        ledger = self.manager.state.ledger(self.device)
+        nothing protects there, the bytes still arriving (a landed copy can be evicted), the
+        scopes waiting in the manager's admission queue (another tenant's), and the free room
+        at pageable-host, where a checkpoint's groups are read on their way (another tenant's
+        loads, a pool's on another device, give it back with no change at this device)."""
+        state = self.manager.state
+        ledger = state.ledger(self.device)
         # No budget (none set, or lifted: set_budget(device, None)) is more room than any.
         budget = _UNLIMITED if ledger.budget_bytes is None else ledger.budget_bytes
         free = budget - ledger.charged_bytes
         unprotected = budget - ledger.reserved_bytes - ledger.protected_bytes
-        return self._ended, free, unprotected, ledger.incoming_bytes, self.manager.waiting
+        read = state.find_ledger(CHECKPOINT_READ_INTO)
+        read_free = (
+            _UNLIMITED
+            if read is None or read.budget_bytes is None
+            else read.budget_bytes - read.charged_bytes
+        )
+        return (
+            self._ended,
+            free,
+            unprotected,
+            ledger.incoming_bytes,
+            self.manager.waiting,
+            read_free,
+        )
 
-    async def _wait_for_progress(self, before: tuple[int, int, int, int, int]) -> None:
+    async def _wait_for_progress(self, before: _Progress) -> None:
         """Park until something happened since ``before`` that could admit a waiting request:
         a request ended (its model is idle, its mode over), free room grew, the room nothing
         protects grew (a hold or a lease ended, readers' events were reaped: an eviction became
-        possible), a copy landed, or a scope of another tenant left the manager's queue (the
+        possible), a copy landed, a scope of another tenant left the manager's queue (the
         manager refuses the pool's copies while one waits there for room: first come, first
-        served). Only those can turn a refusal into an admission, so the head of the line does
-        not decide again on every transition of the calls in flight.
+        served), or room at pageable-host grew (where a checkpoint's groups are read on their
+        way: another pool's loads give it back). Only those can turn a refusal into an
+        admission, so the head of the line does not decide again on every transition of the
+        calls in flight.
 
         ``before`` must be read in the same synchronous step as the judgement that refused the
         request (see :meth:`_admit_in_turn`): room that shrank while an await ran and came back
@@ -1537,10 +1602,12 @@ class ModelPool:
         ``ManagerClosedError`` as soon as the manager closes."""
         closed = self._closed
         while True:
-            ended, free, unprotected, incoming, queued = self._progress()
+            ended, free, unprotected, incoming, queued, read_free = self._progress()
             if ended != before[0] or free > before[1] or unprotected > before[2]:
                 return
             if incoming < before[3] or queued < before[4] or self._closed != closed:
+                return
+            if read_free > before[5]:
                 return
             with anyio.move_on_after(_RECHECK_S) as wake:
                 self._wakes.add(wake)
@@ -1745,8 +1812,10 @@ class ModelPool:
         the release commits, such a block is protected by nothing, and a release whose block
         was evicted meanwhile fails."""
         entry = request.entry
+        loaded_in_rounds: list[TensorGroup] = []
         if mode == "resident":
-            needed = list(entry.groups)
+            loaded_in_rounds = self._loaded_in_rounds(entry)
+            needed = [g for g in entry.groups if g not in loaded_in_rounds]
         elif joining or entry.outside is None:
             needed = []
         else:
@@ -1763,6 +1832,11 @@ class ModelPool:
         if request.reserve:
             name = self._reservation_name(request)
             reservations.append(MemoryReservation(name, self.device, request.reserve))
+        if loaded_in_rounds:
+            nbytes = sum(g.charge_bytes for g in loaded_in_rounds)
+            reservations.append(
+                MemoryReservation(f"pool:{request.label}:load", self.device, nbytes)
+            )
         if window:
             reservations.append(
                 MemoryReservation(f"pool:{request.label}:window", self.device, window)
@@ -1772,6 +1846,39 @@ class ModelPool:
                 MemoryReservation(f"pool:{request.label}:streams", self.device, headroom)
             )
         return ResidencyRequest(f"pool:{request.label}", requirements, reservations)
+
+    def _loaded_in_rounds(self, entry: ModelEntry) -> list[TensorGroup]:
+        """The groups of a model rebuilt from its checkpoint that are nowhere now, when
+        pageable-host (where each is read on its way to the device, charged there until its
+        copy landed) cannot hold them all at once, even with everything evictable gone: the
+        controller would count them all there at once and find the request infeasible (for
+        as long as what it cannot evict stays), while :class:`_Loading` copies them in as
+        many rounds as that room needs. The decision counts their room at the device instead
+        (a reservation of their bytes). Empty otherwise: the decision makes their room."""
+        if not any(group.from_source for group in entry.groups):
+            return []
+        state = self.manager.state
+        source = CHECKPOINT_READ_INTO
+        ledger = state.find_ledger(source)
+        if ledger is None or ledger.budget_bytes is None:
+            return []
+        nowhere = []
+        for group in entry.groups:
+            value = None if group.handle is None else state.find_value(group.handle)
+            if group.from_source and value is not None and not value.materializations:
+                nowhere.append(group)
+        if not nowhere:
+            return []
+        # What no decision can evict there: protected copies, and sole ones with no source.
+        stuck = 0
+        for value in state.values():
+            mat = value.materializations.get(source)
+            if mat is not None and (
+                mat.protected or (len(value.materializations) < 2 and not value.has_source)
+            ):
+                stuck += mat.charged_bytes
+        room = ledger.budget_bytes - fixed_reserved_bytes(state, source) - stuck
+        return nowhere if sum(g.charge_bytes for g in nowhere) > room else []
 
     def _surely_short(self, entry: ModelEntry, mode: Mode, joining: bool, extra: int) -> bool:
         """Whether the request cannot fit now even if every unprotected value left the device
@@ -1882,10 +1989,20 @@ class ModelPool:
                     break
                 room -= group.charge_bytes
                 keep.append(group.index)
+        copies = [
+            g for g in entry.groups if g.index in keep and states.get(g.index) is not _RESIDENT
+        ]
+        if copies:  # (what a timeout, or the manager's close, then says it waited for)
+            request.why = (
+                f"the copies of {entry.name!r} to {self.device} to land ({len(copies)} "
+                f"group(s), {format_nbytes(sum(g.charge_bytes for g in copies))})"
+            )
         loading = _Loading(self.manager, self.device, entry)
         try:
             loaded = await loading.run(keep)
         except BaseException as error:
+            # What landed stays on the device (evictable): host-to-device bytes all the same.
+            entry.stats.bytes_copied += loading.landed
             if isinstance(error, Exception) and not isinstance(
                 error, (ResidencyBudgetError, ManagerClosedError)
             ):

@@ -853,6 +853,33 @@ async def test_cancelling_a_request_while_its_model_loads_leaks_nothing() -> Non
         await pool.aclose()
 
 
+async def test_the_copies_a_cancelled_load_landed_count_in_bytes_copied() -> None:
+    # A request cancelled once part of its model had landed: those groups stay on the device
+    # (the next request copies only the rest), but bytes_copied counted none of them.
+    backend = SimBackend(copy_gbps=0.0005)  # 0.5 MB/s: a model takes about 0.2 s to load
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend=backend) as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=6))
+        scope = anyio.CancelScope()
+
+        async def request() -> None:
+            with scope:
+                async with pool.use("a"):  # (admitted only if every copy beat the cancel)
+                    await anyio.sleep_forever()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(request)
+            await until_changed(m, lambda: pool.stats()["a"]["resident_bytes"] > 0)
+            scope.cancel()
+        landed = pool.stats()["a"]["resident_bytes"]
+        assert landed > 0 and pool.stats()["a"]["bytes_copied"] == landed
+        backend.copy_gbps = None
+        assert await run(pool, "a") == "resident"
+        assert pool.decisions[-1].loaded_bytes == TOTAL - landed
+        assert pool.stats()["a"]["bytes_copied"] == TOTAL
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("budget_models", [2.0, 0.7], ids=["resident", "streamed"])
 async def test_cancelling_a_request_inside_its_body_leaks_nothing(budget_models: float) -> None:
     backend = SimBackend(copy_gbps=0.001)
@@ -1117,6 +1144,49 @@ async def test_a_search_past_its_limit_evicts_the_coldest_idle_model_whole() -> 
 
 
 # ------------------------------------------------------------------------- joining past the head
+
+
+async def test_requests_in_line_that_cannot_pass_are_not_woken_when_the_head_parks() -> None:
+    # Every request in line was woken to look for a way past the head each time the head
+    # parked, also those whose model is not on the device (they can never pass): with
+    # thousands of requests in line that is thousands of task steps per park, holding the
+    # loop from everything else (1500 requests for 100 models: 397,591 wake-ups, 1,499 now).
+    async with ResidencyManager(budgets={"cuda:0": TOTAL + KiB}, backend="sim") as m:
+        pool = ModelPool(m)
+        for seed, name in enumerate("abc"):
+            pool.add(name, TinyLM(seed=seed))
+        looks: list[str] = []
+        try_express = pool._try_express
+
+        async def counted(request: Any) -> bool:
+            looks.append(request.entry.name)
+            return await try_express(request)
+
+        pool._try_express = counted  # type: ignore[method-assign]
+        release = anyio.Event()
+
+        async def request(name: str, hold: bool = False) -> None:
+            async with pool.use(name) as model:
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+                if hold:
+                    await release.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(request, "a", True)
+            await eventually(lambda: pool.admitted == 1)
+            tasks.start_soon(request, "b")  # the head: it waits for 'a' to end
+            await eventually(lambda: pool.waiting == 1)
+            for _ in range(10):
+                tasks.start_soon(request, "c")  # behind it: 'c' is not on the device
+            await eventually(lambda: pool.waiting == 11)
+            assert looks == ["c"] * 10  # each looked once, as it arrived
+            for extra in range(2, 6):  # more room, never enough: the head decides, parks again
+                m.set_budget("cuda:0", TOTAL + extra * KiB)
+                await anyio.wait_all_tasks_blocked()
+            assert looks == ["c"] * 10
+            release.set()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
 
 
 @pytest.mark.parametrize("express", [True, False], ids=["express", "strict"])

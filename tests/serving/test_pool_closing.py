@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -15,7 +16,7 @@ import torch
 
 from aresidency import ResidencyManager
 from aresidency.runtime import ManagerClosedError
-from aresidency.serving import ModelPool
+from aresidency.serving import DemandTracker, ModelPool
 
 from ._models import TinyLM, assert_nothing_leaked, reference
 from .test_pool import TOKENS, TOTAL, eventually, hold_copies
@@ -125,6 +126,9 @@ async def test_closing_the_manager_while_a_requests_copies_land_logs_no_error(
     assert len(outcome) == 1, outcome
     notes = getattr(outcome[0], "__notes__", [])
     assert any("when the manager closed" in note for note in notes), notes
+    # What it waited for: the copies (it was said to wait for "its admission (deciding, and
+    # entering with the manager)", as a timeout then did too).
+    assert any(f"copies of 'a' to cuda:0 to land (5 group(s), {TOTAL} B)" in n for n in notes)
     assert not any("while loading" in note for note in notes), notes  # (not a failed load)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
@@ -186,3 +190,15 @@ async def test_a_cost_model_or_fallback_graph_of_the_wrong_type_is_refused_by_na
         assert pool.stats()["a"]["evictions"] >= 1
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+@pytest.mark.parametrize("clock", [datetime.now, lambda: float("nan"), lambda: None])
+async def test_a_clock_that_does_not_return_seconds_is_refused_by_name(clock: Any) -> None:
+    # clock=datetime.now was accepted: the first request failed with a TypeError about
+    # datetimes from deep in the demand arithmetic, and so did every later one, stats() and
+    # aclose() (the pool could not be closed, its models never got their tensors back).
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(TypeError, match=r"clock must return seconds .* got "):
+            ModelPool(m, clock=clock)
+        with pytest.raises(TypeError, match=r"clock must return seconds"):
+            DemandTracker(clock=clock)

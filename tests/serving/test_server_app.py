@@ -286,6 +286,10 @@ async def test_a_bad_reserve_or_limit_is_422_naming_it_and_admits_nothing(server
         answer = await server.client.post("/generate/llama-a", json={"reserve": reserve})
         assert answer.status_code == 422, (reserve, answer.text)
         assert "reserve must be a byte count" in answer.json()["detail"]
+    # JSON true is no size either (pydantic took it for the int 1: a one-byte reserve, 200).
+    for reserve in [True, [1]]:
+        answer = await server.client.post("/generate/llama-a", json={"reserve": reserve})
+        assert answer.status_code == 422 and "reserve" in answer.text, (reserve, answer.text)
     assert server.pool.stats()["llama-a"]["requests"] == 0
     ok = await server.client.post("/generate/llama-a", json={"reserve": "64KiB"})
     assert ok.status_code == 200, ok.text
@@ -336,3 +340,21 @@ async def test_a_request_that_arrives_while_the_server_shuts_down_is_503_not_500
     refused = [a for a in answers if a.status_code == 503]
     assert all("shutting down" in a.json()["error"] for a in refused)
     assert all(a.headers["retry-after"] == "1" for a in refused)
+
+
+@pytest.mark.parametrize("fault", ["fail_transfer_at", "oom_at_allocation"])
+async def test_a_model_that_fails_to_load_is_503_saying_why_and_the_next_request_loads_it(
+    server: Served, fault: str
+) -> None:
+    # A failed copy, or an allocation the device refused, was a bare 500 ("Internal Server
+    # Error", the exception raised out of the app). It is a 503 naming the model and the
+    # error, with Retry-After: the next request for the model loads it again.
+    setattr(server.manager.backend.faults, fault, 1)  # the next one fails
+    body = {"prompt_len": 4, "max_new_tokens": 1}
+    answer = await server.client.post("/generate/llama-a", json=body)
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error.startswith("model 'llama-a' could not be loaded: "), error
+    assert "while loading model 'llama-a'" in error and answer.headers["retry-after"] == "1"
+    assert (await server.client.post("/generate/llama-a", json=body)).status_code == 200
+    assert_nothing_leaked(server.manager, server.pool)

@@ -11,7 +11,8 @@ import anyio
 import pytest
 import torch
 
-from aresidency import MemoryReservation, ReplicaMode, ResidencyPlan
+from aresidency import MemoryReservation, ModelPool, ReplicaMode, ResidencyPlan
+from aresidency.integrations import stream_module
 from aresidency.runtime import ManagerClosedError
 from aresidency.testing import (
     assert_quiet,
@@ -209,6 +210,38 @@ async def test_the_backends_own_staging_reservation_does_not_count(residency_man
     record = residency_manager.snapshot().location("pinned-host")
     assert record.reserved_bytes == 1 << 20  # the simulated backend's staging pool
     assert_quiet(residency_manager)
+
+
+async def test_the_host_copies_an_open_pool_or_streamed_module_keeps_do_not_count(
+    residency_manager,
+):
+    # A served model's host copy is held for as long as its pool (or stream_module) is
+    # open: its module's tensors point into it. assert_quiet named those holds ("value
+    # a.block0 (#1) is held 1x at pinned-host", one per block) after every request had
+    # ended, so a server's test could not check that a request left nothing behind. A hold
+    # of the test's own on such a copy, and a request still in its block, still count.
+    manager = residency_manager
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model.requires_grad_(False)
+    streamed = stream_module(manager, model, "cuda:0")
+    pool = ModelPool(manager)
+    pool.add("a", torch.nn.Sequential(torch.nn.Linear(8, 8)).requires_grad_(False))
+    await streamed(torch.ones(2, 8))
+    async with pool.use("a") as served:
+        await served(torch.ones(2, 8))
+        with pytest.raises(AssertionError, match=r"value a\.block0 \(#\d+\) is held 1x at cuda:0"):
+            assert_quiet(manager)
+    await settled(manager)
+    assert_quiet(manager)
+    handle = streamed.handles[0]
+    hold = manager.hold(handle, "pinned-host")
+    with pytest.raises(AssertionError, match=r"is held 1x at pinned-host"):
+        assert_quiet(manager)
+    hold.release()
+    assert_quiet(manager)
+    await pool.aclose()
+    await streamed.aclose()
+    assert_quiet(manager)
 
 
 # --- assert_within_budgets -------------------------------------------------------------------

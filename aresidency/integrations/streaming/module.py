@@ -54,6 +54,21 @@ _by_manager: weakref.WeakKeyDictionary[ResidencyManager, weakref.WeakSet[Streame
 )
 
 
+def host_copy_holds(manager: ResidencyManager) -> list[tuple[ValueHandle, Location]]:
+    """Where the open streamed modules of ``manager`` (``stream_module``'s, a model pool's)
+    hold their host copies, one entry per hold: each module keeps its groups' host copies in
+    place for its whole life (its tensors point into them), until its ``aclose()``. For
+    tools that tell those standing holds from the ones a test or a request left behind
+    (``aresidency.testing.assert_quiet``)."""
+    return [
+        (group.hold.handle, group.hold.location)
+        for streamed in list(_by_manager.get(manager, ()))
+        if not streamed._closed
+        for group in streamed.all_groups
+        if group.hold is not None and group.hold.active
+    ]
+
+
 #: One lock per manager and device: the calls of streamed modules there take their admission
 #: in turns (see :class:`_AdmissionTurn`).
 _turns: weakref.WeakKeyDictionary[ResidencyManager, dict[Location, anyio.Lock]] = (
