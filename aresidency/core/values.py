@@ -24,6 +24,7 @@ __all__ = [
     "ReplicaMode",
     "Value",
     "ValueHandle",
+    "check_flag",
     "check_nbytes",
     "value_charge",
 ]
@@ -117,6 +118,14 @@ def check_optional_name(name: Any, what: str, carried_by: str) -> str | None:
             "non-blank string, or None for a name of its own"
         )
     return name
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """Return ``value`` if it is ``True`` or ``False``, else a ``TypeError`` naming ``what``
+    (``"no"``, ``None`` or ``1`` would be taken for their truth value, silently)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
 
 
 def check_nbytes(value: Any, what: str, *, allow_zero: bool = True) -> int:

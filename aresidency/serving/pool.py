@@ -54,7 +54,7 @@ from ..core.plans import MemoryReservation, ResidencyPlan
 from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
 from ..core.timeouts import check_timeout
 from ..core.trace import Transition
-from ..core.values import MaterializationState, ValueHandle
+from ..core.values import MaterializationState, ValueHandle, check_flag
 from ..integrations.streaming import HostKind
 from ..integrations.streaming.packing import TensorGroup
 from ..runtime.admission import Kept
@@ -632,6 +632,11 @@ class ModelPool:
             )
         if decision_log < 0:
             raise ValueError(f"decision_log must be >= 0, got {decision_log}")
+        self.defer_hot_evictions = check_flag(defer_hot_evictions, "defer_hot_evictions")
+        self.express_joins = check_flag(express_joins, "express_joins")
+        self.shared_calls = check_flag(shared_calls, "shared_calls")
+        self.one_thread = check_flag(one_thread, "one_thread")
+        self.direct_calls = check_flag(direct_calls, "direct_calls")
         # Checked here, not when the first request needs an eviction (an AttributeError deep
         # in the search, for every request from then on).
         if cost_model is not None and not isinstance(cost_model, CostModel):
@@ -660,11 +665,6 @@ class ModelPool:
             cost_model=pool_costs,
         )
         self.decisions: deque[PoolDecision] = deque(maxlen=decision_log)
-        self.defer_hot_evictions = bool(defer_hot_evictions)
-        self.express_joins = bool(express_joins)
-        self.shared_calls = bool(shared_calls)
-        self.one_thread = bool(one_thread)
-        self.direct_calls = bool(direct_calls)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # What the head of the line waits for (while it waits): the models whose requests it
         # waits to see end (None: unknown, nobody passes it), and why.

@@ -202,3 +202,22 @@ async def test_a_clock_that_does_not_return_seconds_is_refused_by_name(clock: An
             ModelPool(m, clock=clock)
         with pytest.raises(TypeError, match=r"clock must return seconds"):
             DemandTracker(clock=clock)
+
+
+@pytest.mark.parametrize(
+    "keyword",
+    ["defer_hot_evictions", "express_joins", "shared_calls", "one_thread", "direct_calls"],
+)
+@pytest.mark.parametrize("value", ["no", None, 1])
+async def test_a_switch_that_is_not_true_or_false_is_refused_by_name(
+    keyword: str, value: Any
+) -> None:
+    # shared_calls="no" was taken for its truth value (on), silently.
+    async with ResidencyManager(backend="sim") as m:
+        before = m.snapshot()
+        with pytest.raises(TypeError, match=f"{keyword} must be True or False, got {value!r}"):
+            ModelPool(m, **{keyword: value})
+        assert m.snapshot() == before
+        pool = ModelPool(m, **{keyword: False})
+        assert getattr(pool, keyword) is False
+        await pool.aclose()
