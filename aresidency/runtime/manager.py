@@ -302,10 +302,18 @@ class ResidencyManager:
         message = "the manager closed while this was waiting"
         rt.admission.close(message)
         rt.signal.close(message)
+
+        async def drain() -> None:
+            await rt.wait_idle()
+            # In the step that found nothing in flight: a task the last completion woke (a
+            # scope's body about to run its exit) must not begin work the close would not
+            # wait for, before the closing task itself runs again.
+            rt.frozen = True
+
         try:
             # Finished even if the task is cancelled meanwhile, natively on asyncio too (the
             # cancellation is raised once it is done): see .shield.
-            await finish_shielded(rt.wait_idle)
+            await finish_shielded(drain)
         finally:
             # From here on the state is final: a lease, hold, scope or reservation block that
             # ends after this changes nothing and raises ManagerClosedError.
