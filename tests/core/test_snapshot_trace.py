@@ -99,6 +99,26 @@ def test_snapshot_lookups_of_absent_things_raise_clearly():
         snap.value(w).materialization(PAGEABLE)
 
 
+def test_snapshot_value_names_what_was_wrong_with_what_it_was_given():
+    state, w, _, s = busy_state()
+    snap = take_snapshot(state)
+    # A value's name is not its handle: the error says what it takes, not "unavailable".
+    with pytest.raises(TypeError, match=r"takes a ValueHandle, got 'w' \(str\).*name"):
+        snap.value("w")
+    with pytest.raises(TypeError, match="takes a ValueHandle, got None"):
+        snap.value(None)
+    # Another manager's handle: said so (the troubleshooting's first check of a handle).
+    foreign = ValueHandle("m-other", w.value_id, "w")
+    with pytest.raises(ResidencyUnavailableError, match="belongs to manager m-other") as info:
+        snap.value(foreign)
+    assert "m-test" in str(info.value)
+    # This manager's handle, not in the snapshot: discarded before it, or registered after.
+    state.discard(s)
+    with pytest.raises(ResidencyUnavailableError, match="discarded before") as info:
+        take_snapshot(state).value(s)
+    assert f"v{state.state_version}" in str(info.value)
+
+
 def test_snapshot_and_record_reprs_show_state():
     state, *_ = busy_state()
     snap = take_snapshot(state)
