@@ -111,10 +111,15 @@ class ResidencyController:
             raise TypeError(f"search_state_limit must be an int, got {search_state_limit!r}")
         if search_state_limit < 1:
             raise ValueError(f"search_state_limit must be >= 1, got {search_state_limit}")
-        if (max_stale_retries is not None and max_stale_retries < 0) or max_restarts < 0:
-            raise ValueError("max_stale_retries and max_restarts must be >= 0")
+        if max_stale_retries is not None:
+            _check_count("max_stale_retries", max_stale_retries, "None or an int >= 0")
+        _check_count("max_restarts", max_restarts, "an int >= 0")
+        if isinstance(slice_seconds, bool) or not isinstance(slice_seconds, (int, float)):
+            raise TypeError(f"slice_seconds must be a number of seconds > 0, got {slice_seconds!r}")
         if not slice_seconds > 0:
-            raise ValueError(f"slice_seconds must be > 0, got {slice_seconds!r}")
+            raise ValueError(
+                f"slice_seconds must be a number of seconds > 0, got {slice_seconds!r}"
+            )
         self.manager = manager
         self.search_state_limit = search_state_limit
         self._graph = fallback_graph if fallback_graph is not None else FallbackGraph.default()
@@ -580,6 +585,14 @@ class ControllerScope:
         finally:
             self.status = "exited"
         return result
+
+
+def _check_count(keyword: str, value: object, expected: str) -> None:
+    """Refuse a count that is not an int >= 0, naming the keyword (``True`` is no count)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{keyword} must be {expected}, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{keyword} must be {expected}, got {value!r}")
 
 
 def _with_request(error: ResidencyPlanError, request: ResidencyRequest) -> None:

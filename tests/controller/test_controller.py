@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -624,3 +625,24 @@ async def test_decide_nowait_refuses_a_location_the_manager_does_not_have() -> N
         request = ResidencyRequest("far", [ResidencyRequirement(handle, "cuda:7")])
         with pytest.raises(ValueError, match="cuda:7"):
             controller.decide_nowait(request)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "bad", "error"),
+    [
+        ("search_state_limit", 0, ValueError),
+        ("search_state_limit", 10.0, TypeError),
+        ("max_stale_retries", "3", TypeError),
+        ("max_stale_retries", -1, ValueError),
+        ("max_restarts", 1.5, TypeError),
+        ("max_restarts", -1, ValueError),
+        ("slice_seconds", "0.1", TypeError),
+        ("slice_seconds", True, TypeError),
+        ("slice_seconds", float("nan"), ValueError),
+        ("slice_seconds", 0, ValueError),
+    ],
+)
+def test_a_bad_controller_setting_is_refused_naming_it(keyword: str, bad: Any, error: type) -> None:
+    state, _ = hard_state(2, 1)
+    with pytest.raises(error, match=f"{keyword} must be .*got {re.escape(repr(bad))}"):
+        ResidencyController(StandInManager(state), **{keyword: bad})
