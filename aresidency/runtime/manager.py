@@ -951,7 +951,7 @@ class ResidencyManager:
         """Simulate ``plan`` (or a decision's plan) against the current state; nothing
         changes."""
         rt = self._running()
-        resolved = plan_of(plan)
+        resolved = plan_of(plan, self.id)
         for action in (*resolved.reclaim, *resolved.enter, *resolved.exit, *resolved.reserve):
             rt.backend.check_location(action.location)
         return explain_plan(self._state, resolved)

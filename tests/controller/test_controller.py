@@ -646,3 +646,28 @@ def test_a_bad_controller_setting_is_refused_naming_it(keyword: str, bad: Any, e
     state, _ = hard_state(2, 1)
     with pytest.raises(error, match=f"{keyword} must be .*got {re.escape(repr(bad))}"):
         ResidencyController(StandInManager(state), **{keyword: bad})
+
+
+async def test_a_decision_entered_on_another_manager_is_refused_saying_so() -> None:
+    async with sim_manager(4 * UNIT) as first, sim_manager(4 * UNIT) as second:
+        first.register(tensor(), name="w")
+        # Only reservations: nothing in the plan names the manager it was made for.
+        request = ResidencyRequest("kv", [], reservations=[MemoryReservation("kv", "cuda:0", UNIT)])
+        decision = await ResidencyController(first).decide(request)
+        assert decision.manager_id == first.id
+        while second.state_version < decision.expected_state_version:
+            second.reset_peak_bytes()  # the same version: staleness alone cannot tell
+        assert second.state_version == decision.expected_state_version
+        before = second.snapshot()
+        refused = f"derived for manager {first.id}"
+        with pytest.raises(ResidencyPlanError, match=refused):
+            second.explain(decision)
+        with pytest.raises(ResidencyPlanError, match=refused):
+            await second.execute(decision)
+        with pytest.raises(ResidencyPlanError, match=refused):
+            async with second.scope(decision):
+                pytest.fail("entered another manager's decision")
+        assert second.snapshot() == before
+        # Its own manager still takes it.
+        async with first.scope(decision):
+            assert first.snapshot().location("cuda:0").reserved_bytes == UNIT
