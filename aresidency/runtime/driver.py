@@ -33,7 +33,8 @@ without the phase generator, with the same transitions, errors and cancellation.
 Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): every transfer
 in flight whose destination nobody has leased or held yet is cancelled (it stops issuing
 chunks; its enqueued device work completes; then it is aborted); the others complete and
-commit, because a lease entered on an incoming copy is reading it. A run still beginning its
+commit, because a lease entered on an incoming copy is reading it (and still is after it
+exited, until the reader events it recorded complete). A run still beginning its
 actions (or waiting to release a value) also gives up beginning: what it began but did not
 issue is aborted at once. Either way the run ends with every begun transfer committed or
 aborted, and the awaiting task then sees its cancellation: nothing is left incoming, charged
@@ -710,7 +711,9 @@ class PhaseRun:
             self._advance(None, throw=self._thrown)
 
     def _cancel_transfers(self) -> None:
-        """Cancel every open transfer whose destination no lease or hold reads."""
+        """Cancel every open transfer whose destination no lease or hold reads, and no
+        consumer event either: a lease that exited on the incoming copy left its kernels,
+        ordered after the copy on the device, to read it."""
         state = self._rt.state
         for ticket_id, ticket in list(self._open.items()):
             transfer = self._transfers.get(ticket_id)
@@ -718,8 +721,8 @@ class PhaseRun:
                 continue  # a load still reading its source: it stops before its copy
             value = state.find_value(ticket.handle)
             mat = None if value is None else value.materializations.get(ticket.destination)
-            if mat is not None and (mat.use_count or mat.hold_count):
-                continue  # a lease reads the incoming copy: let it arrive
+            if mat is not None and (mat.use_count or mat.hold_count or mat.pending_event_count):
+                continue  # a lease reads (or has read) the incoming copy: let it arrive
             payload = self._rt.payloads.get(ticket.handle, ticket.destination)
             if payload is not None:
                 payload.aborting = True
