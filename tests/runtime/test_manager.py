@@ -89,6 +89,21 @@ async def test_materialize_of_replicable_value_adds_a_replica() -> None:
         assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:1"]
 
 
+async def test_move_of_a_replicable_value_frees_only_the_copy_it_came_from() -> None:
+    # As the manager API page says: the cheapest source is copied and freed; a destination
+    # that already holds a copy is left as it is.
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:1")
+        await m.move(h, "cuda:1")  # a copy is there already: nothing moves
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:1"]
+        await m.move(h, "cuda:0")  # from the other GPU, not the host
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:0"]
+        await m.move(h, "pinned-host")  # from the GPU
+        locs = [str(x) for x in m.snapshot().value(h).locations]
+        assert locs == ["pageable-host", "pinned-host"]
+
+
 async def test_write_lease_invalidates_other_replicas() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
