@@ -961,8 +961,9 @@ class ResidencyManager:
         reservations, exit. It never waits for room: preflight (staleness, ``explain``) raises
         ``ResidencyPlanError`` before anything changes; a later failure is
         ``ResidencyPlanExecutionError``. Like ``move``, it first waits its turn behind scopes
-        already waiting for room where it charges (unless the caller holds a lease or hold: see
-        :mod:`~aresidency.runtime.admission`), so it does not overtake them."""
+        already waiting for room where it charges (unless the caller holds room, such as a
+        lease, hold, scope or reservation block: see :mod:`~aresidency.runtime.admission`), so
+        it does not overtake them."""
         scope = Scope(self._running(), plan, timeout=0, phase_name="execute")
         async with scope:
             pass
