@@ -336,7 +336,9 @@ class ResidencyController:
         events, other scopes' reservations: it would fit on its own) waits for the
         state to change and decides again, as a manual scope waits for admission, for up to
         ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
-        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once.
+        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once,
+        and so does one that only what the entering task holds itself keeps out (its leases,
+        holds, scopes and reservation blocks end only when it goes on: ``hold_and_wait``).
         """
         timeout = check_timeout(timeout)
         if not isinstance(request, ResidencyRequest):
@@ -505,6 +507,9 @@ class ControllerScope:
                 except ResidencyPlanError as error:
                     if timeout == 0 or not controller.would_fit_alone(self.request):
                         raise
+                    never = self._never_admitted()
+                    if never is not None:
+                        raise never from error
                     if not await controller.wait_for_change(deadline):
                         raise TimeoutError(
                             f"request {self.request.name!r} not admitted within {timeout} s: "
@@ -545,6 +550,38 @@ class ControllerScope:
         except BaseException:
             self.status = "failed"
             raise
+
+    def _never_admitted(self) -> ResidencyPlanError | None:
+        """The refusal of a request that waiting would never admit: what it must have (its
+        reservations, its requirements without fallbacks) does not fit at a location even
+        once everything transient ended but what the entering task holds itself (its leases,
+        holds, scopes and reservation blocks), which ends only when that task goes on. As a
+        manual scope is refused (hold and wait); ``None`` when waiting may end."""
+        check = getattr(self.controller.manager, "waiting_on_itself", None)
+        if check is None:  # a stand-in that only decides
+            return None
+        state = self.controller._state()
+        needs: dict[Any, int] = {}
+        for requirement in self.request.requirements:
+            if len(requirement.alternatives) != 1:
+                continue  # a fallback may take it elsewhere
+            (location,) = requirement.alternatives
+            value = state.find_value(requirement.handle)
+            if value is not None and location not in value.materializations:
+                needs[location] = needs.get(location, 0) + value.charge_bytes
+        for reservation in self.request.reservations:
+            needs[reservation.location] = needs.get(reservation.location, 0) + reservation.nbytes
+        for location, need in needs.items():
+            what = f"request {self.request.name!r} ({need} B at {location})"
+            error = check(need, location, what=what)
+            if error is not None:
+                refused = ResidencyPlanError(
+                    f"request {self.request.name!r} would wait for ever: {error}"
+                )
+                refused.hold_and_wait = True
+                refused.request = self.request
+                return refused
+        return None
 
     def _hold_placements(self, manager_scope: Any, decision: ResidencyDecision) -> None:
         del manager_scope  # entered: the caller exits it if this raises

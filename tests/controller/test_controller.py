@@ -31,6 +31,7 @@ from aresidency.controller import (
 from aresidency.core import (
     Location,
     MemoryReservation,
+    ResidencyPlan,
     ResidencyPlanError,
     ResidencySearchLimitError,
     ResidencyStaleStateError,
@@ -478,7 +479,15 @@ async def test_controller_scope_waits_for_a_protection_to_end() -> None:
     async with sim_manager(4 * UNIT) as manager:
         gpu = await fill_gpu(manager, 4)
         new = manager.register(tensor(UNIT, 9), name="new")
-        holds = [manager.hold(h, "cuda:0") for h in gpu]
+        holds: list[Any] = []
+
+        async def take_holds() -> None:
+            # Another task's holds (the waiting task's own would be refused: they end only
+            # when it goes on; see the test of that below).
+            holds.extend(manager.hold(h, "cuda:0") for h in gpu)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(take_holds)
         controller = ResidencyController(manager)
         request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
         with pytest.raises(ResidencyPlanError, match="infeasible because of protections"):
@@ -671,3 +680,35 @@ async def test_a_decision_entered_on_another_manager_is_refused_saying_so() -> N
         # Its own manager still takes it.
         async with first.scope(decision):
             assert first.snapshot().location("cuda:0").reserved_bytes == UNIT
+
+
+@pytest.mark.parametrize("holding", ["reservation block", "scope", "lease"])
+async def test_a_controller_scope_waiting_only_for_room_its_own_task_holds_is_refused(
+    holding: str,
+) -> None:
+    """What keeps the request out ends only when the entering task goes on: waiting would
+    never end, so it is refused at once (as a manual scope is), saying what the task holds."""
+    async with sim_manager(16 * UNIT) as manager:
+        x = manager.register(tensor(8 * UNIT), name="x")
+        y = manager.register(tensor(8 * UNIT, seed=1), name="y")
+        if holding == "lease":
+            await manager.materialize(y, "cuda:0")
+        held: Any
+        if holding == "reservation block":
+            held = manager.reservation("mine", "cuda:0", 12 * UNIT)
+        elif holding == "scope":
+            plan = ResidencyPlan(reserve=[MemoryReservation("mine", "cuda:0", 12 * UNIT)])
+            held = manager.scope(plan)
+        else:
+            held = manager.acquire(y, "cuda:0")
+        reservations = [MemoryReservation("kv", "cuda:0", 4 * UNIT)] if holding == "lease" else []
+        request = ResidencyRequest("r", [ResidencyRequirement(x, "cuda:0")], reservations)
+        controller = ResidencyController(manager)
+        async with held:
+            before = manager.snapshot()
+            with anyio.fail_after(10), pytest.raises(ResidencyPlanError) as info:
+                async with controller.scope(request, timeout=None):
+                    pytest.fail("admitted")
+            assert info.value.hold_and_wait and info.value.request is request
+            assert "waiting task holds itself" in str(info.value)
+            assert manager.snapshot() == before
