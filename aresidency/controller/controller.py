@@ -552,35 +552,45 @@ class ControllerScope:
             raise
 
     def _never_admitted(self) -> ResidencyPlanError | None:
-        """The refusal of a request that waiting would never admit: what it must have (its
-        reservations, its requirements without fallbacks) does not fit at a location even
-        once everything transient ended but what the entering task holds itself (its leases,
-        holds, scopes and reservation blocks), which ends only when that task goes on. As a
-        manual scope is refused (hold and wait); ``None`` when waiting may end."""
-        check = getattr(self.controller.manager, "waiting_on_itself", None)
-        if check is None:  # a stand-in that only decides
+        """The refusal of a request that waiting would never admit: it is infeasible even once
+        everything transient ended but what the entering task holds itself (its leases and
+        holds stay protected, its scopes' and reservation blocks' reservations stay), which
+        ends only when that task goes on. As a manual scope is refused (hold and wait);
+        ``None`` when waiting may end."""
+        holdings = getattr(self.controller.manager, "task_holdings", None)
+        if holdings is None:  # a stand-in that only decides
             return None
-        state = self.controller._state()
-        needs: dict[Any, int] = {}
-        for requirement in self.request.requirements:
-            if len(requirement.alternatives) != 1:
-                continue  # a fallback may take it elsewhere
-            (location,) = requirement.alternatives
-            value = state.find_value(requirement.handle)
-            if value is not None and location not in value.materializations:
-                needs[location] = needs.get(location, 0) + value.charge_bytes
-        for reservation in self.request.reservations:
-            needs[reservation.location] = needs.get(reservation.location, 0) + reservation.nbytes
-        for location, need in needs.items():
-            what = f"request {self.request.name!r} ({need} B at {location})"
-            error = check(need, location, what=what)
-            if error is not None:
-                refused = ResidencyPlanError(
-                    f"request {self.request.name!r} would wait for ever: {error}"
-                )
-                refused.hold_and_wait = True
-                refused.request = self.request
-                return refused
+        kept, reservations, described = holdings()
+        if not kept and not reservations:
+            return None
+        controller = self.controller
+        state = controller._state()
+        alone = state.isolated([*self.request.handles(), *(handle for handle, _ in kept)])
+        for handle, location in kept:
+            value = alone.find_value(handle)
+            if value is not None and location in value.materializations:
+                alone.hold(handle, location)
+        for name, location in reservations:
+            ledger = state.find_ledger(location)
+            entry = None if ledger is None else ledger.reservations.get(name)
+            if entry is not None and name not in alone.ledger(location).reservations:
+                alone.reserve(name, location, entry[0])
+        try:
+            decide_nowait(
+                alone,
+                self.request,
+                graph=controller.fallback_graph,
+                cost_model=controller.cost_model,
+                search_state_limit=controller.search_state_limit,
+                optimality_gap=controller.optimality_gap,
+            )
+        except ResidencySearchLimitError:
+            return None  # unknown: waiting may still end
+        except ResidencyPlanError as error:
+            refused = ResidencyPlanError(f"{error.reason}; {described}")
+            refused.hold_and_wait = True
+            refused.request = self.request
+            return refused
         return None
 
     def _hold_placements(self, manager_scope: Any, decision: ResidencyDecision) -> None:

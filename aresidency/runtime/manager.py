@@ -476,6 +476,21 @@ class ResidencyManager:
             frozenset(exempt),
         )
 
+    def task_holdings(
+        self, task: object | None = None
+    ) -> tuple[tuple[tuple[ValueHandle, Location], ...], tuple[tuple[str, Location], ...], str]:
+        """What ``task`` (default: the calling task) holds itself, which ends only when it goes
+        on: the materializations its leases and holds (and keepers on its behalf) keep, as
+        ``(handle, location)``; the reservations of its scopes, reservation blocks and keepers,
+        as ``(name, location)``; and a sentence naming them and what to do. Empty when it holds
+        nothing. For a tenant about to wait (the controller's scope): what waiting cannot end.
+        Loop thread; never waits."""
+        rt = self._running()
+        own = rt.admission._held_by(current_task() if task is None else task)
+        if own is None:
+            return (), (), ""
+        return tuple(own.kept), tuple(own.reservations), own.describe(None)
+
     @contextmanager
     def room_wait(
         self,

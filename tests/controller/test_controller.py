@@ -682,12 +682,13 @@ async def test_a_decision_entered_on_another_manager_is_refused_saying_so() -> N
             assert first.snapshot().location("cuda:0").reserved_bytes == UNIT
 
 
-@pytest.mark.parametrize("holding", ["reservation block", "scope", "lease"])
+@pytest.mark.parametrize("holding", ["reservation block", "scope", "lease", "hold on the value"])
 async def test_a_controller_scope_waiting_only_for_room_its_own_task_holds_is_refused(
     holding: str,
 ) -> None:
-    """What keeps the request out ends only when the entering task goes on: waiting would
-    never end, so it is refused at once (as a manual scope is), saying what the task holds."""
+    """What keeps the request out (room, or the protection of the value it must move) ends
+    only when the entering task goes on: waiting would never end, so it is refused at once
+    (as a manual scope is), saying what the task holds."""
     async with sim_manager(16 * UNIT) as manager:
         x = manager.register(tensor(8 * UNIT), name="x")
         y = manager.register(tensor(8 * UNIT, seed=1), name="y")
@@ -699,8 +700,11 @@ async def test_a_controller_scope_waiting_only_for_room_its_own_task_holds_is_re
         elif holding == "scope":
             plan = ResidencyPlan(reserve=[MemoryReservation("mine", "cuda:0", 12 * UNIT)])
             held = manager.scope(plan)
-        else:
+        elif holding == "lease":
             held = manager.acquire(y, "cuda:0")
+        else:  # the move the request needs could begin only once the hold ended
+            await manager.materialize(x, "pinned-host")
+            held = manager.hold(x, "pinned-host")
         reservations = [MemoryReservation("kv", "cuda:0", 4 * UNIT)] if holding == "lease" else []
         request = ResidencyRequest("r", [ResidencyRequirement(x, "cuda:0")], reservations)
         controller = ResidencyController(manager)
