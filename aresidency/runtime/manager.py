@@ -158,6 +158,8 @@ class ResidencyManager:
         granularity: int = DEFAULT_GRANULARITY,
         reserve_staging: bool = True,
     ) -> None:
+        if not isinstance(reserve_staging, bool):  # "no" would be true
+            raise TypeError(f"reserve_staging must be a bool, got {reserve_staging!r}")
         if budgets is not None and not isinstance(budgets, Mapping):
             raise TypeError(
                 f"budgets must be a mapping from location to bytes (such as "
