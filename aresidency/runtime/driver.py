@@ -800,8 +800,9 @@ class PhaseRun:
 
 def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: ValueHandle) -> Any:
     """``source.load()``, checked against what the source declared (an error naming the value,
-    what was expected and what came back), contiguous, and placed at ``place_at`` when given
-    (a worker thread: loading and pinning block it, not the loop)."""
+    what was expected and what came back), contiguous, in memory of its own (not a view of a
+    larger storage), and placed at ``place_at`` when given (a worker thread: loading and
+    pinning block it, not the loop)."""
     what = str(handle)
     if isinstance(source, CallableSource):
         tensor = source.load(what=what)  # it checks, naming the value
@@ -810,4 +811,8 @@ def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: 
     tensor = tensor.contiguous()
     if place_at is not None:
         tensor = backend.place(tensor, place_at)
+    elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        # A view of a larger storage (load() sliced a bigger tensor): kept as it is, that whole
+        # storage would stay alive behind the value's charge. Its own memory instead.
+        tensor = tensor.clone()
     return tensor

@@ -240,6 +240,23 @@ async def test_reconstruction_charges_source_location_temporarily() -> None:
         assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:1"]
 
 
+async def test_a_load_that_returns_a_view_keeps_no_more_memory_than_the_value_is_charged() -> None:
+    # load() returns a slice of a larger scratch tensor: the rebuilt value at pageable-host
+    # must not keep that whole storage alive behind its 1 KiB charge (the budget would lie).
+    async with ResidencyManager(budgets={"pageable-host": 1 * MiB}, backend="sim") as m:
+        src = CallableSource(
+            lambda: torch.arange(1 << 20, dtype=torch.float32)[256:512],
+            shape=(256,),
+            dtype=torch.float32,
+        )
+        h = m.register_source(src, name="row")
+        await m.materialize(h, "pageable-host")
+        tensor = m.tensor(h, "pageable-host")
+        assert torch.equal(tensor, torch.arange(256, 512, dtype=torch.float32))
+        kept = tensor.untyped_storage().nbytes()
+        assert kept <= m.snapshot().value(h).charge_bytes, kept
+
+
 async def test_reconstruction_is_refused_when_source_location_budget_is_too_small() -> None:
     data = random_tensor()
     async with ResidencyManager(budgets={"pageable-host": 8192}, backend="sim") as m:
