@@ -12,6 +12,12 @@ state moved restarts from the new state (never finishing on a stale one), up to
 faster than one slice would otherwise starve it). The candidate index is kept current by a state
 observer; bringing it up to date is also sliced, and changes made meanwhile are caught by the
 same observer, so that part never restarts.
+
+Why this module is long: it is the controller and the two things its calls return, a decision
+being derived (:class:`PendingDecision`) and a decide-then-enter scope
+(:class:`ControllerScope`); both drive the controller's own search and candidate index, and the
+scope's rules for waiting (stale decisions, transient state, what the entering task holds
+itself) read best beside the search they re-run.
 """
 
 from __future__ import annotations
