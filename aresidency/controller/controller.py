@@ -29,7 +29,12 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from ..core.errors import ResidencyPlanError, ResidencySearchLimitError, ResidencyStaleStateError
+from ..core.errors import (
+    ResidencyError,
+    ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+)
 from ..core.explain import PlanExplanation
 from ..core.plans import ResidencyPlan
 from ..core.state import ResidencyState
@@ -572,15 +577,18 @@ class ControllerScope:
         controller = self.controller
         state = controller._state()
         alone = state.isolated([*self.request.handles(), *(handle for handle, _ in kept)])
-        for handle, location in kept:
-            value = alone.find_value(handle)
-            if value is not None and location in value.materializations:
-                alone.hold(handle, location)
-        for name, location in reservations:
-            ledger = state.find_ledger(location)
-            entry = None if ledger is None else ledger.reservations.get(name)
-            if entry is not None and name not in alone.ledger(location).reservations:
-                alone.reserve(name, location, entry[0])
+        try:
+            for handle, location in kept:
+                value = alone.find_value(handle)
+                if value is not None and location in value.materializations:
+                    alone.hold(handle, location)
+            for name, location in reservations:
+                ledger = state.find_ledger(location)
+                entry = None if ledger is None else ledger.reservations.get(name)
+                if entry is not None and name not in alone.ledger(location).reservations:
+                    alone.reserve(name, location, entry[0])
+        except (ResidencyError, ValueError):
+            return None  # not a state to judge by: waiting may still end
         try:
             decide_nowait(
                 alone,
