@@ -12,6 +12,12 @@ state moved restarts from the new state (never finishing on a stale one), up to
 faster than one slice would otherwise starve it). The candidate index is kept current by a state
 observer; bringing it up to date is also sliced, and changes made meanwhile are caught by the
 same observer, so that part never restarts.
+
+Why this module is long: it is the controller and the two things its calls return, a decision
+being derived (:class:`PendingDecision`) and a decide-then-enter scope
+(:class:`ControllerScope`); both drive the controller's own search and candidate index, and the
+scope's rules for waiting (stale decisions, transient state, what the entering task holds
+itself) read best beside the search they re-run.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from ..core.errors import ResidencyPlanError, ResidencySearchLimitError, ResidencyStaleStateError
+from ..core.errors import (
+    ResidencyError,
+    ResidencyPlanError,
+    ResidencySearchLimitError,
+    ResidencyStaleStateError,
+)
 from ..core.explain import PlanExplanation
 from ..core.plans import ResidencyPlan
 from ..core.state import ResidencyState
@@ -111,10 +122,15 @@ class ResidencyController:
             raise TypeError(f"search_state_limit must be an int, got {search_state_limit!r}")
         if search_state_limit < 1:
             raise ValueError(f"search_state_limit must be >= 1, got {search_state_limit}")
-        if (max_stale_retries is not None and max_stale_retries < 0) or max_restarts < 0:
-            raise ValueError("max_stale_retries and max_restarts must be >= 0")
+        if max_stale_retries is not None:
+            _check_count("max_stale_retries", max_stale_retries, "None or an int >= 0")
+        _check_count("max_restarts", max_restarts, "an int >= 0")
+        if isinstance(slice_seconds, bool) or not isinstance(slice_seconds, (int, float)):
+            raise TypeError(f"slice_seconds must be a number of seconds > 0, got {slice_seconds!r}")
         if not slice_seconds > 0:
-            raise ValueError(f"slice_seconds must be > 0, got {slice_seconds!r}")
+            raise ValueError(
+                f"slice_seconds must be a number of seconds > 0, got {slice_seconds!r}"
+            )
         self.manager = manager
         self.search_state_limit = search_state_limit
         self._graph = fallback_graph if fallback_graph is not None else FallbackGraph.default()
@@ -331,7 +347,9 @@ class ResidencyController:
         events, other scopes' reservations: it would fit on its own) waits for the
         state to change and decides again, as a manual scope waits for admission, for up to
         ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
-        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once.
+        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once,
+        and so does one that only what the entering task holds itself keeps out (its leases,
+        holds, scopes and reservation blocks end only when it goes on: ``hold_and_wait``).
         """
         timeout = check_timeout(timeout)
         if not isinstance(request, ResidencyRequest):
@@ -500,6 +518,9 @@ class ControllerScope:
                 except ResidencyPlanError as error:
                     if timeout == 0 or not controller.would_fit_alone(self.request):
                         raise
+                    never = self._never_admitted()
+                    if never is not None:
+                        raise never from error
                     if not await controller.wait_for_change(deadline):
                         raise TimeoutError(
                             f"request {self.request.name!r} not admitted within {timeout} s: "
@@ -541,6 +562,51 @@ class ControllerScope:
             self.status = "failed"
             raise
 
+    def _never_admitted(self) -> ResidencyPlanError | None:
+        """The refusal of a request that waiting would never admit: it is infeasible even once
+        everything transient ended but what the entering task holds itself (its leases and
+        holds stay protected, its scopes' and reservation blocks' reservations stay), which
+        ends only when that task goes on. As a manual scope is refused (hold and wait);
+        ``None`` when waiting may end."""
+        holdings = getattr(self.controller.manager, "task_holdings", None)
+        if holdings is None:  # a stand-in that only decides
+            return None
+        kept, reservations, described = holdings()
+        if not kept and not reservations:
+            return None
+        controller = self.controller
+        state = controller._state()
+        alone = state.isolated([*self.request.handles(), *(handle for handle, _ in kept)])
+        try:
+            for handle, location in kept:
+                value = alone.find_value(handle)
+                if value is not None and location in value.materializations:
+                    alone.hold(handle, location)
+            for name, location in reservations:
+                ledger = state.find_ledger(location)
+                entry = None if ledger is None else ledger.reservations.get(name)
+                if entry is not None and name not in alone.ledger(location).reservations:
+                    alone.reserve(name, location, entry[0])
+        except (ResidencyError, ValueError):
+            return None  # not a state to judge by: waiting may still end
+        try:
+            decide_nowait(
+                alone,
+                self.request,
+                graph=controller.fallback_graph,
+                cost_model=controller.cost_model,
+                search_state_limit=controller.search_state_limit,
+                optimality_gap=controller.optimality_gap,
+            )
+        except ResidencySearchLimitError:
+            return None  # unknown: waiting may still end
+        except ResidencyPlanError as error:
+            refused = ResidencyPlanError(f"{error.reason}; {described}")
+            refused.hold_and_wait = True
+            refused.request = self.request
+            return refused
+        return None
+
     def _hold_placements(self, manager_scope: Any, decision: ResidencyDecision) -> None:
         del manager_scope  # entered: the caller exits it if this raises
         """Hold every requirement where the decision placed it, right after entry (no await
@@ -580,6 +646,14 @@ class ControllerScope:
         finally:
             self.status = "exited"
         return result
+
+
+def _check_count(keyword: str, value: object, expected: str) -> None:
+    """Refuse a count that is not an int >= 0, naming the keyword (``True`` is no count)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{keyword} must be {expected}, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{keyword} must be {expected}, got {value!r}")
 
 
 def _with_request(error: ResidencyPlanError, request: ResidencyRequest) -> None:

@@ -215,7 +215,9 @@ class ResidencyDecision:
     performance score). ``explanation`` is ``explain_plan`` of ``plan`` against the state the
     decision was derived from; it is feasible, and every requested endpoint is in its simulated
     final state. ``placements`` says which alternative each requirement got;
-    ``estimated_seconds`` is the cost model's total for the evictions.
+    ``estimated_seconds`` is the cost model's total for the evictions. ``manager_id`` names the
+    manager whose state it was derived from: another manager refuses to explain or enter it
+    (its state versions count another history).
     """
 
     request: ResidencyRequest
@@ -226,6 +228,7 @@ class ResidencyDecision:
     explanation: PlanExplanation
     placements: tuple[Placement, ...] = field(default=(), compare=False)
     estimated_seconds: float = field(default=0.0, compare=False)
+    manager_id: str | None = None
 
     @property
     def feasible(self) -> bool:

@@ -971,6 +971,7 @@ def iter_decide(
             explanation,
             placements=placements,
             estimated_seconds=sum(e.estimated_seconds for e in evictions),
+            manager_id=state.manager_id,
         )
     raise ResidencyPlanError(_infeasible_reason(request, failures))
 

@@ -267,9 +267,34 @@ class ResidencySnapshot:
     values: Mapping[ValueHandle, ValueSnapshot]
 
     def value(self, handle: ValueHandle) -> ValueSnapshot:
+        """The record of one value (``TypeError`` for what is not a handle, such as the
+        value's name; ``ResidencyUnavailableError`` saying why for a handle it has not)."""
+        if not isinstance(handle, ValueHandle):
+            hint = (
+                " (records are keyed by handle; by name: [v for v in snapshot.values.values() "
+                f"if v.name == {handle!r}])"
+                if isinstance(handle, str)
+                else ""
+            )
+            raise TypeError(
+                f"snapshot.value takes a ValueHandle, got {handle!r} "
+                f"({type(handle).__name__}){hint}"
+            )
         record = self.values.get(handle)
         if record is None:
-            raise ResidencyUnavailableError(handle, None, "not in this snapshot")
+            if handle.manager_id != self.manager_id:
+                raise ResidencyUnavailableError(
+                    handle,
+                    None,
+                    f"not in this snapshot: the handle belongs to manager {handle.manager_id}, "
+                    f"and this is a snapshot of manager {self.manager_id}",
+                )
+            raise ResidencyUnavailableError(
+                handle,
+                None,
+                f"not in this snapshot (v{self.state_version}): the value was discarded before "
+                "it was taken, or registered after",
+            )
         return record
 
     def location(self, location: Any) -> LocationRecord:

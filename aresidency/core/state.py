@@ -562,7 +562,12 @@ class ResidencyState:
         return mat.charged_bytes
 
     def discard(self, handle: ValueHandle) -> int:
-        """Forget the value; every materialization must be unprotected and settled."""
+        """Forget the value; every materialization must be unprotected and settled.
+
+        Like a write lease's invalidations, each materialization freed is its own ``discard``
+        transition at its location (in location order, all validated before any commits), so
+        that replaying ``nbytes`` per location gives each ledger; a value with none (a source
+        only) is one ``discard`` at no location, of 0 bytes."""
         value = self.value(handle)
         for mat in value.materializations.values():
             self._check_removable(value, mat, "discard")
@@ -576,15 +581,16 @@ class ResidencyState:
                     operation="discard",
                     transfer=mat.state.value,
                 )
-        freed = 0
-        for mat in value.materializations.values():
-            self._uncharge(mat.location, mat.charged_bytes)
-            freed += mat.charged_bytes
+        mats = sorted(value.materializations.values(), key=lambda m: m.location)
         value.materializations.clear()
         value.discarded = True
         del self._values[handle]
-        self._commit("discard", handle, None, -freed)
-        return freed
+        for mat in mats:
+            self._uncharge(mat.location, mat.charged_bytes)
+            self._commit("discard", handle, mat.location, -mat.charged_bytes)
+        if not mats:
+            self._commit("discard", handle, None, 0)
+        return sum(mat.charged_bytes for mat in mats)
 
     def begin_copy(
         self, handle: ValueHandle, source: LocationLike, destination: LocationLike, *, move: bool

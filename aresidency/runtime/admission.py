@@ -22,10 +22,10 @@ Direct operations queue too, so that they cannot starve a waiting scope: one tha
 a location where a waiting scope will charge bytes (``materialize``, ``move``, ``execute``)
 waits for the scopes ahead of it, then runs (it never waits for room itself: it either fits
 then or raises ``ResidencyBudgetError``; ``execute`` a ``ResidencyPlanError``). Two
-exceptions keep that from deadlocking or lying: a caller that holds a lease or hold of this
-manager does not wait (the scope may be waiting for exactly that protection) and goes ahead
-(a scope of a task that holds one, or has entered a scope, does not queue behind the waiting
-ones either, for the same reason);
+exceptions keep that from deadlocking or lying: a caller that holds room of this manager (a
+lease or hold, an entered scope or reservation block, what a keeper keeps for it) does not
+wait (the scope may be waiting for exactly that room) and goes ahead (a scope of such a task
+does not queue behind the waiting ones either, for the same reason);
 and an operation that cannot wait (``materialize_nowait``, ``reserve_nowait``,
 ``manager.reservation``) is refused with a ``ResidencyBudgetError`` whose byte fields are the
 true ledger and request and whose ``waiting_scopes`` says how many scopes it would overtake.
@@ -953,11 +953,10 @@ class AdmissionQueue:
         wanted = frozenset(locations)
         if not self.must_queue(wanted):
             return
-        task = current_task()
-        if lease_owners(self._rt).task_protects(task) or self.kept_for(task):
-            # The caller holds a lease or hold (or a keeper keeps room for it): a waiting
-            # scope may wait for exactly that, so waiting behind it could never end. It goes
-            # ahead (it still must fit).
+        if self._holds_room(current_task()):
+            # The caller holds a lease or hold, has entered a scope or a reservation block, or
+            # a keeper keeps room for it: a waiting scope may wait for exactly that, so
+            # waiting behind it could never end. It goes ahead (it still must fit).
             return
         waiter = _Waiter(None, wanted)
         self._enqueue(waiter)

@@ -33,7 +33,8 @@ without the phase generator, with the same transitions, errors and cancellation.
 Cancellation (:meth:`PhaseRun.cancel`, or the awaiting task being cancelled): every transfer
 in flight whose destination nobody has leased or held yet is cancelled (it stops issuing
 chunks; its enqueued device work completes; then it is aborted); the others complete and
-commit, because a lease entered on an incoming copy is reading it. A run still beginning its
+commit, because a lease entered on an incoming copy is reading it (and still is after it
+exited, until the reader events it recorded complete). A run still beginning its
 actions (or waiting to release a value) also gives up beginning: what it began but did not
 issue is aborted at once. Either way the run ends with every begun transfer committed or
 aborted, and the awaiting task then sees its cancellation: nothing is left incoming, charged
@@ -710,7 +711,9 @@ class PhaseRun:
             self._advance(None, throw=self._thrown)
 
     def _cancel_transfers(self) -> None:
-        """Cancel every open transfer whose destination no lease or hold reads."""
+        """Cancel every open transfer whose destination no lease or hold reads, and no
+        consumer event either: a lease that exited on the incoming copy left its kernels,
+        ordered after the copy on the device, to read it."""
         state = self._rt.state
         for ticket_id, ticket in list(self._open.items()):
             transfer = self._transfers.get(ticket_id)
@@ -718,8 +721,8 @@ class PhaseRun:
                 continue  # a load still reading its source: it stops before its copy
             value = state.find_value(ticket.handle)
             mat = None if value is None else value.materializations.get(ticket.destination)
-            if mat is not None and (mat.use_count or mat.hold_count):
-                continue  # a lease reads the incoming copy: let it arrive
+            if mat is not None and (mat.use_count or mat.hold_count or mat.pending_event_count):
+                continue  # a lease reads (or has read) the incoming copy: let it arrive
             payload = self._rt.payloads.get(ticket.handle, ticket.destination)
             if payload is not None:
                 payload.aborting = True
@@ -797,8 +800,9 @@ class PhaseRun:
 
 def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: ValueHandle) -> Any:
     """``source.load()``, checked against what the source declared (an error naming the value,
-    what was expected and what came back), contiguous, and placed at ``place_at`` when given
-    (a worker thread: loading and pinning block it, not the loop)."""
+    what was expected and what came back), contiguous, in memory of its own (not a view of a
+    larger storage), and placed at ``place_at`` when given (a worker thread: loading and
+    pinning block it, not the loop)."""
     what = str(handle)
     if isinstance(source, CallableSource):
         tensor = source.load(what=what)  # it checks, naming the value
@@ -807,4 +811,8 @@ def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: 
     tensor = tensor.contiguous()
     if place_at is not None:
         tensor = backend.place(tensor, place_at)
+    elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        # A view of a larger storage (load() sliced a bigger tensor): kept as it is, that whole
+        # storage would stay alive behind the value's charge. Its own memory instead.
+        tensor = tensor.clone()
     return tensor

@@ -158,6 +158,8 @@ class ResidencyManager:
         granularity: int = DEFAULT_GRANULARITY,
         reserve_staging: bool = True,
     ) -> None:
+        if not isinstance(reserve_staging, bool):  # "no" would be true
+            raise TypeError(f"reserve_staging must be a bool, got {reserve_staging!r}")
         if budgets is not None and not isinstance(budgets, Mapping):
             raise TypeError(
                 f"budgets must be a mapping from location to bytes (such as "
@@ -302,10 +304,18 @@ class ResidencyManager:
         message = "the manager closed while this was waiting"
         rt.admission.close(message)
         rt.signal.close(message)
+
+        async def drain() -> None:
+            await rt.wait_idle()
+            # In the step that found nothing in flight: a task the last completion woke (a
+            # scope's body about to run its exit) must not begin work the close would not
+            # wait for, before the closing task itself runs again.
+            rt.frozen = True
+
         try:
             # Finished even if the task is cancelled meanwhile, natively on asyncio too (the
             # cancellation is raised once it is done): see .shield.
-            await finish_shielded(rt.wait_idle)
+            await finish_shielded(drain)
         finally:
             # From here on the state is final: a lease, hold, scope or reservation block that
             # ends after this changes nothing and raises ManagerClosedError.
@@ -467,6 +477,21 @@ class ResidencyManager:
             current_task() if task is None else task,
             frozenset(exempt),
         )
+
+    def task_holdings(
+        self, task: object | None = None
+    ) -> tuple[tuple[tuple[ValueHandle, Location], ...], tuple[tuple[str, Location], ...], str]:
+        """What ``task`` (default: the calling task) holds itself, which ends only when it goes
+        on: the materializations its leases and holds (and keepers on its behalf) keep, as
+        ``(handle, location)``; the reservations of its scopes, reservation blocks and keepers,
+        as ``(name, location)``; and a sentence naming them and what to do. Empty when it holds
+        nothing. For a tenant about to wait (the controller's scope): what waiting cannot end.
+        Loop thread; never waits."""
+        rt = self._running()
+        own = rt.admission._held_by(current_task() if task is None else task)
+        if own is None:
+            return (), (), ""
+        return tuple(own.kept), tuple(own.reservations), own.describe(None)
 
     @contextmanager
     def room_wait(
@@ -943,7 +968,7 @@ class ResidencyManager:
         """Simulate ``plan`` (or a decision's plan) against the current state; nothing
         changes."""
         rt = self._running()
-        resolved = plan_of(plan)
+        resolved = plan_of(plan, self.id)
         for action in (*resolved.reclaim, *resolved.enter, *resolved.exit, *resolved.reserve):
             rt.backend.check_location(action.location)
         return explain_plan(self._state, resolved)
@@ -953,8 +978,9 @@ class ResidencyManager:
         reservations, exit. It never waits for room: preflight (staleness, ``explain``) raises
         ``ResidencyPlanError`` before anything changes; a later failure is
         ``ResidencyPlanExecutionError``. Like ``move``, it first waits its turn behind scopes
-        already waiting for room where it charges (unless the caller holds a lease or hold: see
-        :mod:`~aresidency.runtime.admission`), so it does not overtake them."""
+        already waiting for room where it charges (unless the caller holds room, such as a
+        lease, hold, scope or reservation block: see :mod:`~aresidency.runtime.admission`), so
+        it does not overtake them."""
         scope = Scope(self._running(), plan, timeout=0, phase_name="execute")
         async with scope:
             pass

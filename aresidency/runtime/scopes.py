@@ -60,14 +60,29 @@ __all__ = ["Scope"]
 _log = logging.getLogger(__name__)
 
 
-def plan_of(plan_or_decision: Any) -> ResidencyPlan:
-    """The plan of a ``ResidencyPlan`` or of a controller decision; ``TypeError`` otherwise."""
+def plan_of(plan_or_decision: Any, manager_id: str | None = None) -> ResidencyPlan:
+    """The plan of a ``ResidencyPlan`` or of a controller decision; ``TypeError`` otherwise.
+    With ``manager_id``: a decision derived from another manager's state is a
+    ``ResidencyPlanError`` saying so (its expected version counts another manager's
+    transitions, so staleness cannot tell)."""
     plan = getattr(plan_or_decision, "plan", plan_or_decision)
     if not isinstance(plan, ResidencyPlan):
         raise TypeError(
             f"expected a ResidencyPlan or a ResidencyDecision, got {plan_or_decision!r} "
             f"({type(plan_or_decision).__name__})"
         )
+    derived_for = getattr(plan_or_decision, "manager_id", None)
+    if manager_id is not None and derived_for is not None and derived_for != manager_id:
+        request = getattr(plan_or_decision, "request", None)
+        name = getattr(request, "name", None)
+        what = f"the decision for request {name!r}" if name else "the decision"
+        error = ResidencyPlanError(
+            f"{what} was derived for manager {derived_for}, not for this manager "
+            f"({manager_id}); nothing was changed. Derive one from this manager's state with a "
+            "controller of this manager"
+        )
+        error.plan, error.decision = plan, plan_or_decision
+        raise error
     return plan
 
 
@@ -84,7 +99,7 @@ class Scope:
         timeout: float | None = None,
         phase_name: str | None = None,
     ) -> None:
-        plan = plan_of(plan_or_decision)
+        plan = plan_of(plan_or_decision, runtime.state.manager_id)
         self._rt = runtime
         self.plan = plan
         self.decision = plan_or_decision if plan_or_decision is not plan else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -30,6 +31,7 @@ from aresidency.controller import (
 from aresidency.core import (
     Location,
     MemoryReservation,
+    ResidencyPlan,
     ResidencyPlanError,
     ResidencySearchLimitError,
     ResidencyStaleStateError,
@@ -477,7 +479,15 @@ async def test_controller_scope_waits_for_a_protection_to_end() -> None:
     async with sim_manager(4 * UNIT) as manager:
         gpu = await fill_gpu(manager, 4)
         new = manager.register(tensor(UNIT, 9), name="new")
-        holds = [manager.hold(h, "cuda:0") for h in gpu]
+        holds: list[Any] = []
+
+        async def take_holds() -> None:
+            # Another task's holds (the waiting task's own would be refused: they end only
+            # when it goes on; see the test of that below).
+            holds.extend(manager.hold(h, "cuda:0") for h in gpu)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(take_holds)
         controller = ResidencyController(manager)
         request = ResidencyRequest("step", [ResidencyRequirement(new, "cuda:0")])
         with pytest.raises(ResidencyPlanError, match="infeasible because of protections"):
@@ -624,3 +634,85 @@ async def test_decide_nowait_refuses_a_location_the_manager_does_not_have() -> N
         request = ResidencyRequest("far", [ResidencyRequirement(handle, "cuda:7")])
         with pytest.raises(ValueError, match="cuda:7"):
             controller.decide_nowait(request)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "bad", "error"),
+    [
+        ("search_state_limit", 0, ValueError),
+        ("search_state_limit", 10.0, TypeError),
+        ("max_stale_retries", "3", TypeError),
+        ("max_stale_retries", -1, ValueError),
+        ("max_restarts", 1.5, TypeError),
+        ("max_restarts", -1, ValueError),
+        ("slice_seconds", "0.1", TypeError),
+        ("slice_seconds", True, TypeError),
+        ("slice_seconds", float("nan"), ValueError),
+        ("slice_seconds", 0, ValueError),
+    ],
+)
+def test_a_bad_controller_setting_is_refused_naming_it(keyword: str, bad: Any, error: type) -> None:
+    state, _ = hard_state(2, 1)
+    with pytest.raises(error, match=f"{keyword} must be .*got {re.escape(repr(bad))}"):
+        ResidencyController(StandInManager(state), **{keyword: bad})
+
+
+async def test_a_decision_entered_on_another_manager_is_refused_saying_so() -> None:
+    async with sim_manager(4 * UNIT) as first, sim_manager(4 * UNIT) as second:
+        first.register(tensor(), name="w")
+        # Only reservations: nothing in the plan names the manager it was made for.
+        request = ResidencyRequest("kv", [], reservations=[MemoryReservation("kv", "cuda:0", UNIT)])
+        decision = await ResidencyController(first).decide(request)
+        assert decision.manager_id == first.id
+        while second.state_version < decision.expected_state_version:
+            second.reset_peak_bytes()  # the same version: staleness alone cannot tell
+        assert second.state_version == decision.expected_state_version
+        before = second.snapshot()
+        refused = f"derived for manager {first.id}"
+        with pytest.raises(ResidencyPlanError, match=refused):
+            second.explain(decision)
+        with pytest.raises(ResidencyPlanError, match=refused):
+            await second.execute(decision)
+        with pytest.raises(ResidencyPlanError, match=refused):
+            async with second.scope(decision):
+                pytest.fail("entered another manager's decision")
+        assert second.snapshot() == before
+        # Its own manager still takes it.
+        async with first.scope(decision):
+            assert first.snapshot().location("cuda:0").reserved_bytes == UNIT
+
+
+@pytest.mark.parametrize("holding", ["reservation block", "scope", "lease", "hold on the value"])
+async def test_a_controller_scope_waiting_only_for_room_its_own_task_holds_is_refused(
+    holding: str,
+) -> None:
+    """What keeps the request out (room, or the protection of the value it must move) ends
+    only when the entering task goes on: waiting would never end, so it is refused at once
+    (as a manual scope is), saying what the task holds."""
+    async with sim_manager(16 * UNIT) as manager:
+        x = manager.register(tensor(8 * UNIT), name="x")
+        y = manager.register(tensor(8 * UNIT, seed=1), name="y")
+        if holding == "lease":
+            await manager.materialize(y, "cuda:0")
+        held: Any
+        if holding == "reservation block":
+            held = manager.reservation("mine", "cuda:0", 12 * UNIT)
+        elif holding == "scope":
+            plan = ResidencyPlan(reserve=[MemoryReservation("mine", "cuda:0", 12 * UNIT)])
+            held = manager.scope(plan)
+        elif holding == "lease":
+            held = manager.acquire(y, "cuda:0")
+        else:  # the move the request needs could begin only once the hold ended
+            await manager.materialize(x, "pinned-host")
+            held = manager.hold(x, "pinned-host")
+        reservations = [MemoryReservation("kv", "cuda:0", 4 * UNIT)] if holding == "lease" else []
+        request = ResidencyRequest("r", [ResidencyRequirement(x, "cuda:0")], reservations)
+        controller = ResidencyController(manager)
+        async with held:
+            before = manager.snapshot()
+            with anyio.fail_after(10), pytest.raises(ResidencyPlanError) as info:
+                async with controller.scope(request, timeout=None):
+                    pytest.fail("admitted")
+            assert info.value.hold_and_wait and info.value.request is request
+            assert "waiting task holds itself" in str(info.value)
+            assert manager.snapshot() == before

@@ -99,6 +99,26 @@ def test_snapshot_lookups_of_absent_things_raise_clearly():
         snap.value(w).materialization(PAGEABLE)
 
 
+def test_snapshot_value_names_what_was_wrong_with_what_it_was_given():
+    state, w, _, s = busy_state()
+    snap = take_snapshot(state)
+    # A value's name is not its handle: the error says what it takes, not "unavailable".
+    with pytest.raises(TypeError, match=r"takes a ValueHandle, got 'w' \(str\).*name"):
+        snap.value("w")
+    with pytest.raises(TypeError, match="takes a ValueHandle, got None"):
+        snap.value(None)
+    # Another manager's handle: said so (the troubleshooting's first check of a handle).
+    foreign = ValueHandle("m-other", w.value_id, "w")
+    with pytest.raises(ResidencyUnavailableError, match="belongs to manager m-other") as info:
+        snap.value(foreign)
+    assert "m-test" in str(info.value)
+    # This manager's handle, not in the snapshot: discarded before it, or registered after.
+    state.discard(s)
+    with pytest.raises(ResidencyUnavailableError, match="discarded before") as info:
+        take_snapshot(state).value(s)
+    assert f"v{state.state_version}" in str(info.value)
+
+
 def test_snapshot_and_record_reprs_show_state():
     state, *_ = busy_state()
     snap = take_snapshot(state)
@@ -235,6 +255,39 @@ def test_trace_entries_carry_sequence_version_kind_handle_location_bytes_and_tim
     assert second.time_ns == 2
     assert json.loads(json.dumps(first.to_dict()))["handle"]["name"] == "w"
     assert "register" in str(first) and "+1024 B" in str(first)
+
+
+def test_replaying_the_trace_per_location_gives_each_ledger_after_discards():
+    # Each entry's nbytes is charged (or freed) at its location: summing them per location
+    # must give the ledgers, also after discarding a value resident at several locations.
+    state = make_state()
+    r = state.register(
+        name="r", charge_bytes=2048, location=PINNED, replica_mode=ReplicaMode.REPLICABLE
+    )
+    state.commit_copy(state.begin_copy(r, PINNED, CUDA1, move=False))
+    w = state.register(name="w", charge_bytes=1024, location=CUDA0)
+    s = state.register(name="s", charge_bytes=512, has_source=True, source_location=PAGEABLE)
+    keep = state.register(name="keep", charge_bytes=512, location=CUDA1)
+    for handle in (r, w, s):
+        state.discard(handle)
+    replayed: dict[Any, int] = {}
+    for t in state.trace_ring.view().transitions:
+        if t.location is not None:
+            replayed[t.location] = replayed.get(t.location, 0) + t.nbytes
+        else:
+            assert t.nbytes == 0, t  # bytes always change somewhere
+    ledgers = {loc: rec.charged_bytes for loc, rec in take_snapshot(state).locations.items()}
+    assert {loc: n for loc, n in replayed.items() if n} == {Location.parse(CUDA1): 512}
+    assert {loc: n for loc, n in ledgers.items() if n} == {Location.parse(CUDA1): 512}
+    discards = [t for t in state.trace_ring.view().transitions if t.kind == "discard"]
+    assert [(t.handle, str(t.location), t.nbytes) for t in discards] == [
+        (r, PINNED, -2048),
+        (r, CUDA1, -2048),
+        (w, CUDA0, -1024),
+        (s, "None", 0),
+    ]
+    assert state.find_value(keep) is not None
+    state.check_invariants()
 
 
 def test_trace_ring_keeps_the_newest_entries_and_counts_the_overwritten():

@@ -4,8 +4,9 @@ After every step: the model's own invariants hold; each location's charge is the
 charges (materializations, plus the temporary source-location charge of rebuilds in flight); no
 strict budget is exceeded; no value without a source has lost its data; the version grew by
 exactly the number of committed transitions (one; or one ``invalidate`` per replica plus the
-write lease; or the two steps of a rebuild elsewhere) and not at all on a refused step, which
-also leaves the snapshot unchanged; the snapshot survives a JSON round trip.
+write lease; or the two steps of a rebuild elsewhere; or one ``discard`` per location) and not
+at all on a refused step, which also leaves the snapshot unchanged; replaying the trace's bytes
+per location gives each ledger; the snapshot survives a JSON round trip.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class ResidencyMachine(RuleBasedStateMachine):
                 ["invalidate"] * (len(new) - 1) + ["lease"],
                 ["rebuild_temp", "load_begin"],
                 ["copy_abort", "rebuild_abort"],
+                ["discard"] * len(new),  # one per location a value was discarded from
             ), kinds
         assert self.state.trace_ring.view().transitions[-len(new) :] == tuple(new)
         return result
@@ -234,6 +236,19 @@ class ResidencyMachine(RuleBasedStateMachine):
                     if m.state is not MaterializationState.OUTGOING
                 ]
                 assert len(live) <= 1
+
+    @invariant()
+    def replaying_the_trace_per_location_gives_each_ledger(self):
+        replayed: dict = {}
+        for transition in self.committed:
+            if transition.location is None:
+                assert transition.nbytes == 0, transition
+            else:
+                location = transition.location
+                replayed[location] = replayed.get(location, 0) + transition.nbytes
+        snap = take_snapshot(self.state)
+        for location, record in snap.locations.items():
+            assert replayed.get(location, 0) == record.charged_bytes, (location, replayed)
 
     @invariant()
     def version_counts_every_committed_transition(self):

@@ -15,7 +15,13 @@ import pytest
 import torch
 from integrations._models import sequential
 
-from aresidency import MemoryReservation, ResidencyManager, ResidencyPlan, stream_module
+from aresidency import (
+    MemoryReservation,
+    ReplicaMode,
+    ResidencyManager,
+    ResidencyPlan,
+    stream_module,
+)
 from aresidency.diagnosis import timeline_document
 
 pytestmark = pytest.mark.anyio
@@ -123,6 +129,19 @@ async def test_a_trace_that_overwrote_its_start_still_gives_absolute_counters() 
     )
     # The move whose begin the ring dropped starts at the first kept entry, and says so.
     assert any(e["args"].get("begin_overwritten") for e in durations(events, "transfer"))
+
+
+async def test_counters_drop_at_each_location_a_discarded_value_was_charged() -> None:
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="r", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        await m.discard(h)
+        trace, snap = m.trace(), m.snapshot()
+    for document in (timeline_document(trace, snap), timeline_document(trace, None)):
+        events = validate(document)
+        for location in ("pageable-host", "cuda:0"):
+            used = [c["used"] for c in counters(events, location)]
+            assert max(used) == 4 * KiB and min(used) == 0 and used[-1] == 0, (location, used)
 
 
 async def test_an_aborted_copy_is_a_duration_that_says_so() -> None:

@@ -51,18 +51,12 @@ def assert_nothing_left(manager: ResidencyManager) -> None:
 
 
 def max_charge(trace: ResidencyTrace, location: str = "cuda:0") -> int:
-    """Replay the trace: the largest charge (used + reserved) the location ever had. A
-    ``discard`` names no location: it frees what its value still held at each."""
+    """Replay the trace: the largest charge (used + reserved) the location ever had."""
     assert trace.overwritten == 0
-    held: dict[Any, int] = {}  # handle -> bytes it holds at the location
     current = peak = 0
     for transition in trace.transitions:
-        if transition.kind == "discard":
-            current -= held.pop(transition.handle, 0)
-        elif transition.location is not None and str(transition.location) == location:
+        if transition.location is not None and str(transition.location) == location:
             current += transition.nbytes
-            if transition.handle is not None:
-                held[transition.handle] = held.get(transition.handle, 0) + transition.nbytes
         peak = max(peak, current)
     assert current >= 0
     return peak

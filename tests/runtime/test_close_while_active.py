@@ -7,13 +7,16 @@ transition, no state version, no call into the closed backend) and raises
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
 from aresidency import Move, ResidencyManager, ResidencyPlan
+from aresidency.backends.sim import SimBackend
 from aresidency.runtime import ManagerClosedError
 
 pytestmark = pytest.mark.anyio
@@ -91,3 +94,64 @@ async def test_everything_that_ends_after_close_raises_closed_and_changes_nothin
     # The final state is the state at close: the exit move did not begin.
     (record,) = [v for v in m.state.values() if v.handle.name == "b"]
     assert [str(x) for x in record.materializations] == ["cuda:0"]
+
+
+@pytest.mark.parametrize("turns", range(3))
+async def test_a_scope_exit_that_wakes_as_the_close_stops_waiting_is_not_cut_off(
+    turns: int,
+) -> None:
+    # The close waits for the work in flight, then freezes the state. A scope's body that
+    # wakes when that last work finishes must find the state either still open (its exit is
+    # carried out and waited for) or final (ManagerClosedError): never an exit begun that
+    # the close does not wait for (its copy cut off by the closed backend). ``turns`` of the
+    # loop after the wake-up land the exit before, in and after the close's last steps.
+    # Copies slow enough (about 0.1 s each) to be in flight still if a close cut them off.
+    backend = SimBackend(copy_gbps=16 * KiB / 0.1 / 1e9)
+    m = ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=backend)
+    gate = threading.Event()
+    scopes: list[Any] = []
+    outcome: list[Any] = []
+    woke = anyio.Event()
+
+    async def scope(handle: Any, *, task_status: Any) -> None:
+        try:
+            async with m.scope(ResidencyPlan(exit=[Move(handle, "pinned-host")])) as entered:
+                scopes.append(entered)
+                task_status.started()
+                await woke.wait()
+                for _ in range(turns):
+                    await anyio.lowlevel.checkpoint()
+            outcome.append("exited")
+        except ManagerClosedError as error:
+            outcome.append(error)
+
+    async def open_gate_once_closing(*, task_status: Any) -> None:
+        task_status.started()
+        with pytest.raises(ManagerClosedError):
+            await m.wait_for_change()  # woken when the close begins
+        gate.set()
+
+    try:
+        async with anyio.create_task_group() as tg, m:
+            a = m.register(tensor(), name="a", location="cuda:0")
+            b = m.register(tensor(seed=1), name="b", location="cuda:0")
+            async with m.acquire(a, "cuda:0") as lease:
+                m.backend.run_in_stream_order(lease.stream, gate.wait)
+            # In flight until the gate opens: the move waits for the reader.
+            pending = m.materialize_nowait(a, "pinned-host")
+            pending.add_done_callback(lambda _: woke.set())
+            await tg.start(scope, b)
+            await tg.start(open_gate_once_closing)
+    finally:
+        gate.set()
+    assert pending.done() and pending.exception() is None
+    (entered,) = scopes
+    (record,) = [v for v in m.state.values() if v.handle == b]
+    states = {str(loc): mat.state.value for loc, mat in record.materializations.items()}
+    if outcome == ["exited"]:  # the exit began before the state froze: the close waited
+        assert entered.exit_error is None and states == {"pinned-host": "resident"}
+    else:
+        assert isinstance(outcome[0], ManagerClosedError), outcome
+        assert entered.exit_error is outcome[0]
+        assert states == {"cuda:0": "resident"}
+    m.state.check_invariants()

@@ -89,6 +89,21 @@ async def test_materialize_of_replicable_value_adds_a_replica() -> None:
         assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:1"]
 
 
+async def test_move_of_a_replicable_value_frees_only_the_copy_it_came_from() -> None:
+    # As the manager API page says: the cheapest source is copied and freed; a destination
+    # that already holds a copy is left as it is.
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:1")
+        await m.move(h, "cuda:1")  # a copy is there already: nothing moves
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:1"]
+        await m.move(h, "cuda:0")  # from the other GPU, not the host
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host", "cuda:0"]
+        await m.move(h, "pinned-host")  # from the GPU
+        locs = [str(x) for x in m.snapshot().value(h).locations]
+        assert locs == ["pageable-host", "pinned-host"]
+
+
 async def test_write_lease_invalidates_other_replicas() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
@@ -223,6 +238,23 @@ async def test_reconstruction_charges_source_location_temporarily() -> None:
         assert m.snapshot().value(h).locations == ()
         await m.materialize(h, "cuda:1")
         assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:1"]
+
+
+async def test_a_load_that_returns_a_view_keeps_no_more_memory_than_the_value_is_charged() -> None:
+    # load() returns a slice of a larger scratch tensor: the rebuilt value at pageable-host
+    # must not keep that whole storage alive behind its 1 KiB charge (the budget would lie).
+    async with ResidencyManager(budgets={"pageable-host": 1 * MiB}, backend="sim") as m:
+        src = CallableSource(
+            lambda: torch.arange(1 << 20, dtype=torch.float32)[256:512],
+            shape=(256,),
+            dtype=torch.float32,
+        )
+        h = m.register_source(src, name="row")
+        await m.materialize(h, "pageable-host")
+        tensor = m.tensor(h, "pageable-host")
+        assert torch.equal(tensor, torch.arange(256, 512, dtype=torch.float32))
+        kept = tensor.untyped_storage().nbytes()
+        assert kept <= m.snapshot().value(h).charge_bytes, kept
 
 
 async def test_reconstruction_is_refused_when_source_location_budget_is_too_small() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,40 @@ async def test_a_lease_on_an_incoming_copy_keeps_it_when_its_requester_is_cancel
             pending.cancel()  # the requester goes away while the lease reads the copy
         await pending.wait_settled()
         assert pending.exception() is None  # completed, not aborted: a lease was reading it
+        await m.backend.wait(m.backend.record_event(stream))
+        assert seen == [checksum(data)]
+        await settle(m)
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["cuda:0"]
+        quiet(m)
+
+
+async def test_a_copy_read_by_a_lease_that_exited_still_arrives_when_its_requester_goes() -> None:
+    # The lease's kernels were enqueued after the copy and the lease has exited (its reader
+    # event pending): cancelling the requester must not cancel the copy they read.
+    backend = SimBackend()
+    async with ResidencyManager(backend=backend) as m:
+        data = tensor()
+        h = m.register(data.clone(), name="w")
+        gate = threading.Event()
+        backend.device_streams(0).h2d.submit(lambda: gate.wait(10))  # holds up the copy
+        try:
+            pending = m.materialize_nowait(h, "cuda:0")
+            stream = m.backend.current_stream("cuda:0")
+            seen: list[float] = []
+            lease = m.acquire(h, "cuda:0", stream=stream)
+            lease.enter_nowait()  # the copy is enqueued: its stream waits for it on the device
+            view = lease.tensor
+            backend.run_in_stream_order(stream, lambda: seen.append(checksum(view)))
+            assert lease.exit_nowait() is None  # the use ended; its reader event is pending
+            record = m.snapshot().value(h).materialization("cuda:0")
+            assert (record.state.value, record.use_count) == ("incoming", 0)
+            assert record.pending_event_count == 1
+            pending.cancel()  # the requester goes away while the reader waits for the copy
+        finally:
+            gate.set()
+        await pending.wait_settled()
+        assert pending.exception() is None  # completed, not aborted: its reader needs it
+        assert lease.failure() is None
         await m.backend.wait(m.backend.record_event(stream))
         assert seen == [checksum(data)]
         await settle(m)
@@ -643,6 +678,8 @@ async def test_bad_calls_get_designed_errors_and_change_nothing() -> None:
         assert m.snapshot() == snap
     with pytest.raises(TypeError, match="budgets must be a mapping"):
         ResidencyManager(budgets="cuda:0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reserve_staging must be a bool, got 'no'"):
+        ResidencyManager(backend="sim", reserve_staging="no")  # type: ignore[arg-type]
 
 
 class _PlainSource:

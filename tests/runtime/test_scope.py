@@ -747,6 +747,44 @@ async def test_room_a_reservation_block_of_another_task_keeps_is_waited_for() ->
         assert_no_leak(m)
 
 
+@pytest.mark.parametrize("holding", ["reservation block", "scope"])
+async def test_a_direct_operation_of_a_task_holding_room_does_not_queue_behind_its_waiter(
+    holding: str,
+) -> None:
+    """Task A keeps room with a reservation block (or an entered scope); task B's scope waits
+    for that room. A's ``materialize`` inside its block does not wait its turn behind B (B
+    waits for A: that wait would never end); it goes ahead, as one holding a lease does."""
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim") as m:
+        x = m.register(tensor(4 * KiB), name="x")
+        room = MemoryReservation("a's room", "cuda:0", 32 * KiB)
+        order: list[str] = []
+        a_holds = anyio.Event()
+
+        async def task_b() -> None:
+            await a_holds.wait()
+            plan = ResidencyPlan(reserve=[MemoryReservation("b", "cuda:0", 40 * KiB)])
+            async with m.scope(plan, timeout=None):
+                order.append("B")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task_b)
+                held = (
+                    m.reservation(room.name, room.location, room.nbytes)
+                    if holding == "reservation block"
+                    else m.scope(ResidencyPlan(reserve=[room]))
+                )
+                async with held:
+                    a_holds.set()
+                    await anyio.wait_all_tasks_blocked()
+                    assert m.waiting == 1  # B waits for the room A keeps
+                    await m.materialize(x, "cuda:0")
+                    order.append("A's materialize")
+                    await m.move(x, "pageable-host")
+        assert order == ["A's materialize", "B"]
+        assert_no_leak(m)
+
+
 async def test_a_task_holding_room_is_not_queued_behind_a_scope_waiting_for_that_room() -> None:
     """Task A's entered scope keeps ``a`` at the device; task B's scope waits for that room.
     A's next scope fits and does not queue behind B (B waits for A, so that queue would never
