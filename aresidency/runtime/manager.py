@@ -60,6 +60,7 @@ from ..core.values import (
     Materialization,
     ReplicaMode,
     ValueHandle,
+    check_flag,
     check_value_name,
     value_charge,
 )
@@ -158,8 +159,7 @@ class ResidencyManager:
         granularity: int = DEFAULT_GRANULARITY,
         reserve_staging: bool = True,
     ) -> None:
-        if not isinstance(reserve_staging, bool):  # "no" would be true
-            raise TypeError(f"reserve_staging must be a bool, got {reserve_staging!r}")
+        check_flag(reserve_staging, "reserve_staging")  # "no" would be true
         if budgets is not None and not isinstance(budgets, Mapping):
             raise TypeError(
                 f"budgets must be a mapping from location to bytes (such as "

@@ -678,7 +678,7 @@ async def test_bad_calls_get_designed_errors_and_change_nothing() -> None:
         assert m.snapshot() == snap
     with pytest.raises(TypeError, match="budgets must be a mapping"):
         ResidencyManager(budgets="cuda:0")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="reserve_staging must be a bool, got 'no'"):
+    with pytest.raises(TypeError, match="reserve_staging must be True or False, got 'no'"):
         ResidencyManager(backend="sim", reserve_staging="no")  # type: ignore[arg-type]
 
 
