@@ -35,7 +35,9 @@ class Location:
     """One place a materialization can live.
 
     ``kind`` is ``"pageable-host"``, ``"pinned-host"`` or ``"cuda"``; ``index`` is the CUDA device
-    ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`.
+    ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`; the
+    constructor reads one argument as :meth:`parse` does, so ``Location('cuda:0')``, as a
+    location prints its repr, is that location.
     """
 
     kind: str
@@ -44,6 +46,11 @@ class Location:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.index is None and not (isinstance(self.kind, str) and self.kind in _KIND_ORDER):
+            # One argument, as the repr writes it ('cuda:0') or a torch.device: parsed.
+            parsed = Location.parse(self.kind)
+            object.__setattr__(self, "kind", parsed.kind)
+            object.__setattr__(self, "index", parsed.index)
         object.__setattr__(self, "_hash", hash((self.kind, self.index)))
         if self.kind not in _KIND_ORDER:
             raise ValueError(
