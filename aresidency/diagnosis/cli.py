@@ -8,13 +8,15 @@
   file for Perfetto or chrome://tracing (what ``manager.export_timeline`` writes).
 
 Exit status: 0 on success, 2 for a file that cannot be read as a dump or an output that cannot
-be written (the message says why).
+be written (the message says why), 1 when the reader of the output went away before its end
+(``... | head``: no traceback, as a shell tool stops).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -47,6 +49,20 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     out = stdout if stdout is not None else sys.stdout
     args = _parser().parse_args(argv)
+    try:
+        return _run(args, out)
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly. Python would report the broken pipe
+        # again when it flushes stdout at exit, so stdout is pointed at devnull first.
+        if out is sys.stdout:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+        return 1
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
     try:
         error, evidence = read_dump(args.dump)
     except (OSError, ValueError) as failure:
