@@ -173,6 +173,48 @@ async def test_step_2_checks_each_requirement_of_a_request_the_controller_refuse
         assert limited.value.request is crowded
 
 
+async def test_step_2_and_5_of_a_request_naming_an_exclusive_value_twice() -> None:
+    """The guide's step 2: "for a repeated handle, remember that several locations are
+    simultaneous postconditions. They are valid only for REPLICABLE values." The report never
+    said so (the handles were counted after being made unique), and step 5 called the
+    refusal an exhaustive search's verdict on the current state, whose action (wait for the
+    state to change) could never help: the request is invalid, and no search ran."""
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        shared = m.register(tensor(seed=1), name="shared", replica_mode=ReplicaMode.REPLICABLE)
+        request = ResidencyRequest(
+            "twice",
+            requirements=[
+                ResidencyRequirement(shared, "cuda:0"),
+                ResidencyRequirement(shared, "pinned-host"),
+                ResidencyRequirement(a, "cuda:0"),
+                ResidencyRequirement(a, "pinned-host"),
+            ],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        report = diagnose(caught.value, m)
+        endpoint = report.step(2)
+        assert endpoint.evidence["repeated"] == [shared.to_dict(), a.to_dict()]
+        assert "named in several requirements" in endpoint.text()
+        assert endpoint.action is not None and "keep one requirement for value a (#1)" in (
+            endpoint.action
+        )
+        assert "shared" not in endpoint.action  # REPLICABLE: several locations are legal
+        assert report.next_action == endpoint.action
+        search = report.step(5)
+        assert search.evidence["searched"] is False
+        assert "before any search" in search.text() and "exhaustive" not in search.text()
+        # A request the search did find infeasible still says so.
+        big = m.register(tensor(kib=32), name="big")
+        with pytest.raises(ResidencyPlanError) as infeasible:
+            await ResidencyController(m).decide(
+                ResidencyRequest("big", requirements=[ResidencyRequirement(big, "cuda:0")])
+            )
+        text = diagnose(infeasible.value, m).step(5).text()
+        assert "search (exhaustive within its bound) found the request infeasible" in text
+
+
 # ------------------------------------------------------------------- 3: budget arithmetic
 
 
