@@ -267,9 +267,28 @@ class ResidencySnapshot:
     values: Mapping[ValueHandle, ValueSnapshot]
 
     def value(self, handle: ValueHandle) -> ValueSnapshot:
+        """The record of ``handle``'s value. ``ResidencyUnavailableError`` when the snapshot has
+        none, saying whether the handle is another manager's or its value was not registered at
+        this version (discarded before it, or registered after); ``TypeError`` for a non-handle.
+        """
         record = self.values.get(handle)
         if record is None:
-            raise ResidencyUnavailableError(handle, None, "not in this snapshot")
+            manager_id = getattr(handle, "manager_id", None)
+            if not isinstance(manager_id, str):
+                raise TypeError(
+                    f"snapshot.value takes a ValueHandle, got {handle!r} ({type(handle).__name__})"
+                )
+            if manager_id != self.manager_id:
+                detail = (
+                    f"not in this snapshot: the handle belongs to manager {manager_id}, not to "
+                    f"this snapshot's manager ({self.manager_id})"
+                )
+            else:
+                detail = (
+                    f"not in this snapshot: manager {self.manager_id} had no such value at state "
+                    f"version {self.state_version} (discarded before it, or registered after)"
+                )
+            raise ResidencyUnavailableError(handle, None, detail)
         return record
 
     def location(self, location: Any) -> LocationRecord:

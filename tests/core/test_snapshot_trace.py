@@ -91,10 +91,26 @@ def test_snapshot_reports_every_field_the_guide_lists():
 
 
 def test_snapshot_lookups_of_absent_things_raise_clearly():
-    state, w, _, _ = busy_state()
+    state, w, _, s = busy_state()
     snap = take_snapshot(state)
     with pytest.raises(ResidencyUnavailableError, match="not in this snapshot"):
         snap.value(ValueHandle("m-test", 999))
+    # The guide's step 2, "confirm the handle belongs to this manager and is not discarded":
+    # the refusal said only "not in this snapshot" for both.
+    state.discard(s)  # the source-backed value: nothing protects it
+    later = take_snapshot(state)
+    with pytest.raises(ResidencyUnavailableError) as discarded:
+        later.value(s)
+    assert f"no such value at state version {later.state_version} (discarded before it" in str(
+        discarded.value
+    )
+    with pytest.raises(ResidencyUnavailableError) as foreign:
+        snap.value(ValueHandle("m-other", w.value_id))
+    assert "belongs to manager m-other, not to this snapshot's manager (m-test)" in str(
+        foreign.value
+    )
+    with pytest.raises(TypeError, match="takes a ValueHandle, got 'w'"):
+        snap.value("w")  # type: ignore[arg-type]
     with pytest.raises(ResidencyUnavailableError):
         snap.value(w).materialization(PAGEABLE)
 
