@@ -100,12 +100,25 @@ def is_a(error: Mapping[str, Any] | None, name: str) -> bool:
 
 
 def chain(error: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
-    """The error dict and its nested causes, outermost first."""
+    """The error dict and its nested causes, outermost first. An exception group (a task
+    group's) without a cause goes on with its member that is, or was caused by, an aresidency
+    error (else its first member)."""
     out: list[Mapping[str, Any]] = []
     while isinstance(error, Mapping) and len(out) < 16:
         out.append(error)
-        error = error.get("cause")
+        following = error.get("cause")
+        if following is None:
+            following = _group_member(error)
+        error = following
     return out
+
+
+def _group_member(error: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    members = [m for m in error.get("exceptions") or () if isinstance(m, Mapping)]
+    for member in members:
+        if any(str(e.get("type", "")).startswith("Residency") for e in chain(member)):
+            return member
+    return members[0] if members else None
 
 
 def first(errors: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:

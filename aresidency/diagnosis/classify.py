@@ -210,5 +210,13 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
         meaning = "not an aresidency error"
         first_action = "handle it as its own type; the manager's evidence is above"
         findings = [f"{name}: {meaning}"]
+        # An exception group (what a task group raises) or an error raised from one of ours:
+        # the aresidency error it carries is the one to classify.
+        inner = next((e for e in errors[1:] if str(e.get("type")) in CLASSIFICATION), None)
+        if inner is not None:
+            inner_name = str(inner.get("type"))
+            inner_meaning, first_action = CLASSIFICATION[inner_name]
+            how = "in its group" if error is not None and "exceptions" in error else "as its cause"
+            findings.append(f"it carries a {inner_name} {how}: {inner_meaning}")
     data = {"type": name, "meaning": meaning, "first_action": first_action}
     return make_step(8, findings, data, first_action)

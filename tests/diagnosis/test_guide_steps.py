@@ -686,6 +686,39 @@ async def test_step_8_classifies_each_failure_and_its_first_action() -> None:
         assert foreign.evidence["meaning"] == "not an aresidency error"
 
 
+async def test_an_error_inside_a_task_groups_exception_group_is_diagnosed(
+    tmp_path: Path,
+) -> None:
+    """anyio's (and asyncio's) task groups raise an ExceptionGroup around a task's error: the
+    report said only "ExceptionGroup: not an aresidency error". It now walks into the group to
+    the aresidency error it holds (live, and from a dump), and explains a plan it carries."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        big = m.register(tensor(kib=16), name="big")
+        with pytest.raises(BaseExceptionGroup) as caught:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(m.materialize, big, "cuda:0")
+        report = diagnose(caught.value, m)
+        assert report.step(3).evidence["kind"] == "materialization"
+        assert report.step(3).evidence["requested_bytes"] == 16 * KiB
+        assert "it carries a ResidencyBudgetError in its group" in report.step(8).text()
+        assert report.next_action == report.step(3).action
+        path = tmp_path / "group.json"
+        m.dump(path, caught.value)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # A scope refused at entry, in a task: its plan is explained against the state now.
+        plan = ResidencyPlan(enter=[Move(big, "cuda:0")])
+        with pytest.raises(BaseExceptionGroup) as refused:
+            async with anyio.create_task_group() as tasks:
+
+                async def enter() -> None:
+                    async with m.scope(plan):
+                        pytest.fail("admitted")
+
+                tasks.start_soon(enter)
+        step = diagnose(refused.value, m).step(3)
+        assert step.evidence["explanation"]["feasible"] is False
+
+
 async def test_every_report_prints_its_steps_and_serializes() -> None:
     async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
         h = m.register(tensor(), name="w")
