@@ -83,6 +83,9 @@ STAGING_RESERVATION = "aresidency.staging"
 _log = logging.getLogger(__name__)
 
 
+_BACKEND_NAMES = ("auto", "cuda", "sim")
+
+
 def _make_backend(spec: Any) -> Backend:
     if isinstance(spec, Backend):
         return spec
@@ -166,6 +169,11 @@ class ResidencyManager:
         self._state = ResidencyState(
             budgets=dict(budgets or {}), trace_capacity=trace_capacity, granularity=granularity
         )
+        if not isinstance(backend, Backend) and not (
+            isinstance(backend, str) and backend in _BACKEND_NAMES
+        ):
+            # Refused here, where it was written, not at the 'async with' that starts it.
+            raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {backend!r}")
         self._backend_spec = backend
         self._backend: Backend | None = None
         self._reserve_staging = reserve_staging
