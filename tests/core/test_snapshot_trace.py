@@ -263,6 +263,9 @@ def test_trace_ring_keeps_the_newest_entries_and_counts_the_overwritten():
     assert trace.overwritten == 2
     assert [t.seq for t in trace.transitions] == [3, 4, 5]
     assert [t.state_version for t in trace.transitions] == [3, 4, 5]
+    # Its repr is a summary, as a snapshot's is (it printed every transition: thousands of
+    # lines for manager.trace() at a prompt, with the default capacity).
+    assert repr(trace) == "<ResidencyTrace 3 of capacity 3, versions 3 to 5, 2 overwritten>"
 
 
 def test_trace_disabled_at_capacity_zero_records_nothing_but_versions_still_advance():
@@ -273,6 +276,7 @@ def test_trace_disabled_at_capacity_zero_records_nothing_but_versions_still_adva
     assert not trace.enabled and trace.capacity == 0
     assert trace.transitions == () and trace.overwritten == 0
     assert state.state_version == 2
+    assert repr(trace) == "<ResidencyTrace disabled (trace_capacity=0)>"
 
 
 def test_a_trace_view_is_an_immutable_copy():
