@@ -15,6 +15,7 @@ from ._facts import (
     error_fields,
     handles_in,
     make_step,
+    sub_items,
 )
 from .evidence import Evidence
 from .report import DiagnosisStep
@@ -147,6 +148,17 @@ def step_1(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                     for w in evidence.room_waits
                 )
             )
+            if evidence.owners:
+                # What a wait may be waiting on: who protects what now (a hang's other half).
+                findings.append(f"{len(evidence.owners)} active lease(s) and hold(s) now:")
+                findings.extend(
+                    sub_items(
+                        [
+                            f"task {o.task!r}: {o.kind} on {o.handle} @ {o.location}"
+                            for o in evidence.owners
+                        ]
+                    )
+                )
     if error is not None:
         handles = handles_in(error)
         if handles:

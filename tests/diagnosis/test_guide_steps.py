@@ -76,6 +76,34 @@ async def test_step_1_records_the_state_version_the_trace_coverage_and_the_field
 # ---------------------------------------------------------------------------- 2: endpoint
 
 
+async def test_step_1_of_a_dump_taken_while_a_scope_waits_names_who_protects_what(
+    tmp_path: Path,
+) -> None:
+    """A dump taken while something seems to hang said who waits for room, not what it waits
+    on: the leases and holds of the state, with their tasks, are listed beside the waits."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a", location="cuda:0")
+        m.register(tensor(seed=2), name="b", location="cuda:0")
+        c = m.register(tensor(seed=3), name="c")
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(c, "cuda:0")])
+
+        async def handler() -> None:
+            async with m.scope(plan):
+                pass
+
+        async with anyio.create_task_group() as tasks:
+            with m.hold(a, "cuda:0"):
+                tasks.start_soon(handler, name="handler-3")
+                with anyio.fail_after(10):
+                    while not m.room_waits():
+                        await anyio.wait_all_tasks_blocked()
+                report = diagnose_dump(m.dump(tmp_path / "hang.json"))
+        text = report.step(1).text()
+        assert "task handler-3 waits for a scope entering c" in text
+        assert "1 active lease(s) and hold(s) now:" in text
+        assert "hold on value a (#1) @ cuda:0" in text
+
+
 async def test_step_2_shows_the_endpoint_is_missing_and_acquire_never_places() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
