@@ -12,6 +12,7 @@ from typing import Any
 from ..core.sizes import format_nbytes
 from ._facts import (
     Errors,
+    capped,
     error_fields,
     handles_in,
     make_step,
@@ -137,9 +138,9 @@ def step_1(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "first_version": kept[0].state_version if kept else None,
                 "last_version": kept[-1].state_version if kept else None,
             },
-            owners=[owner.to_dict() for owner in evidence.owners],
-            room_waits=[wait.to_dict() for wait in evidence.room_waits],
         )
+        capped(data, "owners", [owner.to_dict() for owner in evidence.owners])
+        capped(data, "room_waits", [wait.to_dict() for wait in evidence.room_waits])
         if evidence.room_waits:
             findings.append(
                 f"{len(evidence.room_waits)} wait(s) for room registered: "

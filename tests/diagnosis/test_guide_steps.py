@@ -370,6 +370,26 @@ async def test_step_3_never_says_waiting_could_admit_a_scope_refused_as_waiting_
         assert "waiting could admit it" in text
 
 
+async def test_a_reports_evidence_stays_small_for_a_manager_of_many_values() -> None:
+    """``report.to_dict()`` is for logs; step 3 listed every value that could be freed (3 MB
+    of JSON for 20,000 values). The lists are cut at MAX_EVIDENCE_ITEMS, largest first, and
+    say how many were left out; the sums still count every value."""
+    from aresidency.diagnosis._facts import MAX_EVIDENCE_ITEMS
+
+    count = MAX_EVIDENCE_ITEMS + 6
+    async with ResidencyManager(budgets={"cuda:0": count * 512}, backend="sim") as m:
+        for i in range(count):
+            m.register(torch.zeros(128), name=f"v{i}", location="cuda:0")  # 512 B each
+        extra = m.register(torch.zeros(128), name="extra")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(extra, "cuda:0")
+        evidence = diagnose(caught.value, m).step(3).evidence
+        assert len(evidence["candidates"]) == MAX_EVIDENCE_ITEMS
+        assert evidence["candidates_left_out"] == 6
+        assert evidence["freeable_bytes"] == count * 512
+        assert "protected_left_out" not in evidence
+
+
 async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
     async with ResidencyManager(
         budgets={"cuda:0": 8 * KiB, "pinned-host": 2 * KiB}, backend="sim"
