@@ -23,7 +23,7 @@ from typing import TextIO
 
 from .diagnose import build_report
 from .evidence import read_dump
-from .timeline import write_timeline
+from .timeline import DISABLED, write_timeline
 
 __all__ = ["main"]
 
@@ -75,6 +75,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             print(f"aresidency: cannot write {args.out}: {failure}", file=sys.stderr)
             return 2
         print(f"wrote {path} ({len(evidence.trace.transitions)} transitions)", file=out)
+        if not evidence.trace.enabled:
+            print(f"note: {DISABLED}", file=out)
         return 0
     try:
         report = build_report(error, evidence)
