@@ -7,7 +7,8 @@
 * no caller asks which backend it has (``backend.simulated``) or uses a backend's private
   member: what differs is a capability of the ``Backend`` interface;
 * the modules import each other without cycles (``TYPE_CHECKING`` imports aside);
-* no module is longer than about 600 lines without a reason written at its top.
+* no module is longer than about 600 lines without a reason written at its top;
+* ``__all__`` names every public name of the package (what ``from aresidency import *`` gives).
 """
 
 from __future__ import annotations
@@ -247,3 +248,21 @@ async def test_worker_threads_compute_with_the_loop_threads_intra_op_thread_coun
     across tests: the count is set once for the run (tests/conftest.py), so a worker thread
     (where shared calls and loads run) rounds a matmul as the loop's thread does."""
     assert await anyio.to_thread.run_sync(torch.get_num_threads) == torch.get_num_threads() == 1
+
+
+def test_star_import_gives_every_public_name_of_the_package() -> None:
+    """``from aresidency import *`` left out ``ModelPool`` and ``DeviceLoader`` (importable by
+    name, but missing from ``__all__``)."""
+    import types
+
+    import aresidency
+
+    public = {
+        name
+        for name in dir(aresidency)
+        if not name.startswith("_") and not isinstance(getattr(aresidency, name), types.ModuleType)
+    }
+    assert public <= set(aresidency.__all__), sorted(public - set(aresidency.__all__))
+    namespace: dict[str, object] = {}
+    exec("from aresidency import *", namespace)
+    assert {"ModelPool", "DeviceLoader", "ResidencyManager"} <= namespace.keys()

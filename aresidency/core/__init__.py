@@ -15,7 +15,7 @@ from .errors import (
     ResidencyUnavailableError,
 )
 from .explain import PeakLedger, PlanExplanation, explain_plan, plan_fits
-from .locations import PAGEABLE_HOST, PINNED_HOST, Location, LocationLike
+from .locations import PAGEABLE_HOST, PINNED_HOST, Location, LocationLike, LocationMap
 from .plans import Materialize, MemoryReservation, Move, Release, ResidencyPlan
 from .snapshot import (
     LocationRecord,
@@ -43,6 +43,7 @@ __all__ = [
     "ExecutionReport",
     "Location",
     "LocationLike",
+    "LocationMap",
     "LocationRecord",
     "MaterializationRecord",
     "MaterializationState",

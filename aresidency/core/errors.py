@@ -65,6 +65,7 @@ _SMALLER: Mapping[str, str] = {
 
 #: How deep ``to_dict`` follows nested errors and records before it summarizes with ``str``.
 _MAX_DEPTH = 8
+_MAX_GROUP = 16  # the members of an exception group that exception_to_dict writes
 
 
 def format_bytes(nbytes: int | None) -> str:
@@ -115,11 +116,18 @@ def to_jsonable(value: Any, depth: int = 0) -> Any:
 
 def exception_to_dict(error: BaseException, depth: int = 0) -> dict[str, Any]:
     """Any exception as a JSON-able dict: a ``ResidencyError`` with all its fields, another
-    with its type and message; the chained cause (``__cause__``) nested under ``cause``."""
+    with its type and message; the chained cause (``__cause__``) nested under ``cause``; an
+    exception group's members (what a task group raises) under ``exceptions`` (the first
+    ``_MAX_GROUP``)."""
     if isinstance(error, ResidencyError):
         return error.to_dict(depth)
     out: dict[str, Any] = {"type": type(error).__name__, "message": _safe_str(error)}
     _add_cause(out, error, depth)
+    if isinstance(error, BaseExceptionGroup) and depth < _MAX_DEPTH:
+        members = error.exceptions
+        out["exceptions"] = [exception_to_dict(e, depth + 1) for e in members[:_MAX_GROUP]]
+        if len(members) > _MAX_GROUP:
+            out["exceptions_left_out"] = len(members) - _MAX_GROUP
     return out
 
 

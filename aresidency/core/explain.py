@@ -19,12 +19,12 @@ with every budget lifted, so ``predicted_peak_bytes`` says what it *would* reach
 
 from __future__ import annotations
 
-from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
 from .errors import ResidencyBudgetError, ResidencyError, ResidencyInUseError, ResidencyPlanError
-from .locations import Location
+from .locations import Location, LocationMap
 from .plans import (
     ActionFailed,
     Checkpoint,
@@ -104,13 +104,20 @@ class PlanExplanation:
 
     feasible: bool
     reason: str
-    predicted_peak_bytes: Mapping[Location, int]
-    ledger: Mapping[Location, PeakLedger]
+    predicted_peak_bytes: LocationMap[int]
+    ledger: LocationMap[PeakLedger]
     failed_phase: str | None = None
     failed_action_index: int | None = None
     blocking_error: BaseException | None = field(default=None, compare=False, repr=False)
     transient: bool = False
-    reached_peak_bytes: Mapping[Location, int] = field(default_factory=dict)
+    reached_peak_bytes: LocationMap[int] = field(default_factory=LocationMap)
+
+    def __post_init__(self) -> None:
+        # Indexed by location strings too (peaks["cuda:0"]), whatever mapping was given.
+        for name in ("predicted_peak_bytes", "ledger", "reached_peak_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, LocationMap):
+                object.__setattr__(self, name, LocationMap(value))
 
 
 class _PeakWatcher:
@@ -381,7 +388,10 @@ def explain_plan_steps(
     failure = yield from _simulate_plan(sim, plan, watcher)
     peaks, ledgers = watcher.result()
     if failure is None:
-        return PlanExplanation(True, "feasible", peaks, ledgers, reached_peak_bytes=peaks)
+        peak_map = LocationMap(peaks)
+        return PlanExplanation(
+            True, "feasible", peak_map, LocationMap(ledgers), reached_peak_bytes=peak_map
+        )
     reached = dict(peaks)
     phase, index, error = failure
     where = f"{phase} #{index}" if index is not None else phase
@@ -404,13 +414,13 @@ def explain_plan_steps(
     return PlanExplanation(
         False,
         f"infeasible at {where}: {error}",
-        peaks,
-        ledgers,
+        LocationMap(peaks),
+        LocationMap(ledgers),
         failed_phase=phase,
         failed_action_index=index,
         blocking_error=error,
         transient=transient,
-        reached_peak_bytes=reached,
+        reached_peak_bytes=LocationMap(reached),
     )
 
 

@@ -9,10 +9,11 @@ and prints as the string it was parsed from. This module is pure: it never touch
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
-__all__ = ["PAGEABLE_HOST", "PINNED_HOST", "Location", "LocationLike"]
+__all__ = ["PAGEABLE_HOST", "PINNED_HOST", "Location", "LocationLike", "LocationMap"]
 
 _CUDA_RE: Final = re.compile(r"cuda:(0|[1-9][0-9]*)")
 _KIND_ORDER: Final = {"pageable-host": 0, "pinned-host": 1, "cuda": 2}
@@ -35,7 +36,9 @@ class Location:
     """One place a materialization can live.
 
     ``kind`` is ``"pageable-host"``, ``"pinned-host"`` or ``"cuda"``; ``index`` is the CUDA device
-    ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`.
+    ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`; the
+    constructor reads one argument as :meth:`parse` does, so ``Location('cuda:0')``, as a
+    location prints its repr, is that location.
     """
 
     kind: str
@@ -44,6 +47,11 @@ class Location:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.index is None and not (isinstance(self.kind, str) and self.kind in _KIND_ORDER):
+            # One argument, as the repr writes it ('cuda:0') or a torch.device: parsed.
+            parsed = Location.parse(self.kind)
+            object.__setattr__(self, "kind", parsed.kind)
+            object.__setattr__(self, "index", parsed.index)
         object.__setattr__(self, "_hash", hash((self.kind, self.index)))
         if self.kind not in _KIND_ORDER:
             raise ValueError(
@@ -165,3 +173,37 @@ LocationLike = Location | str | Any  # Any: a torch.device, checked at parse tim
 
 PAGEABLE_HOST: Final = Location("pageable-host")
 PINNED_HOST: Final = Location("pinned-host")
+
+_V = TypeVar("_V")
+
+
+class LocationMap(Mapping[Location, _V]):
+    """A read-only mapping keyed by :class:`Location` that is also indexed by what
+    :meth:`Location.parse` reads: ``peaks["cuda:0"]`` is ``peaks[Location("cuda:0")]`` (a plain
+    dict keyed by locations answered ``KeyError: 'cuda:0'``). Iterates and prints as the
+    dict of locations it holds; equal to any mapping with the same items."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[Location, _V] | None = None) -> None:
+        self._data: dict[Location, _V] = dict(data) if data is not None else {}
+
+    def __getitem__(self, key: LocationLike) -> _V:
+        if not isinstance(key, Location):
+            try:
+                key = Location.parse(key)
+            except ValueError:
+                raise KeyError(key) from None
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Location]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LocationMap, (self._data,))

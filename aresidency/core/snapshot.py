@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import immutables
 
 from .errors import ResidencyUnavailableError
-from .locations import Location
+from .locations import Location, LocationMap
 from .sizes import format_nbytes
 from .state import ResidencyState
 from .values import MaterializationState, ReplicaMode, ValueHandle
@@ -263,8 +263,12 @@ class ResidencySnapshot:
 
     manager_id: str
     state_version: int
-    locations: Mapping[Location, LocationRecord]
+    locations: LocationMap[LocationRecord]
     values: Mapping[ValueHandle, ValueSnapshot]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.locations, LocationMap):  # snapshot.locations["cuda:0"] too
+            object.__setattr__(self, "locations", LocationMap(self.locations))
 
     def value(self, handle: ValueHandle) -> ValueSnapshot:
         """The record of one value (``TypeError`` for what is not a handle, such as the
@@ -358,7 +362,7 @@ class ResidencySnapshot:
         return cls(
             manager_id,
             version,
-            MappingProxyType({r.location: r for r in locations}),
+            LocationMap({r.location: r for r in locations}),
             MappingProxyType({v.handle: v for v in values}),
         )
 
@@ -458,6 +462,6 @@ def take_snapshot(state: ResidencyState) -> ResidencySnapshot:
     return ResidencySnapshot(
         state.manager_id,
         state.state_version,
-        MappingProxyType(locations),
+        LocationMap(locations),
         values,
     )

@@ -122,6 +122,18 @@ class ResidencyTrace:
             "transitions": [t.to_dict() for t in self.transitions],
         }
 
+    def __repr__(self) -> str:
+        # A summary, as a snapshot's repr is: the transitions (thousands by default) are in
+        # ``transitions``, each printing as one line.
+        if not self.enabled:
+            return "<ResidencyTrace disabled (trace_capacity=0)>"
+        kept = self.transitions
+        span = f", versions {kept[0].state_version} to {kept[-1].state_version}" if kept else ""
+        return (
+            f"<ResidencyTrace {len(kept)} of capacity {self.capacity}{span}, "
+            f"{self.overwritten} overwritten>"
+        )
+
     def between(self, after_version: int, up_to_version: int) -> tuple[Transition, ...]:
         """The transitions that took the state from ``after_version`` to ``up_to_version``
         (``after_version < state_version <= up_to_version``): what a stale decision missed."""

@@ -21,7 +21,9 @@ from .report import STEP_TITLES, SUB_ITEM, DiagnosisStep
 __all__ = [
     "PARENTS",
     "Errors",
+    "MAX_EVIDENCE_ITEMS",
     "action_text",
+    "capped",
     "error_fields",
     "first",
     "make_step",
@@ -53,8 +55,13 @@ PARENTS: Mapping[str, str] = {
 #: The error chain the steps read: an error's ``to_dict`` and its nested causes.
 Errors = Sequence[Mapping[str, Any]]
 
-#: Lists longer than this are cut in the findings (the evidence keeps them whole).
+#: Lists longer than this are cut in the findings (the evidence keeps more: see below).
 MAX_LINES = 20
+
+#: Lists of values, leases or waits longer than this are cut in a step's evidence, with how
+#: many were left out (``<key>_left_out``): a report is for logs (``report.to_dict()``), and a
+#: manager holds any number of values; the snapshot (and a dump) has every one of them.
+MAX_EVIDENCE_ITEMS = 64
 
 
 def size(nbytes: Any) -> str:
@@ -100,12 +107,25 @@ def is_a(error: Mapping[str, Any] | None, name: str) -> bool:
 
 
 def chain(error: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
-    """The error dict and its nested causes, outermost first."""
+    """The error dict and its nested causes, outermost first. An exception group (a task
+    group's) without a cause goes on with its member that is, or was caused by, an aresidency
+    error (else its first member)."""
     out: list[Mapping[str, Any]] = []
     while isinstance(error, Mapping) and len(out) < 16:
         out.append(error)
-        error = error.get("cause")
+        following = error.get("cause")
+        if following is None:
+            following = _group_member(error)
+        error = following
     return out
+
+
+def _group_member(error: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    members = [m for m in error.get("exceptions") or () if isinstance(m, Mapping)]
+    for member in members:
+        if any(str(e.get("type", "")).startswith("Residency") for e in chain(member)):
+            return member
+    return members[0] if members else None
 
 
 def first(errors: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
@@ -141,6 +161,14 @@ def transitions_of(report: Any) -> tuple[list[Transition], set[int]]:
     transitions = [transition_from_dict(t) for t in report.get("transitions", ())]
     in_effect = {int(seq) for seq in report.get("in_effect", ())}
     return transitions, in_effect
+
+
+def capped(data: dict[str, Any], key: str, items: Sequence[Any]) -> None:
+    """``data[key]``: the first :data:`MAX_EVIDENCE_ITEMS` of ``items``, and
+    ``data[key + "_left_out"]``: how many more there were (only when some were)."""
+    data[key] = list(items[:MAX_EVIDENCE_ITEMS])
+    if len(items) > MAX_EVIDENCE_ITEMS:
+        data[f"{key}_left_out"] = len(items) - MAX_EVIDENCE_ITEMS
 
 
 def truncate(lines: Sequence[str], limit: int = MAX_LINES) -> Iterator[str]:

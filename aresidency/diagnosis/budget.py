@@ -10,6 +10,7 @@ from ..core.locations import Location
 from ..core.values import MaterializationState, ValueHandle
 from ._facts import (
     Errors,
+    capped,
     first,
     handle_of,
     is_a,
@@ -345,9 +346,9 @@ def _room_now(
     freeable = sum(e["charged_bytes"] for e in candidates)
     data["now"] = record.to_dict()
     data["free_now_bytes"] = free
-    data["candidates"] = candidates
-    data["protected"] = protected
-    data["freeable_bytes"] = freeable
+    capped(data, "candidates", candidates)  # largest first
+    capped(data, "protected", protected)
+    data["freeable_bytes"] = freeable  # of every candidate
     if candidates:
         how = {"release": "can be released", "move": "last copy: move it"}
         rows = [f"{e['name']} {size(e['charged_bytes'])} ({how[e['how']]})" for e in candidates]

@@ -12,9 +12,11 @@ from typing import Any
 from ..core.sizes import format_nbytes
 from ._facts import (
     Errors,
+    capped,
     error_fields,
     handles_in,
     make_step,
+    sub_items,
 )
 from .evidence import Evidence
 from .report import DiagnosisStep
@@ -136,9 +138,9 @@ def step_1(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "first_version": kept[0].state_version if kept else None,
                 "last_version": kept[-1].state_version if kept else None,
             },
-            owners=[owner.to_dict() for owner in evidence.owners],
-            room_waits=[wait.to_dict() for wait in evidence.room_waits],
         )
+        capped(data, "owners", [owner.to_dict() for owner in evidence.owners])
+        capped(data, "room_waits", [wait.to_dict() for wait in evidence.room_waits])
         if evidence.room_waits:
             findings.append(
                 f"{len(evidence.room_waits)} wait(s) for room registered: "
@@ -147,6 +149,17 @@ def step_1(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                     for w in evidence.room_waits
                 )
             )
+            if evidence.owners:
+                # What a wait may be waiting on: who protects what now (a hang's other half).
+                findings.append(f"{len(evidence.owners)} active lease(s) and hold(s) now:")
+                findings.extend(
+                    sub_items(
+                        [
+                            f"task {o.task!r}: {o.kind} on {o.handle} @ {o.location}"
+                            for o in evidence.owners
+                        ]
+                    )
+                )
     if error is not None:
         handles = handles_in(error)
         if handles:
@@ -210,5 +223,13 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
         meaning = "not an aresidency error"
         first_action = "handle it as its own type; the manager's evidence is above"
         findings = [f"{name}: {meaning}"]
+        # An exception group (what a task group raises) or an error raised from one of ours:
+        # the aresidency error it carries is the one to classify.
+        inner = next((e for e in errors[1:] if str(e.get("type")) in CLASSIFICATION), None)
+        if inner is not None:
+            inner_name = str(inner.get("type"))
+            inner_meaning, first_action = CLASSIFICATION[inner_name]
+            how = "in its group" if error is not None and "exceptions" in error else "as its cause"
+            findings.append(f"it carries a {inner_name} {how}: {inner_meaning}")
     data = {"type": name, "meaning": meaning, "first_action": first_action}
     return make_step(8, findings, data, first_action)

@@ -8,20 +8,22 @@
   file for Perfetto or chrome://tracing (what ``manager.export_timeline`` writes).
 
 Exit status: 0 on success, 2 for a file that cannot be read as a dump or an output that cannot
-be written (the message says why).
+be written (the message says why), 1 when the reader of the output went away before its end
+(``... | head``: no traceback, as a shell tool stops).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
 from .diagnose import build_report
 from .evidence import read_dump
-from .timeline import write_timeline
+from .timeline import DISABLED, write_timeline
 
 __all__ = ["main"]
 
@@ -48,6 +50,20 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     out = stdout if stdout is not None else sys.stdout
     args = _parser().parse_args(argv)
     try:
+        return _run(args, out)
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly. Python would report the broken pipe
+        # again when it flushes stdout at exit, so stdout is pointed at devnull first.
+        if out is sys.stdout:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+        return 1
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    try:
         error, evidence = read_dump(args.dump)
     except (OSError, ValueError) as failure:
         print(f"aresidency: cannot read {args.dump}: {failure}", file=sys.stderr)
@@ -59,6 +75,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
             print(f"aresidency: cannot write {args.out}: {failure}", file=sys.stderr)
             return 2
         print(f"wrote {path} ({len(evidence.trace.transitions)} transitions)", file=out)
+        if not evidence.trace.enabled:
+            print(f"note: {DISABLED}", file=out)
         return 0
     try:
         report = build_report(error, evidence)

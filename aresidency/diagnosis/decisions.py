@@ -3,6 +3,7 @@ made a decision stale."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,10 @@ from .evidence import Evidence
 from .report import DiagnosisStep
 
 __all__ = ["step_5", "step_6"]
+
+# The reason of a request the search found infeasible (controller.search._infeasible_reason);
+# any other "request ..." reason is the request's validation refusing it before a search.
+_SEARCHED = re.compile(r"request (?:'[^']*'|\"[^\"]*\") is infeasible\b")
 
 
 def step_5(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
@@ -107,14 +112,24 @@ def step_5(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
         reason = "" if plan_error is None else str(plan_error.get("reason", ""))
         if plan_error is None or not reason.startswith("request "):
             return None
-        findings.append(
-            "the controller's search (exhaustive within its bound) found the request "
-            f"infeasible for the current state: {reason}"
-        )
-        action = (
-            "review the request's requirements and fallbacks against the budgets and "
-            "protections; derive a fresh decision once the state changed"
-        )
+        if _SEARCHED.match(reason):
+            findings.append(
+                "the controller's search (exhaustive within its bound) found the request "
+                f"infeasible for the current state: {reason}"
+            )
+            action = (
+                "review the request's requirements and fallbacks against the budgets and "
+                "protections; derive a fresh decision once the state changed"
+            )
+        else:
+            # Refused by the request's validation: no search ran, and no change of the state
+            # or of a budget would make this request admissible.
+            findings.append(f"the controller refused the request before any search: {reason}")
+            data["searched"] = False
+            action = (
+                "correct the request as the reason says (step 2 checks each requirement); "
+                "it is invalid whatever the state"
+            )
     return make_step(5, findings, data, action)
 
 

@@ -7,11 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.locations import Location
-from ..core.values import ValueHandle
+from ..core.values import ReplicaMode, ValueHandle
 from ._facts import (
     Errors,
     handle_of,
-    handles_in,
     is_a,
     label,
     location_of,
@@ -138,19 +137,34 @@ def step_2(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             ]
             value = value_of(evidence, req_handle)
             now = (
-                "unknown"
+                "where it is now is unknown (no manager given)"
                 if evidence is None
-                else ("not in the state" if value is None else where(value))
+                else ("not in the state" if value is None else f"now at {where(value)}")
             )
             mode = "" if value is None else f" ({value.replica_mode.value})"
-            rows.append(f"({label(req_handle)}{mode}, {' | '.join(wanted)}): now at {now}")
+            rows.append(f"({label(req_handle)}{mode}, {' | '.join(wanted)}): {now}")
         findings.append("the request's requirements, each on its own:")
         findings.extend(sub_items(rows))
-        repeated = [h for h, n in Counter(handles_in(requirements)).items() if n > 1]
+        # Each requirement's handle, counted (handles_in would name each handle once).
+        named = Counter(handle_of(r.get("handle")) for r in requirements)
+        repeated = [h for h, n in named.items() if h is not None and n > 1]
         if repeated:
             findings.append(
                 "named in several requirements (simultaneous postconditions, valid only for "
-                "REPLICABLE values): " + ", ".join(str(h) for h in repeated)
+                "REPLICABLE values): " + ", ".join(label(h) for h in repeated)
             )
+            exclusive = [
+                h
+                for h in repeated
+                if (value := value_of(evidence, h)) is not None
+                and value.replica_mode is ReplicaMode.EXCLUSIVE
+            ]
+            data["repeated"] = [h.to_dict() for h in repeated]
+            if exclusive and action is None:
+                names = ", ".join(label(h) for h in exclusive)
+                action = (
+                    f"keep one requirement for {names} (with fallbacks for alternatives), or "
+                    "register it REPLICABLE: an EXCLUSIVE value lives at one location at a time"
+                )
         data["requirements"] = [dict(r) for r in requirements]
     return make_step(2, findings, data, action)

@@ -207,6 +207,33 @@ def trace_from_dict(data: Mapping[str, Any]) -> ResidencyTrace:
     )
 
 
+def _chained(error: BaseException) -> list[BaseException]:
+    """``error`` and what it carries, outermost first, as the report's chain follows them: its
+    causes, and an exception group's member that is, or was caused by, an aresidency error."""
+    out: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and len(out) < 16:
+        out.append(current)
+        following = current.__cause__
+        if following is None and isinstance(current, BaseExceptionGroup):
+            members = current.exceptions
+            following = next(
+                (m for m in members if any(isinstance(e, ResidencyError) for e in _chained(m))),
+                members[0] if members else None,
+            )
+        current = following
+    return out
+
+
+def _carried_plan(error: BaseException | None) -> Any:
+    """The plan of the first error in ``error``'s chain that carries one (a scope's entry
+    raised it): a cause, or a task group's member, as well as the error itself."""
+    if error is None:
+        return None
+    plans = (getattr(e, "plan", None) for e in _chained(error))
+    return next((plan for plan in plans if plan is not None), None)
+
+
 def collect(manager: Any, error: BaseException | None = None) -> Evidence:
     """Take the evidence from ``manager`` in one synchronous step (loop thread while it runs;
     after it closed its state no longer changes, and there are no leases). For an error that
@@ -217,7 +244,7 @@ def collect(manager: Any, error: BaseException | None = None) -> Evidence:
         manager.check_thread()
     state = manager.state
     explanation = None
-    plan = getattr(error, "plan", None)
+    plan = _carried_plan(error)
     if plan is not None and running:
         try:
             explanation = manager.explain(plan)

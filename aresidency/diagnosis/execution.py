@@ -62,9 +62,9 @@ def step_7(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
         rows = []
         for handle in touched:
             value = evidence.snapshot.values.get(handle)
-            now = "not in the state" if value is None else where(value)
+            now = "is not in the state" if value is None else f"now at {where(value)}"
             values_now[str(handle)] = [] if value is None else [str(x) for x in value.locations]
-            rows.append(f"{handle} now at {now}")
+            rows.append(f"{handle} {now}")
         if rows:
             findings.append(f"now (v{evidence.snapshot.state_version}):")
             findings.extend(sub_items(rows))

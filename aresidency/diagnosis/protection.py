@@ -7,6 +7,7 @@ from typing import Any
 
 from ._facts import (
     Errors,
+    capped,
     first,
     handle_of,
     label,
@@ -152,7 +153,8 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             return None
         findings.append(f"protected at {location} (a controller will not evict these):")
         findings.extend(sub_items(rows))
-        data.update(location=str(location), protected=held)
+        data["location"] = str(location)
+        capped(data, "protected", held)
     else:
         return None
     return make_step(4, findings, data, action)

@@ -24,6 +24,7 @@ manager's monotonic clock).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import defaultdict, deque
 from collections.abc import Hashable
@@ -37,6 +38,13 @@ from ..core.snapshot import ResidencySnapshot
 from ..core.trace import ResidencyTrace, Transition
 
 __all__ = ["timeline_document", "write_timeline"]
+
+#: What a timeline of a disabled trace lacks (logged, and printed by the command line).
+DISABLED = (
+    "the trace was disabled (trace_capacity=0), so the timeline holds only the charges at the "
+    "end and no transitions; make the manager with trace_capacity > 0 to see them"
+)
+_log = logging.getLogger(__name__)
 
 VALUES_PID = 1
 CHARGES_PID = 2
@@ -373,7 +381,10 @@ def _counter(location: Location, at: float, used: int, reserved: int) -> dict[st
 def write_timeline(
     path: str | os.PathLike[str], trace: ResidencyTrace, snapshot: ResidencySnapshot | None
 ) -> Path:
-    """Write :func:`timeline_document` to ``path`` (the host waits for the write)."""
+    """Write :func:`timeline_document` to ``path`` (the host waits for the write). A trace that
+    was disabled gives a timeline of the charges now and nothing else: a warning says so."""
     target = Path(path)
     target.write_text(json.dumps(timeline_document(trace, snapshot)))
+    if not trace.enabled:
+        _log.warning("%s: %s", target, DISABLED)
     return target

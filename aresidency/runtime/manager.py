@@ -84,6 +84,9 @@ STAGING_RESERVATION = "aresidency.staging"
 _log = logging.getLogger(__name__)
 
 
+_BACKEND_NAMES = ("auto", "cuda", "sim")
+
+
 def _make_backend(spec: Any) -> Backend:
     if isinstance(spec, Backend):
         return spec
@@ -168,6 +171,11 @@ class ResidencyManager:
         self._state = ResidencyState(
             budgets=dict(budgets or {}), trace_capacity=trace_capacity, granularity=granularity
         )
+        if not isinstance(backend, Backend) and not (
+            isinstance(backend, str) and backend in _BACKEND_NAMES
+        ):
+            # Refused here, where it was written, not at the 'async with' that starts it.
+            raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {backend!r}")
         self._backend_spec = backend
         self._backend: Backend | None = None
         self._reserve_staging = reserve_staging
@@ -548,7 +556,7 @@ class ResidencyManager:
 
     # ---------------------------------------------------------------- values
 
-    def set_budget(self, location: LocationLike, budget_bytes: int | None) -> None:
+    def set_budget(self, location: LocationLike, budget_bytes: ByteSize | None) -> None:
         """Set (or clear with ``None``) a strict budget; refused below the current charge."""
         rt = self._running()
         loc = Location.parse(location)
@@ -631,15 +639,17 @@ class ResidencyManager:
         name: str | None = None,
         replica_mode: ReplicaMode = ReplicaMode.EXCLUSIVE,
         *,
-        charge_bytes: int | None = None,
+        charge_bytes: ByteSize | None = None,
     ) -> ValueHandle:
         """Register a reconstructible value with no materialization yet; ``source.load()`` is
         called (in a worker thread) whenever it must be rebuilt. The source declares
         ``shape``, ``dtype`` and a host ``source_location``; what ``load`` returns is checked
-        against them."""
+        against them. ``charge_bytes`` is as :meth:`register` takes it."""
         rt = self._running()
         if name is not None:
             check_value_name(name)
+        if charge_bytes is not None:
+            charge_bytes = parse_nbytes(charge_bytes, "charge_bytes", allow_zero=False)
         for attribute in ("shape", "dtype", "source_location", "load"):
             if not hasattr(source, attribute):
                 raise TypeError(f"a source needs {attribute!r}; {source!r} has none")
@@ -993,7 +1003,7 @@ class ResidencyManager:
 
     @asynccontextmanager
     async def reservation(
-        self, name: str, location: LocationLike, nbytes: int
+        self, name: str, location: LocationLike, nbytes: ByteSize
     ) -> AsyncIterator[None]:
         """A named reservation held for the ``async with`` block (no waiting: over budget is
         ``ResidencyBudgetError`` at once, and so is one that would take room a waiting scope
@@ -1021,7 +1031,7 @@ class ResidencyManager:
         self._state.unreserve(name, loc)
         rt.settle()
 
-    def reserve_nowait(self, name: str, location: LocationLike, nbytes: int) -> None:
+    def reserve_nowait(self, name: str, location: LocationLike, nbytes: ByteSize) -> None:
         """Admit a named reservation of ``nbytes`` at ``location`` now, held until
         :meth:`unreserve_nowait` (``ResidencyBudgetError`` at once when it does not fit;
         ``DuplicateReservationError`` for a name already active there; refused while a scope

@@ -326,6 +326,7 @@ class Scope:
             )
             if exc is None:
                 raise self.exit_error
+            _note_exit_failure(exc, self._name(), self.exit_error)
             return
         cancelled: BaseException | None = None
         try:
@@ -348,6 +349,7 @@ class Scope:
                 raise cancelled from error  # the cancellation is not lost to a failed exit
             if exc is None:
                 raise
+            _note_exit_failure(exc, self._name(), error)
             return
         if cancelled is not None:
             raise cancelled  # it arrived during the exit, which finished first
@@ -355,3 +357,13 @@ class Scope:
             # Lets the loop run even when nothing had to move: a loop of scopes on resident
             # values never starves the other tasks.
             await anyio.lowlevel.cancel_shielded_checkpoint()
+
+
+def _note_exit_failure(primary: BaseException, scope: str, error: BaseException) -> None:
+    """The body's exception stays primary; a note on it (shown in its traceback) says the exit
+    failed too, for code that wrote ``async with manager.scope(plan):`` with no name for the
+    scope whose ``exit_error`` keeps it."""
+    primary.add_note(
+        f"aresidency: {scope} also failed at exit (kept on scope.exit_error): "
+        f"{type(error).__name__}: {error}"
+    )

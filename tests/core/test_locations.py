@@ -31,6 +31,24 @@ def test_location_parses_from_its_string_and_prints_the_same_string(text, kind, 
     assert repr(location) == f"Location({text!r})"
 
 
+@pytest.mark.parametrize("text", ["pageable-host", "pinned-host", "cuda:0", "cuda:12"])
+def test_a_locations_repr_builds_the_same_location(text):
+    """Snapshots, explanations and errors print ``Location('cuda:0')``: pasting that back gives
+    the location (it was refused as an "unknown location kind 'cuda:0'")."""
+    location = Location.parse(text)
+    again = eval(repr(location), {"Location": Location})
+    assert again == location and hash(again) == hash(location)
+    assert (again.kind, again.index) == (location.kind, location.index)
+    assert Location(torch.device("cuda:3")) == Location("cuda", 3)
+    assert Location(torch.device("cpu")) == PAGEABLE_HOST
+
+
+@pytest.mark.parametrize(("value", "words"), [("cpu", "torch's 'cpu'"), ("gpu:0", "cuda:N")])
+def test_one_bad_argument_to_the_constructor_is_refused_as_parse_refuses_it(value, words):
+    with pytest.raises(ValueError, match=words):
+        Location(value)
+
+
 def test_torch_cpu_device_is_pageable_host():
     assert Location.parse(torch.device("cpu")) == PAGEABLE_HOST
 

@@ -164,6 +164,32 @@ def test_a_feasible_move_predicts_the_destination_charge_and_keeps_the_source_ch
     assert take_snapshot(state).value(handle).locations == (Location.parse(CUDA0),)
 
 
+def test_explanations_and_snapshots_are_indexed_by_location_strings_too():
+    """They print as dicts keyed by locations; ``peaks["cuda:0"]``, the natural next step, was
+    ``KeyError: 'cuda:0'``. A string (or a torch.device) names the location there too."""
+    import pickle
+
+    import torch
+
+    state = make_state({CUDA0: 4096})
+    handle = state.register(name="w", charge_bytes=1024, location=PINNED)
+    plan = ResidencyPlan(enter=[Move(handle, CUDA0), Materialize(handle, CUDA1)])
+    explanation = explain_plan(state, ResidencyPlan(enter=[Move(handle, CUDA0)]))
+    peaks = explanation.predicted_peak_bytes
+    assert peaks["cuda:0"] == peaks[Location.parse(CUDA0)] == peaks[torch.device("cuda:0")]
+    assert explanation.ledger["cuda:0"].destination_bytes == 1024
+    assert explanation.reached_peak_bytes["pinned-host"] == 1024
+    assert "cuda:0" in peaks and "cuda" not in peaks and peaks.get("cuda:9") is None
+    with pytest.raises(KeyError):
+        peaks["cuda"]
+    assert peaks == dict(peaks) and repr(peaks) == repr(dict(peaks))
+    assert pickle.loads(pickle.dumps(explanation)) == explanation
+    infeasible = explain_plan(state, plan)  # EXCLUSIVE at two places: refused, still a map
+    assert infeasible.reached_peak_bytes["cuda:0"] == infeasible.reached_peak_bytes[CUDA0]
+    snapshot = take_snapshot(state)
+    assert snapshot.locations["pinned-host"].used_bytes == 1024
+
+
 def test_the_peak_counts_a_moving_source_as_transfer_overlap():
     state = make_state()
     w = state.register(name="w", charge_bytes=1024, location=PINNED)

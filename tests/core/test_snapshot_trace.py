@@ -91,10 +91,26 @@ def test_snapshot_reports_every_field_the_guide_lists():
 
 
 def test_snapshot_lookups_of_absent_things_raise_clearly():
-    state, w, _, _ = busy_state()
+    state, w, _, s = busy_state()
     snap = take_snapshot(state)
     with pytest.raises(ResidencyUnavailableError, match="not in this snapshot"):
         snap.value(ValueHandle("m-test", 999))
+    # The guide's step 2, "confirm the handle belongs to this manager and is not discarded":
+    # the refusal said only "not in this snapshot" for both.
+    state.discard(s)  # the source-backed value: nothing protects it
+    later = take_snapshot(state)
+    with pytest.raises(ResidencyUnavailableError) as discarded:
+        later.value(s)
+    assert f"not in this snapshot (v{later.state_version}): the value was discarded before" in (
+        str(discarded.value)
+    )
+    with pytest.raises(ResidencyUnavailableError) as foreign:
+        snap.value(ValueHandle("m-other", w.value_id))
+    assert "belongs to manager m-other, and this is a snapshot of manager m-test" in str(
+        foreign.value
+    )
+    with pytest.raises(TypeError, match="takes a ValueHandle, got 'w'"):
+        snap.value("w")  # type: ignore[arg-type]
     with pytest.raises(ResidencyUnavailableError):
         snap.value(w).materialization(PAGEABLE)
 
@@ -300,6 +316,9 @@ def test_trace_ring_keeps_the_newest_entries_and_counts_the_overwritten():
     assert trace.overwritten == 2
     assert [t.seq for t in trace.transitions] == [3, 4, 5]
     assert [t.state_version for t in trace.transitions] == [3, 4, 5]
+    # Its repr is a summary, as a snapshot's is (it printed every transition: thousands of
+    # lines for manager.trace() at a prompt, with the default capacity).
+    assert repr(trace) == "<ResidencyTrace 3 of capacity 3, versions 3 to 5, 2 overwritten>"
 
 
 def test_trace_disabled_at_capacity_zero_records_nothing_but_versions_still_advance():
@@ -310,6 +329,7 @@ def test_trace_disabled_at_capacity_zero_records_nothing_but_versions_still_adva
     assert not trace.enabled and trace.capacity == 0
     assert trace.transitions == () and trace.overwritten == 0
     assert state.state_version == 2
+    assert repr(trace) == "<ResidencyTrace disabled (trace_capacity=0)>"
 
 
 def test_a_trace_view_is_an_immutable_copy():

@@ -205,3 +205,30 @@ async def test_dump_names_an_error_argument_that_is_not_an_exception(tmp_path: P
         with pytest.raises(TypeError, match="error is the exception that was raised"):
             m.dump(tmp_path / "d.json", "not an error")  # type: ignore[arg-type]
         assert not (tmp_path / "d.json").exists()
+
+
+def test_the_cli_stops_quietly_when_its_reader_goes_away(dumped: tuple[Path, str, dict]) -> None:
+    """``python -m aresidency diagnose DUMP | head``: a reader that stops early broke the pipe,
+    and the CLI ended in a BrokenPipeError traceback. Here the pipe's reading end is closed
+    before the CLI starts, so its first write fails."""
+    path, _, _ = dumped
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "aresidency", "diagnose", str(path), "--plain"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr

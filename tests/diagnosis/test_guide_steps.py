@@ -76,6 +76,34 @@ async def test_step_1_records_the_state_version_the_trace_coverage_and_the_field
 # ---------------------------------------------------------------------------- 2: endpoint
 
 
+async def test_step_1_of_a_dump_taken_while_a_scope_waits_names_who_protects_what(
+    tmp_path: Path,
+) -> None:
+    """A dump taken while something seems to hang said who waits for room, not what it waits
+    on: the leases and holds of the state, with their tasks, are listed beside the waits."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a", location="cuda:0")
+        m.register(tensor(seed=2), name="b", location="cuda:0")
+        c = m.register(tensor(seed=3), name="c")
+        plan = ResidencyPlan(reclaim=[Move(a, "pinned-host")], enter=[Move(c, "cuda:0")])
+
+        async def handler() -> None:
+            async with m.scope(plan):
+                pass
+
+        async with anyio.create_task_group() as tasks:
+            with m.hold(a, "cuda:0"):
+                tasks.start_soon(handler, name="handler-3")
+                with anyio.fail_after(10):
+                    while not m.room_waits():
+                        await anyio.wait_all_tasks_blocked()
+                report = diagnose_dump(m.dump(tmp_path / "hang.json"))
+        text = report.step(1).text()
+        assert "task handler-3 waits for a scope entering c" in text
+        assert "1 active lease(s) and hold(s) now:" in text
+        assert "hold on value a (#1) @ cuda:0" in text
+
+
 async def test_step_2_shows_the_endpoint_is_missing_and_acquire_never_places() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
@@ -171,6 +199,48 @@ async def test_step_2_checks_each_requirement_of_a_request_the_controller_refuse
         with pytest.raises(ResidencySearchLimitError) as limited:
             ResidencyController(m, search_state_limit=1).decide_nowait(crowded)
         assert limited.value.request is crowded
+
+
+async def test_step_2_and_5_of_a_request_naming_an_exclusive_value_twice() -> None:
+    """The guide's step 2: "for a repeated handle, remember that several locations are
+    simultaneous postconditions. They are valid only for REPLICABLE values." The report never
+    said so (the handles were counted after being made unique), and step 5 called the
+    refusal an exhaustive search's verdict on the current state, whose action (wait for the
+    state to change) could never help: the request is invalid, and no search ran."""
+    async with ResidencyManager(budgets={"cuda:0": 16 * KiB}, backend="sim") as m:
+        a = m.register(tensor(), name="a")
+        shared = m.register(tensor(seed=1), name="shared", replica_mode=ReplicaMode.REPLICABLE)
+        request = ResidencyRequest(
+            "twice",
+            requirements=[
+                ResidencyRequirement(shared, "cuda:0"),
+                ResidencyRequirement(shared, "pinned-host"),
+                ResidencyRequirement(a, "cuda:0"),
+                ResidencyRequirement(a, "pinned-host"),
+            ],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        report = diagnose(caught.value, m)
+        endpoint = report.step(2)
+        assert endpoint.evidence["repeated"] == [shared.to_dict(), a.to_dict()]
+        assert "named in several requirements" in endpoint.text()
+        assert endpoint.action is not None and "keep one requirement for value a (#1)" in (
+            endpoint.action
+        )
+        assert "shared" not in endpoint.action  # REPLICABLE: several locations are legal
+        assert report.next_action == endpoint.action
+        search = report.step(5)
+        assert search.evidence["searched"] is False
+        assert "before any search" in search.text() and "exhaustive" not in search.text()
+        # A request the search did find infeasible still says so.
+        big = m.register(tensor(kib=32), name="big")
+        with pytest.raises(ResidencyPlanError) as infeasible:
+            await ResidencyController(m).decide(
+                ResidencyRequest("big", requirements=[ResidencyRequirement(big, "cuda:0")])
+            )
+        text = diagnose(infeasible.value, m).step(5).text()
+        assert "search (exhaustive within its bound) found the request infeasible" in text
 
 
 # ------------------------------------------------------------------- 3: budget arithmetic
@@ -298,6 +368,26 @@ async def test_step_3_never_says_waiting_could_admit_a_scope_refused_as_waiting_
             done.set()
         assert caught.value.hold_and_wait is False
         assert "waiting could admit it" in text
+
+
+async def test_a_reports_evidence_stays_small_for_a_manager_of_many_values() -> None:
+    """``report.to_dict()`` is for logs; step 3 listed every value that could be freed (3 MB
+    of JSON for 20,000 values). The lists are cut at MAX_EVIDENCE_ITEMS, largest first, and
+    say how many were left out; the sums still count every value."""
+    from aresidency.diagnosis._facts import MAX_EVIDENCE_ITEMS
+
+    count = MAX_EVIDENCE_ITEMS + 6
+    async with ResidencyManager(budgets={"cuda:0": count * 512}, backend="sim") as m:
+        for i in range(count):
+            m.register(torch.zeros(128), name=f"v{i}", location="cuda:0")  # 512 B each
+        extra = m.register(torch.zeros(128), name="extra")
+        with pytest.raises(ResidencyBudgetError) as caught:
+            await m.move(extra, "cuda:0")
+        evidence = diagnose(caught.value, m).step(3).evidence
+        assert len(evidence["candidates"]) == MAX_EVIDENCE_ITEMS
+        assert evidence["candidates_left_out"] == 6
+        assert evidence["freeable_bytes"] == count * 512
+        assert "protected_left_out" not in evidence
 
 
 async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
@@ -642,6 +732,39 @@ async def test_step_8_classifies_each_failure_and_its_first_action() -> None:
         assert "catch it before ResidencyPlanError" in " ".join(diagnose(stale).step(8).findings)
         foreign = diagnose(RuntimeError("boom"), m).step(8)
         assert foreign.evidence["meaning"] == "not an aresidency error"
+
+
+async def test_an_error_inside_a_task_groups_exception_group_is_diagnosed(
+    tmp_path: Path,
+) -> None:
+    """anyio's (and asyncio's) task groups raise an ExceptionGroup around a task's error: the
+    report said only "ExceptionGroup: not an aresidency error". It now walks into the group to
+    the aresidency error it holds (live, and from a dump), and explains a plan it carries."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        big = m.register(tensor(kib=16), name="big")
+        with pytest.raises(BaseExceptionGroup) as caught:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(m.materialize, big, "cuda:0")
+        report = diagnose(caught.value, m)
+        assert report.step(3).evidence["kind"] == "materialization"
+        assert report.step(3).evidence["requested_bytes"] == 16 * KiB
+        assert "it carries a ResidencyBudgetError in its group" in report.step(8).text()
+        assert report.next_action == report.step(3).action
+        path = tmp_path / "group.json"
+        m.dump(path, caught.value)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # A scope refused at entry, in a task: its plan is explained against the state now.
+        plan = ResidencyPlan(enter=[Move(big, "cuda:0")])
+        with pytest.raises(BaseExceptionGroup) as refused:
+            async with anyio.create_task_group() as tasks:
+
+                async def enter() -> None:
+                    async with m.scope(plan):
+                        pytest.fail("admitted")
+
+                tasks.start_soon(enter)
+        step = diagnose(refused.value, m).step(3)
+        assert step.evidence["explanation"]["feasible"] is False
 
 
 async def test_every_report_prints_its_steps_and_serializes() -> None:

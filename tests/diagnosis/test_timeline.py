@@ -144,6 +144,25 @@ async def test_counters_drop_at_each_location_a_discarded_value_was_charged() ->
             assert max(used) == 4 * KiB and min(used) == 0 and used[-1] == 0, (location, used)
 
 
+async def test_a_timeline_of_a_disabled_trace_says_what_it_lacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With trace_capacity=0 the file held the charges and no transition, and nothing said
+    why: export_timeline logs a warning, and the command line prints a note."""
+    from aresidency.diagnosis.cli import main
+
+    async with ResidencyManager(backend="sim", trace_capacity=0) as m:
+        await m.move(m.register(tensor(), name="w"), "cuda:0")
+        with caplog.at_level("WARNING", logger="aresidency"):
+            path = m.export_timeline(tmp_path / "timeline.json")
+        dump = m.dump(tmp_path / "dump.json")
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "trace was disabled (trace_capacity=0)" in caplog.records[0].getMessage()
+    assert counters(validate(json.loads(path.read_text())), "cuda:0")[-1]["used"] == 4 * KiB
+    assert main(["timeline", str(dump), str(tmp_path / "again.json")]) == 0
+    assert "note: the trace was disabled (trace_capacity=0)" in capsys.readouterr().out
+
+
 async def test_an_aborted_copy_is_a_duration_that_says_so() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(tensor(), name="w")

@@ -253,6 +253,35 @@ async def test_a_call_right_behind_the_previous_takes_its_ring_over() -> None:
         await streamed.aclose()
 
 
+async def test_residency_counts_the_modules_own_idle_ring_as_its_own() -> None:
+    """``residency()["others_bytes"]`` is what other tenants hold at the device. After a call,
+    while the device has not passed it yet, the call's ring stays reserved for the next call:
+    it was counted as another tenant's (a module alone on its device reported others)."""
+    model = Net(n=5)
+    block, resident = await sizes(Net(n=5))
+    async with ResidencyManager(budgets={"cuda:0": resident + 3 * block}, backend="sim") as m:
+        compute = m.backend.device_streams(0).compute  # type: ignore[attr-defined]
+        gate = threading.Event()  # the device stays behind the call until it is set
+        streamed = stream_module(m, model, prefetch=2, name="net")
+        hook = model.layers[-1].register_forward_hook(
+            lambda *_: m.backend.run_in_stream_order(compute, gate.wait)
+        )
+        try:
+            with torch.no_grad():
+                await streamed(torch.randn(2, 16))
+            assert list(streamed.rings) == ["stream ring net #1"]  # idle, not retired
+            assert ring_reservations(m)
+            assert streamed.residency()["others_bytes"] == 0
+            m.set_budget("cuda:0", resident + 3 * block + 1024)  # room for another tenant
+            other = m.register(torch.zeros(256), name="other", location="cuda:0")
+            assert streamed.residency()["others_bytes"] == m.snapshot().value(other).charge_bytes
+        finally:
+            hook.remove()
+            gate.set()
+        await streamed.drain()
+        await streamed.aclose()
+
+
 async def test_cancelling_a_call_that_waits_for_room_leaves_nothing() -> None:
     model = Net(n=4)
     x = torch.randn(2, 16)

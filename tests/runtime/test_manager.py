@@ -612,3 +612,10 @@ def test_a_blank_reservation_or_request_name_is_refused_like_a_value_name() -> N
             MemoryReservation(name, "cuda:0", 1024)
         with pytest.raises(ValueError, match="non-blank str name"):
             ResidencyRequest(name)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "CUDA", None, 3, torch.zeros(2)])
+def test_an_unknown_backend_is_refused_where_the_manager_is_made(backend: object) -> None:
+    """It was accepted, and refused only by the ``async with`` that starts the manager."""
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cuda', 'sim' or a Backend"):
+        ResidencyManager(backend=backend)

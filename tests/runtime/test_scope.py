@@ -251,6 +251,16 @@ async def test_body_exception_stays_primary_and_exit_error_is_kept() -> None:
         assert isinstance(scope.exit_error, ResidencyPlanExecutionError)
         assert scope.exit_error.phase == "exit"
         hold.release()
+        # Written with no name for the scope, the exit failure was lost: the body's exception
+        # now carries a note naming it (its traceback shows it).
+        with pytest.raises(KeyError) as caught:
+            async with m.scope(plan):
+                hold = m.hold(a, "cuda:0")
+                raise KeyError("body")
+        hold.release()
+        (note,) = caught.value.__notes__
+        assert "also failed at exit (kept on scope.exit_error)" in note
+        assert "ResidencyPlanExecutionError: plan execution failed in phase 'exit'" in note
         # Without a body error, the exit error is raised.
         scope2 = m.scope(plan)
         with pytest.raises(ResidencyPlanExecutionError):

@@ -1,7 +1,8 @@
 """Byte sizes as people write them, at every API entry point that takes a byte count: the
-manager's budgets, ``set_budget``, ``MemoryReservation``, ``manager.reservation`` and
-``register(charge_bytes=...)``. Each accepted form gives the exact byte count; each refused one
-raises a sentence naming the value, and leaves the snapshot as it was.
+manager's budgets, ``set_budget``, ``MemoryReservation``, ``manager.reservation``,
+``reserve_nowait``, ``register(charge_bytes=...)`` and ``register_source(charge_bytes=...)``.
+Each accepted form gives the exact byte count; each refused one raises a sentence naming the
+value, and leaves the snapshot as it was.
 
 The sizes are read synchronously, before anything awaits, so the event loop does not matter:
 these tests run on asyncio only (the loops themselves are covered everywhere else)."""
@@ -9,12 +10,14 @@ these tests run on asyncio only (the loops themselves are covered everywhere els
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 
 import aresidency
 from aresidency import (
+    CallableSource,
     Materialize,
     MemoryReservation,
     ResidencyManager,
@@ -192,6 +195,64 @@ async def test_register_refuses_a_bad_charge_and_changes_nothing(
     _matches(caught.value, written, detail)
     assert "charge_bytes" in str(caught.value)
     assert residency_manager.snapshot() == before
+
+
+# --- register_source(charge_bytes=...), reserve_nowait -----------------------------------------
+
+
+def _source() -> CallableSource:
+    return CallableSource(lambda: torch.zeros(16), shape=(16,), dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("written", "nbytes"), GOOD)
+async def test_register_source_reads_charge_bytes_as_register_does(
+    residency_manager, written, nbytes
+):
+    """A size string was a TypeError ("must be an int number of bytes") for a source's value,
+    though ``register`` took it."""
+    handle = residency_manager.register_source(_source(), name="s", charge_bytes=written)
+    assert residency_manager.snapshot().value(handle).charge_bytes == nbytes
+
+
+@pytest.mark.parametrize(("written", "error", "detail"), BAD)
+async def test_register_source_refuses_a_bad_charge_and_changes_nothing(
+    residency_manager, written, error, detail
+):
+    before = residency_manager.snapshot()
+    with pytest.raises(error) as caught:
+        residency_manager.register_source(_source(), name="s", charge_bytes=written)
+    _matches(caught.value, written, detail)
+    assert "charge_bytes" in str(caught.value)
+    assert residency_manager.snapshot() == before
+
+
+async def test_reserve_nowait_reads_a_size(residency_manager):
+    residency_manager.reserve_nowait("ws", "pinned-host", "2KiB")
+    assert residency_manager.snapshot().location("pinned-host").reserved_bytes == 2048
+    residency_manager.unreserve_nowait("ws", "pinned-host")
+
+
+def _accepts(hint: object, kind: type) -> bool:
+    return hint is kind or any(_accepts(arg, kind) for arg in typing.get_args(hint))
+
+
+@pytest.mark.parametrize(
+    ("method", "parameter"),
+    [
+        (ResidencyManager.__init__, "budgets"),
+        (ResidencyManager.set_budget, "budget_bytes"),
+        (ResidencyManager.reservation, "nbytes"),
+        (ResidencyManager.reserve_nowait, "nbytes"),
+        (ResidencyManager.register, "charge_bytes"),
+        (ResidencyManager.register_source, "charge_bytes"),
+        (MemoryReservation.__init__, "nbytes"),
+    ],
+)
+async def test_every_size_parameter_is_typed_to_take_what_it_reads(method, parameter):
+    """A user's ``mypy --strict`` accepts ``set_budget("cuda:1", "2MiB")`` and ``12.5e9``, as the
+    docs write them (``set_budget`` and ``reservation`` were typed ``int``)."""
+    hint = typing.get_type_hints(method)[parameter]
+    assert _accepts(hint, str) and _accepts(hint, float), (method.__qualname__, hint)
 
 
 # --- sizes shown to people -------------------------------------------------------------------

@@ -732,6 +732,7 @@ class StreamedModule:
             window_bytes=self._window_bytes(),
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
+            ring_bytes=self._ring_bytes(),  # our rings, in use or idle, are not others'
         )
 
     # -- releases
