@@ -676,6 +676,47 @@ async def test_batches_kept_by_another_task_are_waited_for(ring: bool | None) ->
         assert_nothing_left(m)
 
 
+async def test_two_loaders_consumed_by_two_tasks_wait_for_each_others_batches(
+    ring: bool | None,
+) -> None:
+    """Two loaders of one budget that holds one batch, each consumed by a task of its own:
+    each consumer waits for the room the other's batch holds (the other releases it at its
+    next step). A pass's pump runs in whichever task made a change, here the task that gave
+    the room back: loader A's batch taken in that task's change was counted as that task's
+    own, so its own wait for loader B's batch was refused as waiting on itself."""
+    data_a, data_b = batches(4, seed=1), batches(4, seed=2)
+    got_a: list[torch.Tensor] = []
+    got_b: list[torch.Tensor] = []
+    go = anyio.Event()
+    async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=sim()) as m:
+        async with (
+            DeviceLoader(m, data_a, "cuda:0", prefetch=0, ring=ring, name="A") as loader_a,
+            DeviceLoader(m, data_b, "cuda:0", prefetch=0, ring=ring, name="B") as loader_b,
+        ):
+
+            async def consume_a() -> None:
+                async for batch in loader_a:
+                    got_a.append(batch.clone())
+                    await go.wait()  # A's first step lasts until B's consumer waits
+
+            async def let_a_go() -> None:
+                await anyio.wait_all_tasks_blocked()  # B's consumer waits for A's room
+                go.set()
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    async with m.reservation("step", "cuda:0", CHARGE):
+                        tasks.start_soon(consume_a)
+                        await anyio.wait_all_tasks_blocked()  # A's consumer waits for room
+                    # The room given back here went to A's batch 0, in this task's change.
+                    tasks.start_soon(let_a_go)
+                    async for batch in loader_b:
+                        got_b.append(batch.clone())
+        assert [t.tolist() for t in got_a] == [t.tolist() for t in data_a]
+        assert [t.tolist() for t in got_b] == [t.tolist() for t in data_b]
+        assert_nothing_left(m)
+
+
 async def _hold_in_a_worker(
     loader: DeviceLoader, data: list[torch.Tensor], passes: int, seen: list[tuple[int, bool, bool]]
 ) -> None:
