@@ -7,7 +7,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -51,7 +51,9 @@ class DeviceLoader:
     ``source``: any iterable of host batches (a ``torch.utils.data.DataLoader``, a generator, a
     list; iterated in a thread of its own), any async iterable (read by a task: enter the loader
     with ``async with`` first), or a staged source such as :class:`~aresidency.loader.ShardSource`
-    (read straight into the loader's pinned staging buffers). A batch is a tensor or nested
+    (read straight into the loader's pinned staging buffers). Each pass iterates the source
+    anew; a generator (any iterator) is read by one pass only, and a second pass over it is
+    refused with ``RuntimeError``. A batch is a tensor or nested
     dicts, lists, tuples, namedtuples and dataclasses of tensors; other leaves pass through.
 
     ``prefetch``: how many batches may be copied ahead of the one the consumer holds (the
@@ -175,6 +177,12 @@ class DeviceLoader:
                 f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
                 f"generator, a ShardSource), got {type(source).__name__}"
             )
+        # A generator (any iterator, or async iterator) is read once: the first pass reads it,
+        # and closes it when it ends, so a second pass would get nothing, or what the first
+        # left of it less the batches it read ahead. Such a pass is refused (:meth:`_begin`).
+        self._one_shot = not self.is_staged and (
+            isinstance(source, Iterator) or hasattr(source, "__anext__")
+        )
         if read_ahead is None:
             read_ahead = prefetch + 1
         _check_count(read_ahead, "read_ahead", 1)
@@ -257,6 +265,17 @@ class DeviceLoader:
         """End the previous pass (releasing what it held), then start a new one."""
         self.manager.check_thread()
         self._check_open()
+        if self._one_shot and self._epochs:
+            kind = "an async iterator" if self.is_async_source else "an iterator"
+            raise RuntimeError(
+                f"pass {self._epochs + 1} of {self.name} would read its source again, but the "
+                f"source is {kind} ({type(self.source).__name__}), which is read once: pass "
+                f"{self._epochs} read it (and closed it when it ended), so this pass would get "
+                "no batch, or what that pass left less the batches it read ahead. Pass a source "
+                "that starts again at each pass (a list, a DataLoader, an object whose "
+                "__iter__ or __aiter__ makes a new generator), or make a new DeviceLoader for "
+                "each generator"
+            )
         async with self._lock:
             self._check_open()  # closed while this task waited for the lock
             previous = self._epoch

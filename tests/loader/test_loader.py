@@ -1180,6 +1180,48 @@ async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
             await anext(second)
 
 
+@pytest.mark.parametrize("kind", ["generator", "async generator"])
+async def test_a_second_pass_over_a_generator_is_refused_not_run_empty(
+    ring: bool | None, kind: str
+) -> None:
+    """A generator is read once: the pass that read it closed it, so a second pass (the
+    next epoch of a training loop) got no batch at all and ended as if the source were empty
+    (or, after a ``break``, would have missed the batches the first pass read ahead). It is
+    refused, saying so; a source whose ``__iter__`` makes a new generator runs every pass."""
+    data = batches(6)
+
+    def numbers() -> Iterator[torch.Tensor]:
+        yield from data
+
+    async def async_numbers() -> AsyncIterator[torch.Tensor]:
+        for tensor in data:
+            yield tensor
+
+    source = numbers() if kind == "generator" else async_numbers()
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader:
+            got = []
+            async for batch in loader:
+                got.append(batch.clone())
+                if len(got) == 2:
+                    break
+            for _ in range(2):  # refused each time, changing nothing
+                with pytest.raises(RuntimeError, match=r"pass 2 of .* source is an (async )?i"):
+                    async for batch in loader:
+                        got.append(batch.clone())
+            assert [t.tolist() for t in got] == [t.tolist() for t in data[:2]]
+            assert loader.stats().epochs == 1
+
+        class Again:
+            def __iter__(self) -> Iterator[torch.Tensor]:
+                return numbers()
+
+        async with DeviceLoader(m, Again(), "cuda:0", prefetch=2, ring=ring) as loader:
+            for _ in range(2):
+                assert [t.tolist() async for t in loader] == [t.tolist() for t in data]
+        assert_nothing_left(m)
+
+
 @pytest.mark.parametrize("wrap", [False, True], ids=["data", "batches"])
 async def test_two_tasks_sharing_one_iterator_refuse_the_second_and_spare_the_first(
     ring: bool | None, wrap: bool
