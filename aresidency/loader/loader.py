@@ -242,6 +242,7 @@ class DeviceLoader:
         self._handed_over: list[Epoch | RingEpoch] = []
         self._epochs = 0
         self._lock = anyio.Lock()
+        self._closing: anyio.Event | None = None  # set once a close has ended
         self.status = "open"
         _open.setdefault(manager, weakref.WeakValueDictionary())[self.name] = self
 
@@ -407,14 +408,27 @@ class DeviceLoader:
         it waits for the source's thread to finish its current ``next``. Raises a copy failure
         that no step reported, and ``ManagerClosedError`` when the manager closed under a pass
         that no step reported it for (then everything was released by the manager's close).
-        After the manager closed it never waits for the device (it stopped)."""
+        After the manager closed it never waits for the device (it stopped). While another
+        task's close is under way (an ``aclose``, the end of ``async with``), it returns once
+        that close is done; what that close raises is reported to that task only."""
         self._check_loop("aclose()")
         await self._close(raise_deferred=True)
 
     async def _close(self, *, raise_deferred: bool) -> None:
         if self.status == "closed":
+            # Another task's close is under way: this one returns once it is done (what it
+            # raises is the first caller's to report).
+            if self._closing is not None:
+                await self._closing.wait()
             return
         self.status = "closed"
+        closing = self._closing = anyio.Event()
+        try:
+            await self._close_now(raise_deferred=raise_deferred)
+        finally:
+            closing.set()
+
+    async def _close_now(self, *, raise_deferred: bool) -> None:
         # Said now, before any await: a consumer that asks for its next batch meanwhile sees
         # the loader closed and must learn why (never a quiet end of the pass).
         running = self._epoch

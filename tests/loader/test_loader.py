@@ -1319,6 +1319,37 @@ async def test_aclose_without_async_with_releases_everything(ring: bool | None) 
             await anext(iterator)
 
 
+async def test_an_aclose_while_another_task_closes_the_loader_waits_for_that_close(
+    ring: bool | None,
+) -> None:
+    """Two closes at once (a shutdown handler's ``aclose`` while the ``async with loader``
+    block ends, say): the second returned at once, while the first still waited for the
+    source's thread to leave its ``next``, so the second caller went on with the loader not
+    closed yet. It now returns once the close is done, as the first does."""
+    gate = Gate()
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, gated(batches(4), gate, at=1), "cuda:0", prefetch=0, ring=ring)
+        iterator = aiter(loader)
+        done: list[str] = []
+
+        async def close(name: str) -> None:
+            await loader.aclose()
+            done.append(name)
+
+        with anyio.fail_after(10):
+            await anext(iterator)
+            await anyio.to_thread.run_sync(gate.reached.wait)  # the source is in its next
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(close, "first")
+                await anyio.wait_all_tasks_blocked()
+                tasks.start_soon(close, "second")
+                await anyio.wait_all_tasks_blocked()
+                assert done == []  # both wait for the source's thread
+                gate.open.set()
+        assert sorted(done) == ["first", "second"]
+        assert_nothing_left(m)
+
+
 async def test_a_batch_asked_for_while_another_task_begins_the_close_says_closed(
     ring: bool | None,
 ) -> None:
