@@ -700,6 +700,7 @@ class Epoch:
                             what=f"batch {head.index} of {self.name} "
                             f"({format_nbytes(need)} at {self.device})",
                             exempt=self._own_handles(),
+                            kind="materialization",
                         )
                         waiting.__enter__()
                     except ResidencyBudgetError as error:
