@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import torch
 
 from ..core.locations import Location, LocationLike
 from ..core.sizes import parse_nbytes
@@ -165,6 +166,19 @@ class DeviceLoader:
                 f"DeviceLoader reads an iterable of batches, got {what}: pass a list, a "
                 "generator or a DataLoader of batches (a dict of tensors is one batch: wrap it "
                 "in a list)"
+            )
+        if isinstance(source, torch.Tensor) or (
+            type(source).__module__ == "numpy" and hasattr(source, "__array__")
+        ):
+            # Iterable, but over its rows: each row would be a batch of its own (and a NumPy
+            # row, which is no tensor, would stay in host memory).
+            what = "a tensor" if isinstance(source, torch.Tensor) else "a NumPy array"
+            rows = "its rows" if isinstance(source, torch.Tensor) else "its rows (not tensors)"
+            raise TypeError(
+                f"DeviceLoader reads an iterable of batches, got {what} of shape "
+                f"{tuple(source.shape)} (iterated, it yields {rows} one at a time, each a batch "
+                "of its own): pass a list of batches, such as list(tensor.split(batch_size)), "
+                "or a DataLoader(TensorDataset(tensor), batch_size=...)"
             )
         if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
             if hasattr(source, "__getitem__"):  # a map-style torch Dataset, say

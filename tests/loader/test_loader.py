@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -1111,6 +1112,12 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
         # A map-style Dataset (samples, not batches) was refused without saying what to do.
         with pytest.raises(TypeError, match=r"map-style Dataset.*wrap it in a DataLoader"):
             DeviceLoader(m, Numbered(), "cuda:0", ring=ring)
+        # A tensor was iterated row by row, a batch per row (a NumPy array's rows even stayed
+        # in host memory, passed through as leaves that are no tensors).
+        with pytest.raises(TypeError, match=r"got a tensor of shape \(64, 4\) \(iterated, it"):
+            DeviceLoader(m, torch.ones(64, 4), "cuda:0", ring=ring)
+        with pytest.raises(TypeError, match=r"got a NumPy array of shape \(8,\) .*rows \(not t"):
+            DeviceLoader(m, np.zeros(8, np.float32), "cuda:0", ring=ring)
         # A blank name was taken: reservations " ring e1 #0", errors "batch 1 of : ...".
         for blank in ("", "  "):
             with pytest.raises(ValueError, match="name must name the loader"):
