@@ -1167,6 +1167,42 @@ async def test_breaking_out_early_releases_everything_and_closes_the_source(
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_source_that_fails_while_it_is_closed_is_logged_not_dropped(
+    ring: bool | None, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Breaking out of a pass closes the source's generator; an error its ``finally`` raised
+    then was swallowed without a word. Nobody is left to raise it to, so it is logged (on
+    the ``aresidency`` logger, with its traceback), as Python reports an error of a
+    generator's finalizer."""
+
+    class CleanupFailed(Exception):
+        pass
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from batches(20)
+        finally:
+            raise CleanupFailed("the source's file would not close")
+
+    async def async_source() -> AsyncIterator[torch.Tensor]:
+        try:
+            for tensor in batches(20):
+                yield tensor
+        finally:
+            raise CleanupFailed("the source's file would not close")
+
+    async with ResidencyManager(backend=sim()) as m:
+        made = source() if kind == "sync" else async_source()
+        async with DeviceLoader(m, made, "cuda:0", prefetch=2, ring=ring) as loader:
+            async for _batch in loader:
+                break
+        assert_nothing_left(m)
+    logged = [r for r in caplog.records if r.name == "aresidency" and r.exc_info]
+    assert [type(r.exc_info[1]) for r in logged if r.exc_info] == [CleanupFailed]
+    assert "closing the source's iterator" in logged[0].getMessage()
+
+
 async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
     dataloader = DataLoader(Numbered(), batch_size=4)
     async with (
