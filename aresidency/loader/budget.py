@@ -130,13 +130,16 @@ def held_by_waiter(
     index: int,
     name: str,
     exempt: Iterable[ValueHandle] = (),
+    kind: str = "materialization",
 ) -> ResidencyBudgetError | None:
     """The error for batch ``index`` (``need`` bytes at ``device``) when only what the waiting
     consumer's task holds itself, besides the loader's batches, keeps it out: a request of a
     model pool it is in, a scope it entered, its leases, holds and reservation blocks. Those
     end only when that task goes on, so its wait for room would never end. ``None`` when the
     wait may end, or when what nothing protects stands in the way too (resident values the
-    loader cannot evict, but another tenant may). ``exempt``: the loader's own values."""
+    loader cannot evict, but another tenant may). ``exempt``: the loader's own values;
+    ``kind``: what the batch's need is (``"materialization"``: managed values to be copied;
+    ``"reservation"``: a ring slot)."""
     ledger = manager.state.find_ledger(device)
     if ledger is None or ledger.budget_bytes is None:
         return None
@@ -149,6 +152,7 @@ def held_by_waiter(
         device,
         exempt=exempt,
         what=f"batch {index} of {name} ({format_nbytes(need)} at {device})",
+        kind=kind,
     )
 
 

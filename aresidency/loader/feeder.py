@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from ..backends.bridge import LoopBridge
 from ..runtime.tensors import tensor_problem
 from .stats import BusyClock
 from .structure import Structure, flatten
+
+_log = logging.getLogger("aresidency")
 
 # Whether a tensor's storage is a managed value already, one the loader did not make (any
 # thread: a dictionary read): such a tensor is copied into memory of its own.
@@ -335,7 +338,7 @@ class ThreadFeeder:
     The thread stops after the source ends or raises, or once :meth:`stop` was called and the
     ``next`` call in progress returned (a call in progress cannot be interrupted). It then closes
     the iterator (a generator's ``finally`` blocks run; a ``DataLoader`` iterator is dropped,
-    which shuts its workers down) in that same thread.
+    which shuts its workers down) in that same thread; an error the close raises is logged.
 
     State: ``thread``, ``arrivals``, ``clock`` (the source's busy time), ``_stop``.
     """
@@ -406,7 +409,10 @@ class ThreadFeeder:
                 try:
                     close()
                 except Exception:
-                    pass  # a generator that fails in its finally: nothing left to tell
+                    # A generator that fails in its finally: nobody is left to raise it to (the
+                    # pass has ended), so it is logged, as Python reports a generator's error
+                    # in a finalizer, never dropped unsaid.
+                    _log.exception("closing the source's iterator %r raised", iterator)
             del iterator
             self.source = None  # the pass may outlive its loader: the source goes with it
 
@@ -469,7 +475,7 @@ async def feed_async(
                 try:
                     await aclose()
                 except Exception:
-                    pass
+                    _log.exception("closing the source's iterator %r raised", iterator)
 
 
 def _cancelled_for_real() -> bool:

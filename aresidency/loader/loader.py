@@ -7,12 +7,13 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 import anyio
 import anyio.abc
+import torch
 
 from ..core.locations import Location, LocationLike
 from ..core.sizes import parse_nbytes
@@ -51,7 +52,9 @@ class DeviceLoader:
     ``source``: any iterable of host batches (a ``torch.utils.data.DataLoader``, a generator, a
     list; iterated in a thread of its own), any async iterable (read by a task: enter the loader
     with ``async with`` first), or a staged source such as :class:`~aresidency.loader.ShardSource`
-    (read straight into the loader's pinned staging buffers). A batch is a tensor or nested
+    (read straight into the loader's pinned staging buffers). Each pass iterates the source
+    anew; a generator (any iterator) is read by one pass only, and a second pass over it is
+    refused with ``RuntimeError``. A batch is a tensor or nested
     dicts, lists, tuples, namedtuples and dataclasses of tensors; other leaves pass through.
 
     ``prefetch``: how many batches may be copied ahead of the one the consumer holds (the
@@ -164,6 +167,19 @@ class DeviceLoader:
                 "generator or a DataLoader of batches (a dict of tensors is one batch: wrap it "
                 "in a list)"
             )
+        if isinstance(source, torch.Tensor) or (
+            type(source).__module__ == "numpy" and hasattr(source, "__array__")
+        ):
+            # Iterable, but over its rows: each row would be a batch of its own (and a NumPy
+            # row, which is no tensor, would stay in host memory).
+            what = "a tensor" if isinstance(source, torch.Tensor) else "a NumPy array"
+            rows = "its rows" if isinstance(source, torch.Tensor) else "its rows (not tensors)"
+            raise TypeError(
+                f"DeviceLoader reads an iterable of batches, got {what} of shape "
+                f"{tuple(source.shape)} (iterated, it yields {rows} one at a time, each a batch "
+                "of its own): pass a list of batches, such as list(tensor.split(batch_size)), "
+                "or a DataLoader(TensorDataset(tensor), batch_size=...)"
+            )
         if not (self.is_staged or self.is_async_source or hasattr(source, "__iter__")):
             if hasattr(source, "__getitem__"):  # a map-style torch Dataset, say
                 raise TypeError(
@@ -175,6 +191,12 @@ class DeviceLoader:
                 f"DeviceLoader reads an iterable or async iterable of batches (a DataLoader, a "
                 f"generator, a ShardSource), got {type(source).__name__}"
             )
+        # A generator (any iterator, or async iterator) is read once: the first pass reads it,
+        # and closes it when it ends, so a second pass would get nothing, or what the first
+        # left of it less the batches it read ahead. Such a pass is refused (:meth:`_begin`).
+        self._one_shot = not self.is_staged and (
+            isinstance(source, Iterator) or hasattr(source, "__anext__")
+        )
         if read_ahead is None:
             read_ahead = prefetch + 1
         _check_count(read_ahead, "read_ahead", 1)
@@ -234,6 +256,7 @@ class DeviceLoader:
         self._handed_over: list[Epoch | RingEpoch] = []
         self._epochs = 0
         self._lock = anyio.Lock()
+        self._closing: anyio.Event | None = None  # set once a close has ended
         self.status = "open"
         _open.setdefault(manager, weakref.WeakValueDictionary())[self.name] = self
 
@@ -257,6 +280,17 @@ class DeviceLoader:
         """End the previous pass (releasing what it held), then start a new one."""
         self.manager.check_thread()
         self._check_open()
+        if self._one_shot and self._epochs:
+            kind = "an async iterator" if self.is_async_source else "an iterator"
+            raise RuntimeError(
+                f"pass {self._epochs + 1} of {self.name} would read its source again, but the "
+                f"source is {kind} ({type(self.source).__name__}), which is read once: pass "
+                f"{self._epochs} read it (and closed it when it ended), so this pass would get "
+                "no batch, or what that pass left less the batches it read ahead. Pass a source "
+                "that starts again at each pass (a list, a DataLoader, an object whose "
+                "__iter__ or __aiter__ makes a new generator), or make a new DeviceLoader for "
+                "each generator"
+            )
         async with self._lock:
             self._check_open()  # closed while this task waited for the lock
             previous = self._epoch
@@ -388,14 +422,27 @@ class DeviceLoader:
         it waits for the source's thread to finish its current ``next``. Raises a copy failure
         that no step reported, and ``ManagerClosedError`` when the manager closed under a pass
         that no step reported it for (then everything was released by the manager's close).
-        After the manager closed it never waits for the device (it stopped)."""
+        After the manager closed it never waits for the device (it stopped). While another
+        task's close is under way (an ``aclose``, the end of ``async with``), it returns once
+        that close is done; what that close raises is reported to that task only."""
         self._check_loop("aclose()")
         await self._close(raise_deferred=True)
 
     async def _close(self, *, raise_deferred: bool) -> None:
         if self.status == "closed":
+            # Another task's close is under way: this one returns once it is done (what it
+            # raises is the first caller's to report).
+            if self._closing is not None:
+                await self._closing.wait()
             return
         self.status = "closed"
+        closing = self._closing = anyio.Event()
+        try:
+            await self._close_now(raise_deferred=raise_deferred)
+        finally:
+            closing.set()
+
+    async def _close_now(self, *, raise_deferred: bool) -> None:
         # Said now, before any await: a consumer that asks for its next batch meanwhile sees
         # the loader closed and must learn why (never a quiet end of the pass).
         running = self._epoch

@@ -50,7 +50,7 @@ from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.values import MaterializationState, ValueHandle, value_charge
 from ..runtime.admission import Kept
-from ..runtime.leases import LeaseWouldWait, current_task
+from ..runtime.leases import LeaseWouldWait, TaskRef, current_task, current_task_ref
 from ..runtime.pending import PendingOperation
 from ..runtime.shield import finish_shielded
 from ..runtime.signal import ManagerClosedError
@@ -138,6 +138,9 @@ class Epoch:
         # The task that asked for the last batch: the batches copied ahead and handed out move
         # only when it goes on (admission counts them as its own: :meth:`_kept_for`).
         self._consumer: object | None = None
+        # The same task as the holds and leases record it: the pump that takes them runs in
+        # whichever task made a change (another loader's consumer, say), whose own they are not.
+        self._consumer_ref: TaskRef | None = None
         self._unkeep: Callable[[], None] | None = None
         self.closed_by_manager = False  # the manager closed while the pass ran
         self.closed_reported = False  # ... and the consumer was told so
@@ -162,6 +165,7 @@ class Epoch:
         """Start reading the source (a staged source: fill the buffers with ``plans``). Loop."""
         loader = self.loader
         self.status = "running"
+        self._consumer_ref = current_task_ref()  # (the task beginning the pass consumes it)
         self._staging = loader.staging  # opened before the pass; its buffers return there
         self.bridge = self.manager.bridge
         self._unlisten = self.manager.add_change_listener(self.pump)
@@ -408,7 +412,7 @@ class Epoch:
             part.pending = pending
             part.issued_at = time.perf_counter()
             if not pending.done():
-                part.hold = manager.hold(part.handle, self.device)
+                part.hold = manager.hold(part.handle, self.device, on_behalf_of=self._consumer_ref)
             pending.add_done_callback(functools.partial(self._copied, batch, part))
         batch.state = COPYING
         batch.blocked_since = None
@@ -465,7 +469,9 @@ class Epoch:
                 part.handle, self.device, functools.partial(self._issued, part)
             )
             return
-        lease = manager.acquire(part.handle, self.device, order_stream=False)
+        lease = manager.acquire(
+            part.handle, self.device, order_stream=False, on_behalf_of=self._consumer_ref
+        )
         try:
             lease.enter_nowait()
         except LeaseWouldWait:
@@ -634,6 +640,7 @@ class Epoch:
         if self.status != "running":
             raise StopAsyncIteration
         self._consumer = current_task()
+        self._consumer_ref = current_task_ref()
         counters = self.counters
         self.release_unkept()
         if self._deferred:
@@ -693,6 +700,7 @@ class Epoch:
                             what=f"batch {head.index} of {self.name} "
                             f"({format_nbytes(need)} at {self.device})",
                             exempt=self._own_handles(),
+                            kind="materialization",
                         )
                         waiting.__enter__()
                     except ResidencyBudgetError as error:

@@ -1278,7 +1278,9 @@ class RingEpoch:
         )
         if stuck is not None:
             return stuck
-        return held_by_waiter(self.manager, self.device, need, request.index, self.name)
+        return held_by_waiter(
+            self.manager, self.device, need, request.index, self.name, kind="reservation"
+        )
 
     def kept_by(self, task: object) -> list[tuple[int, int]]:
         """``(index, bytes)`` of the batches handed out that ``task``'s open ``async with``

@@ -136,6 +136,15 @@ def _where(shard: _Shard) -> str:
 MIN_PIECE = 32 << 20
 
 
+def _check_int(value: object, wanted: str, minimum: int) -> None:
+    """``value`` is an int (not a bool) of at least ``minimum``: ``TypeError`` when it is no
+    int, ``ValueError`` when it is too small."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{wanted}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{wanted}, got {value!r}")
+
+
 def _expand(paths: StrPath | Sequence[StrPath]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         path = Path(paths)
@@ -197,14 +206,21 @@ class ShardSource:
         workers: int | None = None,
         align: int = 256,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        _check_int(batch_size, "batch_size must be an int >= 1", 1)
         if workers is None:
             workers = _default_workers()
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
-        if isinstance(align, bool) or not isinstance(align, int) or align < 16 or align & align - 1:
+        _check_int(workers, "workers must be an int >= 1", 1)
+        _check_int(align, "align must be a power of two >= 16", 16)
+        if align & align - 1:
             raise ValueError(f"align must be a power of two >= 16, got {align!r}")
+        if keys is not None:
+            if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+                raise TypeError(
+                    f"keys must be a list of tensor names, got {keys!r}"
+                    + (f" (for one tensor: keys=[{keys!r}])" if isinstance(keys, str) else "")
+                )
+            if not keys:
+                raise ValueError("keys= names no tensor: name at least one, or leave it out")
         for flag, value in (("drop_last", drop_last), ("shuffle", shuffle)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
@@ -246,6 +262,9 @@ class ShardSource:
             if not files:
                 raise ValueError("the mapping of keys to .npy files is empty")
             counts = {k: len(v) for k, v in files.items()}
+            empty = [k for k, n in counts.items() if n == 0]
+            if empty:
+                raise ValueError(f"no .npy shard given for key {empty[0]!r}")
             if len(set(counts.values())) != 1:
                 raise ValueError(f"every key needs as many .npy shards; got {counts}")
             self.keys = list(files)

@@ -403,9 +403,12 @@ class AdmissionQueue:
             failure,
         )
 
-    def room_wait_error(self, wait: RoomWait) -> ResidencyBudgetError | None:
+    def room_wait_error(
+        self, wait: RoomWait, kind: str = "reservation"
+    ) -> ResidencyBudgetError | None:
         """:meth:`waiting_on_each_other` for a byte need (:meth:`RoomWait.for_bytes`), as the
-        ``ResidencyBudgetError`` a tenant raises (see :meth:`ResidencyManager.room_wait`)."""
+        ``ResidencyBudgetError`` (of ``kind``) a tenant raises (see
+        :meth:`ResidencyManager.room_wait`)."""
         found = self.waiting_on_each_other(wait)
         if found is None:
             return None
@@ -419,7 +422,7 @@ class AdmissionQueue:
             ledger.used_bytes,
             ledger.reserved_bytes,
             reservation.nbytes,
-            kind="reservation",
+            kind=kind,
             what=f"{wait.what}, {others}; {own.describe(location)}",
         )
         error.__cause__ = cause
@@ -773,6 +776,7 @@ class AdmissionQueue:
         what: str,
         task: object | None,
         exempt: frozenset[ValueHandle] = frozenset(),
+        kind: str = "reservation",
     ) -> ResidencyBudgetError | None:
         """The error for a tenant about to wait, for ``task``, for ``need`` bytes at
         ``location`` that only what the task holds itself keeps out (see
@@ -780,7 +784,7 @@ class AdmissionQueue:
         simulation in one go: a single reservation against a partial copy of the state."""
         if task is None:
             return None
-        error = self.budget_short_while_held(need, location, what, (task,), exempt)
+        error = self.budget_short_while_held(need, location, what, (task,), exempt, kind)
         if error is None:
             return None
         # Only if what the task holds is what keeps it out: with that ended too, would it fit?
@@ -801,11 +805,12 @@ class AdmissionQueue:
         what: str,
         tasks: Collection[object],
         exempt: frozenset[ValueHandle] = frozenset(),
+        kind: str = "reservation",
     ) -> ResidencyBudgetError | None:
-        """The error when ``need`` bytes at ``location`` would not fit even once everything
-        transient ended but what ``tasks`` hold themselves (their scopes, leases, holds,
-        reservation blocks, and what keepers keep for them; the values in ``exempt`` count as
-        transient); ``None`` when they would fit (or the tasks hold nothing)."""
+        """The error (of ``kind``) when ``need`` bytes at ``location`` would not fit even once
+        everything transient ended but what ``tasks`` hold themselves (their scopes, leases,
+        holds, reservation blocks, and what keepers keep for them; the values in ``exempt``
+        count as transient); ``None`` when they would fit (or the tasks hold nothing)."""
         own = self._held_by_tasks(tasks, exempt)
         if own is None:
             return None
@@ -821,7 +826,7 @@ class AdmissionQueue:
             ledger.used_bytes,
             ledger.reserved_bytes,
             need,
-            kind="reservation",
+            kind=kind,
             what=f"{what}; {own.describe(location)}",
         )
         error.__cause__ = failure[1]

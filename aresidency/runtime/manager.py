@@ -468,6 +468,7 @@ class ResidencyManager:
         what: str,
         task: object | None = None,
         exempt: Iterable[ValueHandle] = (),
+        kind: str = "reservation",
     ) -> ResidencyBudgetError | None:
         """For a tenant about to wait for ``need`` bytes of room at ``location`` on behalf of
         ``task`` (default: the calling task), such as a streamed block: the error to raise
@@ -475,8 +476,8 @@ class ResidencyManager:
         scopes, leases and holds, and what keepers keep on its behalf), so that the wait
         would never end; ``None`` when waiting may end. ``exempt``: the tenant's own values,
         which it gives back itself (counted as transient, leased or not). ``what`` names the
-        need in the error (``kind="reservation"``, the ledger as it is). Loop thread; never
-        waits."""
+        need in the error, ``kind`` what it is (``"reservation"``, or ``"materialization"``
+        for values to be copied there; the ledger as it is). Loop thread; never waits."""
         rt = self._running()
         return rt.admission.budget_waiting_on_itself(
             need,
@@ -484,6 +485,7 @@ class ResidencyManager:
             what,
             current_task() if task is None else task,
             frozenset(exempt),
+            kind,
         )
 
     def task_holdings(
@@ -510,6 +512,7 @@ class ResidencyManager:
         what: str,
         task: object | None = None,
         exempt: Iterable[ValueHandle] | Callable[[], Iterable[ValueHandle]] = (),
+        kind: str = "reservation",
     ) -> Iterator[None]:
         """``with manager.room_wait(need, location, what=...)``: around a tenant's wait for
         ``need`` bytes of room at ``location`` on behalf of ``task`` (default: the calling
@@ -523,7 +526,8 @@ class ResidencyManager:
         closing such a cycle is refused in turn. ``exempt``: the tenant's own values, which it
         gives back itself (as for :meth:`waiting_on_itself`), or a function naming them
         whenever a check runs (they change while it waits); ``what`` names the need in the
-        error. Loop thread; never waits."""
+        error, ``kind`` what it is (as for :meth:`waiting_on_itself`). Loop thread; never
+        waits."""
         rt = self._running()
         wait = RoomWait.for_bytes(
             need,
@@ -532,7 +536,7 @@ class ResidencyManager:
             current_task() if task is None else task,
             exempt if callable(exempt) else frozenset(exempt),
         )
-        error = rt.admission.room_wait_error(wait)
+        error = rt.admission.room_wait_error(wait, kind)
         if error is not None:
             raise error
         remove = rt.admission.add_room_wait(wait)

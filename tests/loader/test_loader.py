@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -676,6 +677,47 @@ async def test_batches_kept_by_another_task_are_waited_for(ring: bool | None) ->
         assert_nothing_left(m)
 
 
+async def test_two_loaders_consumed_by_two_tasks_wait_for_each_others_batches(
+    ring: bool | None,
+) -> None:
+    """Two loaders of one budget that holds one batch, each consumed by a task of its own:
+    each consumer waits for the room the other's batch holds (the other releases it at its
+    next step). A pass's pump runs in whichever task made a change, here the task that gave
+    the room back: loader A's batch taken in that task's change was counted as that task's
+    own, so its own wait for loader B's batch was refused as waiting on itself."""
+    data_a, data_b = batches(4, seed=1), batches(4, seed=2)
+    got_a: list[torch.Tensor] = []
+    got_b: list[torch.Tensor] = []
+    go = anyio.Event()
+    async with ResidencyManager(budgets={"cuda:0": CHARGE}, backend=sim()) as m:
+        async with (
+            DeviceLoader(m, data_a, "cuda:0", prefetch=0, ring=ring, name="A") as loader_a,
+            DeviceLoader(m, data_b, "cuda:0", prefetch=0, ring=ring, name="B") as loader_b,
+        ):
+
+            async def consume_a() -> None:
+                async for batch in loader_a:
+                    got_a.append(batch.clone())
+                    await go.wait()  # A's first step lasts until B's consumer waits
+
+            async def let_a_go() -> None:
+                await anyio.wait_all_tasks_blocked()  # B's consumer waits for A's room
+                go.set()
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    async with m.reservation("step", "cuda:0", CHARGE):
+                        tasks.start_soon(consume_a)
+                        await anyio.wait_all_tasks_blocked()  # A's consumer waits for room
+                    # The room given back here went to A's batch 0, in this task's change.
+                    tasks.start_soon(let_a_go)
+                    async for batch in loader_b:
+                        got_b.append(batch.clone())
+        assert [t.tolist() for t in got_a] == [t.tolist() for t in data_a]
+        assert [t.tolist() for t in got_b] == [t.tolist() for t in data_b]
+        assert_nothing_left(m)
+
+
 async def _hold_in_a_worker(
     loader: DeviceLoader, data: list[torch.Tensor], passes: int, seen: list[tuple[int, bool, bool]]
 ) -> None:
@@ -833,8 +875,10 @@ async def test_the_source_error_reaches_the_consumer_in_order_with_its_traceback
         frames = [entry.name for entry in info.traceback]
         assert frames[-1] in ("breaking_source", "breaking_async_source")
         assert_nothing_left(m)
-        async for _ in loader:  # a new pass over an exhausted generator: empty
-            pytest.fail("the generator was exhausted")
+        # A new pass over the generator: refused (it would be empty), not a quiet empty pass.
+        with pytest.raises(RuntimeError, match=r"pass 2 of .* is read once"):
+            async for _ in loader:
+                pytest.fail("the generator was exhausted")
 
 
 class _LeakingSource:
@@ -1068,6 +1112,12 @@ async def test_bad_arguments_are_refused_with_what_to_do(ring: bool | None) -> N
         # A map-style Dataset (samples, not batches) was refused without saying what to do.
         with pytest.raises(TypeError, match=r"map-style Dataset.*wrap it in a DataLoader"):
             DeviceLoader(m, Numbered(), "cuda:0", ring=ring)
+        # A tensor was iterated row by row, a batch per row (a NumPy array's rows even stayed
+        # in host memory, passed through as leaves that are no tensors).
+        with pytest.raises(TypeError, match=r"got a tensor of shape \(64, 4\) \(iterated, it"):
+            DeviceLoader(m, torch.ones(64, 4), "cuda:0", ring=ring)
+        with pytest.raises(TypeError, match=r"got a NumPy array of shape \(8,\) .*rows \(not t"):
+            DeviceLoader(m, np.zeros(8, np.float32), "cuda:0", ring=ring)
         # A blank name was taken: reservations " ring e1 #0", errors "batch 1 of : ...".
         for blank in ("", "  "):
             with pytest.raises(ValueError, match="name must name the loader"):
@@ -1117,6 +1167,42 @@ async def test_breaking_out_early_releases_everything_and_closes_the_source(
         assert_nothing_left(m)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_source_that_fails_while_it_is_closed_is_logged_not_dropped(
+    ring: bool | None, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Breaking out of a pass closes the source's generator; an error its ``finally`` raised
+    then was swallowed without a word. Nobody is left to raise it to, so it is logged (on
+    the ``aresidency`` logger, with its traceback), as Python reports an error of a
+    generator's finalizer."""
+
+    class CleanupFailed(Exception):
+        pass
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from batches(20)
+        finally:
+            raise CleanupFailed("the source's file would not close")
+
+    async def async_source() -> AsyncIterator[torch.Tensor]:
+        try:
+            for tensor in batches(20):
+                yield tensor
+        finally:
+            raise CleanupFailed("the source's file would not close")
+
+    async with ResidencyManager(backend=sim()) as m:
+        made = source() if kind == "sync" else async_source()
+        async with DeviceLoader(m, made, "cuda:0", prefetch=2, ring=ring) as loader:
+            async for _batch in loader:
+                break
+        assert_nothing_left(m)
+    logged = [r for r in caplog.records if r.name == "aresidency" and r.exc_info]
+    assert [type(r.exc_info[1]) for r in logged if r.exc_info] == [CleanupFailed]
+    assert "closing the source's iterator" in logged[0].getMessage()
+
+
 async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
     dataloader = DataLoader(Numbered(), batch_size=4)
     async with (
@@ -1137,6 +1223,48 @@ async def test_a_new_pass_ends_the_previous_one(ring: bool | None) -> None:
             break
         with pytest.raises(StopAsyncIteration):
             await anext(second)
+
+
+@pytest.mark.parametrize("kind", ["generator", "async generator"])
+async def test_a_second_pass_over_a_generator_is_refused_not_run_empty(
+    ring: bool | None, kind: str
+) -> None:
+    """A generator is read once: the pass that read it closed it, so a second pass (the
+    next epoch of a training loop) got no batch at all and ended as if the source were empty
+    (or, after a ``break``, would have missed the batches the first pass read ahead). It is
+    refused, saying so; a source whose ``__iter__`` makes a new generator runs every pass."""
+    data = batches(6)
+
+    def numbers() -> Iterator[torch.Tensor]:
+        yield from data
+
+    async def async_numbers() -> AsyncIterator[torch.Tensor]:
+        for tensor in data:
+            yield tensor
+
+    source = numbers() if kind == "generator" else async_numbers()
+    async with ResidencyManager(backend=sim()) as m:
+        async with DeviceLoader(m, source, "cuda:0", prefetch=2, ring=ring) as loader:
+            got = []
+            async for batch in loader:
+                got.append(batch.clone())
+                if len(got) == 2:
+                    break
+            for _ in range(2):  # refused each time, changing nothing
+                with pytest.raises(RuntimeError, match=r"pass 2 of .* source is an (async )?i"):
+                    async for batch in loader:
+                        got.append(batch.clone())
+            assert [t.tolist() for t in got] == [t.tolist() for t in data[:2]]
+            assert loader.stats().epochs == 1
+
+        class Again:
+            def __iter__(self) -> Iterator[torch.Tensor]:
+                return numbers()
+
+        async with DeviceLoader(m, Again(), "cuda:0", prefetch=2, ring=ring) as loader:
+            for _ in range(2):
+                assert [t.tolist() async for t in loader] == [t.tolist() for t in data]
+        assert_nothing_left(m)
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["data", "batches"])
@@ -1232,6 +1360,37 @@ async def test_aclose_without_async_with_releases_everything(ring: bool | None) 
         # The pass was cut short: its iterator says so rather than end as if the source did.
         with pytest.raises(anyio.ClosedResourceError, match="after 2 batch"):
             await anext(iterator)
+
+
+async def test_an_aclose_while_another_task_closes_the_loader_waits_for_that_close(
+    ring: bool | None,
+) -> None:
+    """Two closes at once (a shutdown handler's ``aclose`` while the ``async with loader``
+    block ends, say): the second returned at once, while the first still waited for the
+    source's thread to leave its ``next``, so the second caller went on with the loader not
+    closed yet. It now returns once the close is done, as the first does."""
+    gate = Gate()
+    async with ResidencyManager(backend=sim()) as m:
+        loader = DeviceLoader(m, gated(batches(4), gate, at=1), "cuda:0", prefetch=0, ring=ring)
+        iterator = aiter(loader)
+        done: list[str] = []
+
+        async def close(name: str) -> None:
+            await loader.aclose()
+            done.append(name)
+
+        with anyio.fail_after(10):
+            await anext(iterator)
+            await anyio.to_thread.run_sync(gate.reached.wait)  # the source is in its next
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(close, "first")
+                await anyio.wait_all_tasks_blocked()
+                tasks.start_soon(close, "second")
+                await anyio.wait_all_tasks_blocked()
+                assert done == []  # both wait for the source's thread
+                gate.open.set()
+        assert sorted(done) == ["first", "second"]
+        assert_nothing_left(m)
 
 
 async def test_a_batch_asked_for_while_another_task_begins_the_close_says_closed(

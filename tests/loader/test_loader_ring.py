@@ -892,8 +892,8 @@ async def test_a_batch_read_after_its_release_reads_the_simulations_poison() -> 
 
 async def test_a_batch_larger_than_the_budget_is_refused_as_a_reservation() -> None:
     """The ring charges slots as reservations: a batch larger than the whole budget is
-    ``ResidencyBudgetError`` with ``kind="reservation"`` and no handle (DESIGN's rule for
-    the fields)."""
+    ``ResidencyBudgetError`` with ``kind="reservation"`` and no handle (a reservation's
+    error names no value)."""
     async with ResidencyManager(budgets={"cuda:0": 1000}, backend=SimBackend()) as m:
         with pytest.raises(ResidencyBudgetError) as caught:
             async with DeviceLoader(m, batches(2, 1024), "cuda:0", prefetch=1) as loader:

@@ -268,3 +268,48 @@ async def test_while_a_streamed_call_waits_for_room_the_loader_holds_back(
         await streamed.drain()
         await streamed.aclose()
         assert_nothing_left(m)
+
+
+async def test_two_loaders_read_in_lockstep_need_room_for_both_windows(ring: bool | None) -> None:
+    """One task reads two loaders in lockstep (a batch of each per step): the first fills its
+    window before the second asks for its first batch, so with less room than both windows
+    the second's wait would never end and is refused at once, naming the first's window.
+    The error says what the batch is: managed values to be copied there (a materialization;
+    it said "a MemoryReservation"), or a ring slot (a reservation). With room for both
+    windows, every batch of both arrives."""
+    first, second = batches(4, seed=1), batches(4, seed=2)
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=SimBackend()) as m:
+        async with (
+            DeviceLoader(m, first, "cuda:0", prefetch=1, ring=ring, name="a") as a,
+            DeviceLoader(m, second, "cuda:0", prefetch=1, ring=ring, name="b") as b,
+        ):
+            into_a, into_b = aiter(a), aiter(b)
+            with anyio.fail_after(10):
+                await anext(into_a)
+                await window_filled(m, a, 1, 1)
+                with pytest.raises(ResidencyBudgetError) as caught:
+                    await anext(into_b)
+        error = caught.value
+        assert "only what the waiting task holds itself stands in the way" in str(error)
+        assert "batch 0 of b" in str(error) and " of a (" in str(error)
+        if ring is False:
+            assert error.kind == "materialization"
+            assert "by a new materialization" in str(error)
+        else:
+            assert error.kind == "reservation"
+        assert_nothing_left(m)
+    async with ResidencyManager(budgets={"cuda:0": 4 * CHARGE}, backend=SimBackend()) as m:
+        async with (
+            DeviceLoader(m, first, "cuda:0", prefetch=1, ring=ring) as a,
+            DeviceLoader(m, second, "cuda:0", prefetch=1, ring=ring) as b,
+        ):
+            got = []
+            into_b = aiter(b)
+            with anyio.fail_after(10):
+                async for x in a:
+                    y = await anext(into_b)
+                    got.append((x.clone(), y.clone()))
+        assert [(x.tolist(), y.tolist()) for x, y in got] == [
+            (x.tolist(), y.tolist()) for x, y in zip(first, second, strict=True)
+        ]
+        assert_nothing_left(m)

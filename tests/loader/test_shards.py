@@ -142,6 +142,11 @@ def test_a_shard_cut_short_after_opening_is_an_error_naming_the_missing_bytes(
         ({"seed": True}, "seed must be an int"),
         ({"shuffle": "no"}, "shuffle must be True or False"),
         ({"drop_last": 1}, "drop_last must be True or False"),
+        ({"batch_size": "4"}, "batch_size must be an int >= 1, got '4' \\(str\\)"),
+        ({"workers": 2.0}, "workers must be an int >= 1, got 2.0 \\(float\\)"),
+        ({"align": "256"}, "align must be a power of two"),
+        # A string was iterated into characters: keys="image" asked for tensors 'i', 'm'...
+        ({"keys": "x"}, r"keys must be a list of tensor names, got 'x' \(for one tensor: keys="),
     ],
 )
 def test_shard_source_options_of_the_wrong_type_are_refused(
@@ -150,9 +155,22 @@ def test_shard_source_options_of_the_wrong_type_are_refused(
     """Rather than read as something else (``shuffle="no"`` was true, ``seed=1.5`` was 1)."""
     np.save(tmp_path / "x-0.npy", np.ones((8, 4), dtype=np.float32))
     with pytest.raises(TypeError, match=message):
-        ShardSource([tmp_path / "x-0.npy"], batch_size=4, **option)
+        ShardSource([tmp_path / "x-0.npy"], **{"batch_size": 4, **option})
     with ShardSource([tmp_path / "x-0.npy"], batch_size=4, seed=np.int64(3)) as source:
         assert source.seed == 3 and type(source.seed) is int  # a numpy integer is an int
+
+
+def test_a_key_without_shards_or_keys_naming_nothing_are_refused_saying_so(
+    tmp_path: Path,
+) -> None:
+    """A mapping whose key has no .npy file was an IndexError from inside the source, and
+    ``keys=[]`` said the file "holds no tensor"."""
+    np.save(tmp_path / "x-0.npy", np.ones((8, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"no \.npy shard given for key 'y'"):
+        ShardSource({"x": [tmp_path / "x-0.npy"], "y": []}, batch_size=4)
+    save_file({"x": torch.ones(8, 4)}, str(tmp_path / "p.safetensors"))
+    with pytest.raises(ValueError, match="keys= names no tensor"):
+        ShardSource([tmp_path / "p.safetensors"], batch_size=4, keys=[])
 
 
 @pytest.mark.parametrize(
