@@ -18,17 +18,11 @@ import torch
 from ..core.locations import Location, LocationLike
 from ..core.sizes import parse_nbytes
 from ..core.timeouts import check_timeout
-from ..core.values import check_optional_name
+from ..core.values import check_flag, check_optional_name
 from ..runtime.manager import ResidencyManager
 from ..runtime.shield import finish_shielded
 from .batch import DeviceBatch
-from .lifetime import (
-    end_on_loop,
-    ended_by_aclose,
-    ended_by_cancelled_wait,
-    ended_by_close,
-    ended_by_newer_pass,
-)
+from .iteration import Iteration
 from .pinnedfiles import PinnedFiles
 from .pipeline import Epoch
 from .ring import RingEpoch
@@ -222,8 +216,7 @@ class DeviceLoader:
             # A size as budgets take it: 4 << 20, "4MiB", "4 MB".
             pack_min_bytes = parse_nbytes(pack_min_bytes, "pack_min_bytes")
         self.pack_min_bytes = pack_min_bytes
-        if not isinstance(pin_source, bool):
-            raise TypeError(f"pin_source must be True or False, got {pin_source!r}")
+        check_flag(pin_source, "pin_source")
         if pin_source and not (
             self.is_staged
             and callable(getattr(source, "files", None))
@@ -265,12 +258,12 @@ class DeviceLoader:
     def __aiter__(self) -> AsyncIterator[Any]:
         """One pass over the source, handing out each batch's data (the source's structure,
         with device tensors). A batch is released when the next one is asked for."""
-        return _Iteration(self, wrap=False)
+        return Iteration(self, wrap=False)
 
     def batches(self) -> AsyncIterator[DeviceBatch]:
         """One pass over the source, handing out :class:`DeviceBatch` objects (released at the
         end of their ``async with`` block, by ``release()``, or at the next step)."""
-        return _Iteration(self, wrap=True)
+        return Iteration(self, wrap=True)
 
     def __len__(self) -> int:
         """Batches per pass, when the source knows (``TypeError`` otherwise)."""
@@ -547,89 +540,6 @@ def _unwrapped(error: Exception) -> Exception:
     while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
-
-
-class _Iteration:
-    """One ``async for`` over a loader: its epoch starts at the first ``__anext__``."""
-
-    def __init__(self, loader: DeviceLoader, *, wrap: bool) -> None:
-        self._loader = loader
-        self._wrap = wrap
-        self._epoch: Epoch | RingEpoch | None = None
-        self._handed = 0  # batches this iteration handed out
-        self._cancelled = False  # a wait for a batch was cancelled (which ended the pass)
-        self._closed = False  # its aclose() ended the pass while it ran
-        self._waiting = False  # a task is in __anext__
-
-    def __aiter__(self) -> _Iteration:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._waiting:
-            raise RuntimeError(
-                f"anext() of an iterator of {self._loader.name} was called while another task "
-                "waits in this iterator's anext(): an iterator has one consumer (a batch is "
-                "released when its consumer asks for the next one, so a second one would "
-                "release the first one's batch, or start a second pass). Iterate from one task "
-                "and hand the batches to the others (loader.batches(), each kept with "
-                "'async with batch')"
-            )
-        self._waiting = True
-        try:
-            epoch = self._epoch
-            if self._cancelled and epoch is not None:
-                raise ended_by_cancelled_wait(self._loader.name, epoch.number, self._handed)
-            if self._closed and epoch is not None:
-                raise ended_by_aclose(self._loader.name, epoch.number, self._handed)
-            if epoch is None:
-                epoch = self._epoch = await self._loader._begin()
-            elif not self._loader.current(epoch):
-                if epoch.ended_by is not None:
-                    raise ended_by_newer_pass(self._loader.name, epoch.number, epoch.ended_by)
-                if epoch.ended_by_close:
-                    raise ended_by_close(self._loader.name, epoch.number, self._handed)
-                if epoch.closed_by_manager:  # the manager's close ended it, the loader closed since
-                    raise epoch.closed_error()
-                raise StopAsyncIteration
-            try:
-                batch = await epoch.next()
-            except StopAsyncIteration:
-                if epoch.ended_by is not None:  # a newer pass ended it while this consumer waited
-                    raise ended_by_newer_pass(
-                        self._loader.name, epoch.number, epoch.ended_by
-                    ) from None
-                if epoch.ended_by_close:  # the loader closed while this consumer waited
-                    raise ended_by_close(self._loader.name, epoch.number, self._handed) from None
-                if self._closed:  # this iterator's aclose(), from another task, while it waited
-                    raise ended_by_aclose(self._loader.name, epoch.number, self._handed) from None
-                raise
-            except anyio.get_cancelled_exc_class():
-                self._cancelled = True  # the pass ended (epoch.next releases everything)
-                raise
-            self._handed += 1
-            return batch if self._wrap else batch.data
-        finally:
-            self._waiting = False
-
-    def __del__(self) -> None:
-        # Dropped mid-pass (a break or an exception out of ``async for``, no one calling
-        # aclose): as an async generator's finalizer, schedule the pass's end on the loop.
-        epoch = self._epoch
-        if epoch is not None and epoch.status == "running":
-            end_on_loop(epoch.bridge, functools.partial(self._loader._dropped, epoch))
-
-    async def aclose(self) -> None:
-        """End this pass now (as breaking out of it and starting the next would). If it was
-        still running, a consumer of this iterator waiting for a batch, or asking for the
-        next one, gets ``anyio.ClosedResourceError``: never the quiet end of a truncated
-        pass."""
-        self._loader._check_loop("aclose() of an iterator")
-        epoch = self._epoch
-        if epoch is not None and self._loader.current(epoch):
-            if epoch.status == "running":
-                self._closed = True
-            epoch.shutdown()
-            await finish_shielded(epoch.drain)
 
 
 def _check_count(value: object, what: str, minimum: int, also: str = "") -> None:

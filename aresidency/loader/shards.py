@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..core.values import check_flag
 from .shardfiles import (
     ShardFile,
     copy_bytes,
@@ -221,9 +222,8 @@ class ShardSource:
                 )
             if not keys:
                 raise ValueError("keys= names no tensor: name at least one, or leave it out")
-        for flag, value in (("drop_last", drop_last), ("shuffle", shuffle)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        check_flag(drop_last, "drop_last")
+        check_flag(shuffle, "shuffle")
         if isinstance(seed, bool) or not hasattr(seed, "__index__"):
             raise TypeError(f"seed must be an int, got {seed!r}")
         seed = operator.index(seed)  # a numpy integer too
