@@ -735,6 +735,31 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
         assert_all_released(m, patient)
 
 
+@pytest.mark.parametrize("ring", [None, False])
+async def test_a_timeout_says_what_the_block_needed_and_whose_reservation_held_the_room(
+    ring: bool | None,
+) -> None:
+    """The ``TimeoutError`` of a block that found no room names the bytes it needed (a ring
+    buffer for it, or its own charge), the room there was, and the reservations that took the
+    rest, by name: what a person needs to see why it waited."""
+    model = linears(n=3)
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, model, ring=ring)
+        block = max(probe.block_bytes)
+        await probe.aclose()
+        m.set_budget("cuda:0", 2 * block)
+        m.reserve_nowait("other tenant kv", "cuda:0", block + 1)
+        streamed = stream_module(m, model, ring=ring, timeout=0.01, keep_resident=False)
+        with pytest.raises(TimeoutError) as timed_out, torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        message = str(timed_out.value)
+        assert f"it needs {block} B" in message
+        assert f"{block - 1} B free" in message
+        assert f"'other tenant kv' {block + 1} B" in message
+        await streamed.drain()
+        assert_all_released(m, streamed)
+
+
 @pytest.mark.parametrize("host", ["pinned-host", "pageable-host"])
 async def test_the_timeout_counts_the_wait_for_room_not_the_copy(host: str) -> None:
     """``timeout=`` is how long a block may wait for budget. With no budget at all nothing

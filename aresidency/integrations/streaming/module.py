@@ -878,15 +878,28 @@ class StreamedModule:
         """When a block waiting for budget now gives up (``anyio.current_time`` clock)."""
         return None if self.timeout is None else anyio.current_time() + self.timeout
 
-    def timeout_message(self, group: TensorGroup) -> str:
+    def timeout_message(self, group: TensorGroup, need: int | None = None) -> str:
+        """The ``TimeoutError`` of ``group`` not admitted in time: what it waited for
+        (``need`` bytes: the group's charge, or a ring buffer for it) against the room there
+        was, and the reservations that held the rest, by name."""
+        text = f"{group.name} was not admitted at {self.device} within {self.timeout} s"
+        if need is not None:
+            text += f": it needs {need} B"
         ledger = self.manager.state.find_ledger(self.device)
         if ledger is None:
-            return f"{group.name} was not admitted at {self.device} within {self.timeout} s"
-        return (
-            f"{group.name} was not admitted at {self.device} within {self.timeout} s (used "
-            f"{ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
-            f"{ledger.budget_bytes} B)"
+            return text
+        budget = ledger.budget_bytes
+        free = "" if budget is None else f", {max(0, budget - ledger.charged_bytes)} B free"
+        text += (
+            f" (used {ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
+            f"{budget} B{free})"
         )
+        if ledger.reservations:
+            held = sorted(ledger.reservations.items(), key=lambda item: -item[1][0])
+            listed = ", ".join(f"{name!r} {nbytes} B" for name, (nbytes, _) in held[:5])
+            more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+            text += f"; reservations there: {listed}{more}"
+        return text
 
     def call_executor(self) -> concurrent.futures.Executor | None:
         """The executor that runs the next call's forward when it is not the module's own
