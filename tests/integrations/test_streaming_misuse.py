@@ -198,6 +198,30 @@ async def test_a_name_that_is_not_a_non_blank_string_is_refused(
         await streamed.aclose()
 
 
+@pytest.mark.parametrize(
+    "argument, error, match",
+    [
+        ({"keep_resident": None}, TypeError, "keep_resident must be True or False, got None"),
+        ({"keep_resident": "no"}, TypeError, "keep_resident must be True or False, got 'no'"),
+        ({"checkpoint": 3}, TypeError, "checkpoint must be a path .* got int"),
+        ({"checkpoint": ""}, ValueError, "checkpoint must name a file or directory, got ''"),
+    ],
+)
+async def test_a_keep_resident_or_checkpoint_of_the_wrong_kind_is_refused_naming_it(
+    argument: dict[str, object], error: type[Exception], match: str
+) -> None:
+    """``keep_resident=None`` (or ``"no"``) was taken for its truth value; ``checkpoint=3``
+    failed inside ``pathlib`` without saying which argument; ``checkpoint=""`` was read as
+    the current directory."""
+    model = Net(n=2)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(error, match=match):
+            stream_module(m, model, **argument)  # type: ignore[arg-type]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        streamed = stream_module(m, model, name="net")  # the module is untouched
+        await streamed.aclose()
+
+
 async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:
     model = Net(n=3)
     async with ResidencyManager(backend="sim") as m:

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -148,11 +149,23 @@ class StreamedModule:
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
         if ring is not None and not isinstance(ring, bool):
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
+        if not isinstance(keep_resident, bool):
+            raise TypeError(f"keep_resident must be True or False, got {keep_resident!r}")
+        if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike, Checkpoint)):
+            raise TypeError(
+                "checkpoint must be a path (str or os.PathLike) or an opened Checkpoint, got "
+                f"{type(checkpoint).__name__}"
+            )
+        if isinstance(checkpoint, str) and not checkpoint.strip():
+            raise ValueError(
+                f"checkpoint must name a file or directory, got {checkpoint!r} (None streams "
+                "the module's own weights)"
+            )
         if checkpoint_names is not None and checkpoint is None:
             raise ValueError("checkpoint_names= maps names to a checkpoint's: give checkpoint=")
         self._checkpoint_names = check_names(checkpoint_names, module)
         self.prefetch = prefetch
-        self.keep_resident = bool(keep_resident)
+        self.keep_resident = keep_resident
         # An opened Checkpoint is the caller's (opened off the loop, closed by the caller);
         # a path is opened at registration and closed with the module.
         given = checkpoint if isinstance(checkpoint, Checkpoint) else None
