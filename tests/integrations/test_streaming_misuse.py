@@ -6,6 +6,7 @@ a manager closed before the streamed module."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import threading
@@ -220,6 +221,36 @@ async def test_a_keep_resident_or_checkpoint_of_the_wrong_kind_is_refused_naming
         assert len(m.snapshot().values) == 0, "nothing was registered"
         streamed = stream_module(m, model, name="net")  # the module is untouched
         await streamed.aclose()
+
+
+async def test_aclose_or_drain_from_another_thread_is_refused_and_closes_nothing() -> None:
+    """``aclose()`` run on another thread's loop got as far as removing the hooks and giving
+    the module its tensors back, then failed at the manager's thread check with every value
+    still registered: a closed module whose weights the manager kept for ever. ``drain()``
+    there read the loop's state. Both now refuse at once, and the module streams on."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, name="net")
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            for call in (streamed.aclose, streamed.drain):
+                try:
+                    asyncio.run(call())
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+        assert len(m.snapshot().values) == 0, "aclose on the loop discards every value"
 
 
 async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:

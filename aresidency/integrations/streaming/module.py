@@ -861,7 +861,10 @@ class StreamedModule:
         (their events reaped: on CUDA, the last call's kernels on the compute stream ran).
         The host does not block: this awaits the manager's completions. Between calls it
         ends with ``kept`` naming only groups at the device. Raises the first release error,
-        or a copy failure no call reported."""
+        or a copy failure no call reported. Loop thread, as every call: from another thread
+        it raises ``RuntimeError``."""
+        if self.manager.running:
+            self.manager.check_thread()
         while True:
             if self.settling:
                 await next(iter(self.settling)).wait_settled()
@@ -1070,12 +1073,14 @@ class StreamedModule:
     async def aclose(self) -> None:
         """Finish releases, remove the hooks, give the module its own host tensors back, and
         discard the values (their kept device replicas with them). The streamed module cannot
-        be called afterwards."""
+        be called afterwards. Loop thread, as every call: from another thread it raises
+        ``RuntimeError`` and closes nothing."""
         if self._closed:
             return
         if not self.manager.running:
             self._close_after_manager()
             return
+        self.manager.check_thread()
         async with self._lock:
             self._closed = True
             try:
