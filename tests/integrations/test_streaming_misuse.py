@@ -7,6 +7,7 @@ a manager closed before the streamed module."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import dataclasses
 import threading
@@ -344,6 +345,46 @@ async def test_out_of_memory_on_a_prefetch_is_raised_by_the_call(
         assert m.snapshot().location("cuda:0").used_bytes == 0
         with torch.no_grad():
             assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+
+
+REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="unset")
+
+
+class ContextNet(Net):
+    """Records, in its forward, the context variable a server sets per request."""
+
+    seen: list[str]
+
+    def forward(self, x: torch.Tensor, *, shift: float = 0.0) -> torch.Tensor:
+        self.seen.append(REQUEST.get())
+        return super().forward(x, shift=shift)
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_the_forward_sees_the_callers_context_variables(ring: bool | None) -> None:
+    """The worker thread ran the forward in its own empty context: a request id (or tracing
+    span) the calling task had set read as its default there. It runs in a copy of the
+    caller's context now, as ``asyncio.to_thread`` runs a function; each call in its own
+    task's, and what the forward sets stays there."""
+    model = ContextNet(n=3)
+    model.seen = []
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    model.seen.clear()
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, ring=ring)
+
+        async def call(request: str) -> None:
+            REQUEST.set(request)
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), want)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call, "a")
+            tasks.start_soon(call, "b")
+        assert sorted(model.seen) == ["a", "b"]
+        assert REQUEST.get() == "unset"
         await streamed.aclose()
 
 
