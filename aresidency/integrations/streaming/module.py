@@ -730,6 +730,7 @@ class StreamedModule:
             window_bytes=self._window_bytes(),
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
+            own_reserved=self._ring_bytes(),
         )
 
     # -- releases

@@ -70,9 +70,12 @@ def describe(
     window_bytes: int,
     prefetch: int,
     keep_resident: bool,
+    own_reserved: int = 0,
 ) -> dict[str, Any]:
     """Which of the groups (``blocks`` in call order, and the ``resident`` one) stay, and why:
-    see :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`."""
+    see :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`.
+    ``own_reserved``: what the module itself reserves at ``device`` (its calls' rings), which
+    is not another tenant's."""
     ledger = state.find_ledger(device)
     budget = None if ledger is None else ledger.budget_bytes
     groups = [*blocks] if resident is None else [*blocks, resident]
@@ -104,6 +107,8 @@ def describe(
         "streamed_bytes": total - kept_bytes,
         "window_bytes": window_bytes,
         "budget_bytes": budget,
-        "others_bytes": None if ledger is None else others_bytes(state, device, groups),
+        "others_bytes": (
+            None if ledger is None else others_bytes(state, device, groups) - own_reserved
+        ),
         "reason": reason,
     }
