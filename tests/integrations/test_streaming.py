@@ -317,6 +317,27 @@ async def test_a_block_run_twice_in_a_call_on_kept_blocks() -> None:
         await streamed.drain()
 
 
+async def test_residency_before_the_first_call_is_the_plan_the_call_then_keeps() -> None:
+    """``residency()`` right after ``stream_module`` said no group stays ("0 of 6 groups
+    stay: what fits in the budget ...") whatever the budget held, since no call had planned
+    yet: it now gives the plan the first call makes, which the call then keeps."""
+    model = Net(n=5)
+    x = torch.randn(4, 16)
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, model)
+        budget = probe.resident_bytes + sum(probe.block_bytes) // 2 + 3 * max(probe.block_bytes)
+        await probe.aclose()
+        m.set_budget("cuda:0", budget)
+        streamed = stream_module(m, model)
+        before = streamed.residency()
+        assert 1 < len(before["kept"]) < 6
+        with anyio.fail_after(10), torch.no_grad():
+            await streamed(x)
+        await streamed.drain()
+        assert streamed.residency() == before
+        await streamed.aclose()
+
+
 class Repeats(nn.Module):
     """Two blocks run by the model's own forward in the order ``runs`` (indexes into
     ``layers``): a block run twice in a row (``b(a(a(x)))``) or blocks shared across the depth

@@ -720,13 +720,14 @@ class StreamedModule:
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
         window), ``budget_bytes``, ``others_bytes`` (what other tenants hold at the device),
-        ``reason`` (a sentence)."""
+        ``reason`` (a sentence). Before the first call: the plan the first call would make
+        now."""
         return describe(
             self.manager.state,
             self.device,
             self._groups,
             self.resident_group,
-            self.kept,
+            self.kept if self.calls or self._closed else self._plan_keep(),
             window_bytes=self._window_bytes(),
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
