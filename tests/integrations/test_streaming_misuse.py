@@ -207,6 +207,7 @@ async def test_a_name_that_is_not_a_non_blank_string_is_refused(
         ({"keep_resident": "no"}, TypeError, "keep_resident must be True or False, got 'no'"),
         ({"checkpoint": 3}, TypeError, "checkpoint must be a path .* got int"),
         ({"checkpoint": ""}, ValueError, "checkpoint must name a file or directory, got ''"),
+        ({"checkpoint": "x", "host": "cpu"}, ValueError, "host must be .* got 'cpu'"),
     ],
 )
 async def test_a_keep_resident_or_checkpoint_of_the_wrong_kind_is_refused_naming_it(
@@ -214,7 +215,7 @@ async def test_a_keep_resident_or_checkpoint_of_the_wrong_kind_is_refused_naming
 ) -> None:
     """``keep_resident=None`` (or ``"no"``) was taken for its truth value; ``checkpoint=3``
     failed inside ``pathlib`` without saying which argument; ``checkpoint=""`` was read as
-    the current directory."""
+    the current directory; a wrong ``host=`` beside a checkpoint passed unseen."""
     model = Net(n=2)
     async with ResidencyManager(backend="sim") as m:
         with pytest.raises(error, match=match):

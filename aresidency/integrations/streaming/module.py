@@ -145,7 +145,8 @@ class StreamedModule:
         self.device = Location.parse(device)
         if not self.device.is_cuda:
             raise ValueError(f"device must be a cuda location, got {self.device}")
-        if checkpoint is None and host not in ("pinned-host", "pageable-host"):
+        if host not in ("pinned-host", "pageable-host"):
+            # (with a checkpoint the weights live in no host copy, but a wrong value is wrong)
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
         if ring is not None and not isinstance(ring, bool):
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
