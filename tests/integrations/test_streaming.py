@@ -531,8 +531,10 @@ async def test_a_checkpoint_under_other_names_says_which_and_streams_with_a_mapp
     writes GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``): the ``KeyError`` names the
     checkpoint's tensor of that shape the module has no name for and the
     ``checkpoint_names=`` that maps it; with that mapping the model streams as it computes.
-    A mapping that names no tensor of the module, one without a checkpoint, or one of the
-    wrong type is refused at once, registering nothing."""
+    A mapping that names no tensor of the module, one without a checkpoint, one of the
+    wrong type, or a function that returns neither a name nor ``None`` (it was taken as a
+    name the checkpoint lacks, so the module's own name was read) is refused at once,
+    registering nothing."""
     model = Net(n=3)
     x = torch.randn(4, 16)
     want = reference(model, x)
@@ -552,6 +554,8 @@ async def test_a_checkpoint_under_other_names_says_which_and_streams_with_a_mapp
             stream_module(m, model, checkpoint_names={"head.weight": "out.weight"})
         with pytest.raises(TypeError, match="checkpoint_names must be a mapping"):
             stream_module(m, model, checkpoint=path, checkpoint_names=["out.weight"])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"checkpoint_names\('[\w.]+'\) returned 3: "):
+            stream_module(m, model, checkpoint=path, checkpoint_names=lambda name: 3)  # type: ignore[arg-type,return-value]
         assert len(m.snapshot().values) == 0, "nothing was registered"
         for names in ({"head.weight": "out.weight"}, {"head.weight": "out.weight"}.get):
             streamed = stream_module(m, model, checkpoint=path, checkpoint_names=names)

@@ -102,7 +102,13 @@ def _mapped(names: CheckpointNames | None, name: str) -> str | None:
         return None
     if isinstance(names, Mapping):
         return names.get(name)
-    return names(name)
+    mapped = names(name)
+    if mapped is not None and not isinstance(mapped, str):
+        raise TypeError(
+            f"checkpoint_names({name!r}) returned {mapped!r}: the function returns the "
+            "checkpoint's name for the module's tensor (a str), or None for the same name"
+        )
+    return mapped
 
 
 def _names(entry: PackedTensor) -> str:
