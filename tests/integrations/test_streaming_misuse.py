@@ -20,7 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from aresidency import ResidencyManager
+from aresidency import (
+    DeviceLoader,
+    MemoryReservation,
+    ResidencyManager,
+    ResidencyPlan,
+)
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.integrations.streaming import HostKind
 from aresidency.runtime import ManagerClosedError
@@ -295,6 +300,39 @@ async def test_a_second_streamed_model_takes_the_room_the_first_keeps(ring: bool
         await sb.aclose()
 
 
+@pytest.mark.parametrize("ring", RINGS)
+async def test_a_loader_or_a_scope_takes_the_room_an_idle_module_keeps(ring: bool | None) -> None:
+    """What an idle streamed module keeps between calls is a cache, but only another
+    streamed module's call got it back: a ``DeviceLoader`` batch or a scope that fit only
+    without it waited for ever (or timed out) behind a model nobody was calling. The module
+    now offers it (``manager.add_reclaimer``), as a model pool offers its idle models."""
+    model = Net(n=4)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        budget = streamed.resident_bytes + sum(streamed.block_bytes)
+        m.set_budget("cuda:0", budget)
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), want)  # it plans (again), and keeps
+            await streamed.drain()
+            kept = m.snapshot().location("cuda:0").used_bytes
+            assert kept > 1024 and streamed.kept
+            short = budget - kept + 1  # fits only without what the module keeps
+            if _ == 0:
+                batches = [torch.zeros(short // 4 + 1)]
+                async with DeviceLoader(m, batches, "cuda:0", prefetch=0, timeout=10) as loader:
+                    got = [batch async for batch in loader]
+                assert len(got) == 1
+            else:
+                plan = ResidencyPlan(reserve=[MemoryReservation("kv", "cuda:0", short)])
+                with anyio.fail_after(10):
+                    async with m.scope(plan, timeout=10):
+                        assert not streamed.kept
+        await streamed.aclose()
+
+
 async def test_closing_the_manager_first_leaves_the_module_its_own_weights() -> None:
     model = Net()
     x = torch.randn(4, 16)
@@ -377,9 +415,10 @@ async def test_the_forward_sees_the_callers_context_variables(ring: bool | None)
         streamed = stream_module(m, model, ring=ring)
 
         async def call(request: str) -> None:
+            # (no torch.no_grad() here: grad mode is the thread's, and two tasks that each
+            # enter and leave it around an await restore each other's mode out of order)
             REQUEST.set(request)
-            with torch.no_grad():
-                assert torch.equal(await streamed(x), want)
+            assert torch.equal(await streamed(x), want)
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(call, "a")

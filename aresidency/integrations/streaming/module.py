@@ -118,6 +118,10 @@ class StreamedModule:
     it is kept resident.
     """
 
+    #: Whether what the module keeps between calls is offered to other tenants short of
+    #: room (``manager.add_reclaimer``); a model pool's modules are offered by the pool.
+    offers_kept = True
+
     def __init__(
         self,
         manager: ResidencyManager,
@@ -259,6 +263,18 @@ class StreamedModule:
             self._unregister_now()
             raise
         _by_manager.setdefault(manager, weakref.WeakSet()).add(self)
+        # What the module keeps between calls is a cache: offered to any tenant short of
+        # room at the device (a loader's batch, a scope, a pool's request), as to another
+        # streamed module's call (ask_others_for_room). Weakly, as _by_manager holds it.
+        self._unreclaim: Callable[[], None] | None = None
+        if self.offers_kept:
+            method = weakref.WeakMethod(self._reclaim)
+
+            def reclaim(location: Location, nbytes: int) -> int:
+                bound = method()
+                return 0 if bound is None else bound(location, nbytes)
+
+            self._unreclaim = manager.add_reclaimer(reclaim)
 
     # -- set-up
 
@@ -656,6 +672,22 @@ class StreamedModule:
             if other is not self and other.device == self.device:
                 yielded = other._yield_kept() or yielded
         return yielded
+
+    def _reclaim(self, location: Location, nbytes: int) -> int:
+        """The manager's reclaimer (:meth:`ResidencyManager.add_reclaimer`): a tenant lacks
+        ``nbytes`` at ``location``. When it is our device and no call of ours is in flight,
+        what we keep there is released (the next call plans again). Returns the bytes whose
+        release began. Loop thread."""
+        if location != self.device:
+            return 0
+        here = [index for index in self.kept if self._replica_here(index)]
+        if not self._yield_kept():
+            return 0
+        return sum(
+            self.group(index).charge_bytes
+            for index in here
+            if index in self.releasing or not self._replica_here(index)
+        )
 
     def _yield_kept(self) -> bool:
         """Release what this idle module keeps; whether a release started (a group someone
@@ -1086,6 +1118,7 @@ class StreamedModule:
         self.manager.check_thread()
         async with self._lock:
             self._closed = True
+            self._stop_offering()
             try:
                 await self.drain()
                 self._apply_replaced(self._check_replaced())
@@ -1105,12 +1138,18 @@ class StreamedModule:
         """``aclose()`` once the manager closed (and freed every replica): remove the hooks
         and give the module its own tensors back; nothing is left to release."""
         self._closed = True
+        self._unreclaim = None  # (the closed manager asks no one any more)
         self._threaded.close()
         self._apply_replaced(self._check_replaced())
         self._restore_host_tensors()
         self._registered.clear()
         self.kept.clear()
         self._close_checkpoint()
+
+    def _stop_offering(self) -> None:
+        unreclaim, self._unreclaim = self._unreclaim, None
+        if unreclaim is not None:
+            unreclaim()
 
     def _close_checkpoint(self) -> None:
         """Close the checkpoint this module opened (one given opened is the caller's)."""
