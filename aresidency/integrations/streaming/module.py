@@ -1108,8 +1108,10 @@ class StreamedModule:
     async def aclose(self) -> None:
         """Finish releases, remove the hooks, give the module its own host tensors back, and
         discard the values (their kept device replicas with them). The streamed module cannot
-        be called afterwards. Loop thread, as every call: from another thread it raises
-        ``RuntimeError`` and closes nothing."""
+        be called afterwards. The calls running or queued before it end first, as they would
+        (one waiting for room, as long as its ``timeout`` allows): cancel them to stop them
+        now. Loop thread, as every call: from another thread it raises ``RuntimeError`` and
+        closes nothing."""
         if self._closed:
             return
         if not self.manager.running:
