@@ -388,6 +388,39 @@ class StreamedModule:
             group.charge_bytes = snap.value(group.handle).charge_bytes
         self._largest = max((g.charge_bytes for g in self._groups), default=0)
         self._note_weights()
+        self._note_modules()
+
+    def _note_modules(self) -> None:
+        """Remember every submodule edge (parent, attribute, child) of the module, with the
+        child's path and whether its subtree holds tensors (see :meth:`_check_modules`)."""
+        self._edges: list[tuple[nn.Module, str, nn.Module, str, bool]] = []
+        for path, parent in self.module.named_modules():
+            for attr, child in parent._modules.items():
+                if child is not None:
+                    where = f"{path}.{attr}" if path else attr
+                    self._edges.append((parent, attr, child, where, _holds_tensors(child)))
+
+    def _check_modules(self) -> None:
+        """``ValueError`` if a submodule holding tensors was replaced (or removed) since
+        :func:`stream_module`, or one without was replaced by one with: a new module's
+        tensors were never registered, and a new block has no hooks (its weights would stay
+        on the host). A module without tensors replaced by another (an activation) is fine."""
+        for i, (parent, attr, child, where, holds) in enumerate(self._edges):
+            current = parent._modules.get(attr)
+            if current is child:
+                continue
+            if not holds and (current is None or not _holds_tensors(current)):
+                if current is not None:
+                    self._edges[i] = (parent, attr, current, where, False)
+                continue
+            new = "removed" if current is None else f"replaced by a new {type(current).__name__}"
+            raise ValueError(
+                f"{self.name}: {where} was {new} since stream_module: a streamed module "
+                "runs the modules and tensors it registered (a new module's weights were "
+                "never packed, and a new block is not streamed); aclose() it and stream the "
+                "module again, or change weights in place (load_state_dict without assign, "
+                "copy_ under no_grad)"
+            )
 
     def _register_groups(self, opened: Checkpoint | None, copied: Callable[[int], None]) -> None:
         """Register every group: as a source reading ``opened``, or packed into the host
@@ -549,7 +582,9 @@ class StreamedModule:
         other tensors in (see :meth:`_check_replaced`): their device replicas are stale.
         ``ValueError`` if a tensor was replaced instead (``load_state_dict(assign=True)``,
         ``.half()``, ``.to(...)``, a new ``Parameter``): the streamed weights are the ones
-        registered, so the call would not run the module's."""
+        registered, so the call would not run the module's; so is a submodule replaced
+        (:meth:`_check_modules`)."""
+        self._check_modules()
         changed = self._check_replaced()
         for group in self._registered:
             if group.seen is None or group.replaced:
@@ -1179,6 +1214,11 @@ class StreamedModule:
             f"prefetch={self.prefetch} from {where} {state} "
             f"[{len(self.kept)} kept, {len(self.releasing)} releasing]>"
         )
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule of it holds a parameter or buffer."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _check_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
