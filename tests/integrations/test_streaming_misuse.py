@@ -151,17 +151,19 @@ async def test_weights_replaced_between_calls_are_refused_by_name(replace: objec
         (lambda model: setattr(model.layers[1], "up", nn.Linear(32, 64)), "layers.1.up"),
         (lambda model: model.layers.__setitem__(2, Block(32, 9)), "layers.2"),
         (lambda model: setattr(model.layers[3], "norm", None), "layers.3.norm"),
+        (lambda model: model.layers.append(Block(32, 9)), "layers.4"),
     ],
-    ids=["head", "in-a-block", "block", "removed"],
+    ids=["head", "in-a-block", "block", "removed", "added"],
 )
 async def test_a_submodule_replaced_between_calls_is_refused_by_name(
     replace: Callable[[nn.Module], object], where: str
 ) -> None:
     """A new module put in place of one with tensors (a new head, a block's layer, a block,
-    an adapter injected) ran with weights that were never packed: its host tensors, which on
-    a GPU meet the activations on the device, and a new block has no streaming hooks. The
-    next call is refused naming it, as for a replaced tensor. A module without tensors
-    swapped for another (an activation) changes nothing streamed and is run as it is."""
+    an adapter injected), or added (a block appended), ran with weights never packed: its
+    host tensors, which on a GPU meet the activations on the device, and a new block has no
+    streaming hooks. The next call is refused naming it, as for a replaced tensor. A module
+    without tensors swapped for another (an activation) changes nothing streamed and is run
+    as it is."""
     model = Net(n=4)
     x = torch.randn(4, 16)
     async with ResidencyManager(backend="sim") as m:
@@ -172,7 +174,7 @@ async def test_a_submodule_replaced_between_calls_is_refused_by_name(
         with torch.no_grad():
             assert torch.equal(await streamed(x), expected(model, x))
         replace(model)
-        refused = f"{where} was (replaced|removed) .*since stream_module"
+        refused = f"{where} .*(was replaced|was removed|was added) .*since stream_module"
         with pytest.raises(ValueError, match=refused), torch.no_grad():
             await streamed(x)
         await streamed.aclose()

@@ -394,7 +394,10 @@ class StreamedModule:
         """Remember every submodule edge (parent, attribute, child) of the module, with the
         child's path and whether its subtree holds tensors (see :meth:`_check_modules`)."""
         self._edges: list[tuple[nn.Module, str, nn.Module, str, bool]] = []
+        # each module's path and how many children it had (one added shows there)
+        self._parents: list[tuple[nn.Module, str, int]] = []
         for path, parent in self.module.named_modules():
+            self._parents.append((parent, path, len(parent._modules)))
             for attr, child in parent._modules.items():
                 if child is not None:
                     where = f"{path}.{attr}" if path else attr
@@ -404,7 +407,21 @@ class StreamedModule:
         """``ValueError`` if a submodule holding tensors was replaced (or removed) since
         :func:`stream_module`, or one without was replaced by one with: a new module's
         tensors were never registered, and a new block has no hooks (its weights would stay
-        on the host). A module without tensors replaced by another (an activation) is fine."""
+        on the host). So is a submodule with tensors added (a layer appended to a block
+        list). A module without tensors replaced by another (an activation) is fine."""
+        for parent, path, count in self._parents:
+            if len(parent._modules) == count:
+                continue
+            known = {attr for p, attr, *_ in self._edges if p is parent}
+            for attr, child in parent._modules.items():
+                if attr not in known and child is not None and _holds_tensors(child):
+                    where = f"{path}.{attr}" if path else attr
+                    raise ValueError(
+                        f"{self.name}: {where} ({type(child).__name__}) was added since "
+                        "stream_module: its weights were never packed, and a block added is "
+                        "not streamed; aclose() the streamed module and stream the module "
+                        "again"
+                    )
         for i, (parent, attr, child, where, holds) in enumerate(self._edges):
             current = parent._modules.get(attr)
             if current is child:
