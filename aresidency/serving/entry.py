@@ -75,6 +75,8 @@ class PooledStreamedModule(StreamedModule):
     shared and pipeline calls never overlap.
     """
 
+    offers_kept = False  # the pool offers its idle models' groups itself
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.pool_keep: set[int] = set()
         self.constructed = False

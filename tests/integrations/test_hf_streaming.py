@@ -862,3 +862,59 @@ async def test_a_save_pretrained_checkpoint_with_renamed_keys_streams_with_check
             got = (await streamed(input_ids=ids)).logits
         assert torch.equal(got, want)
         await streamed.aclose()
+
+
+def mixtral(meta: bool = False) -> nn.Module:
+    """A small ``MixtralForCausalLM`` (no download): four experts per layer, two per token;
+    ``meta=True`` on the meta device."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(6)
+    if meta:
+        with torch.device("meta"):
+            return MixtralForCausalLM(config).eval()
+    return MixtralForCausalLM(config).eval()
+
+
+@pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
+async def test_a_checkpoint_with_experts_saved_one_by_one_says_how_to_write_one_that_streams(
+    tmp_path: Path,
+) -> None:
+    """transformers 5 fuses a Mixtral layer's experts into one tensor each when it loads, and
+    its ``save_pretrained`` writes them back one by one: no ``checkpoint_names=`` can map
+    that. The ``KeyError`` says so, and how to write the module's own layout
+    (``save_original_format=False``), which then streams what the model computes."""
+    pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    model = await off_loop(mixtral)
+    if "save_original_format" not in inspect.signature(model.save_pretrained).parameters:
+        pytest.skip("a transformers whose save_pretrained writes the module's own layout")
+    ids, _ = inputs()
+    want = await off_loop(lambda: logits_of(model, input_ids=ids))
+    original, own = tmp_path / "original", tmp_path / "own"
+    await off_loop(lambda: model.save_pretrained(original))
+    await off_loop(lambda: model.save_pretrained(own, save_original_format=False))
+    skeleton = await off_loop(mixtral, True)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(KeyError) as refused:
+            stream_module(m, skeleton, checkpoint=original)
+        message = refused.value.args[0]
+        assert "'model.layers.0.mlp.experts.gate_up_proj'" in message
+        assert "checkpoint_names= cannot" in message
+        assert "save_pretrained(directory, save_original_format=False)" in message
+        assert not list(m.state.values())  # nothing stays registered
+        streamed = stream_module(m, skeleton, checkpoint=own)
+        with anyio.fail_after(30), torch.no_grad():
+            got = (await streamed(input_ids=ids)).logits
+        assert torch.equal(got, want)
+        await streamed.aclose()

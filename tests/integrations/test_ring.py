@@ -579,3 +579,63 @@ async def test_a_cyclic_ring_learns_a_pass_that_starts_later_and_gives_it_up_whe
         assert torch.equal(got, expected) and torch.equal(again, expected)
         await streamed.drain()
         await streamed.aclose()
+
+
+class Gate(nn.Module):
+    """A block whose forward tells ``entered`` and then waits for ``go`` (worker thread)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        assert self.go.wait(30), "the test never let the block go on"
+        return torch.tanh(self.linear(x))
+
+
+class GatedNet(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.gate = Gate(d)
+        self.layers.insert(2, self.gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) if isinstance(layer, nn.Linear) else layer(x)
+        return x
+
+
+async def test_residency_counts_the_modules_own_ring_as_its_own_not_another_tenants() -> None:
+    """``residency()['others_bytes']`` is what other tenants hold at the device. It counted
+    the module's own ring reservation (its call's in flight, or a finished call's not retired
+    yet) as another tenant's; it now counts another tenant's reservation only."""
+    model = GatedNet()
+    gate = model.gate
+    x = torch.randn(2, 16)
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 1 << 20}) as m:
+        streamed = stream_module(m, model, prefetch=1, name="gated", keep_resident=False)
+        m.reserve_nowait("other tenant", "cuda:0", 1000)
+        results: list[torch.Tensor] = []
+
+        async def call() -> None:
+            with torch.no_grad():
+                results.append(await streamed(x))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call)
+            await anyio.to_thread.run_sync(gate.entered.wait)
+            try:
+                assert ring_reservations(m), "the call in flight holds its ring"
+                assert streamed.residency()["others_bytes"] == 1000
+            finally:
+                gate.go.set()
+        assert len(results) == 1
+        assert streamed.residency()["others_bytes"] == 1000  # (its ring retired or not)
+        await streamed.drain()
+        assert streamed.residency()["others_bytes"] == 1000
+        m.unreserve_nowait("other tenant", "cuda:0")
+        await streamed.aclose()

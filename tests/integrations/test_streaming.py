@@ -317,6 +317,27 @@ async def test_a_block_run_twice_in_a_call_on_kept_blocks() -> None:
         await streamed.drain()
 
 
+async def test_residency_before_the_first_call_is_the_plan_the_call_then_keeps() -> None:
+    """``residency()`` right after ``stream_module`` said no group stays ("0 of 6 groups
+    stay: what fits in the budget ...") whatever the budget held, since no call had planned
+    yet: it now gives the plan the first call makes, which the call then keeps."""
+    model = Net(n=5)
+    x = torch.randn(4, 16)
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, model)
+        budget = probe.resident_bytes + sum(probe.block_bytes) // 2 + 3 * max(probe.block_bytes)
+        await probe.aclose()
+        m.set_budget("cuda:0", budget)
+        streamed = stream_module(m, model)
+        before = streamed.residency()
+        assert 1 < len(before["kept"]) < 6
+        with anyio.fail_after(10), torch.no_grad():
+            await streamed(x)
+        await streamed.drain()
+        assert streamed.residency() == before
+        await streamed.aclose()
+
+
 class Repeats(nn.Module):
     """Two blocks run by the model's own forward in the order ``runs`` (indexes into
     ``layers``): a block run twice in a row (``b(a(a(x)))``) or blocks shared across the depth
@@ -510,8 +531,10 @@ async def test_a_checkpoint_under_other_names_says_which_and_streams_with_a_mapp
     writes GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``): the ``KeyError`` names the
     checkpoint's tensor of that shape the module has no name for and the
     ``checkpoint_names=`` that maps it; with that mapping the model streams as it computes.
-    A mapping that names no tensor of the module, one without a checkpoint, or one of the
-    wrong type is refused at once, registering nothing."""
+    A mapping that names no tensor of the module, one without a checkpoint, one of the
+    wrong type, or a function that returns neither a name nor ``None`` (it was taken as a
+    name the checkpoint lacks, so the module's own name was read) is refused at once,
+    registering nothing."""
     model = Net(n=3)
     x = torch.randn(4, 16)
     want = reference(model, x)
@@ -531,6 +554,8 @@ async def test_a_checkpoint_under_other_names_says_which_and_streams_with_a_mapp
             stream_module(m, model, checkpoint_names={"head.weight": "out.weight"})
         with pytest.raises(TypeError, match="checkpoint_names must be a mapping"):
             stream_module(m, model, checkpoint=path, checkpoint_names=["out.weight"])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"checkpoint_names\('[\w.]+'\) returned 3: "):
+            stream_module(m, model, checkpoint=path, checkpoint_names=lambda name: 3)  # type: ignore[arg-type,return-value]
         assert len(m.snapshot().values) == 0, "nothing was registered"
         for names in ({"head.weight": "out.weight"}, {"head.weight": "out.weight"}.get):
             streamed = stream_module(m, model, checkpoint=path, checkpoint_names=names)
@@ -733,6 +758,31 @@ async def test_a_block_waits_for_another_tenant_and_times_out() -> None:
             assert torch.equal(results[0], reference(model, x))
         await patient.drain()
         assert_all_released(m, patient)
+
+
+@pytest.mark.parametrize("ring", [None, False])
+async def test_a_timeout_says_what_the_block_needed_and_whose_reservation_held_the_room(
+    ring: bool | None,
+) -> None:
+    """The ``TimeoutError`` of a block that found no room names the bytes it needed (a ring
+    buffer for it, or its own charge), the room there was, and the reservations that took the
+    rest, by name: what a person needs to see why it waited."""
+    model = linears(n=3)
+    async with ResidencyManager(backend="sim") as m:
+        probe = stream_module(m, model, ring=ring)
+        block = max(probe.block_bytes)
+        await probe.aclose()
+        m.set_budget("cuda:0", 2 * block)
+        m.reserve_nowait("other tenant kv", "cuda:0", block + 1)
+        streamed = stream_module(m, model, ring=ring, timeout=0.01, keep_resident=False)
+        with pytest.raises(TimeoutError) as timed_out, torch.no_grad():
+            await streamed(torch.randn(2, 32))
+        message = str(timed_out.value)
+        assert f"it needs {block} B" in message
+        assert f"{block - 1} B free" in message
+        assert f"'other tenant kv' {block + 1} B" in message
+        await streamed.drain()
+        assert_all_released(m, streamed)
 
 
 @pytest.mark.parametrize("host", ["pinned-host", "pageable-host"])

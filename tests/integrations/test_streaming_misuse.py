@@ -6,6 +6,8 @@ a manager closed before the streamed module."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
 import dataclasses
 import threading
@@ -18,12 +20,17 @@ import pytest
 import torch
 from torch import nn
 
-from aresidency import ResidencyManager
+from aresidency import (
+    DeviceLoader,
+    MemoryReservation,
+    ResidencyManager,
+    ResidencyPlan,
+)
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.integrations.streaming import HostKind
 from aresidency.runtime import ManagerClosedError
 
-from ._models import Net, linears
+from ._models import Block, Net, linears
 
 pytestmark = pytest.mark.anyio
 
@@ -137,6 +144,42 @@ async def test_weights_replaced_between_calls_are_refused_by_name(replace: objec
         await streamed.aclose()
 
 
+@pytest.mark.parametrize(
+    "replace, where",
+    [
+        (lambda model: setattr(model, "head", nn.Linear(32, 8)), "head"),
+        (lambda model: setattr(model.layers[1], "up", nn.Linear(32, 64)), "layers.1.up"),
+        (lambda model: model.layers.__setitem__(2, Block(32, 9)), "layers.2"),
+        (lambda model: setattr(model.layers[3], "norm", None), "layers.3.norm"),
+        (lambda model: model.layers.append(Block(32, 9)), "layers.4"),
+    ],
+    ids=["head", "in-a-block", "block", "removed", "added"],
+)
+async def test_a_submodule_replaced_between_calls_is_refused_by_name(
+    replace: Callable[[nn.Module], object], where: str
+) -> None:
+    """A new module put in place of one with tensors (a new head, a block's layer, a block,
+    an adapter injected), or added (a block appended), ran with weights never packed: its
+    host tensors, which on a GPU meet the activations on the device, and a new block has no
+    streaming hooks. The next call is refused naming it, as for a replaced tensor. A module
+    without tensors swapped for another (an activation) changes nothing streamed and is run
+    as it is."""
+    model = Net(n=4)
+    x = torch.randn(4, 16)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model)
+        with torch.no_grad():
+            await streamed(x)
+        model.small[0] = nn.ReLU()  # no tensors: fine
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected(model, x))
+        replace(model)
+        refused = f"{where} .*(was replaced|was removed|was added) .*since stream_module"
+        with pytest.raises(ValueError, match=refused), torch.no_grad():
+            await streamed(x)
+        await streamed.aclose()
+
+
 class Aliasing(nn.Module):
     """Returns views of its weights and buffers besides its output, as a module may."""
 
@@ -198,6 +241,61 @@ async def test_a_name_that_is_not_a_non_blank_string_is_refused(
         await streamed.aclose()
 
 
+@pytest.mark.parametrize(
+    "argument, error, match",
+    [
+        ({"keep_resident": None}, TypeError, "keep_resident must be True or False, got None"),
+        ({"keep_resident": "no"}, TypeError, "keep_resident must be True or False, got 'no'"),
+        ({"checkpoint": 3}, TypeError, "checkpoint must be a path .* got int"),
+        ({"checkpoint": ""}, ValueError, "checkpoint must name a file or directory, got ''"),
+        ({"checkpoint": "x", "host": "cpu"}, ValueError, "host must be .* got 'cpu'"),
+    ],
+)
+async def test_a_keep_resident_or_checkpoint_of_the_wrong_kind_is_refused_naming_it(
+    argument: dict[str, object], error: type[Exception], match: str
+) -> None:
+    """``keep_resident=None`` (or ``"no"``) was taken for its truth value; ``checkpoint=3``
+    failed inside ``pathlib`` without saying which argument; ``checkpoint=""`` was read as
+    the current directory; a wrong ``host=`` beside a checkpoint passed unseen."""
+    model = Net(n=2)
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises(error, match=match):
+            stream_module(m, model, **argument)  # type: ignore[arg-type]
+        assert len(m.snapshot().values) == 0, "nothing was registered"
+        streamed = stream_module(m, model, name="net")  # the module is untouched
+        await streamed.aclose()
+
+
+async def test_aclose_or_drain_from_another_thread_is_refused_and_closes_nothing() -> None:
+    """``aclose()`` run on another thread's loop got as far as removing the hooks and giving
+    the module its tensors back, then failed at the manager's thread check with every value
+    still registered: a closed module whose weights the manager kept for ever. ``drain()``
+    there read the loop's state. Both now refuse at once, and the module streams on."""
+    model = Net(n=3)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, name="net")
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            for call in (streamed.aclose, streamed.drain):
+                try:
+                    asyncio.run(call())
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert all("event loop" in str(e) for e in errors)
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+        assert len(m.snapshot().values) == 0, "aclose on the loop discards every value"
+
+
 async def test_blocks_that_nest_or_are_not_the_modules_are_refused() -> None:
     model = Net(n=3)
     async with ResidencyManager(backend="sim") as m:
@@ -236,6 +334,39 @@ async def test_a_second_streamed_model_takes_the_room_the_first_keeps(ring: bool
             assert torch.equal(await sa(x), want_a)
         await sa.aclose()
         await sb.aclose()
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_a_loader_or_a_scope_takes_the_room_an_idle_module_keeps(ring: bool | None) -> None:
+    """What an idle streamed module keeps between calls is a cache, but only another
+    streamed module's call got it back: a ``DeviceLoader`` batch or a scope that fit only
+    without it waited for ever (or timed out) behind a model nobody was calling. The module
+    now offers it (``manager.add_reclaimer``), as a model pool offers its idle models."""
+    model = Net(n=4)
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1, ring=ring)
+        budget = streamed.resident_bytes + sum(streamed.block_bytes)
+        m.set_budget("cuda:0", budget)
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(await streamed(x), want)  # it plans (again), and keeps
+            await streamed.drain()
+            kept = m.snapshot().location("cuda:0").used_bytes
+            assert kept > 1024 and streamed.kept
+            short = budget - kept + 1  # fits only without what the module keeps
+            if _ == 0:
+                batches = [torch.zeros(short // 4 + 1)]
+                async with DeviceLoader(m, batches, "cuda:0", prefetch=0, timeout=10) as loader:
+                    got = [batch async for batch in loader]
+                assert len(got) == 1
+            else:
+                plan = ResidencyPlan(reserve=[MemoryReservation("kv", "cuda:0", short)])
+                with anyio.fail_after(10):
+                    async with m.scope(plan, timeout=10):
+                        assert not streamed.kept
+        await streamed.aclose()
 
 
 async def test_closing_the_manager_first_leaves_the_module_its_own_weights() -> None:
@@ -289,6 +420,47 @@ async def test_out_of_memory_on_a_prefetch_is_raised_by_the_call(
         assert m.snapshot().location("cuda:0").used_bytes == 0
         with torch.no_grad():
             assert torch.equal(await streamed(x), want)
+        await streamed.aclose()
+
+
+REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="unset")
+
+
+class ContextNet(Net):
+    """Records, in its forward, the context variable a server sets per request."""
+
+    seen: list[str]
+
+    def forward(self, x: torch.Tensor, *, shift: float = 0.0) -> torch.Tensor:
+        self.seen.append(REQUEST.get())
+        return super().forward(x, shift=shift)
+
+
+@pytest.mark.parametrize("ring", RINGS)
+async def test_the_forward_sees_the_callers_context_variables(ring: bool | None) -> None:
+    """The worker thread ran the forward in its own empty context: a request id (or tracing
+    span) the calling task had set read as its default there. It runs in a copy of the
+    caller's context now, as ``asyncio.to_thread`` runs a function; each call in its own
+    task's, and what the forward sets stays there."""
+    model = ContextNet(n=3)
+    model.seen = []
+    x = torch.randn(4, 16)
+    want = expected(model, x)
+    model.seen.clear()
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, ring=ring)
+
+        async def call(request: str) -> None:
+            # (no torch.no_grad() here: grad mode is the thread's, and two tasks that each
+            # enter and leave it around an await restore each other's mode out of order)
+            REQUEST.set(request)
+            assert torch.equal(await streamed(x), want)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call, "a")
+            tasks.start_soon(call, "b")
+        assert sorted(model.seen) == ["a", "b"]
+        assert REQUEST.get() == "unset"
         await streamed.aclose()
 
 

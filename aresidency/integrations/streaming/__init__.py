@@ -62,7 +62,8 @@ How a call runs:
   that crosses no thread and awaits nothing: the loop prepared the lease ahead, and takes the
   blocks handed back in batches when one of the pipeline's own operations completes (waking
   the loop itself only when none is in flight). The caller's grad mode, inference mode,
-  autocast state and stream are carried into that thread.
+  autocast state and stream are carried into that thread, and it runs in a copy of the
+  caller's context (its context variables), as ``asyncio.to_thread`` does.
 * the simulated backend (``backend="sim"``): its ``cuda:N`` tensors live in host memory and
   blocks run on the CPU. An ``nn.Sequential``'s blocks are submitted to the simulated compute
   stream, so they run after their copies and before their releases exactly as kernels would

@@ -10,7 +10,9 @@ from:
   maps one of them to (a checkpoint whose keys a model's own loader renames: transformers'
   ``save_pretrained`` writes GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``); a missing
   one is a ``KeyError`` when the loader is built, naming the checkpoint's tensors of its shape
-  that the module has no name for, never a silent fallback to the module's own tensor;
+  that the module has no name for (or, when there is none, saying the checkpoint may be in a
+  layout the model's loader converts, such as Mixtral's experts saved one by one, and how to
+  write one in the module's layout), never a silent fallback to the module's own tensor;
 * a *non-persistent* buffer (a rotary embedding's ``inv_freq``) from the checkpoint if it holds
   it, else from the module's own tensor, read at each load; when that tensor is on the ``meta``
   device it is recovered once, when the loader is built, by :func:`recover_meta_buffers`.
@@ -100,7 +102,13 @@ def _mapped(names: CheckpointNames | None, name: str) -> str | None:
         return None
     if isinstance(names, Mapping):
         return names.get(name)
-    return names(name)
+    mapped = names(name)
+    if mapped is not None and not isinstance(mapped, str):
+        raise TypeError(
+            f"checkpoint_names({name!r}) returned {mapped!r}: the function returns the "
+            "checkpoint's name for the module's tensor (a str), or None for the same name"
+        )
+    return mapped
 
 
 def _names(entry: PackedTensor) -> str:
@@ -253,7 +261,11 @@ def _unclaimed_hint(
 ) -> str:
     """What to do about ``missing``, for the ``KeyError``: the checkpoint's tensors of the
     same shape that no name of ``module`` reads (a key its own loader renames, most often),
-    and how to map them; else a sentence saying the checkpoint may be another model's."""
+    and how to map them; for a missing tensor with no such counterpart while the checkpoint
+    holds tensors the module has no name for, that the checkpoint is in a layout the model's
+    loader converts (Mixtral's experts saved one by one, fused into one tensor per layer by
+    transformers), which no mapping undoes, and how to write one in the module's own layout;
+    else a sentence saying the checkpoint may be another model's."""
     claimed: set[str] = set()
     if module is not None:
         for name, _ in (
@@ -264,30 +276,51 @@ def _unclaimed_hint(
             mapped = _mapped(names, name)
             if mapped is not None:
                 claimed.add(mapped)
+    unclaimed = [name for name in checkpoint.names() if name not in claimed]
     pairs: list[tuple[str, str]] = []
+    unmatched: list[str] = []
     for entry in missing:
         if not entry.names:
             continue
-        same = [
-            name
-            for name in checkpoint.names()
-            if name not in claimed and tuple(checkpoint.info(name).shape) == entry.shape
-        ]
+        same = [name for name in unclaimed if tuple(checkpoint.info(name).shape) == entry.shape]
         if not same:
+            unmatched.append(entry.names[0])
             continue
         wanted = entry.names[0]
         best = max(same, key=lambda n: difflib.SequenceMatcher(None, wanted, n).ratio())
         pairs.append((wanted, best))
-    if not pairs or module is None:
+    if module is None or not unclaimed:
         return "; check that the checkpoint is this model's"
-    found = ", ".join(f"{c!r} (for {w!r}?)" for w, c in pairs[:5])
-    mapping = ", ".join(f"{w!r}: {c!r}" for w, c in pairs[:5])
-    return (
-        f". The checkpoint has tensors of the same shape that the module has no name for: "
-        f"{found}. A model's own loader may rename keys when it loads (transformers' "
-        "from_pretrained does for some models, such as GPT-NeoX's 'embed_out.weight'): if "
-        f"these are the tensors, pass checkpoint_names={{{mapping}}} to stream_module (the "
-        "module's state_dict name -> the checkpoint's)"
+    hint = ""
+    if pairs:
+        found = ", ".join(f"{c!r} (for {w!r}?)" for w, c in pairs[:5])
+        mapping = ", ".join(f"{w!r}: {c!r}" for w, c in pairs[:5])
+        hint += (
+            f". The checkpoint has tensors of the same shape that the module has no name for: "
+            f"{found}. A model's own loader may rename keys when it loads (transformers' "
+            "from_pretrained does for some models, such as GPT-NeoX's 'embed_out.weight'): if "
+            f"these are the tensors, pass checkpoint_names={{{mapping}}} to stream_module (the "
+            "module's state_dict name -> the checkpoint's)"
+        )
+    if unmatched:
+        listed = ", ".join(repr(name) for name in unmatched[:3])
+        more = f" (and {len(unmatched) - 3} more)" if len(unmatched) > 3 else ""
+        paired = {c for _, c in pairs}
+        others = [name for name in unclaimed if name not in paired] or unclaimed
+        like = max(others, key=lambda n: difflib.SequenceMatcher(None, unmatched[0], n).ratio())
+        hint += (
+            f". No tensor of the checkpoint has the shape of {listed}{more}, while "
+            f"{len(unclaimed)} of its tensors have no name in the module (such as "
+            f"{like!r}): if the checkpoint is this model's, it stores them in another "
+            "layout, which the model's own loader converts when it loads (transformers' "
+            "from_pretrained fuses the experts of a mixture-of-experts model such as "
+            "Mixtral, saved one by one, into one tensor per layer), and checkpoint_names= "
+            "cannot (it maps one name to one name)"
+        )
+    return hint + (
+        ". To write a checkpoint in the module's own names and layout, load the model and "
+        "save it with model.save_pretrained(directory, save_original_format=False) "
+        "(transformers 5), or safetensors.torch.save_model(model, path)"
     )
 
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -132,6 +133,10 @@ class StreamedModule:
     it is kept resident.
     """
 
+    #: Whether what the module keeps between calls is offered to other tenants short of
+    #: room (``manager.add_reclaimer``); a model pool's modules are offered by the pool.
+    offers_kept = True
+
     def __init__(
         self,
         manager: ResidencyManager,
@@ -159,15 +164,28 @@ class StreamedModule:
         self.device = Location.parse(device)
         if not self.device.is_cuda:
             raise ValueError(f"device must be a cuda location, got {self.device}")
-        if checkpoint is None and host not in ("pinned-host", "pageable-host"):
+        if host not in ("pinned-host", "pageable-host"):
+            # (with a checkpoint the weights live in no host copy, but a wrong value is wrong)
             raise ValueError(f"host must be 'pinned-host' or 'pageable-host', got {host!r}")
         if ring is not None and not isinstance(ring, bool):
             raise TypeError(f"ring must be True, False or None, got {ring!r}")
+        if not isinstance(keep_resident, bool):
+            raise TypeError(f"keep_resident must be True or False, got {keep_resident!r}")
+        if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike, Checkpoint)):
+            raise TypeError(
+                "checkpoint must be a path (str or os.PathLike) or an opened Checkpoint, got "
+                f"{type(checkpoint).__name__}"
+            )
+        if isinstance(checkpoint, str) and not checkpoint.strip():
+            raise ValueError(
+                f"checkpoint must name a file or directory, got {checkpoint!r} (None streams "
+                "the module's own weights)"
+            )
         if checkpoint_names is not None and checkpoint is None:
             raise ValueError("checkpoint_names= maps names to a checkpoint's: give checkpoint=")
         self._checkpoint_names = check_names(checkpoint_names, module)
         self.prefetch = prefetch
-        self.keep_resident = bool(keep_resident)
+        self.keep_resident = keep_resident
         # An opened Checkpoint is the caller's (opened off the loop, closed by the caller);
         # a path is opened at registration and closed with the module.
         given = checkpoint if isinstance(checkpoint, Checkpoint) else None
@@ -260,6 +278,18 @@ class StreamedModule:
             self._unregister_now()
             raise
         _by_manager.setdefault(manager, weakref.WeakSet()).add(self)
+        # What the module keeps between calls is a cache: offered to any tenant short of
+        # room at the device (a loader's batch, a scope, a pool's request), as to another
+        # streamed module's call (ask_others_for_room). Weakly, as _by_manager holds it.
+        self._unreclaim: Callable[[], None] | None = None
+        if self.offers_kept:
+            method = weakref.WeakMethod(self._reclaim)
+
+            def reclaim(location: Location, nbytes: int) -> int:
+                bound = method()
+                return 0 if bound is None else bound(location, nbytes)
+
+            self._unreclaim = manager.add_reclaimer(reclaim)
 
     # -- set-up
 
@@ -373,6 +403,56 @@ class StreamedModule:
             group.charge_bytes = snap.value(group.handle).charge_bytes
         self._largest = max((g.charge_bytes for g in self._groups), default=0)
         self._note_weights()
+        self._note_modules()
+
+    def _note_modules(self) -> None:
+        """Remember every submodule edge (parent, attribute, child) of the module, with the
+        child's path and whether its subtree holds tensors (see :meth:`_check_modules`)."""
+        self._edges: list[tuple[nn.Module, str, nn.Module, str, bool]] = []
+        # each module's path and how many children it had (one added shows there)
+        self._parents: list[tuple[nn.Module, str, int]] = []
+        for path, parent in self.module.named_modules():
+            self._parents.append((parent, path, len(parent._modules)))
+            for attr, child in parent._modules.items():
+                if child is not None:
+                    where = f"{path}.{attr}" if path else attr
+                    self._edges.append((parent, attr, child, where, _holds_tensors(child)))
+
+    def _check_modules(self) -> None:
+        """``ValueError`` if a submodule holding tensors was replaced (or removed) since
+        :func:`stream_module`, or one without was replaced by one with: a new module's
+        tensors were never registered, and a new block has no hooks (its weights would stay
+        on the host). So is a submodule with tensors added (a layer appended to a block
+        list). A module without tensors replaced by another (an activation) is fine."""
+        for parent, path, count in self._parents:
+            if len(parent._modules) == count:
+                continue
+            known = {attr for p, attr, *_ in self._edges if p is parent}
+            for attr, child in parent._modules.items():
+                if attr not in known and child is not None and _holds_tensors(child):
+                    where = f"{path}.{attr}" if path else attr
+                    raise ValueError(
+                        f"{self.name}: {where} ({type(child).__name__}) was added since "
+                        "stream_module: its weights were never packed, and a block added is "
+                        "not streamed; aclose() the streamed module and stream the module "
+                        "again"
+                    )
+        for i, (parent, attr, child, where, holds) in enumerate(self._edges):
+            current = parent._modules.get(attr)
+            if current is child:
+                continue
+            if not holds and (current is None or not _holds_tensors(current)):
+                if current is not None:
+                    self._edges[i] = (parent, attr, current, where, False)
+                continue
+            new = "removed" if current is None else f"replaced by a new {type(current).__name__}"
+            raise ValueError(
+                f"{self.name}: {where} was {new} since stream_module: a streamed module "
+                "runs the modules and tensors it registered (a new module's weights were "
+                "never packed, and a new block is not streamed); aclose() it and stream the "
+                "module again, or change weights in place (load_state_dict without assign, "
+                "copy_ under no_grad)"
+            )
 
     def _register_groups(self, opened: Checkpoint | None, copied: Callable[[int], None]) -> None:
         """Register every group: as a source reading ``opened``, or packed into the host
@@ -534,7 +614,9 @@ class StreamedModule:
         other tensors in (see :meth:`_check_replaced`): their device replicas are stale.
         ``ValueError`` if a tensor was replaced instead (``load_state_dict(assign=True)``,
         ``.half()``, ``.to(...)``, a new ``Parameter``): the streamed weights are the ones
-        registered, so the call would not run the module's."""
+        registered, so the call would not run the module's; so is a submodule replaced
+        (:meth:`_check_modules`)."""
+        self._check_modules()
         changed = self._check_replaced()
         for group in self._registered:
             if group.seen is None or group.replaced:
@@ -658,6 +740,22 @@ class StreamedModule:
                 yielded = other._yield_kept() or yielded
         return yielded
 
+    def _reclaim(self, location: Location, nbytes: int) -> int:
+        """The manager's reclaimer (:meth:`ResidencyManager.add_reclaimer`): a tenant lacks
+        ``nbytes`` at ``location``. When it is our device and no call of ours is in flight,
+        what we keep there is released (the next call plans again). Returns the bytes whose
+        release began. Loop thread."""
+        if location != self.device:
+            return 0
+        here = [index for index in self.kept if self._replica_here(index)]
+        if not self._yield_kept():
+            return 0
+        return sum(
+            self.group(index).charge_bytes
+            for index in here
+            if index in self.releasing or not self._replica_here(index)
+        )
+
     def _yield_kept(self) -> bool:
         """Release what this idle module keeps; whether a release started (a group someone
         holds, such as a model pool's, stays)."""
@@ -722,17 +820,18 @@ class StreamedModule:
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
         window), ``budget_bytes``, ``others_bytes`` (what other tenants hold at the device),
-        ``reason`` (a sentence)."""
+        ``reason`` (a sentence). Before the first call: the plan the first call would make
+        now."""
         return describe(
             self.manager.state,
             self.device,
             self._groups,
             self.resident_group,
-            self.kept,
+            self.kept if self.calls or self._closed else self._plan_keep(),
             window_bytes=self._window_bytes(),
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
-            ring_bytes=self._ring_bytes(),  # our rings, in use or idle, are not others'
+            own_reserved=self._ring_bytes(),
         )
 
     # -- releases
@@ -864,7 +963,10 @@ class StreamedModule:
         (their events reaped: on CUDA, the last call's kernels on the compute stream ran).
         The host does not block: this awaits the manager's completions. Between calls it
         ends with ``kept`` naming only groups at the device. Raises the first release error,
-        or a copy failure no call reported."""
+        or a copy failure no call reported. Loop thread, as every call: from another thread
+        it raises ``RuntimeError``."""
+        if self.manager.running:
+            self.manager.check_thread()
         while True:
             if self.settling:
                 await next(iter(self.settling)).wait_settled()
@@ -894,15 +996,28 @@ class StreamedModule:
         """When a block waiting for budget now gives up (``anyio.current_time`` clock)."""
         return None if self.timeout is None else anyio.current_time() + self.timeout
 
-    def timeout_message(self, group: TensorGroup) -> str:
+    def timeout_message(self, group: TensorGroup, need: int | None = None) -> str:
+        """The ``TimeoutError`` of ``group`` not admitted in time: what it waited for
+        (``need`` bytes: the group's charge, or a ring buffer for it) against the room there
+        was, and the reservations that held the rest, by name."""
+        text = f"{group.name} was not admitted at {self.device} within {self.timeout} s"
+        if need is not None:
+            text += f": it needs {need} B"
         ledger = self.manager.state.find_ledger(self.device)
         if ledger is None:
-            return f"{group.name} was not admitted at {self.device} within {self.timeout} s"
-        return (
-            f"{group.name} was not admitted at {self.device} within {self.timeout} s (used "
-            f"{ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
-            f"{ledger.budget_bytes} B)"
+            return text
+        budget = ledger.budget_bytes
+        free = "" if budget is None else f", {max(0, budget - ledger.charged_bytes)} B free"
+        text += (
+            f" (used {ledger.used_bytes} B + reserved {ledger.reserved_bytes} B of "
+            f"{budget} B{free})"
         )
+        if ledger.reservations:
+            held = sorted(ledger.reservations.items(), key=lambda item: -item[1][0])
+            listed = ", ".join(f"{name!r} {nbytes} B" for name, (nbytes, _) in held[:5])
+            more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+            text += f"; reservations there: {listed}{more}"
+        return text
 
     def call_executor(self) -> concurrent.futures.Executor | None:
         """The executor that runs the next call's forward when it is not the module's own
@@ -1060,14 +1175,19 @@ class StreamedModule:
     async def aclose(self) -> None:
         """Finish releases, remove the hooks, give the module its own host tensors back, and
         discard the values (their kept device replicas with them). The streamed module cannot
-        be called afterwards."""
+        be called afterwards. The calls running or queued before it end first, as they would
+        (one waiting for room, as long as its ``timeout`` allows): cancel them to stop them
+        now. Loop thread, as every call: from another thread it raises ``RuntimeError`` and
+        closes nothing."""
         if self._closed:
             return
         if not self.manager.running:
             self._close_after_manager()
             return
+        self.manager.check_thread()
         async with self._lock:
             self._closed = True
+            self._stop_offering()
             try:
                 await self.drain()
                 self._apply_replaced(self._check_replaced())
@@ -1087,12 +1207,18 @@ class StreamedModule:
         """``aclose()`` once the manager closed (and freed every replica): remove the hooks
         and give the module its own tensors back; nothing is left to release."""
         self._closed = True
+        self._unreclaim = None  # (the closed manager asks no one any more)
         self._threaded.close()
         self._apply_replaced(self._check_replaced())
         self._restore_host_tensors()
         self._registered.clear()
         self.kept.clear()
         self._close_checkpoint()
+
+    def _stop_offering(self) -> None:
+        unreclaim, self._unreclaim = self._unreclaim, None
+        if unreclaim is not None:
+            unreclaim()
 
     def _close_checkpoint(self) -> None:
         """Close the checkpoint this module opened (one given opened is the caller's)."""
@@ -1120,6 +1246,11 @@ class StreamedModule:
             f"prefetch={self.prefetch} from {where} {state} "
             f"[{len(self.kept)} kept, {len(self.releasing)} releasing]>"
         )
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule of it holds a parameter or buffer."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _check_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:

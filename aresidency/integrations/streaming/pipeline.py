@@ -777,7 +777,9 @@ class CallPipeline:
                 and anyio.current_time() >= deadline
             ):
                 if not admitted(slot):
-                    raise TimeoutError(self.streamed.timeout_message(slot.group))
+                    raise TimeoutError(
+                        self.streamed.timeout_message(slot.group, slot.group.charge_bytes)
+                    )
                 deadline = None  # admitted: what is left is its copy, which is not timed
         if slot.state == "failed":
             assert slot.failure is not None
@@ -815,7 +817,9 @@ class CallPipeline:
                     # Only the wait for room is timed: once the loop admitted the block (its
                     # copy charged and begun), its copy may take what it takes.
                     if not admitted(slot):
-                        raise TimeoutError(self.streamed.timeout_message(slot.group))
+                        raise TimeoutError(
+                            self.streamed.timeout_message(slot.group, slot.group.charge_bytes)
+                        )
                     slot.flag.wait()
             finally:
                 self._waiting = 0

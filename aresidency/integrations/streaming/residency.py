@@ -70,11 +70,12 @@ def describe(
     window_bytes: int,
     prefetch: int,
     keep_resident: bool,
-    ring_bytes: int = 0,
+    own_reserved: int = 0,
 ) -> dict[str, Any]:
     """Which of the groups (``blocks`` in call order, and the ``resident`` one) stay, and why:
     see :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`.
-    ``ring_bytes``: what the module's own rings reserve at ``device``, not another tenant's."""
+    ``own_reserved``: what the module itself reserves at ``device`` (its calls' rings), which
+    is not another tenant's."""
     ledger = state.find_ledger(device)
     budget = None if ledger is None else ledger.budget_bytes
     groups = [*blocks] if resident is None else [*blocks, resident]
@@ -107,7 +108,7 @@ def describe(
         "window_bytes": window_bytes,
         "budget_bytes": budget,
         "others_bytes": (
-            None if ledger is None else others_bytes(state, device, groups) - ring_bytes
+            None if ledger is None else others_bytes(state, device, groups) - own_reserved
         ),
         "reason": reason,
     }

@@ -329,7 +329,7 @@ class RingCall:
                 return
             remaining = deadline - anyio.current_time()
             if remaining <= 0 or not await self.manager.wait_for_change(remaining):
-                raise TimeoutError(streamed.timeout_message(what))
+                raise TimeoutError(streamed.timeout_message(what, need))
 
     def _stream_instead(self, group: TensorGroup) -> None:
         """A block planned to stay that found no room: it streams through the ring."""

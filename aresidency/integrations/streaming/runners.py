@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import threading
 import traceback
@@ -285,10 +286,15 @@ class ThreadedRunner:
         """Run ``work()`` in :meth:`executor` and await it without blocking the loop. When the
         await is cancelled, call ``on_cancel()`` (if given), wait (shielded) until the thread
         is done with ``work``, then raise: nothing of the call outlives the await.
-        ``pipeline``: the call's pipeline, which the awaiting task parks in (see
-        :meth:`CallPipeline.park`: it watches the manager while the pipeline waits for a
+        ``work`` runs in a copy of the caller's context, as ``asyncio.to_thread`` runs a
+        function: a context variable the caller set (a request id, a tracing span) is the
+        forward's too. ``pipeline``: the call's pipeline, which the awaiting task parks in
+        (see :meth:`CallPipeline.park`: it watches the manager while the pipeline waits for a
         change, so that a manager that closes then stops the call and the thread with it)."""
-        future = self.executor().submit(run_once, [work])
+        context = contextvars.copy_context()
+        box: list[Callable[[], T]] = [functools.partial(context.run, work)]
+        future = self.executor().submit(run_once, box)
+        del box
         del work  # the thread's reference is the only one: it drops it before the future ends
         done = anyio.Event()
         bridge = self.streamed.manager.bridge
