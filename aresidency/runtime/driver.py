@@ -808,7 +808,9 @@ def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: 
         tensor = source.load(what=what)  # it checks, naming the value
     else:
         tensor = check_loaded(source.load(), source.shape, source.dtype, what=what)
-    tensor = tensor.contiguous()
+    # Detached: what the manager keeps carries no autograd state (a load that returns a
+    # module's parameter would otherwise be copied with a CopyBackwards, requires_grad on).
+    tensor = tensor.detach().contiguous()
     if place_at is not None:
         tensor = backend.place(tensor, place_at)
     elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():

@@ -48,7 +48,7 @@ from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyUnavailableError
 from ..core.explain import PlanExplanation, explain_plan
-from ..core.locations import Location, LocationLike
+from ..core.locations import PINNED_HOST, Location, LocationLike
 from ..core.plans import Action, ActionFailed, Materialize, Move, Release
 from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
 from ..core.snapshot import ResidencySnapshot, bring_up_to_date, take_snapshot
@@ -272,6 +272,18 @@ class ResidencyManager:
         backend = _make_backend(self._backend_spec)
         for location in self._state.locations():
             backend.check_location(location)
+        staging = backend.staging_nbytes() if self._reserve_staging else 0
+        pinned = self._state.find_ledger(PINNED_HOST)
+        if staging and pinned is not None:
+            # Refused before anything starts (the backend, the task group): a manager whose
+            # start failed has nothing left running that no one would stop.
+            pinned.check_admit(
+                staging,
+                f"the backend's pinned staging buffers, reserved as {STAGING_RESERVATION!r} "
+                "for the manager's lifetime (ResidencyManager(reserve_staging=False) leaves "
+                "them uncharged)",
+                kind="reservation",
+            )
         # Every location of the machine appears in snapshots from the start.
         for host in ("pageable-host", "pinned-host"):
             self._state.ledger(host)
@@ -283,9 +295,8 @@ class ResidencyManager:
         self._backend = backend
         self._tasks = tasks
         rt = self._rt = Runtime(self._state, backend, bridge, tasks)
-        staging = backend.staging_nbytes()
-        if self._reserve_staging and staging:
-            self._state.reserve(STAGING_RESERVATION, "pinned-host", staging, owner="backend")
+        if staging:
+            self._state.reserve(STAGING_RESERVATION, PINNED_HOST, staging, owner="backend")
             rt.settle()
         tasks.start_soon(rt.reaper.run_safety_net)
         self._status = "running"
@@ -628,7 +639,9 @@ class ResidencyManager:
         else:
             # Seconds for gigabytes into pinned memory: say so, so it is not taken for a hang.
             with progress_if_large(f"register {label!r}: copy to {loc}", storage) as report:
-                placed = rt.backend.place(tensor, loc)
+                # Detached: a copy carries no autograd state (a parameter's copy_ would
+                # record a CopyBackwards and give the copy requires_grad).
+                placed = rt.backend.place(tensor.detach(), loc)
                 report.update(storage)
         handle = self._state.register(
             name=label, charge_bytes=charge, replica_mode=replica_mode, location=loc

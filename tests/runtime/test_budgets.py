@@ -1,0 +1,103 @@
+"""Budgets, reservations and copies as a demanding user tries them, on the simulated backend (a
+simulation of CUDA devices in host memory): each test is one way they broke."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from aresidency import (
+    CallableSource,
+    Location,
+    ResidencyBudgetError,
+    ResidencyManager,
+)
+from aresidency.backends.sim import SimBackend
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1 << 10
+PINNED = Location("pinned-host")
+
+
+class _CountingStarts(SimBackend):
+    """A simulated backend that counts how often a manager started it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.starts = 0
+
+    def start(self, bridge: Any = None) -> None:
+        self.starts += 1
+        super().start(bridge)
+
+
+async def test_a_pinned_budget_below_the_staging_buffers_is_refused_before_anything_starts() -> (
+    None
+):
+    """The backend's staging buffers are reserved at pinned-host when the manager starts; a
+    budget that cannot hold them failed there after the backend and the manager's task group
+    had started, and left both running: on trio the task group's nursery, never exited,
+    corrupted the run ("Nursery stack corrupted"). Now it is refused before anything starts,
+    naming the staging reservation and how to leave it uncharged."""
+    backend = _CountingStarts(staging_nbytes=4 * KiB)
+    manager = ResidencyManager(budgets={"pinned-host": 1000}, backend=backend)
+    with pytest.raises(ResidencyBudgetError) as caught:
+        async with manager:
+            pytest.fail("a manager whose staging buffers do not fit its budget started")
+    error = caught.value
+    assert (error.location, error.budget_bytes, error.used_bytes, error.reserved_bytes) == (
+        PINNED,
+        1000,
+        0,
+        0,
+    )
+    assert (error.requested_bytes, error.kind, error.handle) == (4 * KiB, "reservation", None)
+    assert "'aresidency.staging'" in str(error)
+    assert "reserve_staging=False" in str(error)
+    assert backend.starts == 0
+    # The task goes on with nothing of the manager's left open around it.
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.lowlevel.checkpoint)
+    # Left uncharged, the same budget starts; with room, the buffers are reserved for the
+    # manager's lifetime and shown in the snapshot.
+    async with ResidencyManager(
+        budgets={"pinned-host": 1000}, backend=backend, reserve_staging=False
+    ) as m:
+        assert m.snapshot().location(PINNED).reservations == ()
+    async with ResidencyManager(
+        budgets={"pinned-host": 8 * KiB}, backend=SimBackend(staging_nbytes=4 * KiB)
+    ) as m:
+        record = m.snapshot().location(PINNED)
+        assert record.reservations == (("aresidency.staging", 4 * KiB),)
+        assert (record.used_bytes, record.reserved_bytes) == (0, 4 * KiB)
+
+
+async def test_copies_made_at_registration_and_by_a_rebuild_carry_no_autograd_state() -> None:
+    """``requires_grad`` is off on every copy the manager makes. A parameter registered at
+    another location, or loaded from a source that returns a module's weight and placed in
+    pinned memory, was copied with ``copy_``, which recorded a ``CopyBackwards``: the copy
+    required grad and held the user's parameter in its graph."""
+    async with ResidencyManager(backend="sim") as m:
+        layer = torch.nn.Linear(4, 4)
+        expected = layer.weight.detach().clone()
+        registered = m.register(layer.weight, name="registered", location="pinned-host")
+        pinned_source = CallableSource(
+            lambda: layer.weight, shape=(4, 4), dtype=torch.float32, source_location="pinned-host"
+        )
+        rebuilt_in_place = m.register_source(pinned_source, name="rebuilt in place")
+        rebuilt_and_placed = m.register_source(
+            CallableSource(lambda: layer.weight, shape=(4, 4), dtype=torch.float32),
+            name="rebuilt and placed",
+        )
+        await m.materialize(rebuilt_in_place, "pinned-host")
+        await m.materialize(rebuilt_and_placed, "pinned-host")
+        for handle in (registered, rebuilt_in_place, rebuilt_and_placed):
+            async with m.acquire(handle, "pinned-host") as lease:
+                copy = lease.tensor
+                assert (copy.requires_grad, copy.grad_fn) == (False, None), handle
+                assert torch.equal(copy, expected)
