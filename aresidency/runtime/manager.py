@@ -34,7 +34,7 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -129,6 +129,35 @@ def _check_tensor(tensor: Any, name: str | None) -> torch.Tensor:
         kind, what, instead = problem
         raise kind(f"cannot register {value}: it is {what}; {instead}")
     return tensor
+
+
+class _SingleUse(AbstractAsyncContextManager[None]):
+    """An ``async with`` block entered once: a second entry is a ``RuntimeError`` that says
+    so (contextlib's generator block raised ``AttributeError: ... no attribute 'args'``)."""
+
+    __slots__ = ("_block", "_entered", "_label")
+
+    def __init__(self, block: AbstractAsyncContextManager[None], label: str) -> None:
+        self._block = block
+        self._label = label
+        self._entered = False
+
+    async def __aenter__(self) -> None:
+        if self._entered:
+            raise RuntimeError(
+                f"{self._label} is single use and was entered already; call it again for "
+                "another block"
+            )
+        self._entered = True
+        await self._block.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._block.__aexit__(exc_type, exc, tb)
 
 
 def _native_cancelling() -> int | None:
@@ -1018,15 +1047,24 @@ class ResidencyManager:
         and undoes its reservations and runs its exit actions at the end. See ``Scope``."""
         return Scope(self._running(), plan_or_decision, timeout=timeout)
 
-    @asynccontextmanager
-    async def reservation(
+    def reservation(
         self, name: str, location: LocationLike, nbytes: ByteSize
-    ) -> AsyncIterator[None]:
+    ) -> AbstractAsyncContextManager[None]:
         """A named reservation held for the ``async with`` block (no waiting: over budget is
         ``ResidencyBudgetError`` at once, and so is one that would take room a waiting scope
         needs first: ``waiting_scopes`` says so, its byte fields are true). A block that ends
         after the manager closed changes nothing and raises ``ManagerClosedError`` (unless the
-        body raised)."""
+        body raised). Single use, as a scope: entering the returned object again is a
+        ``RuntimeError`` (call ``reservation`` again for another block)."""
+        return _SingleUse(
+            self._reservation_block(name, location, nbytes),
+            f"manager.reservation({name!r}, {location!r}, ...)",
+        )
+
+    @asynccontextmanager
+    async def _reservation_block(
+        self, name: str, location: LocationLike, nbytes: ByteSize
+    ) -> AsyncIterator[None]:
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)

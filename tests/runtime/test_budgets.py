@@ -101,3 +101,21 @@ async def test_copies_made_at_registration_and_by_a_rebuild_carry_no_autograd_st
                 copy = lease.tensor
                 assert (copy.requires_grad, copy.grad_fn) == (False, None), handle
                 assert torch.equal(copy, expected)
+
+
+async def test_a_reservation_block_entered_twice_says_it_is_single_use() -> None:
+    """``block = manager.reservation(...)`` kept and entered again (once per request) failed
+    with contextlib's ``AttributeError: ... has no attribute 'args'``; now a ``RuntimeError``
+    says the block is single use, and nothing is reserved."""
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 64 * KiB}) as m:
+        block = m.reservation("workspace", "cuda:0", 8 * KiB)
+        async with block:
+            assert m.snapshot().location("cuda:0").reservations == (("workspace", 8 * KiB),)
+        version = m.state_version
+        with pytest.raises(RuntimeError, match=r"'workspace'.* is single use and was entered"):
+            async with block:
+                pytest.fail("a reservation block was entered twice")
+        assert m.state_version == version
+        assert m.snapshot().location("cuda:0").reservations == ()
+        async with m.reservation("workspace", "cuda:0", 8 * KiB):  # a new block is fine
+            assert m.snapshot().location("cuda:0").reserved_bytes == 8 * KiB
