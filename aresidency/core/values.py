@@ -143,8 +143,9 @@ def value_charge(
 ) -> int:
     """The fixed conservative charge of a value.
 
-    ``storage_nbytes`` rounded up to ``granularity``, or ``charge_bytes`` when the user gives a
-    larger one. A smaller user charge is refused: it would let the ledger under-count.
+    ``storage_nbytes`` rounded up to ``granularity`` (at least one granule: an empty tensor
+    is charged ``granularity``), or ``charge_bytes`` when the user gives a larger one. A
+    smaller user charge is refused: it would let the ledger under-count.
     """
     check_nbytes(storage_nbytes, "storage size")
     check_nbytes(granularity, "granularity", allow_zero=False)

@@ -632,12 +632,13 @@ class ResidencyManager:
         :data:`~aresidency.progress.LARGE_WORK_BYTES` or more is reported as it runs (log
         records, and a bar on a terminal: see :func:`~aresidency.progress.progress`).
 
-        The charge is the tensor's storage size rounded up to the allocator granularity, or a
-        larger ``charge_bytes`` (an int or a size such as ``"4MiB"``); it is fixed for the
-        value's life and the same everywhere. A tensor whose storage the manager already holds
-        (what ``manager.tensor`` returned, or a tensor registered before) is refused: two values
-        must not share memory. Refused with ``ResidencyBudgetError`` when it would take room at
-        a budgeted ``location`` that a waiting scope needs first (it cannot wait its turn)."""
+        The charge is the tensor's storage size rounded up to the allocator granularity (at
+        least one granule, also for an empty tensor), or a larger ``charge_bytes`` (an int or
+        a size such as ``"4MiB"``); it is fixed for the value's life and the same everywhere.
+        A tensor whose storage the manager already holds (what ``manager.tensor`` returned, or
+        a tensor registered before) is refused: two values must not share memory. Refused
+        with ``ResidencyBudgetError`` when it would take room at a budgeted ``location`` that
+        a waiting scope needs first (it cannot wait its turn)."""
         rt = self._running()
         _check_tensor(tensor, name)
         if name is not None:

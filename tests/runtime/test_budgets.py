@@ -119,3 +119,24 @@ async def test_a_reservation_block_entered_twice_says_it_is_single_use() -> None
         assert m.snapshot().location("cuda:0").reservations == ()
         async with m.reservation("workspace", "cuda:0", 8 * KiB):  # a new block is fine
             assert m.snapshot().location("cuda:0").reserved_bytes == 8 * KiB
+
+
+async def test_charges_are_exact_multiples_of_the_granularity_and_at_least_one() -> None:
+    """As documented: the larger of the storage and the elements' bytes, rounded up to a
+    multiple of 512 and at least 512 (an empty tensor too), the same at every location."""
+    async with ResidencyManager(backend="sim") as m:
+        cases = {
+            "empty": (torch.empty(0, 3), 512),
+            "513 bytes": (torch.zeros(513, dtype=torch.uint8), 1024),
+            "view of a larger storage": (torch.zeros(1024)[10:20], 4096),
+            "expanded": (torch.zeros(1, 300).expand(10, 300), 12288),
+        }
+        for name, (tensor, charge) in cases.items():
+            handle = m.register(tensor, name=name)
+            for location in ("pinned-host", "cuda:1", "pageable-host"):
+                await m.move(handle, location)
+                record = m.snapshot().value(handle)
+                assert record.charge_bytes == charge, name
+                assert record.materialization(location).charged_bytes == charge, name
+            await m.discard(handle)
+        assert all(r.used_bytes == 0 for r in m.snapshot().locations.values())
