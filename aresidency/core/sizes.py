@@ -109,7 +109,14 @@ def parse_nbytes(value: object, what: str = "size", *, allow_zero: bool = True) 
             raise ValueError(_refuse(what, value, "not a whole number of bytes"))
         nbytes = int(value)
     elif isinstance(value, SupportsIndex):
-        nbytes = operator.index(value)
+        try:
+            nbytes = operator.index(value)
+        except TypeError:
+            # A type whose __index__ refuses this value (a float torch tensor): torch's own
+            # "only integer tensors ... can be converted to an index" names nothing.
+            raise TypeError(
+                _refuse(what, value, f"this {type(value).__name__} is not an integer")
+            ) from None
         if nbytes < 0:
             raise ValueError(_refuse(what, value, "negative"))
     else:

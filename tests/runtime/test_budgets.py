@@ -140,3 +140,16 @@ async def test_charges_are_exact_multiples_of_the_granularity_and_at_least_one()
                 assert record.materialization(location).charged_bytes == charge, name
             await m.discard(handle)
         assert all(r.used_bytes == 0 for r in m.snapshot().locations.values())
+
+
+async def test_a_float_tensor_as_a_budget_is_refused_naming_the_budget() -> None:
+    """A budget computed with torch (``torch.tensor(8e9)``) has ``__index__`` but refuses it:
+    torch's "only integer tensors of a single element can be converted to an index" named
+    neither the budget nor what is accepted."""
+    with pytest.raises(TypeError, match=r"budget for cuda:0 must be a byte count.*not an integer"):
+        ResidencyManager(budgets={"cuda:0": torch.tensor(8e9)}, backend="sim")
+    async with ResidencyManager(budgets={"cuda:0": torch.tensor(8 * KiB)}, backend="sim") as m:
+        assert m.snapshot().location("cuda:0").budget_bytes == 8 * KiB  # an integer one reads
+        with pytest.raises(TypeError, match=r"budget for cuda:1 must be a byte count"):
+            m.set_budget("cuda:1", torch.tensor(1.0))
+        assert m.snapshot().location("cuda:1").budget_bytes is None
