@@ -300,7 +300,13 @@ class ResidencyManager:
         bridge = LoopBridge.current()
         backend = _make_backend(self._backend_spec)
         for location in self._state.locations():
-            backend.check_location(location)
+            try:
+                backend.check_location(location)
+            except ValueError as error:
+                # Said where it was written: the budgets, not an operation at that location.
+                raise ValueError(
+                    f"budgets name {location}, which this manager cannot use: {error}"
+                ) from None
         staging = backend.staging_nbytes() if self._reserve_staging else 0
         pinned = self._state.find_ledger(PINNED_HOST)
         if staging and pinned is not None:

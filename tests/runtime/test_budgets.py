@@ -153,3 +153,13 @@ async def test_a_float_tensor_as_a_budget_is_refused_naming_the_budget() -> None
         with pytest.raises(TypeError, match=r"budget for cuda:1 must be a byte count"):
             m.set_budget("cuda:1", torch.tensor(1.0))
         assert m.snapshot().location("cuda:1").budget_bytes is None
+
+
+async def test_a_budget_for_a_device_the_backend_lacks_is_refused_naming_the_budgets() -> None:
+    """``budgets={"cuda:2": ...}`` on a machine with two devices is refused when the manager
+    starts (the backend knows its devices only then), saying that the budgets named it."""
+    backend = _CountingStarts(num_devices=2)
+    with pytest.raises(ValueError, match=r"budgets name cuda:2, which .*cuda:0\.\.cuda:1"):
+        async with ResidencyManager(budgets={"cuda:0": KiB, "cuda:2": KiB}, backend=backend):
+            pytest.fail("a manager with a budget for a missing device started")
+    assert backend.starts == 0
