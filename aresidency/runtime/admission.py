@@ -63,7 +63,7 @@ from ..core.explain import (
 )
 from ..core.locations import Location
 from ..core.plans import MemoryReservation, Release, ResidencyPlan
-from ..core.values import ValueHandle
+from ..core.values import DuplicateReservationError, ValueHandle
 from .leases import current_task, lease_owners
 from .signal import ManagerClosedError
 
@@ -763,9 +763,14 @@ class AdmissionQueue:
         if failure is None:
             return
         where, error = failure
-        refused = ResidencyPlanError(
-            f"infeasible at {where}: {error}; {own.describe(getattr(error, 'location', None))}"
-        )
+        detail = own.describe(getattr(error, "location", None))
+        if isinstance(error, DuplicateReservationError):
+            # The name keeps it out, not the room: a name of its own lets it in beside.
+            detail += (
+                " Or give the plan's reservation a name of its own (a name is unique per "
+                "location while it is active)."
+            )
+        refused = ResidencyPlanError(f"infeasible at {where}: {error}; {detail}")
         refused.hold_and_wait = True
         raise refused from error
 

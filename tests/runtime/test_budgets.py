@@ -13,8 +13,11 @@ import torch
 from aresidency import (
     CallableSource,
     Location,
+    MemoryReservation,
     ResidencyBudgetError,
     ResidencyManager,
+    ResidencyPlan,
+    ResidencyPlanError,
 )
 from aresidency.backends.sim import SimBackend
 
@@ -163,3 +166,21 @@ async def test_a_budget_for_a_device_the_backend_lacks_is_refused_naming_the_bud
         async with ResidencyManager(budgets={"cuda:0": KiB, "cuda:2": KiB}, backend=backend):
             pytest.fail("a manager with a budget for a missing device started")
     assert backend.starts == 0
+
+
+async def test_a_nested_scope_reserving_its_outer_scopes_name_is_told_to_rename_it() -> None:
+    """A nested scope whose plan reserves the name its outer scope holds at the location is
+    refused at once (it would wait for itself); the refusal's advice was only about room
+    ("exit those scopes ... or put these values in one plan"), not the name that kept it out."""
+    plan = ResidencyPlan(reserve=[MemoryReservation("workspace", "cuda:0", 8 * KiB)])
+    renamed = ResidencyPlan(reserve=[MemoryReservation("workspace-2", "cuda:0", 8 * KiB)])
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 64 * KiB}) as m, m.scope(plan):
+        with pytest.raises(ResidencyPlanError) as caught:
+            async with m.scope(plan):
+                pytest.fail("a second reservation of one name was admitted")
+        assert caught.value.hold_and_wait
+        message = str(caught.value)
+        assert "'workspace' is already active at cuda:0" in message
+        assert "give the plan's reservation a name of its own" in message
+        async with m.scope(renamed):
+            assert m.snapshot().location("cuda:0").reserved_bytes == 16 * KiB
