@@ -46,7 +46,7 @@ import torch
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
-from ..core.errors import ResidencyBudgetError, ResidencyUnavailableError
+from ..core.errors import ResidencyBudgetError, ResidencyUnavailableError, format_bytes
 from ..core.explain import PlanExplanation, explain_plan
 from ..core.locations import PINNED_HOST, Location, LocationLike
 from ..core.plans import Action, ActionFailed, Materialize, Move, Release
@@ -660,11 +660,20 @@ class ResidencyManager:
         here = rt.backend.location_of(tensor)
         loc = here if location is None else Location.parse(location)
         rt.backend.check_location(loc)
-        storage = max(tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size())
+        own = tensor.numel() * tensor.element_size()
+        storage = max(tensor.untyped_storage().nbytes(), own)
         charge = value_charge(storage, charge_bytes, self._state.granularity)
         label = name if name is not None else f"value-{id(tensor):x}"
+        what = f"registering {label!r}"
+        if storage > own:
+            # A slice of a large tensor: the charge is its whole storage, which a refusal
+            # would otherwise call the value's size ("make the value smaller").
+            what += (
+                f", a view of a storage of {format_bytes(storage)}, charged whole (register "
+                f"a .clone() to charge only its own {format_bytes(own)})"
+            )
         ledger = self._state.ledger(loc)
-        ledger.check_admit(charge, f"registering {label!r}")
+        ledger.check_admit(charge, what)
         if ledger.budget_bytes is not None:
             # It cannot wait its turn: the room a waiting scope waits for is not taken first.
             rt.admission.refuse_nowait(

@@ -184,3 +184,21 @@ async def test_a_nested_scope_reserving_its_outer_scopes_name_is_told_to_rename_
         assert "give the plan's reservation a name of its own" in message
         async with m.scope(renamed):
             assert m.snapshot().location("cuda:0").reserved_bytes == 16 * KiB
+
+
+async def test_a_refused_slice_of_a_large_tensor_says_its_whole_storage_is_charged() -> None:
+    """A 40-byte slice of a 64 KiB tensor is charged the whole storage (it keeps it alive);
+    registered at a budgeted location the refusal asked for 64 KiB and advised making "the
+    value" smaller, as if the slice were that large. It now names the storage and the
+    ``.clone()`` that charges only the slice."""
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": 8 * KiB}) as m:
+        big = torch.arange(16 * KiB, dtype=torch.float32)
+        with pytest.raises(ResidencyBudgetError) as caught:
+            m.register(big[:10], name="row", location="cuda:0")
+        assert caught.value.requested_bytes == 64 * KiB
+        message = str(caught.value)
+        assert "'row', a view of a storage of 65536 B (64.0 KiB), charged whole" in message
+        assert "register a .clone() to charge only its own 40 B" in message
+        assert m.snapshot().location("cuda:0").used_bytes == 0
+        handle = m.register(big[:10].clone(), name="row", location="cuda:0")
+        assert m.snapshot().value(handle).charge_bytes == 512
