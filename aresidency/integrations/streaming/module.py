@@ -819,9 +819,13 @@ class StreamedModule:
         the last call's plan): ``kept`` (group names: the resident group, then blocks in call
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
-        window), ``budget_bytes``, ``others_bytes`` (what other tenants hold at the device),
-        ``reason`` (a sentence). Before the first call: the plan the first call would make
-        now."""
+        window: ``prefetch + 1`` x the largest block, or, when the budget leaves room for
+        fewer blocks beside the tensors outside the blocks and what other tenants hold, the
+        bytes a call really uses: its ring's slots, or the blocks it copies at once),
+        ``window_blocks`` (how many blocks that is), ``budget_bytes``, ``others_bytes`` (what
+        other tenants hold at the device), ``reason`` (a sentence, which says when the window
+        is smaller than ``prefetch + 1`` blocks). Before the first call: the plan the first
+        call would make now."""
         return describe(
             self.manager.state,
             self.device,
@@ -832,6 +836,7 @@ class StreamedModule:
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
             own_reserved=self._ring_bytes(),
+            ring=self.ring,
         )
 
     # -- releases
