@@ -921,6 +921,7 @@ class ResidencyState:
         *,
         kept: Iterable[tuple[ValueHandle, Location]] = (),
         kept_reservations: Iterable[tuple[str, Location]] = (),
+        kept_uses: Iterable[tuple[ValueHandle, Location]] = (),
     ) -> ResidencyState:
         """A partial copy (``handles`` only) of what this state becomes once everything
         *transient* has ended: every transfer in flight completed (its destination resident,
@@ -934,7 +935,10 @@ class ResidencyState:
         ``kept`` (materializations as ``(handle, location)``) and ``kept_reservations``
         (``(name, location)``) are exempt: what a task that would wait holds itself (its
         leases, holds and scopes' reservations) does not end while it waits, so they stay
-        protected and charged.
+        protected and charged. They keep the counts the task holds: one hold per entry of
+        ``kept``, but for the entries ``kept_uses`` lists (the task's leases, one per lease),
+        which count as uses; so an error the copy raises says what the task really holds
+        (protected either way: what is decided does not depend on it).
 
         A plan that fails on this copy could not be admitted by waiting. O(len(handles) +
         len(scoped) + len(kept) + open transfers + locations), whatever the number of
@@ -952,10 +956,15 @@ class ResidencyState:
                 if mat.protected:  # the plan's own values stay: count them back
                     ledgers[mat.location].used_bytes += mat.charged_bytes
         kept_mats: dict[tuple[ValueHandle, Location], Materialization] = {}
+        kept_counts: dict[tuple[ValueHandle, Location], int] = {}
         for handle, location in kept:
             found = self._find_mat(handle, location)
             if found is not None and found.protected:
                 kept_mats[handle, location] = found
+                kept_counts[handle, location] = kept_counts.get((handle, location), 0) + 1
+        uses: dict[tuple[ValueHandle, Location], int] = {}
+        for pair in kept_uses:
+            uses[pair] = uses.get(pair, 0) + 1
         for (handle, location), held in kept_mats.items():
             if handle not in keep:  # not copied: its bytes stay charged, as opaque use
                 ledgers[location].used_bytes += held.charged_bytes
@@ -992,8 +1001,11 @@ class ResidencyState:
                     continue
                 mat.state = MaterializationState.RESIDENT
                 mat.use_count = mat.hold_count = mat.pending_event_count = mat.write_count = 0
-                if (value.handle, loc) in kept_mats:  # still held by the task that waits
-                    mat.hold_count = 1
+                pair = (value.handle, loc)
+                if pair in kept_mats:  # still held by the task that waits: its own counts
+                    count = kept_counts[pair]
+                    mat.use_count = min(uses.get(pair, 0), count)
+                    mat.hold_count = count - mat.use_count
                     ledgers[loc].protected_bytes += mat.charged_bytes
         other.reset_peaks()
         return other

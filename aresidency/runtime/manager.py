@@ -503,6 +503,16 @@ class ResidencyManager:
             return (), (), ""
         return tuple(own.kept), tuple(own.reservations), own.describe(None)
 
+    def task_leases(self, task: object | None = None) -> tuple[tuple[ValueHandle, Location], ...]:
+        """The leases among what :meth:`task_holdings` lists first for ``task`` (default: the
+        calling task), one ``(handle, location)`` per lease; the rest are its holds, or what
+        keepers keep on its behalf. For a tenant that stands them in when it judges a wait
+        (the controller's scope): an error then says the task holds a lease, not a hold.
+        Loop thread; never waits."""
+        rt = self._running()
+        own = rt.admission._held_by(current_task() if task is None else task)
+        return () if own is None else own.uses
+
     @contextmanager
     def room_wait(
         self,
