@@ -76,6 +76,9 @@ class ResidencyState:
         # (handle, source location) -> open transfers reading it: O(1) answers for the
         # phase runner, which asks once per action.
         self._reads: dict[tuple[ValueHandle, Location], list[CopyTicket]] = {}
+        # Two counters: value ids (what handles print, "#5": the fifth value registered) and
+        # copy ticket ids, each unique per state, neither skipping numbers for the other.
+        self._next_value_id = 1
         self._next_id = 1
         self._seq = 0
         self._trace = TraceRing(trace_capacity)
@@ -322,7 +325,7 @@ class ResidencyState:
             self.ledger(loc).check_admit(
                 charge_bytes, f"registering {name!r}", in_simulation=self.in_simulation
             )
-        handle = ValueHandle(self.manager_id, self._new_id(), name)
+        handle = ValueHandle(self.manager_id, self._new_value_id(), name)
         value = Value(handle, replica_mode, charge_bytes, has_source, src)
         self._values[handle] = value
         if loc is not None:
@@ -720,7 +723,8 @@ class ResidencyState:
         """The transfer finished: the destination is RESIDENT; a move frees its source.
 
         A move's source must have no other pending events (its readers were reaped)."""
-        if ticket.ticket_id not in self._tickets:
+        if self._tickets.get(ticket.ticket_id) != ticket:
+            # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
         value = self.value(ticket.handle)
         dst = value.materializations[ticket.destination]
@@ -779,7 +783,8 @@ class ResidencyState:
 
     def abort_copy(self, ticket: CopyTicket) -> None:
         """The transfer failed: drop the destination; the source stays intact."""
-        if ticket.ticket_id not in self._tickets:
+        if self._tickets.get(ticket.ticket_id) != ticket:
+            # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
         self._close(ticket)
         value = self.value(ticket.handle)
@@ -896,6 +901,7 @@ class ResidencyState:
             if count % every == 0 and count < len(selected):
                 yield None
         other._tickets = dict(self._tickets)
+        other._next_value_id = self._next_value_id
         other._next_id = self._next_id
         other._seq = self._seq
         other._trace = TraceRing(0)
@@ -911,8 +917,14 @@ class ResidencyState:
         return other
 
     def _new_id(self) -> int:
+        """A new copy ticket id."""
         self._next_id += 1
         return self._next_id - 1
+
+    def _new_value_id(self) -> int:
+        """A new value id: 1, 2, 3... in registration order (handles print it)."""
+        self._next_value_id += 1
+        return self._next_value_id - 1
 
     def settled(
         self,

@@ -272,6 +272,30 @@ async def test_reconstruction_is_refused_when_source_location_budget_is_too_smal
         assert m.state_version == version
 
 
+async def test_value_ids_count_values_only_not_copies() -> None:
+    """Value ids shared a counter with copy tickets: with a copy between registrations, the
+    fifth value printed as '#9'. Values count on their own (1, 2, 3... in registration
+    order, never reused after a discard, so handles stay unique per manager); copies, loads
+    and moves in between take none of them."""
+    async with ResidencyManager(backend="sim") as m:
+        handles = []
+        for i in range(6):
+            if i == 2:
+                source = CallableSource(lambda: torch.ones(16), shape=(16,), dtype=torch.float32)
+                handle = m.register_source(source, name=f"v{i}")
+            else:
+                handle = m.register(torch.zeros(16), name=f"v{i}")
+            await m.materialize(handle, "cuda:0")  # a copy (a load for v2) between each
+            await m.move(handle, "pinned-host")
+            handles.append(handle)
+            if i == 3:
+                await m.discard(handle)  # its id is not given again
+        assert [h.value_id for h in handles] == [1, 2, 3, 4, 5, 6]
+        assert str(handles[4]) == "value v4 (#5)"
+        assert len(set(handles)) == 6
+        assert sorted(h.value_id for h in m.snapshot().values) == [1, 2, 3, 5, 6]
+
+
 class GoneFile:
     """A source (the protocol, not a CallableSource) whose file is gone: ``load()`` raises
     the same ``OSError`` each time."""
