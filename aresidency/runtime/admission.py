@@ -489,6 +489,11 @@ class AdmissionQueue:
 
         return remove
 
+    @property
+    def has_reclaimers(self) -> bool:
+        """Whether a tenant offers a cache it gives back when asked (:meth:`reclaim`)."""
+        return bool(self._reclaimers)
+
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
         """Offer a tenant's cache (see :meth:`ResidencyManager.add_reclaimer`) until the
         returned function is called."""
