@@ -574,6 +574,10 @@ class ControllerScope:
         kept, reservations, described = holdings()
         if not kept and not reservations:
             return None
+        # The task's leases stand in as uses, its holds as holds: protected alike (the
+        # decision is the same), and an error then says what the task really holds.
+        leases = getattr(self.controller.manager, "task_leases", None)
+        uses = list(leases()) if leases is not None else []
         controller = self.controller
         state = controller._state()
         alone = state.isolated([*self.request.handles(), *(handle for handle, _ in kept)])
@@ -581,7 +585,11 @@ class ControllerScope:
             for handle, location in kept:
                 value = alone.find_value(handle)
                 if value is not None and location in value.materializations:
-                    alone.hold(handle, location)
+                    if (handle, location) in uses:
+                        uses.remove((handle, location))
+                        alone.lease(handle, location)
+                    else:
+                        alone.hold(handle, location)
             for name, location in reservations:
                 ledger = state.find_ledger(location)
                 entry = None if ledger is None else ledger.reservations.get(name)

@@ -571,6 +571,7 @@ class _Search:
             self.limit,
             self.explored,
             f"while placing {self.placement_text or 'the request'}; {found}",
+            plan_found=self.best is not None,
         )
 
     def count_node(self) -> None:

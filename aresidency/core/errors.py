@@ -370,7 +370,11 @@ class ResidencyPlanError(ResidencyError):
 
 
 class ResidencySearchLimitError(ResidencyPlanError):
-    """The controller's bounded search reached ``state_limit``: feasibility is unknown."""
+    """The controller's bounded search reached ``state_limit``: feasibility is unknown.
+
+    ``plan_found`` is true when the search had found a feasible plan before it stopped
+    (``detail`` then gives the best so far): the request is not infeasible, but whether that
+    plan is the cheapest is unknown, and the search makes no decision it could not finish."""
 
     FIELDS = (
         *ResidencyPlanError.FIELDS,
@@ -378,23 +382,37 @@ class ResidencySearchLimitError(ResidencyPlanError):
         "state_limit",
         "explored_states",
         "detail",
+        "plan_found",
     )
+    plan_found: bool = False  # (errors pickled before the field existed)
 
     def __init__(
-        self, request_name: str, state_limit: int, explored_states: int, detail: str
+        self,
+        request_name: str,
+        state_limit: int,
+        explored_states: int,
+        detail: str,
+        *,
+        plan_found: bool = False,
     ) -> None:
         self.request_name = request_name
         self.state_limit = state_limit
         self.explored_states = explored_states
         self.detail = detail
+        self.plan_found = plan_found
         super().__init__(self._limit_message())
 
     def _limit_message(self) -> str:
+        known = (
+            "a feasible plan was found, but whether it is the cheapest is unknown, so no "
+            "decision was made"
+            if self.plan_found
+            else "feasibility is unknown, not disproved"
+        )
         return (
             f"search for request {self.request_name!r} reached its limit of {self.state_limit} "
-            f"states after exploring {self.explored_states}; feasibility is unknown, not "
-            f"disproved ({self.detail}); simplify the request's alternatives or raise "
-            "search_state_limit"
+            f"states after exploring {self.explored_states}; {known} ({self.detail}); simplify "
+            "the request's alternatives or raise search_state_limit"
         )
 
 

@@ -469,12 +469,20 @@ def fails_while_kept_steps(
     scoped: Iterable[ValueHandle] = (),
     kept: Iterable[tuple[ValueHandle, Location]] = (),
     kept_reservations: Iterable[tuple[str, Location]] = (),
+    kept_uses: Iterable[tuple[ValueHandle, Location]] = (),
 ) -> Steps[tuple[str, BaseException] | None]:
     """Where (``"enter #0"``) and why the plan would still fail once everything transient
     ended except ``kept`` and ``kept_reservations`` (what the task that would wait for it
-    holds itself: see :meth:`ResidencyState.settled`); ``None`` when it would fit then.
-    ``scoped``: the values of scopes *other* tasks entered (their exit may move them)."""
-    settled = state.settled(plan.handles(), scoped, kept=kept, kept_reservations=kept_reservations)
+    holds itself, ``kept_uses`` the leases among ``kept``: see
+    :meth:`ResidencyState.settled`); ``None`` when it would fit then. ``scoped``: the values
+    of scopes *other* tasks entered (their exit may move them)."""
+    settled = state.settled(
+        plan.handles(),
+        scoped,
+        kept=kept,
+        kept_reservations=kept_reservations,
+        kept_uses=kept_uses,
+    )
     failure = yield from _simulate_plan(settled, plan)
     if failure is None:
         return None

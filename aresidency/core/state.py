@@ -76,6 +76,9 @@ class ResidencyState:
         # (handle, source location) -> open transfers reading it: O(1) answers for the
         # phase runner, which asks once per action.
         self._reads: dict[tuple[ValueHandle, Location], list[CopyTicket]] = {}
+        # Two counters: value ids (what handles print, "#5": the fifth value registered) and
+        # copy ticket ids, each unique per state, neither skipping numbers for the other.
+        self._next_value_id = 1
         self._next_id = 1
         self._seq = 0
         self._trace = TraceRing(trace_capacity)
@@ -322,7 +325,7 @@ class ResidencyState:
             self.ledger(loc).check_admit(
                 charge_bytes, f"registering {name!r}", in_simulation=self.in_simulation
             )
-        handle = ValueHandle(self.manager_id, self._new_id(), name)
+        handle = ValueHandle(self.manager_id, self._new_value_id(), name)
         value = Value(handle, replica_mode, charge_bytes, has_source, src)
         self._values[handle] = value
         if loc is not None:
@@ -720,7 +723,8 @@ class ResidencyState:
         """The transfer finished: the destination is RESIDENT; a move frees its source.
 
         A move's source must have no other pending events (its readers were reaped)."""
-        if ticket.ticket_id not in self._tickets:
+        if self._tickets.get(ticket.ticket_id) != ticket:
+            # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
         value = self.value(ticket.handle)
         dst = value.materializations[ticket.destination]
@@ -779,7 +783,8 @@ class ResidencyState:
 
     def abort_copy(self, ticket: CopyTicket) -> None:
         """The transfer failed: drop the destination; the source stays intact."""
-        if ticket.ticket_id not in self._tickets:
+        if self._tickets.get(ticket.ticket_id) != ticket:
+            # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
         self._close(ticket)
         value = self.value(ticket.handle)
@@ -896,6 +901,7 @@ class ResidencyState:
             if count % every == 0 and count < len(selected):
                 yield None
         other._tickets = dict(self._tickets)
+        other._next_value_id = self._next_value_id
         other._next_id = self._next_id
         other._seq = self._seq
         other._trace = TraceRing(0)
@@ -911,8 +917,14 @@ class ResidencyState:
         return other
 
     def _new_id(self) -> int:
+        """A new copy ticket id."""
         self._next_id += 1
         return self._next_id - 1
+
+    def _new_value_id(self) -> int:
+        """A new value id: 1, 2, 3... in registration order (handles print it)."""
+        self._next_value_id += 1
+        return self._next_value_id - 1
 
     def settled(
         self,
@@ -921,6 +933,7 @@ class ResidencyState:
         *,
         kept: Iterable[tuple[ValueHandle, Location]] = (),
         kept_reservations: Iterable[tuple[str, Location]] = (),
+        kept_uses: Iterable[tuple[ValueHandle, Location]] = (),
     ) -> ResidencyState:
         """A partial copy (``handles`` only) of what this state becomes once everything
         *transient* has ended: every transfer in flight completed (its destination resident,
@@ -934,7 +947,10 @@ class ResidencyState:
         ``kept`` (materializations as ``(handle, location)``) and ``kept_reservations``
         (``(name, location)``) are exempt: what a task that would wait holds itself (its
         leases, holds and scopes' reservations) does not end while it waits, so they stay
-        protected and charged.
+        protected and charged. They keep the counts the task holds: one hold per entry of
+        ``kept``, but for the entries ``kept_uses`` lists (the task's leases, one per lease),
+        which count as uses; so an error the copy raises says what the task really holds
+        (protected either way: what is decided does not depend on it).
 
         A plan that fails on this copy could not be admitted by waiting. O(len(handles) +
         len(scoped) + len(kept) + open transfers + locations), whatever the number of
@@ -952,10 +968,15 @@ class ResidencyState:
                 if mat.protected:  # the plan's own values stay: count them back
                     ledgers[mat.location].used_bytes += mat.charged_bytes
         kept_mats: dict[tuple[ValueHandle, Location], Materialization] = {}
+        kept_counts: dict[tuple[ValueHandle, Location], int] = {}
         for handle, location in kept:
             found = self._find_mat(handle, location)
             if found is not None and found.protected:
                 kept_mats[handle, location] = found
+                kept_counts[handle, location] = kept_counts.get((handle, location), 0) + 1
+        uses: dict[tuple[ValueHandle, Location], int] = {}
+        for pair in kept_uses:
+            uses[pair] = uses.get(pair, 0) + 1
         for (handle, location), held in kept_mats.items():
             if handle not in keep:  # not copied: its bytes stay charged, as opaque use
                 ledgers[location].used_bytes += held.charged_bytes
@@ -992,8 +1013,11 @@ class ResidencyState:
                     continue
                 mat.state = MaterializationState.RESIDENT
                 mat.use_count = mat.hold_count = mat.pending_event_count = mat.write_count = 0
-                if (value.handle, loc) in kept_mats:  # still held by the task that waits
-                    mat.hold_count = 1
+                pair = (value.handle, loc)
+                if pair in kept_mats:  # still held by the task that waits: its own counts
+                    count = kept_counts[pair]
+                    mat.use_count = min(uses.get(pair, 0), count)
+                    mat.hold_count = count - mat.use_count
                     ledgers[loc].protected_bytes += mat.charged_bytes
         other.reset_peaks()
         return other

@@ -20,6 +20,7 @@ from .report import STEP_TITLES, SUB_ITEM, DiagnosisStep
 
 __all__ = [
     "PARENTS",
+    "found_a_plan",
     "Errors",
     "MAX_EVIDENCE_ITEMS",
     "action_text",
@@ -232,3 +233,12 @@ def action_text(action: Any) -> str:
     handle = handle_of(action.get("handle"))
     name = handle.name if handle is not None and handle.name else label(handle)
     return f"{kind}({name}, {action.get('location')})"
+
+
+def found_a_plan(limit: Mapping[str, Any]) -> bool:
+    """Whether a search limit error's search had found a feasible plan (``plan_found``; in a
+    record written before that field existed, its detail names the best plan so far)."""
+    found = limit.get("plan_found")
+    if found is None:
+        return "best plan so far" in str(limit.get("detail") or "")
+    return bool(found)

@@ -14,6 +14,7 @@ from ._facts import (
     Errors,
     capped,
     error_fields,
+    found_a_plan,
     handles_in,
     make_step,
     sub_items,
@@ -190,6 +191,14 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
     if name is not None and name in CLASSIFICATION:
         meaning, first_action = CLASSIFICATION[name]
         findings = [f"{name}: {meaning}"]
+        if name == "ResidencySearchLimitError" and error is not None and found_a_plan(error):
+            # The bound cut the search short after a feasible plan: only its cost is unknown.
+            meaning = (
+                "the controller's bounded search stopped at its state limit after it had found "
+                "a feasible plan: whether that plan is the cheapest is unknown, so no decision "
+                "was made"
+            )
+            findings = [f"{name}: {meaning}"]
         if name in ("ResidencySearchLimitError", "ResidencyStaleStateError"):
             findings.append(
                 "a specialized ResidencyPlanError: catch it before ResidencyPlanError when its "

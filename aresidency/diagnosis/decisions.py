@@ -13,6 +13,7 @@ from ._facts import (
     Errors,
     action_text,
     first,
+    found_a_plan,
     handle_of,
     label,
     make_step,
@@ -45,12 +46,20 @@ def step_5(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             f"state_limit={limit.get('state_limit')}, explored_states="
             f"{limit.get('explored_states')} ({limit.get('detail')})"
         )
-        findings.append("feasibility is unknown: this is not proof that no placement exists")
+        if found_a_plan(limit):
+            findings.append(
+                "a feasible plan was found before the bound (the best so far above), but "
+                "whether it is the cheapest is unknown, so the search made no decision: this "
+                "is not a verdict of infeasibility"
+            )
+        else:
+            findings.append("feasibility is unknown: this is not proof that no placement exists")
         data.update(
             request_name=limit.get("request_name"),
             state_limit=limit.get("state_limit"),
             explored_states=limit.get("explored_states"),
             detail=limit.get("detail"),
+            plan_found=found_a_plan(limit),
         )
         action = (
             "confirm the request and its fallback graph are intended, then reduce unneeded "

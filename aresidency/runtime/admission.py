@@ -111,12 +111,22 @@ def _task_name(task: object) -> str:
 
 class _HeldBy:
     """What one task (or ``tasks`` of them together) holds itself, which ends only when it
-    goes on: the scopes it entered (``own``), its leases and holds (``leased``), the
-    reservation blocks it is in (``blocks``, as ``(name, location)``), and what keepers keep
-    for it (``tenants``); ``scoped``: the values of the other tasks' entered scopes (their
-    exit may move them)."""
+    goes on: the scopes it entered (``own``), its leases and holds (``leased``, one entry
+    each; ``uses``: the leases among them), the reservation blocks it is in (``blocks``, as
+    ``(name, location)``), and what keepers keep for it (``tenants``); ``scoped``: the values
+    of the other tasks' entered scopes (their exit may move them)."""
 
-    __slots__ = ("blocks", "kept", "leased", "own", "reservations", "scoped", "tasks", "tenants")
+    __slots__ = (
+        "blocks",
+        "kept",
+        "leased",
+        "own",
+        "reservations",
+        "scoped",
+        "tasks",
+        "tenants",
+        "uses",
+    )
 
     def __init__(
         self,
@@ -126,6 +136,7 @@ class _HeldBy:
         scoped: list[ValueHandle],
         blocks: list[tuple[str, Location]] | None = None,
         tasks: int = 1,
+        uses: tuple[tuple[ValueHandle, Location], ...] = (),
     ) -> None:
         self.tasks = tasks  # how many tasks hold all this together
         self.own = own
@@ -140,6 +151,7 @@ class _HeldBy:
         # tenant's, not as the task's.
         theirs = {pair for tenant in tenants for pair in tenant.materializations}
         self.leased = tuple(pair for pair in leased if pair not in theirs)
+        self.uses = tuple(pair for pair in uses if pair not in theirs)
 
     def released(self) -> list[ValueHandle]:
         """``scoped`` and the values of the task's own scopes: what may move once everything
@@ -164,12 +176,34 @@ class _HeldBy:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
             scopes = f"{len(self.own)} entered scope(s)"
             held.append(f"{scopes} (values {shown})" if names else scopes)
-        if leased:
-            pairs = sorted({f"{h.name} at {loc}" for h, loc in leased})
-            shown = ", ".join(pairs[:6]) + (f" and {len(pairs) - 6} more" if len(pairs) > 6 else "")
-            held.append(f"{len(leased)} lease(s) or hold(s) ({shown})")
-        if self.own or leased:
-            hints.append("Exit those scopes or leases first, or put these values in one plan.")
+        # What the task holds, by kind: each lease and hold once (``leased``), the leases
+        # among them (``uses``).
+        leases: list[tuple[ValueHandle, Location]] = []
+        holds: list[tuple[ValueHandle, Location]] = []
+        uses = [p for p in self.uses if location is None or p[1] == location]
+        for pair in leased:
+            if pair in uses:
+                uses.remove(pair)
+                leases.append(pair)
+            else:
+                holds.append(pair)
+        for kind, pairs in (("lease", leases), ("hold", holds)):
+            if pairs:
+                where = sorted({f"{h.name} at {loc}" for h, loc in pairs})
+                shown = ", ".join(where[:6]) + (
+                    f" and {len(where) - 6} more" if len(where) > 6 else ""
+                )
+                held.append(f"{len(pairs)} {kind}{'s' if len(pairs) > 1 else ''} ({shown})")
+        if self.own or leases or holds:
+            kinds = [
+                *(["scopes"] if self.own else []),
+                *(["leases"] if leases else []),
+                *(["holds"] if holds else []),
+            ]
+            ends = "Exit" if not holds else "End"
+            hints.append(
+                f"{ends} those {' and '.join(kinds)} first, or put these values in one plan."
+            )
         if blocks:
             named = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in blocks))
             held.append(f"{len(blocks)} reservation block(s) ({named})")
@@ -440,6 +474,7 @@ class AdmissionQueue:
                 scoped=own.scoped,
                 kept=own.kept,
                 kept_reservations=own.reservations,
+                kept_uses=own.uses,
             )
         )
 
@@ -453,6 +488,11 @@ class AdmissionQueue:
                 self._keepers.remove(keeper)
 
         return remove
+
+    @property
+    def has_reclaimers(self) -> bool:
+        """Whether a tenant offers a cache it gives back when asked (:meth:`reclaim`)."""
+        return bool(self._reclaimers)
 
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
         """Offer a tenant's cache (see :meth:`ResidencyManager.add_reclaimer`) until the
@@ -756,6 +796,7 @@ class AdmissionQueue:
                 scoped=own.scoped,
                 kept=own.kept,
                 kept_reservations=own.reservations,
+                kept_uses=own.uses,
             )
 
         failure = await self._sliced(steps)
@@ -861,13 +902,20 @@ class AdmissionQueue:
             for pair in owners.protected_by(task)
             if pair[0] not in exempt
         )
+        uses = tuple(
+            pair
+            for task in tasks
+            if task is not None
+            for pair in owners.leased_by(task)
+            if pair[0] not in exempt
+        )
         tenants = [kept for task in tasks if task is not None for kept in self.kept_for(task)]
         blocks = [key for key, owner in rt.blocks.items() if id(owner) in members]
         if not own and not leased and not tenants and not blocks:
             return None
         others = [scope for scope in rt.scopes if id(getattr(scope, "task", None)) not in members]
         scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
-        return _HeldBy(own, leased, tenants, scoped, blocks, len(members))
+        return _HeldBy(own, leased, tenants, scoped, blocks, len(members), uses)
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""

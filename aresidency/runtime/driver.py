@@ -77,7 +77,7 @@ from ..core.trace import Transition
 from ..core.values import CopyTicket, ValueHandle
 from .payloads import Payload
 from .shield import wait_shielded
-from .sources import CallableSource, check_loaded
+from .sources import CallableSource, check_loaded, note_load_failure
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -654,7 +654,9 @@ class PhaseRun:
         place_at = first if first.is_pinned else None
         if ticket.via is not None and ticket.destination.is_host:
             place_at = ticket.destination  # a host destination is filled in the thread too
-        future = rt.loads.submit(_load_checked, source, rt.backend, place_at, ticket.handle)
+        future = rt.loads.submit(
+            _load_checked, source, rt.backend, place_at, ticket.handle, ticket.destination
+        )
         future.add_done_callback(
             lambda done: rt.bridge.call_soon_quietly(self._loaded, ticket, done)
         )
@@ -798,16 +800,30 @@ class PhaseRun:
             raise self.error
 
 
-def _load_checked(source: Any, backend: Any, place_at: Location | None, handle: ValueHandle) -> Any:
+def _load_checked(
+    source: Any,
+    backend: Any,
+    place_at: Location | None,
+    handle: ValueHandle,
+    destination: Location,
+) -> Any:
     """``source.load()``, checked against what the source declared (an error naming the value,
     what was expected and what came back), contiguous, in memory of its own (not a view of a
     larger storage), and placed at ``place_at`` when given (a worker thread: loading and
-    pinning block it, not the loop)."""
+    pinning block it, not the loop). An exception ``load()`` itself raises is the caller's own
+    (an ``OSError`` of a file gone): it keeps its type, with a note naming the value and
+    ``destination``, where it was being rebuilt (:func:`note_load_failure`)."""
     what = str(handle)
     if isinstance(source, CallableSource):
-        tensor = source.load(what=what)  # it checks, naming the value
+        # it checks, naming the value, and notes an exception of the load function's
+        tensor = source.load(what=what, rebuilding_at=destination)
     else:
-        tensor = check_loaded(source.load(), source.shape, source.dtype, what=what)
+        try:
+            loaded = source.load()
+        except Exception as error:
+            note_load_failure(error, what, destination, source)
+            raise
+        tensor = check_loaded(loaded, source.shape, source.dtype, what=what)
     # Detached: what the manager keeps carries no autograd state (a load that returns a
     # module's parameter would otherwise be copied with a CopyBackwards, requires_grad on).
     tensor = tensor.detach().contiguous()

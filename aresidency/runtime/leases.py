@@ -108,28 +108,32 @@ class LeaseOwners:
     entry order. Invariant: a materialization's list has ``use_count + hold_count`` entries
     (what leases and holds made through the runtime added); empty lists are dropped. One list
     append and one removal per lease: cheap on the lease hot path. ``_tasks``: task object ->
-    ``[(handle, location), ...]``, what each task protects (admission's self-wait check reads
-    it).
+    ``[(handle, location, lease), ...]``, what each task protects (``lease``: a lease, else a
+    hold; admission's self-wait check reads it).
     """
 
     __slots__ = ("_entries", "_tasks")
 
     def __init__(self) -> None:
         self._entries: dict[tuple[ValueHandle, Location], list[tuple[str, str]]] = {}
-        # task -> the materializations it holds leases and holds on, one entry each (the task
-        # object is kept only while it protects something)
-        self._tasks: dict[object, list[tuple[ValueHandle, Location]]] = {}
+        # task -> the materializations it holds leases and holds on, one entry each, and
+        # whether that is a lease (the task object is kept only while it protects something)
+        self._tasks: dict[object, list[tuple[ValueHandle, Location, bool]]] = {}
 
-    def add_task(self, task: object | None, handle: ValueHandle, location: Location) -> None:
+    def add_task(
+        self, task: object | None, handle: ValueHandle, location: Location, *, lease: bool
+    ) -> None:
         if task is not None:
-            self._tasks.setdefault(task, []).append((handle, location))
+            self._tasks.setdefault(task, []).append((handle, location, lease))
 
-    def remove_task(self, task: object | None, handle: ValueHandle, location: Location) -> None:
+    def remove_task(
+        self, task: object | None, handle: ValueHandle, location: Location, *, lease: bool
+    ) -> None:
         keys = self._tasks.get(task) if task is not None else None
         if keys is None:
             return
         try:
-            keys.remove((handle, location))
+            keys.remove((handle, location, lease))
         except ValueError:
             return
         if not keys:
@@ -141,7 +145,13 @@ class LeaseOwners:
 
     def protected_by(self, task: object | None) -> tuple[tuple[ValueHandle, Location], ...]:
         """The materializations ``task`` holds leases or holds on (one per lease or hold)."""
-        return () if task is None else tuple(self._tasks.get(task, ()))
+        return () if task is None else tuple((h, loc) for h, loc, _ in self._tasks.get(task, ()))
+
+    def leased_by(self, task: object | None) -> tuple[tuple[ValueHandle, Location], ...]:
+        """The materializations ``task`` holds leases on (one per lease; its holds left out)."""
+        if task is None:
+            return ()
+        return tuple((h, loc) for h, loc, lease in self._tasks.get(task, ()) if lease)
 
     def add(self, handle: ValueHandle, location: Location, kind: str, owner: str) -> None:
         self._entries.setdefault((handle, location), []).append((kind, owner))
@@ -315,7 +325,7 @@ class Lease:
         table = lease_owners(rt)
         table.add(self.handle, self.location, self._kind, owner)
         self._task = current_task() if ref is None else ref.task
-        table.add_task(self._task, self.handle, self.location)
+        table.add_task(self._task, self.handle, self.location, lease=True)
         self.status = "entering"
         rt.settle()  # a write lease may have invalidated other replicas
         return rt.payloads.get(self.handle, self.location)
@@ -453,7 +463,7 @@ class Lease:
         if self.owner is not None:
             table = lease_owners(self._rt)
             table.remove(self.handle, self.location, self._kind, self.owner)
-            table.remove_task(self._task, self.handle, self.location)
+            table.remove_task(self._task, self.handle, self.location, lease=True)
             self._task = None
 
     # ------------------------------------------------------------------ exit
@@ -573,7 +583,7 @@ class Hold:
         table = lease_owners(runtime)
         table.add(handle, location, "hold", ref.name)
         self._task = ref.task
-        table.add_task(self._task, handle, location)
+        table.add_task(self._task, handle, location, lease=False)
         self.active = True
         runtime.settle()
 
@@ -588,7 +598,7 @@ class Hold:
         self._rt.state.unhold(self.handle, self.location, mat)
         table = lease_owners(self._rt)
         table.remove(self.handle, self.location, "hold", self.owner)
-        table.remove_task(self._task, self.handle, self.location)
+        table.remove_task(self._task, self.handle, self.location, lease=False)
         self._task = None
         self.active = False
         self._rt.settle()

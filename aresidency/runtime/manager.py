@@ -549,6 +549,16 @@ class ResidencyManager:
             return (), (), ""
         return tuple(own.kept), tuple(own.reservations), own.describe(None)
 
+    def task_leases(self, task: object | None = None) -> tuple[tuple[ValueHandle, Location], ...]:
+        """The leases among what :meth:`task_holdings` lists first for ``task`` (default: the
+        calling task), one ``(handle, location)`` per lease; the rest are its holds, or what
+        keepers keep on its behalf. For a tenant that stands them in when it judges a wait
+        (the controller's scope): an error then says the task holds a lease, not a hold.
+        Loop thread; never waits."""
+        rt = self._running()
+        own = rt.admission._held_by(current_task() if task is None else task)
+        return () if own is None else own.uses
+
     @contextmanager
     def room_wait(
         self,
@@ -607,11 +617,28 @@ class ResidencyManager:
     # ---------------------------------------------------------------- values
 
     def set_budget(self, location: LocationLike, budget_bytes: ByteSize | None) -> None:
-        """Set (or clear with ``None``) a strict budget; refused below the current charge."""
+        """Set (or clear with ``None``) a strict budget; refused below the current charge
+        (``ResidencyBudgetError`` of kind ``"budget"``, nothing changed). When tenants offer
+        caches they give back when asked (:meth:`add_reclaimer`: a model pool's idle models, a
+        streamed module's blocks kept between calls), which may hold some of that charge, the
+        error has a note saying how to free it first: :meth:`reclaim`, then the budget once
+        those releases committed. (The refusal itself releases nothing.)"""
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
-        self._state.set_budget(loc, budget_bytes)
+        try:
+            self._state.set_budget(loc, budget_bytes)
+        except ResidencyBudgetError as error:
+            if error.kind == "budget" and rt.admission.has_reclaimers:
+                short = error.used_bytes + error.reserved_bytes - (error.budget_bytes or 0)
+                error.add_note(
+                    f"some of what is charged at {loc} may be a cache its tenant gives back "
+                    "when asked (a model pool's idle models, a streamed module's blocks kept "
+                    f"between calls): manager.reclaim({str(loc)!r}, {short}) begins releasing "
+                    "up to that much; set the budget once those releases committed (await "
+                    "manager.wait_for_change() until the charge there is low enough)"
+                )
+            raise
         rt.settle()
 
     def storage_owner(self, tensor: torch.Tensor) -> tuple[ValueHandle, Location] | None:

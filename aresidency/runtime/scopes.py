@@ -51,6 +51,7 @@ from ..core.trace import ExecutionReport, Transition
 from .driver import PhaseRun
 from .leases import add_owners, current_task
 from .signal import ManagerClosedError
+from .sources import load_failure_notes
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -139,6 +140,10 @@ class Scope:
         self, phase: str, cause: BaseException, index: int | None = None, action: Any = None
     ) -> ResidencyPlanExecutionError:
         reservation = action if phase == "reserve" else None
+        # A source's load() that raised: its note (which value, rebuilt where) is part of what
+        # failed, as in the exception a direct materialize raises.
+        notes = load_failure_notes(cause)[-1:]  # (this rebuild's: the latest)
+        described = f"{cause} ({notes[0]})" if notes else str(cause)
         error = ResidencyPlanExecutionError(
             self._phase_name or phase,
             failed_action=None if phase == "reserve" else action,
@@ -147,9 +152,9 @@ class Scope:
             failed_reservation_index=index if phase == "reserve" else None,
             partial_report=self.report,
             detail=(
-                f"{phase} failed: {cause}"
+                f"{phase} failed: {described}"
                 if not self._phase_name or self._phase_name == phase
-                else f"(of the plan's {phase} actions) {cause}"  # execute runs every phase
+                else f"(of the plan's {phase} actions) {described}"  # execute runs every phase
             ),
             plan=self.plan,
             decision=self.decision,

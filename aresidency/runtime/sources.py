@@ -18,7 +18,16 @@ from ..core.locations import Location, LocationLike
 from .checkpoints import Checkpoint
 from .tensors import tensor_problem
 
-__all__ = ["CallableSource", "SafetensorsSource", "Source"]
+__all__ = [
+    "CallableSource",
+    "SafetensorsSource",
+    "Source",
+    "load_failure_notes",
+    "note_load_failure",
+]
+
+#: How the notes :func:`note_load_failure` adds begin (to find them again).
+_NOTE_PREFIX = "while rebuilding "
 
 
 @runtime_checkable
@@ -88,6 +97,29 @@ def check_loaded(
     return tensor.cpu() if tensor.device.type != "cpu" else tensor
 
 
+def note_load_failure(error: BaseException, what: str, location: Location, source: object) -> None:
+    """Add a note to ``error``, which a source's ``load()`` raised while the runtime rebuilt
+    ``what`` (a value) at ``location``: the exception keeps its own type (code catches the
+    ``OSError`` of a file gone), and its traceback then says which value was loading, where
+    to and from which source. Each note once: the same exception raised again (a load that
+    keeps one) moves its note to the end, so the last note is always this rebuild's."""
+    note = (
+        f"{_NOTE_PREFIX}{what} at {location}: load() of its source "
+        f"{_short_repr(source, 120)} raised this {type(error).__name__}"
+    )
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list) and note in notes:
+        notes.remove(note)
+    error.add_note(note)
+
+
+def load_failure_notes(error: BaseException) -> list[str]:
+    """The notes :func:`note_load_failure` added to ``error`` (none for any other error), the
+    latest rebuild's last."""
+    notes = getattr(error, "__notes__", None) or ()
+    return [n for n in notes if isinstance(n, str) and n.startswith(_NOTE_PREFIX)]
+
+
 def _short_repr(obj: object, limit: int = 60) -> str:
     """``repr(obj)`` cut to ``limit`` characters (and never raising: it names a bad value)."""
     try:
@@ -129,12 +161,23 @@ class CallableSource:
     def nbytes(self) -> int:
         return _nbytes(self.shape, self.dtype)
 
-    def load(self, *, what: str | None = None) -> torch.Tensor:
+    def load(
+        self, *, what: str | None = None, rebuilding_at: Location | None = None
+    ) -> torch.Tensor:
         """Call the load function and check what it returned against the declared shape and
         dtype (a ``TypeError`` for something not a tensor, a ``ValueError`` for another shape
         or dtype). ``what`` names what is being loaded in that error (the runtime passes the
-        value, its name and handle); the source itself is named when it is not given."""
-        return check_loaded(self._load(), self.shape, self.dtype, what=what or repr(self))
+        value, its name and handle); the source itself is named when it is not given. With
+        ``rebuilding_at`` (the runtime's: where the value is being rebuilt), an exception the
+        load function raises keeps its type and gets a note naming ``what`` and that location
+        (:func:`note_load_failure`)."""
+        try:
+            loaded = self._load()
+        except Exception as error:
+            if rebuilding_at is not None:
+                note_load_failure(error, what or repr(self), rebuilding_at, self)
+            raise
+        return check_loaded(loaded, self.shape, self.dtype, what=what or repr(self))
 
     def __repr__(self) -> str:
         return f"<CallableSource {self.shape} {self.dtype} at {self.source_location}>"

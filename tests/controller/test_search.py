@@ -223,6 +223,40 @@ def test_search_limit_error_carries_its_four_fields() -> None:
     assert decision.explored_states > 3
 
 
+def test_a_search_limit_after_a_feasible_plan_says_so_not_that_feasibility_is_unknown() -> None:
+    """The bound cut the search short after it had found a plan ("best plan so far: 5
+    eviction(s), ... not proven cheapest"): the error and diagnose still said "feasibility is
+    unknown". They say a feasible plan was found and only whether it is the cheapest is
+    unknown; the type stays ResidencySearchLimitError, and a search stopped before any plan
+    still says feasibility is unknown."""
+    from aresidency import diagnose
+
+    state, _ = full_gpu(50, seed=3)
+    handle = new_sourced(state, 5)
+    errors = []
+    for limit in range(3, 200):
+        try:
+            decide_nowait(state, request_for(handle), search_state_limit=limit)
+        except ResidencySearchLimitError as error:
+            errors.append(error)
+            if error.plan_found:
+                break
+    before, after = errors[0], errors[-1]
+    assert not before.plan_found and "no feasible plan found yet" in before.detail
+    assert after.plan_found and "best plan so far" in after.detail
+    assert "feasibility is unknown, not disproved" in str(before)
+    text = str(after)
+    assert "feasibility is unknown" not in text
+    assert "a feasible plan was found, but whether it is the cheapest is unknown" in text
+    assert after.to_dict()["plan_found"] is True
+    assert pickle.loads(pickle.dumps(after)).plan_found is True
+    report = " ".join(str(diagnose(after)).split())  # (wrapped at 100 columns)
+    assert "feasibility is unknown" not in report
+    assert "a feasible plan was found before the bound" in report
+    assert "after it had found a feasible plan" in report  # the classification
+    assert "feasibility is unknown" in " ".join(str(diagnose(before)).split())
+
+
 def test_search_limit_is_never_reported_as_infeasibility() -> None:
     state, _ = full_gpu(30)
     handle = new_sourced(state, 2)

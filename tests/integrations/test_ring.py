@@ -639,3 +639,37 @@ async def test_residency_counts_the_modules_own_ring_as_its_own_not_another_tena
         assert streamed.residency()["others_bytes"] == 1000
         m.unreserve_nowait("other tenant", "cuda:0")
         await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False])
+async def test_residency_reports_the_window_the_budget_leaves_room_for(ring: bool) -> None:
+    """A budget with room for the tensors outside the blocks and only two of the three blocks
+    of the prefetch window (prefetch=2): ``residency()`` reported a window of 3 x the largest
+    block, more than the budget, while the ring ran with two slots. It reports the two blocks
+    a call really uses, and says why."""
+    model = Net(n=5)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(Net(n=5))
+    budget = resident + 2 * block + block // 2
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=2, name="net", ring=ring)
+        before = streamed.residency()
+        assert before["window_bytes"] == 2 * block < budget
+        assert before["window_blocks"] == 2
+        assert "room for 2 of the 3 blocks of the prefetch window (prefetch=2)" in before["reason"]
+        how = "the ring runs with 2 slot(s)" if ring else "a call copies at most 2 block(s)"
+        assert how in before["reason"]
+        since = m.trace().transitions[-1].seq
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert streamed.residency() == before
+        if ring:  # the ring's reservation is the window reported
+            rings = [
+                t.nbytes
+                for t in m.trace().transitions
+                if t.seq > since and t.kind == "reserve" and (t.name or "").startswith("stream")
+            ]
+            assert rings == [before["window_bytes"]]
+        await streamed.aclose()

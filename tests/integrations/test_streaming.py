@@ -20,6 +20,7 @@ from torch import nn
 
 from aresidency import (
     ReplicaMode,
+    ResidencyBudgetError,
     ResidencyManager,
     ResidencyTrace,
 )
@@ -335,6 +336,38 @@ async def test_residency_before_the_first_call_is_the_plan_the_call_then_keeps()
             await streamed(x)
         await streamed.drain()
         assert streamed.residency() == before
+        await streamed.aclose()
+
+
+async def test_a_budget_below_the_kept_blocks_is_refused_with_how_to_free_them() -> None:
+    """A streamed module keeps its blocks between calls; a smaller budget below what they
+    charge was refused with "release or move values", values the user does not own. The
+    refusal (which changes nothing) says how: ``manager.reclaim`` gives them back, and once
+    the releases committed the budget can be set; the next call keeps what fits then."""
+    model = Net(n=5)
+    x = torch.randn(4, 16)
+    expected = reference(model, x)
+    async with ResidencyManager(budgets={"cuda:0": "16MiB"}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=1)
+        with anyio.fail_after(10), torch.no_grad():
+            await streamed(x)
+        await streamed.drain()
+        assert len(streamed.residency()["kept"]) == 6
+        charged = m.snapshot().location("cuda:0").charged_bytes
+        smaller = streamed.resident_bytes + 2 * max(streamed.block_bytes)
+        before = m.snapshot()
+        with pytest.raises(ResidencyBudgetError) as refused:
+            m.set_budget("cuda:0", smaller)
+        assert m.snapshot() == before  # nothing released, nothing changed
+        (note,) = refused.value.__notes__
+        assert f"manager.reclaim('cuda:0', {charged - smaller})" in note
+        assert m.reclaim("cuda:0", charged - smaller) > 0  # as the note says
+        with anyio.fail_after(10):
+            while m.snapshot().location("cuda:0").charged_bytes > smaller:
+                await m.wait_for_change()
+        m.set_budget("cuda:0", smaller)
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
         await streamed.aclose()
 
 

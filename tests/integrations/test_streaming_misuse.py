@@ -667,6 +667,56 @@ async def test_closing_the_manager_while_a_block_waits_for_room_raises_manager_c
     await streamed.aclose()
 
 
+@pytest.mark.parametrize("ring, host", WAYS)
+async def test_a_call_that_starts_as_the_manager_closes_names_the_module(
+    ring: bool | None, host: HostKind
+) -> None:
+    """A call queued behind another when the manager closes, and a call made after it closed,
+    raised the manager's own ``ManagerClosedError`` ("the manager is closed: it carries out
+    nothing more", or, without a ring, "... it has no loop to call"), which named no module:
+    both name it and say the manager closed, so the call could not start."""
+    model = GatedNet()
+    gate = model.gate
+    gate.go.clear()
+    gate.entered.clear()
+    raised: dict[str, BaseException] = {}
+
+    async def call(name: str, streamed: StreamedModule) -> None:
+        try:
+            with anyio.fail_after(20), torch.no_grad():
+                await streamed(torch.randn(2, 16))
+        except Exception as error:
+            raised[name] = error
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            m = ResidencyManager(backend="sim")
+            await m.__aenter__()
+            try:
+                streamed = stream_module(m, model, prefetch=1, ring=ring, host=host, name="gated")
+                tasks.start_soon(call, "running", streamed)
+                await anyio.to_thread.run_sync(gate.entered.wait, 20)
+                tasks.start_soon(call, "queued", streamed)
+                await anyio.wait_all_tasks_blocked()  # it waits for the running call's turn
+            finally:
+                await m.__aexit__(None, None, None)
+                gate.go.set()
+        await call("after", streamed)
+    finally:
+        gate.go.set()
+    assert sorted(raised) == ["after", "queued", "running"], raised
+    assert all(isinstance(error, ManagerClosedError) for error in raised.values()), raised
+    assert str(raised["running"]).startswith("gated: the manager closed during the call")
+    for name in ("queued", "after"):
+        assert str(raised[name]).startswith(
+            "gated: the manager closed, so this call cannot start (the manager is closed"
+        ), raised[name]
+    # from another thread too (it had "the manager is closed: it has no loop to call")
+    with pytest.raises(ManagerClosedError, match=r"^gated: the manager closed, so this call"):
+        await anyio.to_thread.run_sync(streamed.call_threadsafe, torch.randn(2, 16))
+    await streamed.aclose()
+
+
 async def test_a_module_streamed_by_another_manager_is_refused_until_aclose() -> None:
     """The same module streamed by a second manager would point its tensors at the second
     manager's host copy, and break the first streamed module for good: refused, naming the

@@ -13,11 +13,14 @@ import torch
 
 from aresidency import (
     CallableSource,
+    Materialize,
     ReplicaMode,
     ResidencyBudgetError,
     ResidencyInUseError,
     ResidencyManager,
+    ResidencyPlan,
     ResidencyPlanError,
+    ResidencyPlanExecutionError,
     ResidencyUnavailableError,
 )
 from aresidency.backends.sim import SimBackend
@@ -267,6 +270,82 @@ async def test_reconstruction_is_refused_when_source_location_budget_is_too_smal
             await m.materialize(h, "cuda:0")
         assert str(info.value.location) == "pageable-host"
         assert m.state_version == version
+
+
+async def test_value_ids_count_values_only_not_copies() -> None:
+    """Value ids shared a counter with copy tickets: with a copy between registrations, the
+    fifth value printed as '#9'. Values count on their own (1, 2, 3... in registration
+    order, never reused after a discard, so handles stay unique per manager); copies, loads
+    and moves in between take none of them."""
+    async with ResidencyManager(backend="sim") as m:
+        handles = []
+        for i in range(6):
+            if i == 2:
+                source = CallableSource(lambda: torch.ones(16), shape=(16,), dtype=torch.float32)
+                handle = m.register_source(source, name=f"v{i}")
+            else:
+                handle = m.register(torch.zeros(16), name=f"v{i}")
+            await m.materialize(handle, "cuda:0")  # a copy (a load for v2) between each
+            await m.move(handle, "pinned-host")
+            handles.append(handle)
+            if i == 3:
+                await m.discard(handle)  # its id is not given again
+        assert [h.value_id for h in handles] == [1, 2, 3, 4, 5, 6]
+        assert str(handles[4]) == "value v4 (#5)"
+        assert len(set(handles)) == 6
+        assert sorted(h.value_id for h in m.snapshot().values) == [1, 2, 3, 5, 6]
+
+
+class GoneFile:
+    """A source (the protocol, not a CallableSource) whose file is gone: ``load()`` raises
+    the same ``OSError`` each time."""
+
+    shape = (4,)
+    dtype = torch.float32
+    source_location = Location("pageable-host")
+
+    def __init__(self) -> None:
+        self.error = FileNotFoundError("shard-00002.safetensors is gone")
+
+    def load(self) -> torch.Tensor:
+        raise self.error
+
+
+@pytest.mark.parametrize("kind", ["callable", "protocol"])
+async def test_a_source_whose_load_raises_keeps_its_exception_with_a_note_naming_the_value(
+    kind: str,
+) -> None:
+    """A source's ``load()`` raised ``OSError``: a direct materialize surfaced it as it was,
+    without saying which value it was rebuilding. It keeps its type (code catches it), with a
+    note naming the value and the location it was being rebuilt at (once, however often the
+    same exception is raised); a scope's execution error, which names the action, says the
+    same; nothing changed."""
+    gone = GoneFile()
+    source = (
+        gone if kind == "protocol" else CallableSource(gone.load, shape=(4,), dtype=torch.float32)
+    )
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register_source(source, name="w1")
+        before = m.snapshot()
+        for location in ("cuda:0", "cuda:0", "pinned-host"):
+            with pytest.raises(FileNotFoundError, match="is gone") as info:
+                await m.materialize(h, location)
+            assert info.value is gone.error
+            assert m.snapshot().value(h) == before.value(h)
+        notes = [
+            f"while rebuilding {h} at {where}: load() of its source {source!r} raised this "
+            "FileNotFoundError"
+            for where in ("cuda:0", "pinned-host")
+        ]
+        assert gone.error.__notes__ == notes  # one each, the latest rebuild's last
+        with pytest.raises(ResidencyPlanExecutionError) as failed:
+            async with m.scope(ResidencyPlan(enter=[Materialize(h, "cuda:0")])):
+                pass
+        assert failed.value.__cause__ is gone.error
+        assert f"Materialize('w1', cuda:0): enter failed: {gone.error} ({notes[0]})" in str(
+            failed.value
+        )
+        assert m.snapshot().value(h) == before.value(h)
 
 
 async def test_cancelling_a_pending_operation_from_another_thread_fails_and_cancels_nothing() -> (

@@ -17,9 +17,13 @@ from aresidency import (
     MemoryReservation,
     Move,
     ResidencyBudgetError,
+    ResidencyController,
+    ResidencyInUseError,
     ResidencyManager,
     ResidencyPlan,
     ResidencyPlanError,
+    ResidencyRequest,
+    ResidencyRequirement,
 )
 
 pytestmark = pytest.mark.anyio
@@ -152,11 +156,52 @@ async def test_a_lease_entered_in_a_callback_on_behalf_of_a_task_is_that_tasks()
         assert (str(where), kind, owner) == ("cuda:0", "read lease", ref.name)
         # What the task holds itself: 2 MiB more at cuda:0 could come only once it ended.
         stuck = m.waiting_on_itself(2 * MIB, "cuda:0", what="a test's wait")
-        assert stuck is not None and "1 lease(s) or hold(s) (v0 at cuda:0)" in str(stuck)
+        assert stuck is not None and "(1 lease (v0 at cuda:0))" in str(stuck)
         with pytest.raises(TypeError, match="on_behalf_of must be a TaskRef"):
             m.acquire(v[0], "cuda:0", on_behalf_of="me")  # type: ignore[arg-type]
         entered[0].exit_nowait()  # type: ignore[attr-defined]
         assert m.owners() == []
+
+
+@pytest.mark.parametrize("holding", ["lease", "hold"])
+@pytest.mark.parametrize("how", ["manual", "controller"])
+async def test_a_refusal_of_a_wait_on_itself_says_what_the_task_holds(
+    holding: str, how: str
+) -> None:
+    """A scope (manual or the controller's) that must move a value out of where the entering
+    task itself leases it is refused at once (hold and wait). The refusal said
+    ``use_count=0, hold_count=1`` (the check's simulation stood the lease in as a hold) and
+    then "1 lease(s) or hold(s)": it says what the task holds, a lease or a hold, in both
+    halves; the decision is the same."""
+    async with ResidencyManager(budgets={"cuda:0": 2 * MIB}, backend="sim") as m:
+        (v,) = values(m, 1)
+        await m.materialize(v, "cuda:0")
+        held = m.acquire(v, "cuda:0") if holding == "lease" else m.hold(v, "cuda:0")
+        async with held:
+            before = m.snapshot()
+            with anyio.fail_after(10), pytest.raises(ResidencyPlanError) as info:
+                if how == "manual":
+                    async with m.scope(ResidencyPlan(reclaim=[Move(v, "pinned-host")])):
+                        pytest.fail("admitted")
+                else:
+                    request = ResidencyRequest("r", [ResidencyRequirement(v, "pinned-host")])
+                    async with ResidencyController(m).scope(request, timeout=None):
+                        pytest.fail("admitted")
+            assert m.snapshot() == before
+        error = info.value
+        assert error.hold_and_wait
+        counts = "use_count=1, hold_count=0" if holding == "lease" else "use_count=0, hold_count=1"
+        assert f"cannot move out of value v0 (#1) at cuda:0: it is protected by {counts}," in str(
+            error
+        )
+        assert f"waiting task holds itself stands in the way (1 {holding} (v0 at cuda:0))" in str(
+            error
+        )
+        assert "lease(s) or hold(s)" not in str(error)
+        if how == "manual":
+            cause = error.__cause__
+            assert isinstance(cause, ResidencyInUseError)
+            assert (cause.use_count, cause.hold_count) == ((1, 0) if holding == "lease" else (0, 1))
 
 
 async def test_reclaimable_changed_wakes_only_while_someone_waits_for_room() -> None:

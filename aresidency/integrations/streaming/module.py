@@ -819,9 +819,13 @@ class StreamedModule:
         the last call's plan): ``kept`` (group names: the resident group, then blocks in call
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
-        window), ``budget_bytes``, ``others_bytes`` (what other tenants hold at the device),
-        ``reason`` (a sentence). Before the first call: the plan the first call would make
-        now."""
+        window: ``prefetch + 1`` x the largest block, or, when the budget leaves room for
+        fewer blocks beside the tensors outside the blocks and what other tenants hold, the
+        bytes a call really uses: its ring's slots, or the blocks it copies at once),
+        ``window_blocks`` (how many blocks that is), ``budget_bytes``, ``others_bytes`` (what
+        other tenants hold at the device), ``reason`` (a sentence, which says when the window
+        is smaller than ``prefetch + 1`` blocks). Before the first call: the plan the first
+        call would make now."""
         return describe(
             self.manager.state,
             self.device,
@@ -832,6 +836,7 @@ class StreamedModule:
             prefetch=self.prefetch,
             keep_resident=self.keep_resident,
             own_reserved=self._ring_bytes(),
+            ring=self.ring,
         )
 
     # -- releases
@@ -1092,16 +1097,34 @@ class StreamedModule:
         """One call: the module's forward (``generate`` is None) or its generate loop."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        self.manager.check_thread()
+        self._check_manager()
         self._check_inference(args, kwargs)
         async with self._lock:
             if self._closed:
                 # aclose() ran while this call waited for the one before it
                 raise RuntimeError(f"{self!r} is closed")
+            self._check_manager()  # (it may have closed while this call waited)
             async with _AdmissionTurn(self.manager, self.device) as turn:
                 if self._closed:
                     raise RuntimeError(f"{self!r} is closed")
+                self._check_manager()
                 return await self._call(turn, generate, args, kwargs)
+
+    def _check_manager(self) -> None:
+        """``manager.check_thread()``, with a ``ManagerClosedError`` that names this module
+        once the manager is closing or closed: the call cannot start."""
+        try:
+            self.manager.check_thread()
+        except ManagerClosedError as error:
+            raise ManagerClosedError(
+                f"{self.name}: the manager closed, so this call cannot start ({error}); a "
+                "streamed module runs only while its manager does (inside 'async with "
+                "ResidencyManager(...)')"
+            ) from error
+
+    def _names_this_module(self, error: BaseException) -> bool:
+        """Whether ``error`` is a ``ManagerClosedError`` of ours (naming this module)."""
+        return isinstance(error, ManagerClosedError) and str(error).startswith(f"{self.name}: ")
 
     async def _call(
         self,
@@ -1145,9 +1168,10 @@ class StreamedModule:
                 raise call.failures[0]
             return result
         except Exception as error:
-            if not self.manager.running and not isinstance(error, ManagerClosedError):
+            if not self.manager.running and not self._names_this_module(error):
                 # The manager closed under the call: whatever broke (a stream of its closed
-                # backend, a lease), the reason is that.
+                # backend, a lease, the manager's own ManagerClosedError, which names no
+                # module), the reason is that.
                 closed = ManagerClosedError(
                     f"{self.name}: the manager closed during the call ({error})"
                 )
@@ -1165,7 +1189,12 @@ class StreamedModule:
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
         event loop: blocks that thread (not the loop) until the call returns."""
-        bridge = self.manager.bridge
+        try:
+            bridge = self.manager.bridge
+        except ManagerClosedError as error:
+            raise ManagerClosedError(
+                f"{self.name}: the manager closed, so this call cannot start ({error})"
+            ) from error
         if bridge.on_loop():
             raise RuntimeError("call_threadsafe from the event loop's thread would deadlock")
         return bridge.run_async(self.__call__, *args, **kwargs)

@@ -17,7 +17,7 @@ from ...core.sizes import format_nbytes
 from ...core.state import ResidencyState
 from .packing import TensorGroup
 
-__all__ = ["describe", "others_bytes", "spread"]
+__all__ = ["describe", "others_bytes", "spread", "window_blocks"]
 
 
 def spread(groups: Sequence[TensorGroup], room: int) -> set[int]:
@@ -60,6 +60,25 @@ def others_bytes(state: ResidencyState, device: Location, groups: Sequence[Tenso
     return ledger.charged_bytes - ours
 
 
+def window_blocks(
+    budget: int | None,
+    others: int,
+    held: int,
+    largest: int,
+    prefetch: int,
+) -> int:
+    """How many blocks a call's prefetch window really holds at once: ``prefetch + 1``, or,
+    when the budget less what other tenants hold (``others``) and what the call holds for its
+    whole length (``held``: the tensors outside the blocks, the kept blocks) leaves room for
+    fewer blocks of ``largest`` bytes, that many (at least one: a call waits for room for one
+    block and runs with it). A ring has that many slots; a call without one copies at most that
+    many blocks at once."""
+    want = prefetch + 1
+    if budget is None or largest <= 0:
+        return want
+    return max(1, min(want, (budget - others - held) // largest))
+
+
 def describe(
     state: ResidencyState,
     device: Location,
@@ -71,11 +90,15 @@ def describe(
     prefetch: int,
     keep_resident: bool,
     own_reserved: int = 0,
+    ring: bool = True,
 ) -> dict[str, Any]:
     """Which of the groups (``blocks`` in call order, and the ``resident`` one) stay, and why:
     see :meth:`~aresidency.integrations.streaming.module.StreamedModule.residency`.
-    ``own_reserved``: what the module itself reserves at ``device`` (its calls' rings), which
-    is not another tenant's."""
+    ``window_bytes``: the room the plan leaves for the prefetch window (``prefetch + 1`` x the
+    largest block); when the budget leaves less, what is reported is what a call really uses
+    (:func:`window_blocks`). ``own_reserved``: what the module itself reserves at ``device``
+    (its calls' rings), which is not another tenant's. ``ring``: whether calls copy through a
+    ring (for the wording)."""
     ledger = state.find_ledger(device)
     budget = None if ledger is None else ledger.budget_bytes
     groups = [*blocks] if resident is None else [*blocks, resident]
@@ -85,12 +108,48 @@ def describe(
     kept_bytes = sum(g.charge_bytes for g in staying)
     streamed = [g for g in groups if g.index not in kept]
     total = sum(g.charge_bytes for g in groups)
+    others = None if ledger is None else others_bytes(state, device, groups) - own_reserved
+    # What a call really has room for: the blocks it copies, beside what it holds throughout
+    # (the kept groups, and the tensors outside the blocks even when they are not kept).
+    copied = [g for g in blocks if g.index not in kept]
+    largest = max((g.charge_bytes for g in copied), default=0)
+    held = kept_bytes
+    if resident is not None and resident.index not in kept:
+        held += resident.charge_bytes
+    slots = window_blocks(budget, others or 0, held, largest, prefetch)
+    shrunk = bool(copied) and slots < prefetch + 1
+    if shrunk:
+        window_bytes = slots * largest
+    room = (
+        ""
+        if budget is None
+        else (
+            f"the {format_nbytes(budget)} budget, less the tensors outside the blocks and what "
+            f"other tenants hold, has room for {slots} of the {prefetch + 1} blocks of the "
+            f"prefetch window (prefetch={prefetch}): "
+            + (
+                f"the ring runs with {slots} slot(s) of {format_nbytes(largest)}"
+                if ring
+                else f"a call copies at most {slots} block(s) of {format_nbytes(largest)} at once"
+            )
+            + f" ({format_nbytes(window_bytes)}, the window_bytes reported)"
+        )
+    )
     if not keep_resident:
         reason = "keep_resident=False: every block is released after use"
+        if shrunk:
+            reason += f"; {room}"
     elif budget is None:
         reason = f"{device} has no strict budget, so nothing stays between calls"
     elif not streamed:
         reason = "the whole model fits beside the prefetch window: nothing is copied"
+    elif shrunk:
+        reason = (
+            f"{len(staying)} of {len(groups)} groups ({format_nbytes(kept_bytes)}) stay: "
+            f"{room}, so {'the' if staying else 'all'} {len(streamed)} "
+            f"{'others' if staying else 'groups'} ({format_nbytes(total - kept_bytes)}) are "
+            "copied on each call"
+        )
     else:
         reason = (
             f"{len(staying)} of {len(groups)} groups ({format_nbytes(kept_bytes)}) stay: what "
@@ -106,9 +165,8 @@ def describe(
         "kept_bytes": kept_bytes,
         "streamed_bytes": total - kept_bytes,
         "window_bytes": window_bytes,
+        "window_blocks": slots,
         "budget_bytes": budget,
-        "others_bytes": (
-            None if ledger is None else others_bytes(state, device, groups) - own_reserved
-        ),
+        "others_bytes": others,
         "reason": reason,
     }
