@@ -177,6 +177,71 @@ async def test_a_streamed_call_and_a_loader_that_wait_for_each_others_model(ring
         await pool.aclose()
 
 
+async def test_a_streamed_call_whose_resident_tensors_are_on_their_way_still_closes_the_cycle() -> (
+    None
+):
+    # As above (pipeline), with the copy of the streamed module's tensors outside the blocks
+    # (embedding, head) still in flight when the loader's wait registers: the call leases
+    # them for its whole length once they land, so they are the calling task's, not room the
+    # module gives back. Counted as given back, the streamed call's wait seemed able to end,
+    # the loader's wait was registered beside it and both waited for ever (seen under load).
+    import threading
+
+    from aresidency.integrations import stream_module
+
+    async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+        pool = pool_of(m, "ab")
+        other = TinyLM(seed=5)
+        expected = reference(other, TOKENS)
+        streamed = stream_module(m, other, ring=False, prefetch=1, name="s")
+        held = [anyio.Event(), anyio.Event()]
+        outcome: dict[int, object] = {}
+        gate = threading.Event()
+
+        async def caller() -> None:
+            async with pool.use("a"):
+                held[0].set()
+                await held[1].wait()
+                h2d = m.backend.device_streams(0).h2d  # type: ignore[attr-defined]
+                h2d.submit(lambda: gate.wait(10))  # holds up the copy of s's resident tensors
+                outcome[0] = torch.equal(await streamed(TOKENS), expected)
+
+        async def with_loader() -> None:
+            async with pool.use("b"):
+                held[1].set()
+                await held[0].wait()
+                await eventually(lambda: any(w[3].startswith("s: ") for w in m.room_waits()))
+                try:
+                    async with DeviceLoader(m, [torch.randn(BATCH)], "cuda:0") as loader:
+                        async for _ in loader:
+                            pass
+                    outcome[1] = "done"
+                except ResidencyBudgetError as error:
+                    outcome[1] = error
+
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(caller)
+                    tasks.start_soon(with_loader)
+                    await eventually(
+                        lambda: 1 in outcome or any("batch" in w[3] for w in m.room_waits())
+                    )
+                    # refused at once, the resident tensors' copy still held up
+                    assert 1 in outcome, m.room_waits()
+                    gate.set()
+        finally:
+            gate.set()
+        assert outcome[0] is True, outcome
+        error = outcome[1]
+        assert isinstance(error, ResidencyBudgetError), outcome
+        assert "hold and wait" in str(error) and "s: s.block0" in str(error), str(error)
+        assert m.room_waits() == []
+        await streamed.aclose()
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()
+
+
 async def test_two_loaders_kept_out_by_a_value_another_tenant_moves_are_not_refused() -> None:
     # Each handler holds its model and its loader's batch (three models' bytes) would not fit
     # even once both requests ended: a value nobody protects (2.5 models' bytes) takes the

@@ -718,10 +718,18 @@ class StreamedModule:
     def unprotected_handles(self) -> list[ValueHandle]:
         """The module's values nothing protects at the device now: what a wait for room
         counts as given back (the module releases them itself as it goes), unlike what the
-        waiting call leases there."""
+        waiting call leases there. The resident group is the call's while one is in flight,
+        on its way in too (its copy in flight, or landed and not leased yet): the call leases
+        it for its whole length and never gives it back. Counted as given back, the call's
+        wait would seem able to end, and a wait closing a cycle with it would not be
+        refused (see :meth:`ResidencyManager.room_wait`)."""
         state = self.manager.state
+        resident = self.resident_group
+        ours = None if resident is None or self.current_call is None else resident.handle
         out = []
         for handle in self.handles:
+            if handle is ours:
+                continue
             value = state.find_value(handle)
             mat = None if value is None else value.materializations.get(self.device)
             if mat is None or not mat.protected:
