@@ -19,6 +19,10 @@ Every field is an attribute; ``str(error)`` is built from the fields and says wh
 locations as strings, plans, decisions and reports summarized, the chained cause nested), for
 logs and for ``manager.dump``. Errors pickle and unpickle with their fields intact (the chained
 cause, as for any exception, does not travel).
+
+Why this module is long: it is the whole hierarchy above, and each class carries its fields,
+the message built from them, its ``to_dict`` and its pickling; kept together so that a field
+added to one error is seen beside the others' and the serialization rules stay one set.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -243,14 +243,6 @@ def frozen(model: M) -> M:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model
-
-
-@pytest.fixture(autouse=True)
-def grad_mode_left_on() -> Iterator[None]:
-    yield
-    if not torch.is_grad_enabled():
-        torch.set_grad_enabled(True)
-        pytest.fail("the test left grad mode disabled in the loop's thread")
 
 
 async def _two_modules(seed: int) -> None:
