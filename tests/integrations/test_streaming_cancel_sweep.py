@@ -142,6 +142,53 @@ async def test_streamed_calls_cancelled_at_any_turn_leave_nothing(
     assert cancelled > 0  # the sweep cut stories short (the rest ran to their end)
 
 
+async def closing_manager(
+    ring: bool | None, body: Callable[[Bench, anyio.Event, anyio.Event], Awaitable[None]]
+) -> None:
+    """A manager entered in a task of its own that closes when ``body`` sets its first event
+    (the second is set once it closed); the body runs on the bench beside it."""
+    close_now, closed, ready = anyio.Event(), anyio.Event(), anyio.Event()
+    box: list[Bench] = []
+
+    async def owner() -> None:
+        async with ResidencyManager(budgets={"cuda:0": BUDGET}, backend="sim") as m:
+            box.append(Bench(m, ring))
+            box[0].closing = True
+            ready.set()
+            await close_now.wait()
+        closed.set()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(owner)
+            await ready.wait()
+            await body(box[0], close_now, closed)
+
+
+@pytest.mark.parametrize("ring", RINGS)
+@pytest.mark.parametrize("kind", STORIES)
+async def test_streamed_calls_with_the_manager_closing_at_any_turn_end(
+    kind: str, ring: bool | None
+) -> None:
+    total = await turns_of(kind, ring)
+    closed_under = 0
+    for k in sweep_points(total):
+
+        async def body(
+            bench: Bench, close_now: anyio.Event, closed: anyio.Event, k: int = k
+        ) -> None:
+            nonlocal closed_under
+            await cut_after(k, story_of(kind, bench), close_now.set)
+            closed_under += bool(bench.closed_under)
+            await closed.wait()
+            for streamed in bench.streamed:
+                await streamed.aclose()
+            bench.check_closed()
+
+        await closing_manager(ring, body)
+    assert closed_under > 0
+
+
 @pytest.mark.parametrize("ring", RINGS)
 async def test_a_close_cancelled_at_any_turn_still_closes(ring: bool | None) -> None:
     """``aclose()`` alone, cancelled at every one of its turns (after a call that left
@@ -162,3 +209,4 @@ async def test_a_close_cancelled_at_any_turn_still_closes(ring: bool | None) -> 
             bench = Bench(m, ring)
             await cut_after(k, await closed_after_a_call(bench))  # (cancelled, or closed)
             await bench.check_after_cancel()
+
