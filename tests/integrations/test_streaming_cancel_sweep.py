@@ -209,4 +209,3 @@ async def test_a_close_cancelled_at_any_turn_still_closes(ring: bool | None) -> 
             bench = Bench(m, ring)
             await cut_after(k, await closed_after_a_call(bench))  # (cancelled, or closed)
             await bench.check_after_cancel()
-
