@@ -862,8 +862,11 @@ class ModelPool:
                 self._refuse_removal_waiting_on_itself(entry, task)
         except BaseException:
             entry.removers -= 1
-            if not entry.removers and not entry.removing.is_set():
-                entry.removing = None  # nobody removes it now (nothing else changed): it serves
+            if not entry.removers and entry.closing is None:
+                # Nobody removes it now (nothing else changed): it serves. Even when its last
+                # request ended as the cancellation came (the removal was free to go on): left
+                # marked, it took no request and its name stayed taken, for ever.
+                entry.removing = None
             raise
         entry.removers -= 1
         # From here on the removal completes (every remover closes it: once, see _close_entry;
