@@ -232,3 +232,45 @@ async def test_requests_with_the_manager_closing_at_any_turn_end(
                 refused += bool(bench.refused)
                 await bench.check_after()
     assert refused > 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # two native cancellations, in order
+async def test_a_removal_cancelled_with_its_models_last_request_leaves_it_serving(
+    anyio_backend: str,
+) -> None:
+    """The removal waiting for the model's last request is cancelled (``task.cancel()``) in
+    the step where that request ended, its wake-up already due: it saw the cancellation
+    with its wait over, and left the model marked as being removed (every request refused
+    with ``KeyError``, its name taken) for ever. It serves now, as after any cancelled
+    removal."""
+    import asyncio
+
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m)
+        pool.add("a", TinyLM(seed=1))
+        inside, go_on = anyio.Event(), anyio.Event()
+        tasks: list[asyncio.Task[None]] = []
+
+        async def request() -> None:
+            async with pool.use("a"):
+                inside.set()
+                await go_on.wait()
+            tasks[0].cancel()  # (the removal's wait just ended)
+
+        loop = asyncio.get_running_loop()
+        with anyio.fail_after(10):
+            serving = loop.create_task(request())
+            await inside.wait()
+            tasks.append(loop.create_task(pool.remove("a")))
+            await anyio.wait_all_tasks_blocked()  # the removal waits for the request
+            go_on.set()
+            await serving
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[0]
+            assert pool.models == ["a"]
+            async with pool.use("a") as model:
+                assert torch.equal(await model(TOKENS), reference(model.module, TOKENS))
+            assert_nothing_leaked(m, pool)
+            await pool.remove("a")
+        assert pool.models == []
+        await pool.aclose()
