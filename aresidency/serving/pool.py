@@ -840,7 +840,10 @@ class ModelPool:
         waits, in line or for room, for room the calling task holds (its own requests of the
         pool, a reservation block, a scope: hold and wait, as for nested requests), at once
         or as soon as such a wait begins. Cancelled (or refused) while it waits, and no other
-        removal of it waiting, the model stays in the pool, serving."""
+        removal of it waiting, the model stays in the pool, serving.
+
+        Its demand history goes with it: a model added later under the same name (a hot
+        swap) starts with no demand, as any new model."""
         self._check_open()
         self.manager.check_thread()
         entry = self._entry(name)
@@ -879,6 +882,7 @@ class ModelPool:
             removed = self._entries.get(name) is entry
             if removed:
                 del self._entries[name]
+                self.demand.forget(name)  # (unique names, added and removed, would pile up)
             for handle in entry.handles:
                 self._owner.pop(handle, None)
             entry.removed.set()
