@@ -649,7 +649,7 @@ class ModelPool:
                 f"fallback_graph must be an aresidency.FallbackGraph or None, got "
                 f"{fallback_graph!r}; build one with FallbackGraph(...) or FallbackGraph.default()"
             )
-        self.demand = DemandTracker(demand_half_life, clock=clock)
+        self.demand = DemandTracker(demand_half_life, clock=clock, argument="demand_half_life")
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()
         pool_costs = CostModel(

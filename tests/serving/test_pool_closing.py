@@ -221,3 +221,14 @@ async def test_a_switch_that_is_not_true_or_false_is_refused_by_name(
         pool = ModelPool(m, **{keyword: False})
         assert getattr(pool, keyword) is False
         await pool.aclose()
+
+
+@pytest.mark.parametrize("half_life", [0, -1.0, float("inf"), "30", True])
+async def test_a_bad_demand_half_life_is_refused_under_its_own_name(half_life: Any) -> None:
+    # The error said "half_life", a keyword the pool does not have.
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises((TypeError, ValueError), match=r"^demand_half_life must be a"):
+            ModelPool(m, demand_half_life=half_life)
+        with pytest.raises((TypeError, ValueError), match=r"^half_life must be a"):
+            DemandTracker(half_life)
+
