@@ -739,18 +739,22 @@ class ModelPool:
                     "returned; add the new version after it, or under another name"
                 )
             raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
-        if isinstance(module, nn.Module):
-            mine = {id(sub) for sub in module.modules()}
-            for other in self._entries.values():
-                if any(id(sub) in mine for sub in other.streamed.module.modules()):
-                    # Its tensors would be registered twice: twice the device bytes, and two
-                    # copies of one weight that could disagree.
-                    raise ValueError(
-                        f"{type(module).__name__} is (or shares submodules with) the module "
-                        f"already pooled as {other.name!r}; use that name for its requests, or "
-                        "pool a separate copy (copy.deepcopy) under a new name"
-                    )
-            self._refuse_shared_tensors(module)
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"pool.add takes an nn.Module as the model named {name!r}, got "
+                f"{type(module).__name__}"
+            )
+        mine = {id(sub) for sub in module.modules()}
+        for other in self._entries.values():
+            if any(id(sub) in mine for sub in other.streamed.module.modules()):
+                # Its tensors would be registered twice: twice the device bytes, and two
+                # copies of one weight that could disagree.
+                raise ValueError(
+                    f"{type(module).__name__} is (or shares submodules with) the module "
+                    f"already pooled as {other.name!r}; use that name for its requests, or "
+                    "pool a separate copy (copy.deepcopy) under a new name"
+                )
+        self._refuse_shared_tensors(module)
         streamed = PooledStreamedModule(
             self.manager,
             module,

@@ -232,3 +232,16 @@ async def test_a_bad_demand_half_life_is_refused_under_its_own_name(half_life: A
         with pytest.raises((TypeError, ValueError), match=r"^half_life must be a"):
             DemandTracker(half_life)
 
+
+async def test_adding_a_model_that_is_not_a_module_names_pool_add() -> None:
+    # It said "stream_module takes an nn.Module", a call the user never made.
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        before = m.snapshot()
+        with pytest.raises(
+            TypeError, match=r"^pool.add takes an nn.Module as the model named 'x', got str"
+        ):
+            pool.add("x", "notamodule")  # type: ignore[arg-type]
+        assert pool.models == [] and m.snapshot() == before
+        pool.add("x", TinyLM(seed=1))  # the name is still free
+        await pool.aclose()
