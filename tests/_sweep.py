@@ -18,7 +18,7 @@ import anyio.lowlevel
 HANG_S = 20
 
 #: How many points a sweep tries by default.
-POINTS = 6
+POINTS = 5
 
 
 def sweep_points(total: int, points: int = POINTS) -> range:
