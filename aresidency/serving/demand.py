@@ -60,12 +60,18 @@ class DemandTracker:
     """
 
     def __init__(
-        self, half_life: float = 30.0, *, clock: Callable[[], float] = time.monotonic
+        self,
+        half_life: float = 30.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        argument: str = "half_life",
     ) -> None:
+        # ``argument``: the name the caller took ``half_life`` under, for its errors (a
+        # pool's ``demand_half_life``).
         if isinstance(half_life, bool) or not isinstance(half_life, (int, float)):
-            raise TypeError(f"half_life must be a number of seconds, got {half_life!r}")
+            raise TypeError(f"{argument} must be a number of seconds, got {half_life!r}")
         if not (half_life > 0 and math.isfinite(half_life)):
-            raise ValueError(f"half_life must be a finite number of seconds > 0, got {half_life}")
+            raise ValueError(f"{argument} must be a finite number of seconds > 0, got {half_life}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         # Read once now: a clock of another kind (datetime.now) would fail every request, the
@@ -103,6 +109,7 @@ class DemandTracker:
         return {name: self._decayed(name, now) * scale for name in names}
 
     def forget(self, name: str) -> None:
+        """Drop the history of ``name`` (a model that left the pool)."""
         self._counts.pop(name, None)
 
     def __repr__(self) -> str:

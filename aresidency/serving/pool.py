@@ -649,7 +649,7 @@ class ModelPool:
                 f"fallback_graph must be an aresidency.FallbackGraph or None, got "
                 f"{fallback_graph!r}; build one with FallbackGraph(...) or FallbackGraph.default()"
             )
-        self.demand = DemandTracker(demand_half_life, clock=clock)
+        self.demand = DemandTracker(demand_half_life, clock=clock, argument="demand_half_life")
         self.view = DemandView(manager)
         base = cost_model if cost_model is not None else CostModel()
         pool_costs = CostModel(
@@ -739,18 +739,22 @@ class ModelPool:
                     "returned; add the new version after it, or under another name"
                 )
             raise ValueError(f"a model named {name!r} is already in the pool; pick another name")
-        if isinstance(module, nn.Module):
-            mine = {id(sub) for sub in module.modules()}
-            for other in self._entries.values():
-                if any(id(sub) in mine for sub in other.streamed.module.modules()):
-                    # Its tensors would be registered twice: twice the device bytes, and two
-                    # copies of one weight that could disagree.
-                    raise ValueError(
-                        f"{type(module).__name__} is (or shares submodules with) the module "
-                        f"already pooled as {other.name!r}; use that name for its requests, or "
-                        "pool a separate copy (copy.deepcopy) under a new name"
-                    )
-            self._refuse_shared_tensors(module)
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"pool.add takes an nn.Module as the model named {name!r}, got "
+                f"{type(module).__name__}"
+            )
+        mine = {id(sub) for sub in module.modules()}
+        for other in self._entries.values():
+            if any(id(sub) in mine for sub in other.streamed.module.modules()):
+                # Its tensors would be registered twice: twice the device bytes, and two
+                # copies of one weight that could disagree.
+                raise ValueError(
+                    f"{type(module).__name__} is (or shares submodules with) the module "
+                    f"already pooled as {other.name!r}; use that name for its requests, or "
+                    "pool a separate copy (copy.deepcopy) under a new name"
+                )
+        self._refuse_shared_tensors(module)
         streamed = PooledStreamedModule(
             self.manager,
             module,
@@ -840,7 +844,10 @@ class ModelPool:
         waits, in line or for room, for room the calling task holds (its own requests of the
         pool, a reservation block, a scope: hold and wait, as for nested requests), at once
         or as soon as such a wait begins. Cancelled (or refused) while it waits, and no other
-        removal of it waiting, the model stays in the pool, serving."""
+        removal of it waiting, the model stays in the pool, serving.
+
+        Its demand history goes with it: a model added later under the same name (a hot
+        swap) starts with no demand, as any new model."""
         self._check_open()
         self.manager.check_thread()
         entry = self._entry(name)
@@ -862,8 +869,11 @@ class ModelPool:
                 self._refuse_removal_waiting_on_itself(entry, task)
         except BaseException:
             entry.removers -= 1
-            if not entry.removers and not entry.removing.is_set():
-                entry.removing = None  # nobody removes it now (nothing else changed): it serves
+            if not entry.removers and entry.closing is None:
+                # Nobody removes it now (nothing else changed): it serves. Even when its last
+                # request ended as the cancellation came (the removal was free to go on): left
+                # marked, it took no request and its name stayed taken, for ever.
+                entry.removing = None
             raise
         entry.removers -= 1
         # From here on the removal completes (every remover closes it: once, see _close_entry;
@@ -876,6 +886,7 @@ class ModelPool:
             removed = self._entries.get(name) is entry
             if removed:
                 del self._entries[name]
+                self.demand.forget(name)  # (unique names, added and removed, would pile up)
             for handle in entry.handles:
                 self._owner.pop(handle, None)
             entry.removed.set()

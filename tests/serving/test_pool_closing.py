@@ -221,3 +221,27 @@ async def test_a_switch_that_is_not_true_or_false_is_refused_by_name(
         pool = ModelPool(m, **{keyword: False})
         assert getattr(pool, keyword) is False
         await pool.aclose()
+
+
+@pytest.mark.parametrize("half_life", [0, -1.0, float("inf"), "30", True])
+async def test_a_bad_demand_half_life_is_refused_under_its_own_name(half_life: Any) -> None:
+    # The error said "half_life", a keyword the pool does not have.
+    async with ResidencyManager(backend="sim") as m:
+        with pytest.raises((TypeError, ValueError), match=r"^demand_half_life must be a"):
+            ModelPool(m, demand_half_life=half_life)
+        with pytest.raises((TypeError, ValueError), match=r"^half_life must be a"):
+            DemandTracker(half_life)
+
+
+async def test_adding_a_model_that_is_not_a_module_names_pool_add() -> None:
+    # It said "stream_module takes an nn.Module", a call the user never made.
+    async with ResidencyManager(backend="sim") as m:
+        pool = ModelPool(m)
+        before = m.snapshot()
+        with pytest.raises(
+            TypeError, match=r"^pool.add takes an nn.Module as the model named 'x', got str"
+        ):
+            pool.add("x", "notamodule")  # type: ignore[arg-type]
+        assert pool.models == [] and m.snapshot() == before
+        pool.add("x", TinyLM(seed=1))  # the name is still free
+        await pool.aclose()

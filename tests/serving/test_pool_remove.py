@@ -378,3 +378,21 @@ async def test_adding_a_new_version_while_the_old_one_is_being_removed_says_to_w
                 assert torch.equal(await model(TOKENS), reference(new, TOKENS))
         assert_nothing_leaked(m, pool)
         await pool.aclose()
+
+
+async def test_a_removed_models_demand_is_forgotten() -> None:
+    # A server that adds and removes uniquely named adapters: the demand tracker kept a count
+    # for every name ever removed, growing without bound. A removed name's demand goes with
+    # it (a new version under the same name starts with none, as any new model).
+    async with ResidencyManager(budgets={"cuda:0": 2 * TOTAL}, backend="sim") as m:
+        pool = ModelPool(m)
+        with anyio.fail_after(10):
+            for i in range(3):
+                pool.add(f"adapter-{i}", TinyLM(seed=i))
+                async with pool.use(f"adapter-{i}") as model:
+                    await model(TOKENS)
+                assert pool.demand.count(f"adapter-{i}") > 0
+                await pool.remove(f"adapter-{i}")
+                assert pool.demand.count(f"adapter-{i}") == 0
+        assert list(pool.demand._counts) == []
+        await pool.aclose()

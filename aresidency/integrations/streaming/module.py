@@ -37,6 +37,7 @@ from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
 from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
+from ...runtime.shield import finish_shielded
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
 from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
@@ -1214,8 +1215,10 @@ class StreamedModule:
         discard the values (their kept device replicas with them). The streamed module cannot
         be called afterwards. The calls running or queued before it end first, as they would
         (one waiting for room, as long as its ``timeout`` allows): cancel them to stop them
-        now. Loop thread, as every call: from another thread it raises ``RuntimeError`` and
-        closes nothing."""
+        now. Cancelled while it waits for them, nothing is closed; once they ended, the close
+        is carried out to the end (natively cancelled on asyncio too), then the cancellation
+        is raised. Loop thread, as every call: from another thread it raises ``RuntimeError``
+        and closes nothing."""
         if self._closed:
             return
         if not self.manager.running:
@@ -1223,22 +1226,30 @@ class StreamedModule:
             return
         self.manager.check_thread()
         async with self._lock:
-            self._closed = True
-            self._stop_offering()
-            try:
-                await self.drain()
-                self._apply_replaced(self._check_replaced())
-            finally:
-                self._threaded.close()
-                self._restore_host_tensors()
-                for group in self._registered:
-                    if group.hold is not None and group.hold.active:
-                        group.hold.release()
-                    if group.handle is not None:
-                        await self.manager.discard(group.handle)
-                self._registered.clear()
-                self.kept.clear()
-                self._close_checkpoint()
+            if self._closed:
+                return  # (closed by another aclose while this one waited for the lock)
+            # Cut short, the close left values registered and held that nothing would ever
+            # discard (a later aclose returns at once): it finishes, shielded.
+            await finish_shielded(self._close_now)
+
+    async def _close_now(self) -> None:
+        """:meth:`aclose` once the module's lock is held."""
+        self._closed = True
+        self._stop_offering()
+        try:
+            await self.drain()
+            self._apply_replaced(self._check_replaced())
+        finally:
+            self._threaded.close()
+            self._restore_host_tensors()
+            for group in self._registered:
+                if group.hold is not None and group.hold.active:
+                    group.hold.release()
+                if group.handle is not None:
+                    await self.manager.discard(group.handle)
+            self._registered.clear()
+            self.kept.clear()
+            self._close_checkpoint()
 
     def _close_after_manager(self) -> None:
         """``aclose()`` once the manager closed (and freed every replica): remove the hooks

@@ -72,6 +72,11 @@ __all__ = ["RingCall", "RingSlot"]
 _RESIDENT = MaterializationState.RESIDENT
 _DONE = HostEvent(done=True, label="host compute")
 
+#: How often a consumer thread waiting on the host for a block's copy looks whether the
+#: manager closed: a simulated stream drops the copies queued when its backend closes, and
+#: their events never complete.
+_CLOSE_CHECK_S = 0.05
+
 
 def _unkeep_if_failed(keep: set[int], index: int, pending: PendingOperation) -> None:
     """A copy of a group the module meant to keep ended after its call: if it failed (or was
@@ -574,7 +579,9 @@ class RingCall:
         self.taken.add(index)
         self._current = slot
         if self.host_wait:
-            event.wait_blocking()
+            while not event.wait_blocking(_CLOSE_CHECK_S):
+                if not self.manager.running:  # (its close may have dropped the copy)
+                    raise CallAborted(f"{self.streamed.name}: the manager closed")
             return RingSlot(views)
         return RingSlot(views, event)
 
