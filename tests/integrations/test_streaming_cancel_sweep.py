@@ -54,8 +54,9 @@ class Bench:
 
     async def call(self, which: int, shift: int = 0) -> None:
         try:
-            with torch.no_grad():
-                y = await self.streamed[which](X, shift=float(shift))
+            # (no torch.no_grad() around the await: tasks that run concurrently would exit
+            # theirs out of order and leave the thread's grad mode off; a call needs none)
+            y = await self.streamed[which](X, shift=float(shift))
         except ManagerClosedError as error:
             if not self.closing:
                 raise
