@@ -77,6 +77,7 @@ from ..core.trace import Transition
 from ..core.values import CopyTicket, ValueHandle
 from .payloads import Payload
 from .shield import wait_shielded
+from .signal import ManagerClosedError
 from .sources import CallableSource, check_loaded, note_load_failure
 
 if TYPE_CHECKING:
@@ -204,6 +205,16 @@ class PhaseRun:
         Errors of the actions are the run's (see :attr:`error`), never raised here."""
         assert not self.started, "a run starts once"
         self.started = True
+        if self._rt.frozen:
+            # The manager closed while the caller was between two steps (the completion that
+            # woke it woke the close first): the state is final and the backend closed, so
+            # nothing begins and the caller gets ManagerClosedError.
+            self.finished = True
+            self.error = ManagerClosedError(
+                f"the manager closed before this {self.phase} phase began; the state is "
+                "final, so nothing was changed"
+            )
+            return self
         self._rt.state.origin_recorders[self] = self.transitions
         self._rt.begin_work()
         if self._single is not None:

@@ -191,6 +191,9 @@ class Scope:
     def _reserve_all(self) -> None:
         if not self.plan.reserve:
             return
+        # The manager may have closed while the entry waited (its reclaim): nothing changes
+        # a final state.
+        self._rt.check_not_frozen(f"the entry of {self._name()}")
         state = self._rt.state
         with TransitionRecorder(state, self, self._transitions):
             for index, reservation in enumerate(self.plan.reserve):
@@ -293,7 +296,8 @@ class Scope:
                 rt.admission.release(claim)  # what it needs is charged: let the next in
         except BaseException as error:
             self.status = "failed"
-            self._unreserve_all(cleanup=True)
+            if not rt.frozen:  # else the state is final: what it reserved stays in it
+                self._unreserve_all(cleanup=True)
             if isinstance(error, ResidencyPlanExecutionError):
                 error.set_report(self.report)  # with the reservation clean-up included
             elif isinstance(error, ResidencyPlanError) and error.plan is None:
