@@ -8,7 +8,6 @@ loader ends closed, the source's thread is gone and nothing is left in the manag
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
+from _sweep import count_turns, sweep_points
 
 from aresidency import ResidencyManager
 from aresidency.backends.sim import SimBackend
@@ -31,20 +31,8 @@ pytestmark = pytest.mark.anyio
 
 async def turns_of_a_pass(make_source: Callable[[], Any], ring: bool | None) -> int:
     """How many loop turns the consumer below takes, uncancelled: the sweep's range."""
-    turns = 0
-    done = False
-
-    async def count() -> None:
-        nonlocal turns
-        while not done:
-            await anyio.lowlevel.checkpoint()
-            turns += 1
-
-    async with ResidencyManager(backend=SimBackend()) as m, anyio.create_task_group() as tasks:
-        tasks.start_soon(count)
-        await consume(m, make_source(), ring)
-        done = True
-    return turns
+    async with ResidencyManager(backend=SimBackend()) as m:
+        return await count_turns(lambda: consume(m, make_source(), ring))
 
 
 async def consume(m: ResidencyManager, source: Any, ring: bool | None) -> int:
@@ -109,13 +97,6 @@ class Sources:
             source.close()
 
 
-def sweep_points(total: int) -> range:
-    """The turns to cancel after: about thirty spread over ``total`` and past it (every one
-    with ``SWEEP_STEP=1``)."""
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 30)
-    return range(0, total + 2, step)
-
-
 @pytest.mark.parametrize("kind", ["thread", "async", "staged"])
 async def test_a_pass_cancelled_at_any_turn_ends_clean(
     kind: str, ring: bool | None, tmp_path: Path
@@ -124,7 +105,7 @@ async def test_a_pass_cancelled_at_any_turn_ends_clean(
     total = await turns_of_a_pass(make_source, ring)
     assert total > 5
     cancelled = 0
-    for k in sweep_points(total):
+    for k in sweep_points(total, 30):
         async with ResidencyManager(backend=SimBackend()) as m:
             got: list[int] = []
             with anyio.fail_after(20):  # a hang fails here
@@ -158,7 +139,7 @@ async def test_a_pass_cancelled_natively_at_any_turn_ends_clean(
     make_source = Sources(kind, tmp_path)
     total = await turns_of_a_pass(make_source, ring)
     cancelled = 0
-    for k in sweep_points(total):
+    for k in sweep_points(total, 30):
         async with ResidencyManager(backend=SimBackend()) as m:
             task = asyncio.ensure_future(consume(m, make_source(), ring))
             for _ in range(k):

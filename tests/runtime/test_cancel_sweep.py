@@ -20,7 +20,6 @@ host memory) runs the scenario again and, after the ``k``-th turn:
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ import anyio.lowlevel
 import pytest
 import torch
 from _native import on_asyncio
+from _sweep import count_turns, sweep_points
 
 from aresidency import (
     CallableSource,
@@ -318,30 +318,13 @@ async def check_quiet_and_serving(w: World) -> None:
     check_data(w, m.tensor)
 
 
-def sweep_points(total: int) -> range:
-    """The turns to stop after: about a dozen spread over ``total`` and past it (every one
-    with ``SWEEP_STEP=1``)."""
-    step = int(os.environ.get("SWEEP_STEP", "0")) or max(1, total // 12)
-    return range(0, total + 2, step)
-
-
 async def turns_of(scenario: Callable[[World], Awaitable[None]]) -> int:
-    """How many loop turns ``scenario`` takes, uncancelled: the sweep's range."""
-    turns = 0
-    done = False
-
-    async def count() -> None:
-        nonlocal turns
-        while not done:
-            await anyio.lowlevel.checkpoint()
-            turns += 1
-
-    async with manager() as m, anyio.create_task_group() as tasks:
+    """How many loop turns ``scenario`` takes, uncancelled: the sweep's range (about a dozen
+    points spread over it)."""
+    async with manager() as m:
         w = World(m)
         w.setup()
-        tasks.start_soon(count)
-        await scenario(w)
-        done = True
+        turns = await count_turns(lambda: scenario(w))
         await check_quiet_and_serving(w)  # the scenario itself leaves nothing behind
     return turns
 
@@ -360,7 +343,7 @@ async def test_cancelled_at_any_turn_leaves_nothing_behind(name: str) -> None:
     total = await turns_of(scenario)
     assert total > 2
     cancelled = 0
-    for k in sweep_points(total):
+    for k in sweep_points(total, 12):
         async with manager() as m:
             w = World(m)
             w.setup()
@@ -393,7 +376,7 @@ async def test_cancelled_natively_at_any_turn_leaves_nothing_behind(name: str) -
     scenario = SCENARIOS[name]
     total = await turns_of(scenario)
     cancelled = 0
-    for k in sweep_points(total):
+    for k in sweep_points(total, 12):
         async with manager() as m:
             w = World(m)
             w.setup()
@@ -420,7 +403,7 @@ async def test_closed_at_any_turn_ends_clean(name: str) -> None:
     scenario = SCENARIOS[name]
     total = await turns_of(scenario)
     closed = 0
-    for k in sweep_points(total):
+    for k in sweep_points(total, 12):
         m = manager()
         w = World(m)
         outcome: list[Any] = []
