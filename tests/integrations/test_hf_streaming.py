@@ -577,6 +577,16 @@ async def test_sharded_checkpoint_streams_a_meta_model_bit_identically(
     assert all(t.is_meta for t in skeleton.parameters())  # the module is left as it was
 
 
+def made(model_class: Any, config: Any, *, seed: int, meta: bool) -> nn.Module:
+    """``model_class(config)`` in eval mode, its weights drawn after ``torch.manual_seed(seed)``,
+    or on the meta device (``meta=True``: a skeleton for a checkpoint)."""
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return model_class(config).eval()
+    return model_class(config).eval()
+
+
 def dynamic_rope_llama(meta: bool = False) -> nn.Module:
     """A small ``LlamaForCausalLM`` with dynamic RoPE scaling past 8 positions: its rotary
     embedding (a tensor outside the blocks) recomputes ``inv_freq`` with
@@ -593,11 +603,7 @@ def dynamic_rope_llama(meta: bool = False) -> nn.Module:
         max_position_embeddings=8,
         rope_scaling={"rope_type": "dynamic", "factor": 2.0},
     )
-    torch.manual_seed(3)
-    if meta:
-        with torch.device("meta"):
-            return LlamaForCausalLM(config).eval()
-    return LlamaForCausalLM(config).eval()
+    return made(LlamaForCausalLM, config, seed=3, meta=meta)
 
 
 @pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
@@ -827,11 +833,7 @@ def gpt_neox(meta: bool = False) -> nn.Module:
         intermediate_size=128,
         max_position_embeddings=64,
     )
-    torch.manual_seed(5)
-    if meta:
-        with torch.device("meta"):
-            return GPTNeoXForCausalLM(config).eval()
-    return GPTNeoXForCausalLM(config).eval()
+    return made(GPTNeoXForCausalLM, config, seed=5, meta=meta)
 
 
 @pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
@@ -880,11 +882,7 @@ def mixtral(meta: bool = False) -> nn.Module:
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
-    torch.manual_seed(6)
-    if meta:
-        with torch.device("meta"):
-            return MixtralForCausalLM(config).eval()
-    return MixtralForCausalLM(config).eval()
+    return made(MixtralForCausalLM, config, seed=6, meta=meta)
 
 
 @pytest.mark.allow_loop_stall(0.5)  # (stream_module opens the checkpoint on the loop)
