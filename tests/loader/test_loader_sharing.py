@@ -39,6 +39,12 @@ def model() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))  # 4.5 KiB per block
 
 
+def taken(m: ResidencyManager) -> int:
+    """What is charged or reserved at cuda:0 now."""
+    location = m.snapshot().location("cuda:0")
+    return location.used_bytes + location.reserved_bytes
+
+
 async def window_filled(m: ResidencyManager, loader: DeviceLoader, got: int, ahead: int) -> None:
     """Until the loader has read ``ahead`` batches past the ``got`` handed out, and settled.
     Polled: the ring's thread tells the loop nothing while nobody waits."""
@@ -287,6 +293,9 @@ async def test_two_loaders_read_in_lockstep_need_room_for_both_windows(ring: boo
             with anyio.fail_after(10):
                 await anext(into_a)
                 await window_filled(m, a, 1, 1)
+                # (read from the source is not yet in the device's room: wait until a's
+                # window takes the whole budget, as the refusal below needs)
+                await until(lambda: taken(m) >= 2 * CHARGE)
                 with pytest.raises(ResidencyBudgetError) as caught:
                     await anext(into_b)
         error = caught.value
