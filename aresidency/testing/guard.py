@@ -25,7 +25,13 @@ loaded machine: where Linux reports how long the process's Python threads waited
 (:class:`RunQueueClock`; the loop's thread, or the one holding the interpreter lock it wants),
 that time is taken out of each gap, and so is the time a virtual machine's hypervisor took the
 loop's CPU away while the loop ran (steal time). Nor is torch's one-time start-up (the first call
-of each kernel): :func:`warm_torch` runs it once per process before the first guarded test.
+of each kernel): :func:`warm_torch` runs it once per process before the first guarded test. Nor
+is a module's first import (reading, compiling and running it; a fresh clone has no compiled
+files): :class:`ImportClock` times those imports and takes them out.
+
+A failure says what the loop ran while it was blocked: a watchdog thread
+(:class:`StallWatchdog`) looks at the loop's thread half the allowed stall into a gap and keeps
+its stack, and the failure prints its innermost frames of the code under test.
 
 How it works on every loop: :func:`loop_stall_guard` is an anyio async-generator fixture that
 opens a task group, starts the ticker in it, yields for the test and closes the group at
@@ -36,13 +42,19 @@ exited by that task, with the test nested inside it.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import gc
+import importlib
 import inspect
 import math
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -50,9 +62,11 @@ import pytest
 
 __all__ = [
     "ALLOW_MARKER",
+    "ImportClock",
     "MAX_LOOP_STALL",
     "MAX_LOOP_STALL_INI",
     "RunQueueClock",
+    "StallWatchdog",
     "TICK",
     "allowed_stall",
     "guard_applies",
@@ -156,14 +170,19 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
     warm_torch()  # before the ticker starts: torch's start-up is not the code under test
     worst = 0.0
     excused = 0.0  # of the worst gap: what the loop's threads waited for a CPU (not counted)
+    imported = 0.0  # of the worst gap: what first imports took (not counted)
+    worst_stack: traceback.StackSummary | None = None  # what the loop ran in the worst gap
     stop = False
+    watchdog = StallWatchdog(threading.get_ident(), after=limit / 2)
 
     async def ticker(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-        nonlocal worst, excused
+        nonlocal worst, excused, imported, worst_stack
         waited = RunQueueClock()
         try:
             last = time.perf_counter()
             last_waited = waited()
+            last_imported = imports.seconds
+            watchdog.tick(last)
             task_status.started()
             ticks = 0
             while not stop:
@@ -176,16 +195,24 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
                 # machine) is not the loop being blocked by the code under test.
                 gap = now - last - TICK
                 waited_here = min(now_waited - last_waited, max(gap, 0.0))
-                if gap - waited_here > worst:
-                    worst, excused = gap - waited_here, waited_here
+                # Nor is a module's first import (reading and compiling it: one-time start-up).
+                now_imported = imports.seconds
+                imported_here = min(now_imported - last_imported, max(gap - waited_here, 0.0))
+                stack = watchdog.tick(now)  # what the loop ran if this gap was a long one
+                if gap - waited_here - imported_here > worst:
+                    worst = gap - waited_here - imported_here
+                    excused, imported, worst_stack = waited_here, imported_here, stack
                 last = now
                 last_waited = now_waited
+                last_imported = now_imported
         finally:
             waited.close()
 
     # Automatic garbage collection is paused during the test: a full collection under pytest
     # can stall any Python code for 0.1 s or more, and that is not the code blocking.
     gc.disable()
+    imports = ImportClock.install()
+    watchdog.start()
     try:
         async with anyio.create_task_group() as tasks:
             # Started (its clock running) before the test: a test that blocks the loop at
@@ -198,6 +225,8 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
                 # teardown) is measured too.
                 stop = True
     finally:
+        watchdog.close()
+        imports.uninstall()
         gc.enable()
     if worst >= limit:
         pytest.fail(
@@ -206,9 +235,155 @@ async def loop_stall_guard(request: pytest.FixtureRequest) -> AsyncIterator[None
             f"copy, a busy wait); move it to a worker thread, or mark the test "
             f"{ALLOW_MARKER} if it blocks on purpose. (Not counted in that stall: "
             f"{excused * 1e3:.0f} ms the process's threads waited for a CPU, or the "
-            f"hypervisor had it.)",
+            f"hypervisor had it; {imported * 1e3:.0f} ms went to modules' first imports.)"
+            + describe_stall(worst_stack, after=limit / 2),
             pytrace=False,
         )
+
+
+def describe_stall(stack: traceback.StackSummary | None, *, after: float) -> str:
+    """The failure's account of what the loop's thread ran during its longest stall: the
+    innermost frames the watchdog saw, ``after`` seconds into the stall (the loop's own code
+    first seen from the outside; the frames of the ticker's and the runner's machinery are
+    left out)."""
+    if stack is None:
+        return (
+            f"\nThe watchdog did not catch the loop's thread {after * 1e3:.0f} ms into the "
+            f"stall (the interpreter lock was not let go, or the stall ended first)."
+        )
+    *outer, innermost = stack  # the innermost frame shows, wherever it is
+    frames = [frame for frame in outer if not _machinery(frame.filename)]
+    frames = [*frames[-(STACK_FRAMES - 1) :], innermost]
+    lines = "".join(
+        f"\n  {frame.filename}:{frame.lineno} in {frame.name}"
+        + (f"\n    {frame.line.strip()}" if frame.line else "")
+        for frame in frames
+    )
+    return f"\nThe loop's thread {after * 1e3:.0f} ms into that stall, innermost last:{lines}"
+
+
+STACK_FRAMES = 8  # how many of the stalled thread's innermost frames a failure shows
+
+
+def _machinery(filename: str) -> bool:
+    """Frames of the event loops' and the test runner's own code: not where a stall is."""
+    parts = filename.replace("\\", "/").split("/")
+    return filename.startswith("<frozen") or any(part in _MACHINERY for part in parts)
+
+
+_MACHINERY = frozenset(("asyncio", "trio", "anyio", "outcome", "_pytest", "pytest", "pluggy"))
+
+
+class ImportClock:
+    """The seconds the process's threads have spent in imports that loaded a module for the
+    first time (reading, compiling and running it), while the clock is installed: a lazy
+    import's one-time cost, which a fresh clone without compiled files pays in full, is
+    start-up, not the code under test blocking its loop. It wraps ``builtins.__import__``
+    (every ``import`` statement) and ``importlib.import_module``; an import counts when the
+    module table grew during it, and only the outermost import of each thread is timed. An
+    import already done costs the wrapper well under a microsecond more."""
+
+    _installed: ImportClock | None = None
+    _users = 0
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = threading.local()
+        self._import = builtins.__import__
+        self._import_module = importlib.import_module
+
+    @classmethod
+    def install(cls) -> ImportClock:
+        """The process's clock, installed (a second install shares it)."""
+        if cls._installed is None:
+            clock = cls()
+            builtins.__import__ = clock._timed(clock._import)
+            importlib.import_module = clock._timed(clock._import_module)  # type: ignore[assignment]
+            cls._installed = clock
+        cls._users += 1
+        return cls._installed
+
+    def uninstall(self) -> None:
+        """Put the originals back once the last user is done."""
+        cls = type(self)
+        if cls._installed is not self:
+            return
+        cls._users -= 1
+        if cls._users == 0:
+            builtins.__import__ = self._import
+            importlib.import_module = self._import_module
+            cls._installed = None
+
+    def _timed(self, original: Any) -> Any:
+        depth = self._depth
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(depth, "n", 0):
+                return original(*args, **kwargs)  # inside an import already timed
+            loaded, started = len(sys.modules), time.perf_counter()
+            depth.n = 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth.n = 0
+                if len(sys.modules) != loaded:
+                    self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+class StallWatchdog:
+    """A thread that looks at the loop's thread when the loop has not ticked for ``after``
+    seconds, and keeps the stack it was running (once per stall): what blocked the loop, seen
+    while it blocked. The ticker calls :meth:`tick` at each wake-up; it returns the stack of
+    the stall that wake-up ended, if the watchdog caught one. The thread wakes ``4 / after``
+    times a second and takes the interpreter lock only for that look (a few microseconds; the
+    stack's source lines are read later, only for a failure)."""
+
+    def __init__(self, loop_thread: int, *, after: float) -> None:
+        self._loop_thread = loop_thread
+        self._after = after
+        self._last_tick = time.perf_counter()
+        self._caught: tuple[float, traceback.StackSummary] | None = None  # (stall's start, stack)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="aresidency-loop-watchdog", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def tick(self, now: float) -> traceback.StackSummary | None:
+        with self._lock:
+            started, self._last_tick = self._last_tick, now
+            caught, self._caught = self._caught, None
+        if caught is not None and caught[0] == started:
+            return caught[1]
+        return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._after / 4):
+            with self._lock:
+                started = self._last_tick
+                if self._caught is not None or time.perf_counter() - started < self._after:
+                    continue
+            frame = sys._current_frames().get(self._loop_thread)
+            if frame is None:
+                continue
+            stack = traceback.StackSummary.extract(
+                traceback.walk_stack(frame), limit=64, lookup_lines=False
+            )
+            stack.reverse()  # outermost first, as a traceback prints
+            with self._lock:
+                if self._last_tick == started:  # the stall still goes on
+                    self._caught = (started, stack)
 
 
 _warmed = False

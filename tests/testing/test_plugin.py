@@ -340,6 +340,74 @@ def test_the_guard_fails_a_test_that_blocks_its_loop_and_passes_one_that_awaits(
     result.stdout.re_match_lines([r".*Not counted in that stall: \d+ ms the process's threads.*"])
 
 
+NAMES_ITS_STALL = """
+    import time
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    def helper_that_blocks():
+        time.sleep(0.3)  # the blocking line
+
+    async def test_blocks(loop_stall_guard):
+        helper_that_blocks()
+"""
+
+
+def test_the_guard_shows_what_the_loop_ran_while_it_was_blocked(pytester):
+    result = run(pytester, NAMES_ITS_STALL)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*the event loop was blocked for * ms (at most 100 ms allowed)*",
+            "The loop's thread 50 ms into that stall, innermost last:",
+            "*test_inner.py:10 in test_blocks",
+            "    helper_that_blocks()",
+            "*test_inner.py:7 in helper_that_blocks",
+            "    time.sleep(0.3)  # the blocking line",
+        ]
+    )
+    # The runner's and the loop's own frames are left out.
+    assert "_pytest" not in result.stdout.str().split("innermost last:")[1].split("=====")[0]
+
+
+FIRST_IMPORTS = """
+    import sys
+    import time
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    async def test_imports_a_module_that_takes_long_to_load(loop_stall_guard):
+        import slow_to_load  # its first import takes 0.3 s: start-up, not counted
+
+        assert slow_to_load.READY
+
+    async def test_imports_it_again_and_blocks(loop_stall_guard):
+        import slow_to_load  # loaded already: free
+
+        time.sleep(0.3)  # counted
+"""
+
+
+def test_a_module_s_first_import_is_not_counted_as_the_loop_blocked(pytester):
+    pytester.makepyfile(slow_to_load="import time\ntime.sleep(0.3)\nREADY = True\n")
+    pytester.syspathinsert()
+    result = run(pytester, FIRST_IMPORTS)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_imports_it_again_and_blocks*",
+            "*the event loop was blocked for * ms*",
+        ]
+    )
+    assert "ERROR at teardown of test_imports_a_module_that_takes" not in result.stdout.str()
+    # The wrapper is gone after the tests: builtins.__import__ is Python's own again.
+    import builtins
+
+    assert builtins.__import__.__module__ == "builtins"
+
+
 ALLOWS_SECONDS = """
     import time
     import pytest
