@@ -1,5 +1,5 @@
 # Sourced by the device scripts (from the repository root): install the wheels carried in
-# .whl/ (pytest-asyncio, immutables, ...) into /tmp/site, and put the checkout and them on
+# .whl/ (pytest-asyncio, immutables, pytest-rerunfailures: pyproject.toml asks for --reruns) into /tmp/site, and put the checkout and them on
 # PYTHONPATH. Sets OUT to a temporary folder when the caller has none.
 OUT=${OUT:-$(mktemp -d)}
 if compgen -G ".whl/*.whl" > /dev/null; then
