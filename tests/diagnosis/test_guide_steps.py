@@ -429,6 +429,38 @@ async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
         assert "pinned-host" in (step.action or "")
 
 
+async def test_step_3_a_request_refused_for_its_rebuilds_temporary_storage_says_so() -> None:
+    """A reconstructible value can be refused because loading it temporarily exceeds the budget
+    of its source location. The controller's refusal named only that location's byte counts
+    ("pinned-host is 2048 B short ... the request adds 4096 B at its peak") for a request that
+    asked for cuda:0: nothing said those bytes are the rebuild's temporary storage."""
+    async with ResidencyManager(
+        budgets={"cuda:0": 16 * KiB, "pinned-host": 6 * KiB}, backend="sim"
+    ) as m:
+        source = CallableSource(
+            lambda: tensor(), shape=(1024,), dtype=torch.float32, source_location="pinned-host"
+        )
+        lora = m.register_source(source, name="lora")
+        cache = m.register(tensor(seed=1), name="cache", location="pinned-host")
+        request = ResidencyRequest("adapter", [ResidencyRequirement(lora, "cuda:0")])
+        # the only value that could make room there is protected
+        with m.hold(cache, "pinned-host"), pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        reason = caught.value.reason
+        assert reason.startswith("request 'adapter' is infeasible: pinned-host is 2048 B")
+        assert (
+            "4096 B (4.0 KiB) of it temporary reconstruction storage at the source_location "
+            "of lora on its way to cuda:0" in reason
+        )
+        step = diagnose(caught.value, m).step(5)
+        assert "temporary reconstruction storage" in step.text()
+        # Once the room is there, the same request is decided, rebuilding through pinned-host.
+        decision = await ResidencyController(m).decide(request)
+        assert [str(e.location) for e in decision.evictions] == ["pinned-host"]
+        ledger = decision.explanation.ledger["pinned-host"]
+        assert ledger.budget_bytes == 6 * KiB and ledger.peak_bytes <= 6 * KiB
+
+
 # ---------------------------------------------------------------------- 4: protection
 
 
