@@ -201,6 +201,34 @@ async def test_step_2_checks_each_requirement_of_a_request_the_controller_refuse
         assert limited.value.request is crowded
 
 
+async def test_step_2_says_for_each_requirement_whether_and_through_where_it_is_rebuilt() -> None:
+    """Step 2 checks has_source and source_location of the value behind each requirement of a
+    request. Its rows gave only the replica mode and the locations ("now at nowhere" for a
+    value with only a source), so a refusal at the source location named nothing that led
+    there."""
+    async with ResidencyManager(budgets={"pinned-host": 2 * KiB}, backend="sim") as m:
+        source = CallableSource(
+            lambda: tensor(), shape=(1024,), dtype=torch.float32, source_location="pinned-host"
+        )
+        lora = m.register_source(source, name="lora")
+        plain = m.register(tensor(seed=1), name="plain")
+        request = ResidencyRequest(
+            "two",
+            requirements=[
+                ResidencyRequirement(lora, "cuda:0"),
+                ResidencyRequirement(plain, "cuda:1"),
+            ],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        text = diagnose(caught.value, m).step(2).text()
+        assert (
+            "(value lora (#1) (exclusive, reconstructible through its source_location "
+            "pinned-host), cuda:0): materialized nowhere now" in " ".join(text.split())
+        )
+        assert "(value plain (#2) (exclusive), cuda:1): now at pageable-host" in text
+
+
 async def test_step_2_and_5_of_a_request_naming_an_exclusive_value_twice() -> None:
     """The guide's step 2: "for a repeated handle, remember that several locations are
     simultaneous postconditions. They are valid only for REPLICABLE values." The report never
