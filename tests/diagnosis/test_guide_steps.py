@@ -709,6 +709,44 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         assert "scope" not in " ".join(step.findings)
 
 
+async def test_step_7_of_a_body_error_reaches_the_scopes_failed_exit(tmp_path: Path) -> None:
+    """A scope body fails and the scope's exit fails too: the body's exception stays primary
+    and the exit failure is on scope.exit_error. Diagnosing the body's exception (what the
+    application caught) said only "KeyError: not an aresidency error": nothing of the exit's
+    partial execution, also for code that never named the scope."""
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        plan = ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")])
+        with pytest.raises(KeyError) as caught:
+            async with m.scope(plan):
+                m.backend.faults.fail_transfer_at = 1  # the exit's move
+                raise KeyError("body")
+        report = diagnose(caught.value, m)
+        step = report.step(7)
+        assert step.evidence["phase"] == "exit" and step.evidence["failed_action_index"] == 0
+        assert step.evidence["failed_action"]["handle"] == a.to_dict()
+        assert "it carries a ResidencyPlanExecutionError as its scope's failed exit" in (
+            " ".join(report.step(8).text().split())
+        )
+        assert report.next_action.startswith("take a new snapshot")
+        path = tmp_path / "exit.json"
+        m.dump(path, caught.value)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # A body error of ours stays what is diagnosed; step 8 says the exit failed too.
+        big = m.register(tensor(kib=8, seed=2), name="big")
+        plan = ResidencyPlan(exit=[Move(a, "pageable-host")])
+        with pytest.raises(ResidencyBudgetError) as ours:
+            async with m.scope(plan) as scope:
+                m.backend.faults.fail_transfer_at = 1
+                await m.move(big, "cuda:0")
+        assert isinstance(scope.exit_error, ResidencyPlanExecutionError)
+        report = diagnose(ours.value, m)
+        assert report.step(3).evidence["requested_bytes"] == 8 * KiB
+        assert "the scope's exit failed too (scope.exit_error, a ResidencyPlanExecutionError)" in (
+            " ".join(report.step(8).text().split())
+        )
+
+
 async def test_step_3_of_a_failed_reservation_weighs_the_whole_plan_not_the_one_request() -> None:
     """A scope's reserve phase fails after preflight (the budget was lowered while its reclaim
     ran): the cause is a live budget error for one reservation. The reservation prefix is
