@@ -1,4 +1,4 @@
-"""The exception hierarchy (docs/architecture.md, rule 9) and the guide's structured fields.
+"""The exception hierarchy (docs/architecture.md, rule 9) and each error's structured fields.
 
 ::
 
