@@ -562,6 +562,67 @@ async def test_step_4_names_a_transfer_in_flight_and_never_says_retry_while_it_i
         assert step.action == "nothing protects it any more: retry the removal"
 
 
+async def test_step_4_of_a_request_refused_for_protections_names_the_owning_tasks(
+    tmp_path: Path,
+) -> None:
+    """The controller never waits for protected values: it refuses a request that only their
+    eviction would admit. Its report (and that of controller.scope timing out on it) had no
+    step 4: nothing said which lease or hold, owned by which task, kept the room, and the next
+    action was "derive a fresh decision once the state changed"."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a", location="cuda:0")
+        b = m.register(tensor(seed=2), name="b", location="cuda:0")
+        new = m.register(tensor(seed=3), name="new")
+        request = ResidencyRequest("generate", [ResidencyRequirement(new, "cuda:0")])
+        controller = ResidencyController(m)
+        entered, done = anyio.Event(), anyio.Event()
+
+        async def decode_worker() -> None:
+            async with m.acquire(a, "cuda:0"):
+                entered.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(decode_worker, name="decode-worker")
+            await entered.wait()
+            hold = m.hold(b, "cuda:0")
+            with pytest.raises(ResidencyPlanError) as refused:
+                await controller.decide(request)
+            report = diagnose(refused.value, m)
+            step = report.step(4)
+            text = " ".join(step.text().split())
+            assert "protected at the request's budgeted locations (cuda:0)" in text
+            assert "held by 'decode-worker' (read lease)" in text
+            assert f"held by {hold.owner!r} (hold)" in text
+            assert [p["handle"]["name"] for p in step.evidence["protected"]] == ["a", "b"]
+            action = step.action or ""
+            assert "exit the lease(s) in task(s) 'decode-worker'" in action
+            assert f"release the obsolete hold(s) in task(s) {hold.owner!r}" in action
+            assert report.next_action == action
+            path = tmp_path / "refused.json"
+            m.dump(path, refused.value)
+            assert diagnose_dump(path).to_dict() == report.to_dict()
+            hold.release()
+            # controller.scope waiting on the lease times out: the same step 4, from its cause
+            wide = m.register(tensor(kib=8, seed=5), name="wide")  # a and b must both go
+            wide_request = ResidencyRequest("wide", [ResidencyRequirement(wide, "cuda:0")])
+            with pytest.raises(TimeoutError) as timed_out:
+                async with controller.scope(wide_request, timeout=0.05):
+                    pytest.fail("admitted under the lease")
+            step = diagnose(timed_out.value, m).step(4)
+            assert "exit the lease(s) in task(s) 'decode-worker'" in (step.action or "")
+            assert "hold" not in (step.action or "")
+            done.set()
+        # A refusal that is not about protections keeps its own next action.
+        big = m.register(tensor(kib=16, seed=4), name="big")
+        with pytest.raises(ResidencyPlanError) as too_big:
+            await controller.decide(ResidencyRequest("big", [ResidencyRequirement(big, "cuda:0")]))
+        report = diagnose(too_big.value, m)
+        # (the lease's reader event may still be pending: listed, but not the next action)
+        assert not report.has_step(4) or report.step(4).action is None
+        assert report.next_action == report.step(5).action
+
+
 # --------------------------------------------------------------- 5: decision evidence
 
 
