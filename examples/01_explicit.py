@@ -58,7 +58,8 @@ async def main() -> None:
             norm = float(lease.tensor.norm())
         print(f"norm of w0 on cuda:0: {norm:.1f}")
 
-        # 4. A budget error carries the five numbers of the guide.
+        # 4. A budget error carries its five byte numbers (location, budget, used, reserved,
+        #    requested).
         try:
             await manager.materialize(w2, "cuda:0")
         except ResidencyBudgetError as error:

@@ -51,7 +51,7 @@ async def main() -> None:
         print(f"  {len(text)} bytes of JSON; round trip equal: {again == snapshot}")
         hold.release()
 
-        # 2. An error, as JSON: every structured field of the troubleshooting guide.
+        # 2. An error, as JSON: every structured field it has.
         try:
             await manager.materialize(b, "cuda:0")
         except ResidencyBudgetError as error:

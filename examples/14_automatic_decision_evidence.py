@@ -1,4 +1,4 @@
-"""Automatic Example 14: inspect automatic decision evidence (the troubleshooting guide's step 5).
+"""Automatic Example 14: the decision evidence of a controller decision (troubleshooting step 5).
 
 Every controller decision carries its evidence: ``expected_state_version`` (the state it was
 derived from), ``explored_states`` (how much bounded, deterministic search work it took: not an
@@ -61,7 +61,7 @@ async def main() -> None:
         )
         decision = await controller.decide(request)
 
-        # The guide's step 5, printed.
+        # Step 5 of docs/troubleshooting.md, printed.
         print(f"expected_state_version: {decision.expected_state_version}")
         print(f"explored_states: {decision.explored_states} (search work, not evictions)")
         print(f"evictions ({len(decision.evictions)}):")

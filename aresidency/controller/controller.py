@@ -239,9 +239,9 @@ class ResidencyController:
         ``decision = await controller.decide(request)`` runs the search in slices that leave the
         loop free for other tasks (see the module docstring); the decision's
         ``expected_state_version`` is the state version when the await returned. Reading the
-        result without awaiting it (``controller.decide(request).explored_states``, as the
-        troubleshooting guide does) derives it synchronously instead, blocking the loop for the
-        search. Raises ``ResidencyPlanError`` (invalid or infeasible request) or
+        result without awaiting it (``controller.decide(request).explored_states``) derives it
+        synchronously instead, blocking the loop for the search. Raises
+        ``ResidencyPlanError`` (invalid or infeasible request) or
         ``ResidencySearchLimitError`` (bound reached: feasibility unknown), when awaited or
         read. Cancelling the await changes nothing."""
         if not isinstance(request, ResidencyRequest):
@@ -392,8 +392,8 @@ class PendingDecision:
 
     ``await`` it for the :class:`ResidencyDecision` (the search runs in slices; the loop stays
     free). Reading one of the decision's fields from it directly, or calling :meth:`result`,
-    derives the decision synchronously (blocking the loop for the search) — the troubleshooting
-    guide's ``decision = controller.decide(request); print(decision.explored_states)``. Either
+    derives the decision synchronously (blocking the loop for the search), as in
+    ``decision = controller.decide(request); print(decision.explored_states)``. Either
     way the decision is derived once and kept: awaiting again, or reading more fields, returns
     the same decision.
     """

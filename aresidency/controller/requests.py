@@ -13,7 +13,8 @@ All records are frozen, hashable where their fields are, and tensor-free: they n
 * :class:`Eviction`: one victim the decision removes from a location: moved to ``destination``,
   or dropped (``destination is None``; the value is rebuilt from its source, or another replica
   stays resident).
-* :class:`ResidencyDecision`: the decision evidence (guide, section 5) and the plan to enter.
+* :class:`ResidencyDecision`: the decision evidence (docs/troubleshooting.md, step 5) and the
+  plan to enter.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyDecision:
-    """The controller's answer to a request, and the evidence behind it (guide, section 5).
+    """The controller's answer to a request, and the evidence behind it (step 5 of
+    docs/troubleshooting.md).
 
     ``plan`` (``reclaim``: the evictions; ``reserve``: the request's reservations; ``enter``: a
     ``Materialize`` per placed requirement) carries ``expected_state_version``: entering it after

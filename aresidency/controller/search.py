@@ -57,7 +57,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import (
@@ -214,6 +214,10 @@ def _enter_actions(placements: Sequence[Placement]) -> list[Materialize]:
 class _Profile:
     need: dict[Location, int]
     failure: str | None
+    # Per location, the values whose rebuild passes through it (their source_location) on the
+    # way to another endpoint, with the temporary charge each holds there: part of ``need``
+    # that the request did not name, so an infeasibility there says what it is.
+    temporary: dict[Location, list[tuple[ValueHandle, int, Location]]] = field(default_factory=dict)
 
 
 def _enter_profile(
@@ -226,9 +230,14 @@ def _enter_profile(
         sim.ledger(loc).budget_bytes = None
     start = {loc: sim.ledger(loc).charged_bytes for loc in sim.locations()}
     peak = dict(start)
+    temporary: dict[Location, list[tuple[ValueHandle, int, Location]]] = {}
 
     def watch(transition: Any) -> None:
         loc = transition.location
+        if transition.kind == "rebuild_temp" and loc is not None:
+            temporary.setdefault(loc, []).append(
+                (transition.handle, transition.nbytes, transition.destination)
+            )
         if loc is not None:
             charged = sim.ledger(loc).charged_bytes
             if charged > peak.get(loc, 0):
@@ -252,7 +261,7 @@ def _enter_profile(
     except (ResidencyError, ValueError) as error:
         return _Profile({}, str(error))
     need = {loc: peak[loc] - start.get(loc, 0) for loc in peak if peak[loc] > start.get(loc, 0)}
-    return _Profile(need, None)
+    return _Profile(need, None, temporary)
 
 
 def simulate_entry(state: ResidencyState, plan: ResidencyPlan) -> ResidencyState:
@@ -763,8 +772,14 @@ class _Search:
 
     # ------------------------------------------------------------ evidence
 
-    def diagnose(self, groups: list[_LocationNeed]) -> str:
-        """Why no eviction set fits (the placement's groups are known to be short)."""
+    def diagnose(
+        self,
+        groups: list[_LocationNeed],
+        temporary: dict[Location, list[tuple[ValueHandle, int, Location]]] | None = None,
+    ) -> str:
+        """Why no eviction set fits (the placement's groups are known to be short).
+        ``temporary``: the rebuilds' temporary charges per source location (see
+        :class:`_Profile`), named where a short location holds one."""
         parts: list[str] = []
         cascade = [g for g in groups if g.start_b <= 0]
         for group in groups:
@@ -794,8 +809,17 @@ class _Search:
                 f"{loc} is {format_bytes(short)} short (budget {format_bytes(group.budget)}, "
                 f"used {format_bytes(ledger.used_bytes)}, reserved "
                 f"{format_bytes(ledger.reserved_bytes)}, and the request adds "
-                f"{format_bytes(group.need)} at its peak)"
+                f"{format_bytes(group.need)} at its peak"
             )
+            loads = (temporary or {}).get(loc)
+            if loads:
+                # Bytes the request did not name at this location: a rebuild passes through it.
+                names = ", ".join(f"{_label(h)} on its way to {dst}" for h, _, dst in loads)
+                text += (
+                    f", {format_bytes(sum(n for _, n, _ in loads))} of it temporary "
+                    f"reconstruction storage at the source_location of {names}"
+                )
+            text += ")"
             if evictable >= short:
                 tiers = "; ".join(
                     f"{g.location} has {format_bytes(max(0, -g.start_a))} free and "
@@ -948,7 +972,7 @@ def iter_decide(
         groups = search.groups(profile.need)
         yield from search.branch_and_bound(groups)
         if search.best is None:
-            failures.append((search.placement_text, search.diagnose(groups)))
+            failures.append((search.placement_text, search.diagnose(groups, profile.temporary)))
             continue
         if slicer is not None and slicer():
             yield

@@ -1,4 +1,4 @@
-"""The exception hierarchy (docs/architecture.md, rule 9) and the guide's structured fields.
+"""The exception hierarchy (docs/architecture.md, rule 9) and each error's structured fields.
 
 ::
 
@@ -47,6 +47,8 @@ __all__ = [
     "ResidencyUnavailableError",
     "exception_to_dict",
     "format_bytes",
+    "keep_scope_exit_error",
+    "scope_exit_error_of",
     "to_jsonable",
 ]
 
@@ -135,6 +137,28 @@ def exception_to_dict(error: BaseException, depth: int = 0) -> dict[str, Any]:
     return out
 
 
+#: The attribute a scope sets on its body's exception when its exit failed too (see
+#: :func:`keep_scope_exit_error`).
+_SCOPE_EXIT_ERROR = "_aresidency_scope_exit_error"
+
+
+def keep_scope_exit_error(primary: BaseException, error: BaseException) -> None:
+    """Record on ``primary`` (a scope body's exception, which stays the one raised) that the
+    scope's exit failed with ``error``, the scope's ``exit_error``: a diagnosis of ``primary``
+    then reaches the exit failure's evidence (``scope_exit_error`` in its dict), also for code
+    that entered the scope without naming it."""
+    try:
+        setattr(primary, _SCOPE_EXIT_ERROR, error)
+    except Exception:  # an exception type that refuses attributes: its note still says it
+        pass
+
+
+def scope_exit_error_of(error: BaseException) -> BaseException | None:
+    """The exit failure a scope recorded on its body's exception ``error``, or ``None``."""
+    found = getattr(error, _SCOPE_EXIT_ERROR, None)
+    return found if isinstance(found, BaseException) else None
+
+
 def _safe_str(error: BaseException) -> str:
     """``str(error)``, or a stand-in when the exception's own ``__str__`` raises (as the
     traceback module prints it): converting the error being diagnosed must not fail."""
@@ -155,6 +179,9 @@ def _add_cause(out: dict[str, Any], error: BaseException, depth: int) -> None:
             if depth < _MAX_DEPTH
             else {"type": type(cause).__name__, "message": _safe_str(cause)}
         )
+    exit_error = scope_exit_error_of(error)
+    if exit_error is not None and depth < _MAX_DEPTH:
+        out["scope_exit_error"] = exception_to_dict(exit_error, depth + 1)
 
 
 def _rebuild(cls: type[ResidencyError], state: dict[str, Any]) -> ResidencyError:

@@ -58,7 +58,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PeakLedger:
-    """What makes up the predicted peak at one location (the guide's accounting review).
+    """What makes up the predicted peak at one location (the accounting a budget review needs).
 
     At the moment of the peak: ``resident_bytes`` (values resident there and not moving),
     ``reserved_bytes`` (active named reservations, the plan's and others'),

@@ -112,13 +112,23 @@ def chain(error: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
     group's) without a cause goes on with its member that is, or was caused by, an aresidency
     error (else its first member)."""
     out: list[Mapping[str, Any]] = []
+    outermost = error
     while isinstance(error, Mapping) and len(out) < 16:
         out.append(error)
         following = error.get("cause")
         if following is None:
             following = _group_member(error)
         error = following
+    exit_error = outermost.get("scope_exit_error") if isinstance(outermost, Mapping) else None
+    if isinstance(exit_error, Mapping) and not any(_ours(e) for e in out):
+        # A scope body's exception that is not ours, and the scope's exit failed too: the
+        # exit failure (scope.exit_error) is the residency evidence it carries.
+        out.extend(chain(exit_error)[: 16 - len(out)])
     return out
+
+
+def _ours(error: Mapping[str, Any]) -> bool:
+    return str(error.get("type", "")).startswith("Residency")
 
 
 def _group_member(error: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -13,6 +13,7 @@ from ..core.sizes import format_nbytes
 from ._facts import (
     Errors,
     capped,
+    chain,
     error_fields,
     found_a_plan,
     handles_in,
@@ -225,6 +226,13 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
                 "a sibling of ResidencyPlanError, not a subclass: it always needs an analysis "
                 "of the partial state"
             )
+        exit_error = None if error is None else error.get("scope_exit_error")
+        if isinstance(exit_error, Mapping):
+            # The body's error is ours and stays primary; the exit's failure is evidence too.
+            findings.append(
+                f"the scope's exit failed too (scope.exit_error, a {exit_error.get('type')}): "
+                "diagnose it on its own for what its exit committed"
+            )
     elif name is None:
         meaning, first_action = "no error", "nothing failed: read the state above"
         findings = ["no error was recorded"]
@@ -238,7 +246,15 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
         if inner is not None:
             inner_name = str(inner.get("type"))
             inner_meaning, first_action = CLASSIFICATION[inner_name]
-            how = "in its group" if error is not None and "exceptions" in error else "as its cause"
+            exit_error = None if error is None else error.get("scope_exit_error")
+            if isinstance(exit_error, Mapping) and any(inner is e for e in chain(exit_error)):
+                how = (
+                    "as its scope's failed exit (scope.exit_error; the body's error stays primary)"
+                )
+            elif error is not None and "exceptions" in error:
+                how = "in its group"
+            else:
+                how = "as its cause"
             findings.append(f"it carries a {inner_name} {how}: {inner_meaning}")
     data = {"type": name, "meaning": meaning, "first_action": first_action}
     return make_step(8, findings, data, first_action)

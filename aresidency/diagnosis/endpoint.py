@@ -139,9 +139,24 @@ def step_2(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             now = (
                 "where it is now is unknown (no manager given)"
                 if evidence is None
-                else ("not in the state" if value is None else f"now at {where(value)}")
+                else (
+                    "not in the state"
+                    if value is None
+                    else f"now at {where(value)}"
+                    if value.locations
+                    else "materialized nowhere now"
+                )
             )
-            mode = "" if value is None else f" ({value.replica_mode.value})"
+            mode = ""
+            if value is not None:
+                # Each requirement's value as the endpoint check reads it: its replica
+                # mode, and whether (and through where) it can be rebuilt.
+                rebuilt = (
+                    f", reconstructible through its source_location {value.source_location}"
+                    if value.has_source
+                    else ""
+                )
+                mode = f" ({value.replica_mode.value}{rebuilt})"
             rows.append(f"({label(req_handle)}{mode}, {' | '.join(wanted)}): {now}")
         findings.append("the request's requirements, each on its own:")
         findings.extend(sub_items(rows))

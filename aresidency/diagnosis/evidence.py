@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import ResidencyError, exception_to_dict, to_jsonable
+from ..core.errors import ResidencyError, exception_to_dict, scope_exit_error_of, to_jsonable
 from ..core.locations import Location
 from ..core.snapshot import ResidencySnapshot, take_snapshot
 from ..core.trace import ResidencyTrace, Transition
@@ -209,7 +209,8 @@ def trace_from_dict(data: Mapping[str, Any]) -> ResidencyTrace:
 
 def _chained(error: BaseException) -> list[BaseException]:
     """``error`` and what it carries, outermost first, as the report's chain follows them: its
-    causes, and an exception group's member that is, or was caused by, an aresidency error."""
+    causes, an exception group's member that is, or was caused by, an aresidency error, and a
+    scope's exit failure recorded on its body's exception when nothing else is ours."""
     out: list[BaseException] = []
     current: BaseException | None = error
     while current is not None and len(out) < 16:
@@ -222,6 +223,9 @@ def _chained(error: BaseException) -> list[BaseException]:
                 members[0] if members else None,
             )
         current = following
+    exit_error = scope_exit_error_of(error)
+    if exit_error is not None and not any(isinstance(e, ResidencyError) for e in out):
+        out.extend(_chained(exit_error)[: 16 - len(out)])  # as the report's chain does
     return out
 
 

@@ -3,13 +3,16 @@ owning them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from ..core.locations import Location
 from ._facts import (
     Errors,
     capped,
     first,
     handle_of,
+    is_a,
     label,
     location_of,
     make_step,
@@ -133,28 +136,109 @@ def step_4(errors: Errors, evidence: Evidence | None) -> DiagnosisStep | None:
             data["owners_now"] = [o.to_dict() for o in now_owners]
     elif budget is not None and evidence is not None:
         location = location_of(budget.get("location"))
-        rows: list[str] = []
-        held: list[dict[str, Any]] = []
-        for value in evidence.snapshot.values.values():
-            for mat in value.materializations:
-                if mat.location != location or not mat.protected:
-                    continue
-                owners_now = evidence.owners_of(value.handle, mat.location)
-                who = ", ".join(f"{o.task!r} ({o.kind})" for o in owners_now)
-                rows.append(
-                    f"{value.name} {size(mat.charged_bytes)}: use_count={mat.use_count}, "
-                    f"hold_count={mat.hold_count}, pending_event_count="
-                    f"{mat.pending_event_count}" + (f", held by {who}" if who else "")
-                )
-                held.append(
-                    {**mat.to_dict(), "handle": value.handle.to_dict(), "owners": who or None}
-                )
+        rows, held, _ = _protected_at(evidence, {location} if location is not None else set())
         if not rows:
             return None
         findings.append(f"protected at {location} (a controller will not evict these):")
         findings.extend(sub_items(rows))
         data["location"] = str(location)
         capped(data, "protected", held)
+    elif evidence is not None and (refused := _refused_request(errors, evidence)) is not None:
+        # The controller refused a request: what is protected where it needed room is what it
+        # could not evict (it never waits for it), with the tasks owning those lifetimes.
+        reason, locations = refused
+        wanted = {
+            loc
+            for loc in locations
+            if loc in evidence.snapshot.locations
+            and evidence.snapshot.locations[loc].budget_bytes is not None
+        }
+        rows, held, tasks = _protected_at(evidence, wanted)
+        if not rows:
+            return None
+        where = ", ".join(str(loc) for loc in sorted(wanted))
+        findings.append(
+            f"protected at the request's budgeted locations ({where}); the controller never "
+            "evicts these and never waits for them:"
+        )
+        findings.extend(sub_items(rows))
+        data["locations"] = sorted(str(loc) for loc in wanted)
+        capped(data, "protected", held)
+        if "because of protections" in reason:
+            steps = []
+            if tasks["lease"]:
+                names = ", ".join(repr(t) for t in tasks["lease"])
+                steps.append(f"exit the lease(s) in task(s) {names}")
+            if tasks["hold"]:
+                names = ", ".join(repr(t) for t in tasks["hold"])
+                steps.append(f"release the obsolete hold(s) in task(s) {names}")
+            if any(record["pending_event_count"] for record in held):
+                steps.append("wait for the consumer streams of the pending events")
+            action = (
+                " and ".join(steps)
+                + ", then derive a new decision (controller.decide(request)); or defer the "
+                "request"
+            )
     else:
         return None
     return make_step(4, findings, data, action)
+
+
+def _protected_at(
+    evidence: Evidence, locations: set[Location]
+) -> tuple[list[str], list[dict[str, Any]], dict[str, list[str]]]:
+    """The protected materializations at ``locations`` now, as rows and records, and the tasks
+    owning their leases and holds by kind."""
+    rows: list[str] = []
+    held: list[dict[str, Any]] = []
+    tasks: dict[str, list[str]] = {"lease": [], "hold": []}
+    values = sorted(evidence.snapshot.values.values(), key=lambda v: v.handle.value_id)
+    for value in values:
+        for mat in value.materializations:
+            if mat.location not in locations or not mat.protected:
+                continue
+            owners_now = evidence.owners_of(value.handle, mat.location)
+            for owner in owners_now:
+                kind = "hold" if owner.kind == "hold" else "lease"
+                if owner.task not in tasks[kind]:
+                    tasks[kind].append(owner.task)
+            who = ", ".join(f"{o.task!r} ({o.kind})" for o in owners_now)
+            at = f" @ {mat.location}" if len(locations) > 1 else ""
+            rows.append(
+                f"{value.name}{at} {size(mat.charged_bytes)}: use_count={mat.use_count}, "
+                f"hold_count={mat.hold_count}, pending_event_count="
+                f"{mat.pending_event_count}" + (f", held by {who}" if who else "")
+            )
+            held.append({**mat.to_dict(), "handle": value.handle.to_dict(), "owners": who or None})
+    return rows, held, tasks
+
+
+def _refused_request(errors: Errors, evidence: Evidence) -> tuple[str, set[Location]] | None:
+    """For a request the controller refused (a ``ResidencyPlanError`` carrying it, no
+    decision made): its reason, and every location it needs room at (each requirement's
+    alternatives, the source_location a value is rebuilt through, its reservations')."""
+    for error in errors:
+        request = error.get("request")
+        if not is_a(error, "ResidencyPlanError") or not isinstance(request, Mapping):
+            continue
+        if error.get("decision"):
+            return None
+        locations: set[Location] = set()
+        for requirement in request.get("requirements") or ():
+            if not isinstance(requirement, Mapping):
+                continue
+            for where in (requirement.get("location"), *(requirement.get("fallbacks") or ())):
+                loc = location_of(where)
+                if loc is not None:
+                    locations.add(loc)
+            handle = handle_of(requirement.get("handle"))
+            value = None if handle is None else evidence.snapshot.values.get(handle)
+            if value is not None and value.source_location is not None:
+                locations.add(value.source_location)
+        for reservation in request.get("reservations") or ():
+            if isinstance(reservation, Mapping):
+                loc = location_of(reservation.get("location"))
+                if loc is not None:
+                    locations.add(loc)
+        return str(error.get("reason") or error.get("message") or ""), locations
+    return None

@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from ..core.errors import ResidencyError, ResidencyPlanError, ResidencyPlanExecutionError
+from ..core.errors import (
+    ResidencyError,
+    ResidencyPlanError,
+    ResidencyPlanExecutionError,
+    keep_scope_exit_error,
+)
 from ..core.explain import explain_plan, plan_fits
 from ..core.locations import Location
 from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
@@ -371,7 +376,8 @@ class Scope:
 def _note_exit_failure(primary: BaseException, scope: str, error: BaseException) -> None:
     """The body's exception stays primary; a note on it (shown in its traceback) says the exit
     failed too, for code that wrote ``async with manager.scope(plan):`` with no name for the
-    scope whose ``exit_error`` keeps it."""
+    scope whose ``exit_error`` keeps it; ``diagnose(primary, manager)`` reaches it too."""
+    keep_scope_exit_error(primary, error)
     primary.add_note(
         f"aresidency: {scope} also failed at exit (kept on scope.exit_error): "
         f"{type(error).__name__}: {error}"

@@ -201,6 +201,34 @@ async def test_step_2_checks_each_requirement_of_a_request_the_controller_refuse
         assert limited.value.request is crowded
 
 
+async def test_step_2_says_for_each_requirement_whether_and_through_where_it_is_rebuilt() -> None:
+    """Step 2 checks has_source and source_location of the value behind each requirement of a
+    request. Its rows gave only the replica mode and the locations ("now at nowhere" for a
+    value with only a source), so a refusal at the source location named nothing that led
+    there."""
+    async with ResidencyManager(budgets={"pinned-host": 2 * KiB}, backend="sim") as m:
+        source = CallableSource(
+            lambda: tensor(), shape=(1024,), dtype=torch.float32, source_location="pinned-host"
+        )
+        lora = m.register_source(source, name="lora")
+        plain = m.register(tensor(seed=1), name="plain")
+        request = ResidencyRequest(
+            "two",
+            requirements=[
+                ResidencyRequirement(lora, "cuda:0"),
+                ResidencyRequirement(plain, "cuda:1"),
+            ],
+        )
+        with pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        text = diagnose(caught.value, m).step(2).text()
+        assert (
+            "(value lora (#1) (exclusive, reconstructible through its source_location "
+            "pinned-host), cuda:0): materialized nowhere now" in " ".join(text.split())
+        )
+        assert "(value plain (#2) (exclusive), cuda:1): now at pageable-host" in text
+
+
 async def test_step_2_and_5_of_a_request_naming_an_exclusive_value_twice() -> None:
     """The guide's step 2: "for a repeated handle, remember that several locations are
     simultaneous postconditions. They are valid only for REPLICABLE values." The report never
@@ -429,6 +457,38 @@ async def test_step_3_tells_a_reservation_from_a_reconstruction() -> None:
         assert "pinned-host" in (step.action or "")
 
 
+async def test_step_3_a_request_refused_for_its_rebuilds_temporary_storage_says_so() -> None:
+    """A reconstructible value can be refused because loading it temporarily exceeds the budget
+    of its source location. The controller's refusal named only that location's byte counts
+    ("pinned-host is 2048 B short ... the request adds 4096 B at its peak") for a request that
+    asked for cuda:0: nothing said those bytes are the rebuild's temporary storage."""
+    async with ResidencyManager(
+        budgets={"cuda:0": 16 * KiB, "pinned-host": 6 * KiB}, backend="sim"
+    ) as m:
+        source = CallableSource(
+            lambda: tensor(), shape=(1024,), dtype=torch.float32, source_location="pinned-host"
+        )
+        lora = m.register_source(source, name="lora")
+        cache = m.register(tensor(seed=1), name="cache", location="pinned-host")
+        request = ResidencyRequest("adapter", [ResidencyRequirement(lora, "cuda:0")])
+        # the only value that could make room there is protected
+        with m.hold(cache, "pinned-host"), pytest.raises(ResidencyPlanError) as caught:
+            await ResidencyController(m).decide(request)
+        reason = caught.value.reason
+        assert reason.startswith("request 'adapter' is infeasible: pinned-host is 2048 B")
+        assert (
+            "4096 B (4.0 KiB) of it temporary reconstruction storage at the source_location "
+            "of lora on its way to cuda:0" in reason
+        )
+        step = diagnose(caught.value, m).step(5)
+        assert "temporary reconstruction storage" in step.text()
+        # Once the room is there, the same request is decided, rebuilding through pinned-host.
+        decision = await ResidencyController(m).decide(request)
+        assert [str(e.location) for e in decision.evictions] == ["pinned-host"]
+        ledger = decision.explanation.ledger["pinned-host"]
+        assert ledger.budget_bytes == 6 * KiB and ledger.peak_bytes <= 6 * KiB
+
+
 # ---------------------------------------------------------------------- 4: protection
 
 
@@ -500,6 +560,67 @@ async def test_step_4_names_a_transfer_in_flight_and_never_says_retry_while_it_i
         await pending
         step = diagnose(error, m).step(4)  # landed: now the removal may be retried
         assert step.action == "nothing protects it any more: retry the removal"
+
+
+async def test_step_4_of_a_request_refused_for_protections_names_the_owning_tasks(
+    tmp_path: Path,
+) -> None:
+    """The controller never waits for protected values: it refuses a request that only their
+    eviction would admit. Its report (and that of controller.scope timing out on it) had no
+    step 4: nothing said which lease or hold, owned by which task, kept the room, and the next
+    action was "derive a fresh decision once the state changed"."""
+    async with ResidencyManager(budgets={"cuda:0": 8 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a", location="cuda:0")
+        b = m.register(tensor(seed=2), name="b", location="cuda:0")
+        new = m.register(tensor(seed=3), name="new")
+        request = ResidencyRequest("generate", [ResidencyRequirement(new, "cuda:0")])
+        controller = ResidencyController(m)
+        entered, done = anyio.Event(), anyio.Event()
+
+        async def decode_worker() -> None:
+            async with m.acquire(a, "cuda:0"):
+                entered.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(decode_worker, name="decode-worker")
+            await entered.wait()
+            hold = m.hold(b, "cuda:0")
+            with pytest.raises(ResidencyPlanError) as refused:
+                await controller.decide(request)
+            report = diagnose(refused.value, m)
+            step = report.step(4)
+            text = " ".join(step.text().split())
+            assert "protected at the request's budgeted locations (cuda:0)" in text
+            assert "held by 'decode-worker' (read lease)" in text
+            assert f"held by {hold.owner!r} (hold)" in text
+            assert [p["handle"]["name"] for p in step.evidence["protected"]] == ["a", "b"]
+            action = step.action or ""
+            assert "exit the lease(s) in task(s) 'decode-worker'" in action
+            assert f"release the obsolete hold(s) in task(s) {hold.owner!r}" in action
+            assert report.next_action == action
+            path = tmp_path / "refused.json"
+            m.dump(path, refused.value)
+            assert diagnose_dump(path).to_dict() == report.to_dict()
+            hold.release()
+            # controller.scope waiting on the lease times out: the same step 4, from its cause
+            wide = m.register(tensor(kib=8, seed=5), name="wide")  # a and b must both go
+            wide_request = ResidencyRequest("wide", [ResidencyRequirement(wide, "cuda:0")])
+            with pytest.raises(TimeoutError) as timed_out:
+                async with controller.scope(wide_request, timeout=0.05):
+                    pytest.fail("admitted under the lease")
+            step = diagnose(timed_out.value, m).step(4)
+            assert "exit the lease(s) in task(s) 'decode-worker'" in (step.action or "")
+            assert "hold" not in (step.action or "")
+            done.set()
+        # A refusal that is not about protections keeps its own next action.
+        big = m.register(tensor(kib=16, seed=4), name="big")
+        with pytest.raises(ResidencyPlanError) as too_big:
+            await controller.decide(ResidencyRequest("big", [ResidencyRequirement(big, "cuda:0")]))
+        report = diagnose(too_big.value, m)
+        # (the lease's reader event may still be pending: listed, but not the next action)
+        assert not report.has_step(4) or report.step(4).action is None
+        assert report.next_action == report.step(5).action
 
 
 # --------------------------------------------------------------- 5: decision evidence
@@ -647,6 +768,44 @@ async def test_step_7_lists_what_stays_in_effect_against_the_snapshot() -> None:
         # execute ran no scope: nothing is said of re-entering one
         assert "execute does not roll back" in step.text()
         assert "scope" not in " ".join(step.findings)
+
+
+async def test_step_7_of_a_body_error_reaches_the_scopes_failed_exit(tmp_path: Path) -> None:
+    """A scope body fails and the scope's exit fails too: the body's exception stays primary
+    and the exit failure is on scope.exit_error. Diagnosing the body's exception (what the
+    application caught) said only "KeyError: not an aresidency error": nothing of the exit's
+    partial execution, also for code that never named the scope."""
+    async with ResidencyManager(budgets={"cuda:0": 4 * KiB}, backend="sim") as m:
+        a = m.register(tensor(seed=1), name="a")
+        plan = ResidencyPlan(enter=[Move(a, "cuda:0")], exit=[Move(a, "pinned-host")])
+        with pytest.raises(KeyError) as caught:
+            async with m.scope(plan):
+                m.backend.faults.fail_transfer_at = 1  # the exit's move
+                raise KeyError("body")
+        report = diagnose(caught.value, m)
+        step = report.step(7)
+        assert step.evidence["phase"] == "exit" and step.evidence["failed_action_index"] == 0
+        assert step.evidence["failed_action"]["handle"] == a.to_dict()
+        assert "it carries a ResidencyPlanExecutionError as its scope's failed exit" in (
+            " ".join(report.step(8).text().split())
+        )
+        assert report.next_action.startswith("take a new snapshot")
+        path = tmp_path / "exit.json"
+        m.dump(path, caught.value)
+        assert diagnose_dump(path).to_dict() == report.to_dict()
+        # A body error of ours stays what is diagnosed; step 8 says the exit failed too.
+        big = m.register(tensor(kib=8, seed=2), name="big")
+        plan = ResidencyPlan(exit=[Move(a, "pageable-host")])
+        with pytest.raises(ResidencyBudgetError) as ours:
+            async with m.scope(plan) as scope:
+                m.backend.faults.fail_transfer_at = 1
+                await m.move(big, "cuda:0")
+        assert isinstance(scope.exit_error, ResidencyPlanExecutionError)
+        report = diagnose(ours.value, m)
+        assert report.step(3).evidence["requested_bytes"] == 8 * KiB
+        assert "the scope's exit failed too (scope.exit_error, a ResidencyPlanExecutionError)" in (
+            " ".join(report.step(8).text().split())
+        )
 
 
 async def test_step_3_of_a_failed_reservation_weighs_the_whole_plan_not_the_one_request() -> None:
