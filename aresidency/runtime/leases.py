@@ -510,6 +510,17 @@ class Lease:
             rt.settle()
         return error
 
+    def release(self, reader_events: Any = None) -> None:
+        """End the use now, synchronously, as leaving its block does: :meth:`exit_nowait`,
+        raising what it would return (recording a reader event failed, or the manager closed
+        during the use; the use ends anyway). For a lease entered with :meth:`enter_nowait`,
+        or to end an ``async with`` lease before its block ends (leaving the block then does
+        nothing more). ``RuntimeError`` for a lease not entered or already ended. Like
+        :meth:`exit_nowait`, it does not wait for an incoming copy: check :meth:`failure`."""
+        error = self.exit_nowait(reader_events)
+        if error is not None:
+            raise error
+
     def failure(self) -> BaseException | None:
         """The error of the transfer that was bringing the data when the lease was entered,
         if it failed (known once it completed)."""

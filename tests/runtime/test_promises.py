@@ -154,6 +154,31 @@ async def test_a_copy_read_by_a_lease_that_exited_still_arrives_when_its_request
         quiet(m)
 
 
+async def test_a_lease_released_ends_its_use_at_once_and_only_once() -> None:
+    # lease.release(): the use ends there (its block's end then does nothing more), so the
+    # materialization can be dropped; a second release is refused; a release after the
+    # manager closed says so, and the use has ended all the same.
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        async with m.acquire(h, "cuda:0") as lease:
+            assert m.snapshot().value(h).materialization("cuda:0").use_count == 1
+            lease.release()
+            assert m.snapshot().value(h).materialization("cuda:0").use_count == 0
+            assert lease.status == "exited"
+            with pytest.raises(RuntimeError, match="the lease is exited, not entered"):
+                lease.release()
+        await m.release(h, "cuda:0")  # nothing protects it any more
+        assert [str(loc) for loc in m.snapshot().value(h).locations] == ["pageable-host"]
+        never = m.acquire(h, "pageable-host")
+        with pytest.raises(RuntimeError, match="not entered"):
+            never.release()
+        late = m.acquire(h, "pageable-host").enter_nowait()
+    with pytest.raises(ManagerClosedError, match="the manager closed while the read lease on value w"):
+        late.release()
+    assert late.status == "exited"
+
+
 async def test_a_lease_entered_on_a_copy_that_fails_says_so_at_exit() -> None:
     backend = SimBackend(copy_gbps=0.005)
     async with ResidencyManager(backend=backend) as m:
