@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -257,6 +257,45 @@ class ValueSnapshot:
         )
 
 
+class ValueRecords(Mapping[ValueHandle, "ValueSnapshot"]):
+    """``snapshot.values``: every value's record by handle, read-only, iterated in the order
+    the values were registered (the same order from one run to the next, as a dict's). It
+    wraps the persistent map each snapshot shares with the next, so taking a snapshot never
+    copies the records; the order is sorted on the first iteration only."""
+
+    __slots__ = ("_map", "_order")
+
+    def __init__(self, records: Mapping[ValueHandle, ValueSnapshot]) -> None:
+        self._map = records
+        self._order: tuple[ValueHandle, ...] | None = None
+
+    def __getitem__(self, handle: ValueHandle) -> ValueSnapshot:
+        return self._map[handle]
+
+    def __contains__(self, handle: object) -> bool:
+        return handle in self._map
+
+    def get(self, handle: ValueHandle, default: Any = None) -> Any:
+        return self._map.get(handle, default)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __iter__(self) -> Iterator[ValueHandle]:
+        if self._order is None:
+            self._order = tuple(sorted(self._map, key=lambda handle: handle.value_id))
+        return iter(self._order)
+
+    def __hash__(self) -> int:
+        return hash(self._map)  # as the map it wraps (a persistent map is hashable)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ValueRecords, (dict(self.items()),))
+
+    def __repr__(self) -> str:
+        return f"ValueRecords({dict(self.items())!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class ResidencySnapshot:
     """The whole state at one ``state_version``, taken in one step; holds no tensor."""
@@ -269,6 +308,8 @@ class ResidencySnapshot:
     def __post_init__(self) -> None:
         if not isinstance(self.locations, LocationMap):  # snapshot.locations["cuda:0"] too
             object.__setattr__(self, "locations", LocationMap(self.locations))
+        if not isinstance(self.values, ValueRecords):  # in registration order
+            object.__setattr__(self, "values", ValueRecords(self.values))
 
     def value(self, handle: ValueHandle) -> ValueSnapshot:
         """The record of one value (``TypeError`` for what is not a handle, such as the

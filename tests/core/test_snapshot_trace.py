@@ -248,6 +248,29 @@ def test_snapshot_round_trips_through_json():
     assert [v.name for v in again.values.values()] == ["w", "r", "s"]
 
 
+def test_snapshot_values_iterate_in_registration_order_run_after_run():
+    # Like a dict: registration order, whatever the handles hash to (the manager's id is new
+    # each run), in the first snapshot, in snapshots brought up to date after discards and
+    # new registrations, and after a JSON round trip.
+    for manager_id in ("m-a", "m-b", "9f0c3e"):
+        state = make_state({CUDA0: None}, manager_id=manager_id)
+        handles = [state.register(name=f"v{i}", charge_bytes=8, location=CUDA0) for i in range(40)]
+        snap = take_snapshot(state)
+        assert list(snap.values) == handles
+        assert [v.name for v in snap.values.values()] == [f"v{i}" for i in range(40)]
+        for handle in handles[::3]:
+            state.discard(handle)
+        later = [state.register(name=f"w{i}", charge_bytes=8, location=CUDA0) for i in range(5)]
+        kept = [h for i, h in enumerate(handles) if i % 3] + later
+        snap = take_snapshot(state)
+        assert list(snap.values) == kept
+        assert [h for h, _ in snap.values.items()] == kept
+        again = ResidencySnapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+        assert list(again.values) == kept and again == snap
+        assert handles[0] not in snap.values and snap.values.get(handles[0]) is None
+        assert len(snap.values) == len(kept)
+
+
 def test_snapshots_of_different_versions_differ():
     state, w, *_ = busy_state()
     first = take_snapshot(state)
