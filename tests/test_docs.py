@@ -1,7 +1,8 @@
 """The documentation is findable and says nothing that is not there.
 
-* every document the troubleshooting guide's "References" list names is linked from
-  ``docs/index.md`` under that name, and the link leads to a file;
+* every reference page users are sent to by title (from docs/troubleshooting.md's steps and
+  its "See also") is linked from ``docs/index.md`` under that title, and the link leads to a
+  file;
 * every relative link in ``README.md`` and ``docs/**/*.md`` leads to a file in the repository;
 * every dotted ``aresidency.X`` name they mention resolves (a module, or an attribute of one),
   or is a string the package itself uses as a name (a reservation's, such as
@@ -31,8 +32,8 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 DOTTED = re.compile(r"\baresidency(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
-# The guide's "References" list, each with the page it must lead to.
-GUIDE_REFERENCES = {
+# The reference pages users are sent to by title, each with the page it must lead to.
+REFERENCE_PAGES = {
     "Residency plans and execution internals": "docs/internals.md",
     "Residency lifetimes": "docs/lifetimes.md",
     "Automatic Residency tutorial": "docs/tutorial-automatic.md",
@@ -91,10 +92,10 @@ def test_the_pages_exist() -> None:
         assert page in names, f"{page} is missing"
 
 
-def test_every_guide_reference_is_linked_from_the_index_under_its_name() -> None:
+def test_every_reference_page_is_linked_from_the_index_under_its_title() -> None:
     index = ROOT / "docs" / "index.md"
     links = {text.strip("`*"): target for text, target in LINK.findall(index.read_text())}
-    for title, page in GUIDE_REFERENCES.items():
+    for title, page in REFERENCE_PAGES.items():
         assert title in links, f"docs/index.md has no link titled {title!r}"
         target = (index.parent / links[title].split("#")[0]).resolve()
         assert target == (ROOT / page).resolve(), f"{title!r} links to {links[title]}"

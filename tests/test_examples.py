@@ -8,7 +8,7 @@ runs in about the time of three plain ``python examples/...`` calls. Each test t
 the exit status and a line the example prints. The numbering is checked too: consecutive from
 01, each docstring titled "Explicit Example N: ..." or "Automatic Example N: ..." with N the
 file's number, explicit ones first, and "Automatic Example 14" is the decision-evidence one
-that the troubleshooting guide's step 5 sends readers to.
+that docs/troubleshooting.md's step 5 sends readers to.
 """
 
 from __future__ import annotations
@@ -175,14 +175,14 @@ def test_examples_are_numbered_consecutively_with_titles_that_match() -> None:
     assert "Explicit" in kinds and "Automatic" in kinds
 
 
-def test_automatic_example_14_is_the_decision_evidence_example_of_the_guide() -> None:
+def test_automatic_example_14_is_the_decision_evidence_example_of_step_5() -> None:
     (path,) = [path for path in PATHS if path.name.startswith("14_")]
     assert "decision_evidence" in path.name
     title = _title(path)
     assert title.startswith("Automatic Example 14: ")
     assert "decision evidence" in title
     source = path.read_text()
-    # What the guide's step 5 prints, in the example.
+    # What docs/troubleshooting.md's step 5 prints, in the example.
     for field in (
         "expected_state_version",
         "explored_states",

@@ -189,10 +189,10 @@ async def test_decide_matches_the_synchronous_search() -> None:
     assert controller.decisions == 1 and controller.restarts == 0
 
 
-async def test_decide_can_be_read_without_await_as_the_guide_does() -> None:
+async def test_decide_can_be_read_without_await_as_troubleshooting_step_5_does() -> None:
     state, request = hard_state(30, 20)
     controller = ResidencyController(StandInManager(state))
-    decision = controller.decide(request)  # the guide's section 5, verbatim
+    decision = controller.decide(request)  # as docs/troubleshooting.md's step 5 reads it
     assert decision.expected_state_version == state.state_version
     assert decision.explored_states >= 1
     assert decision.evictions and decision.plan.reclaim and decision.plan.enter

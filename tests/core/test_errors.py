@@ -1,4 +1,5 @@
-"""The exception hierarchy (docs/errors.md), the guide's fields, messages and pickling."""
+"""The exception hierarchy (docs/api/exceptions.md), its structured fields, messages and
+pickling."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ INSTANCES = _instances()
 
 
 @pytest.mark.parametrize("key", list(INSTANCES))
-def test_every_guide_field_is_an_attribute_with_the_given_value(key):
+def test_every_documented_field_is_an_attribute_with_the_given_value(key):
     error, fields = INSTANCES[key]
     for name, value in fields.items():
         assert hasattr(error, name), name

@@ -52,7 +52,7 @@ def busy_state():
 # ------------------------------------------------------------------------------- contents
 
 
-def test_snapshot_reports_every_field_the_guide_lists():
+def test_snapshot_reports_every_field_the_troubleshooting_steps_read():
     state, w, r, s = busy_state()
     snap = take_snapshot(state)
     assert snap.manager_id == "m-test" and snap.state_version == state.state_version
@@ -95,7 +95,7 @@ def test_snapshot_lookups_of_absent_things_raise_clearly():
     snap = take_snapshot(state)
     with pytest.raises(ResidencyUnavailableError, match="not in this snapshot"):
         snap.value(ValueHandle("m-test", 999))
-    # The guide's step 2, "confirm the handle belongs to this manager and is not discarded":
+    # Step 2 of docs/troubleshooting.md (the handle is this manager's and not discarded):
     # the refusal said only "not in this snapshot" for both.
     state.discard(s)  # the source-backed value: nothing protects it
     later = take_snapshot(state)

@@ -112,7 +112,7 @@ def test_a_location_without_a_budget_admits_anything():
     reserved=st.integers(0, 4096),
     requested=st.integers(1, 4096),
 )
-def test_admission_is_exactly_the_guide_formula(budget, used, reserved, requested):
+def test_admission_is_exactly_the_documented_formula(budget, used, reserved, requested):
     state = make_state()
     if used:
         state.register(name="u", charge_bytes=used, location=CUDA0)

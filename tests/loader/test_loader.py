@@ -532,7 +532,7 @@ async def test_a_batch_waiting_for_room_longer_than_the_timeout_raises_timeout_e
 async def test_timeout_zero_does_not_count_the_wait_for_the_consumers_own_released_batches(
     ring: bool | None, prefetch: int
 ) -> None:
-    # A budget of exactly prefetch + 1 batches (what the guide says the loader needs) and
+    # A budget of exactly prefetch + 1 batches (what docs/loader.md says the loader needs) and
     # timeout=0 (never wait for room that others hold). The next batch's room is the one the
     # consumer's own previous batch leaves once the device passed its step: through managed
     # values that wait raised TimeoutError at the second batch; through the ring, the slot

@@ -164,7 +164,7 @@ async def test_an_error_diagnosed_with_another_manager_says_so_first() -> None:
 async def test_step_2_checks_each_requirement_of_a_request_the_controller_refused(
     tmp_path: Path,
 ) -> None:
-    """The guide's step 2: "for a request, verify every ResidencyRequirement independently".
+    """Step 2 of docs/troubleshooting.md checks each requirement of a request on its own.
     A request refused by controller.decide (no decision was made) left the report with no
     step 2 at all: the error carried no request. It now carries ``request``, and step 2 lists
     each requirement with where its value is now, live and from a dump alike."""
@@ -230,8 +230,8 @@ async def test_step_2_says_for_each_requirement_whether_and_through_where_it_is_
 
 
 async def test_step_2_and_5_of_a_request_naming_an_exclusive_value_twice() -> None:
-    """The guide's step 2: "for a repeated handle, remember that several locations are
-    simultaneous postconditions. They are valid only for REPLICABLE values." The report never
+    """Step 2 of docs/troubleshooting.md: a handle named twice asks for copies at several
+    locations at once, which only a REPLICABLE value may have. The report never
     said so (the handles were counted after being made unique), and step 5 called the
     refusal an exhaustive search's verdict on the current state, whose action (wait for the
     state to change) could never help: the request is invalid, and no search ran."""
@@ -374,7 +374,7 @@ async def test_step_3_never_says_waiting_could_admit_a_scope_refused_as_waiting_
                 pytest.fail("admitted past its own hold")
         error = caught.value
         assert error.hold_and_wait is True and error.to_dict()["hold_and_wait"] is True
-        text = diagnose(error, m).step(3).text()  # taken before the hold ends, as the guide says
+        text = diagnose(error, m).step(3).text()  # taken before the hold ends (step 3)
         own_hold.release()
         assert "waiting would never end (hold and wait)" in text
         assert "waiting could admit it" not in text
