@@ -37,6 +37,7 @@ from .trace import ExecutionReport
 
 __all__ = [
     "BUDGET_KINDS",
+    "LOAD_NOTE_PREFIX",
     "ResidencyBudgetError",
     "ResidencyError",
     "ResidencyInUseError",
@@ -51,6 +52,11 @@ __all__ = [
     "scope_exit_error_of",
     "to_jsonable",
 ]
+
+#: How the note begins that the runtime adds to an error a value's source raised from
+#: ``load()`` while the value was rebuilt (``runtime.sources.note_load_failure``); diagnosis
+#: finds such notes by it.
+LOAD_NOTE_PREFIX = "while rebuilding "
 
 #: What a ``ResidencyBudgetError`` was checking, and how its message names it.
 BUDGET_KINDS: Mapping[str, str] = {

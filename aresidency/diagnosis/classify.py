@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.errors import LOAD_NOTE_PREFIX
 from ..core.sizes import format_nbytes
 from ._facts import (
     Errors,
@@ -240,6 +241,16 @@ def step_8(errors: Errors, evidence: Evidence | None) -> DiagnosisStep:
         meaning = "not an aresidency error"
         first_action = "handle it as its own type; the manager's evidence is above"
         findings = [f"{name}: {meaning}"]
+        notes = None if error is None else error.get("notes")
+        for note in notes if isinstance(notes, list) else ():
+            findings.append(f"its note: {note}")
+            if str(note).startswith(LOAD_NOTE_PREFIX):
+                # A source's load() failed while the runtime rebuilt a value: the source's error.
+                first_action = (
+                    "a value's source failed to load it (the note names the value, where it "
+                    "was going and the source): fix what the source reads, or register the "
+                    "value with a source that can load it; nothing was placed by that load"
+                )
         # An exception group (what a task group raises) or an error raised from one of ours:
         # the aresidency error it carries is the one to classify.
         inner = next((e for e in errors[1:] if str(e.get("type")) in CLASSIFICATION), None)

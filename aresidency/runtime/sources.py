@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..core.errors import LOAD_NOTE_PREFIX
 from ..core.locations import Location, LocationLike
 from .checkpoints import Checkpoint
 from .tensors import tensor_problem
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 #: How the notes :func:`note_load_failure` adds begin (to find them again).
-_NOTE_PREFIX = "while rebuilding "
+_NOTE_PREFIX = LOAD_NOTE_PREFIX
 
 
 @runtime_checkable

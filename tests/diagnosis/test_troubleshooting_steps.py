@@ -992,3 +992,26 @@ async def test_a_scope_that_times_out_carries_what_stood_in_its_way() -> None:
             step = diagnose(caught.value, m).step(4)
             assert step is not None and "'reader-task'" in (step.action or "")
             done.set()
+
+
+async def test_step_8_of_a_source_s_failed_load_names_the_value_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    # A source's load() raised: the caller gets the source's own exception (its type kept),
+    # with the runtime's note naming the value and where it was going. Step 8 reported only
+    # "not an aresidency error"; it now shows the note and says the source failed to load.
+    def load() -> torch.Tensor:
+        raise FileNotFoundError("shard-3.safetensors is gone")
+
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register_source(CallableSource(load, shape=(4,), dtype=torch.float32), name="w3")
+        with pytest.raises(FileNotFoundError) as caught:
+            await m.materialize(h, "cuda:0")
+        live = diagnose(caught.value, m)
+        path = m.dump(tmp_path / "dump.json", error=caught.value)
+    for report in (live, diagnose_dump(path)):
+        step = report.step(8)
+        text = step.text()
+        assert "not an aresidency error" in text
+        assert f"its note: while rebuilding {h} at cuda:0: load() of its source" in text
+        assert "a value's source failed to load it" in step.evidence["first_action"]
