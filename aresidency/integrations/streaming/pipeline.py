@@ -72,6 +72,7 @@ from ...runtime.leases import Lease, LeaseWouldWait, current_task, current_task_
 from ...runtime.pending import PendingOperation
 from ...runtime.signal import ManagerClosedError
 from .packing import TensorGroup
+from .readroom import make_read_room
 
 if TYPE_CHECKING:
     from .module import StreamedModule
@@ -608,7 +609,15 @@ class CallPipeline:
         if here is None and not self._fits(group):
             return False
         try:
-            pending = self.manager.materialize_nowait(handle, device)
+            try:
+                pending = self.manager.materialize_nowait(handle, device)
+            except ResidencyBudgetError as error:
+                # A checkpoint's group is read into pageable-host on its way: room there held
+                # by values nobody needs now is evicted (as a decision would), then it is
+                # tried once more; anything else that fills it ends on its own (a wait).
+                if error.location == device or not make_read_room(self.manager, error):
+                    raise
+                pending = self.manager.materialize_nowait(handle, device)
         except ResidencyBudgetError as error:
             if error.budget_bytes is not None and error.requested_bytes > error.budget_bytes:
                 self._fail(slot, error)  # it could never fit
