@@ -110,8 +110,13 @@ async def test_a_load_waits_for_what_cannot_be_evicted_as_before(tmp_path: Path)
         # The last copy of a value without a source: never evicted, the load times out.
         only = await filler(m, "only", "only")
         impatient = stream_module(m, skeleton(), checkpoint=path, timeout=0.05, name="impatient")
-        with pytest.raises(TimeoutError, match="not admitted"), torch.no_grad():
+        with pytest.raises(TimeoutError, match="not admitted") as info, torch.no_grad():
             await impatient(x)
+        # It says where the room was short: not at the device, which had plenty.
+        assert f"into pageable-host on its way there, which had no room for its {GROUP} B" in (
+            str(info.value)
+        )
+        assert f"used {GROUP} B + reserved 0 B of {GROUP} B, 0 B free" in str(info.value)
         await impatient.drain()
         await impatient.aclose()
         assert [str(loc) for loc in m.snapshot().value(only).locations] == ["pageable-host"]

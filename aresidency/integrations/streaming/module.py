@@ -1010,14 +1010,28 @@ class StreamedModule:
         """When a block waiting for budget now gives up (``anyio.current_time`` clock)."""
         return None if self.timeout is None else anyio.current_time() + self.timeout
 
-    def timeout_message(self, group: TensorGroup, need: int | None = None) -> str:
+    def timeout_message(
+        self,
+        group: TensorGroup,
+        need: int | None = None,
+        refused: ResidencyBudgetError | None = None,
+    ) -> str:
         """The ``TimeoutError`` of ``group`` not admitted in time: what it waited for
         (``need`` bytes: the group's charge, or a ring buffer for it) against the room there
-        was, and the reservations that held the rest, by name."""
+        was, and the reservations that held the rest, by name. ``refused``: the manager's
+        last refusal of its copy, when it was short of room elsewhere than at the device
+        (where a checkpoint's group is read on its way): the message names that location."""
+        where = self.device
         text = f"{group.name} was not admitted at {self.device} within {self.timeout} s"
-        if need is not None:
+        if refused is not None and refused.location != self.device:
+            where = refused.location
+            text += (
+                f": it is read from its source into {where} on its way there, which had no "
+                f"room for its {refused.requested_bytes} B"
+            )
+        elif need is not None:
             text += f": it needs {need} B"
-        ledger = self.manager.state.find_ledger(self.device)
+        ledger = self.manager.state.find_ledger(where)
         if ledger is None:
             return text
         budget = ledger.budget_bytes
