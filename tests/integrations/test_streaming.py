@@ -736,6 +736,57 @@ async def test_tied_weights_are_packed_once() -> None:
     assert second.weight is first.weight
 
 
+class Expanded(nn.Module):
+    """A block with an expanded parameter and an expanded buffer (stride 0 along a dimension),
+    which records the strides its forward sees."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Linear(64, 64)
+        row = torch.randn(64, generator=g)
+        self.w = nn.Parameter(row.expand(256, 64), requires_grad=False)
+        self.register_buffer("b", torch.randn(256, 1, generator=g).expand(256, 64))
+        self.seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.w.stride(), self.b.stride()))
+        return torch.tanh(self.lin(x) + (self.w * self.b)[: x.shape[0]])
+
+
+@pytest.mark.parametrize("ring", [True, False])
+async def test_an_expanded_tensor_is_packed_at_the_size_of_its_memory(ring: bool) -> None:
+    # An expand()ed parameter or buffer was packed dense: 64 KiB for the 256 B of 'w' and the
+    # 1 KiB of 'b' (8 x the block's real bytes), and the module's tensors came back dense.
+    model = nn.Sequential(Expanded(1), Expanded(2), Expanded(3))
+    x = torch.randn(4, 64)
+    expected = reference(model, x)
+    # the linear's weight and bias, and the memory of 'w' and 'b', each on a 512 B boundary
+    block = 64 * 64 * 4 + 512 + 512 + 1024
+    async with ResidencyManager(budgets={"cuda:0": 8 * block}, backend="sim") as m:
+        streamed = stream_module(m, model, ring=ring, keep_resident=False)
+        assert streamed.block_bytes == [block] * 3
+        snap = m.snapshot()
+        assert snap.location("pinned-host").used_bytes == 3 * block
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+            assert torch.equal(await streamed(x), expected)
+        # the forward saw its device tensors expanded as the module's are
+        for sub in model:
+            assert isinstance(sub, Expanded)
+            assert sub.seen[1:] == [((0, 1), (1, 0))] * 2
+            assert sub.w.stride() == (0, 1) and sub.b.stride() == (1, 0)
+        await streamed.drain()
+        assert max_charge(m.trace()) <= 3 * block  # (the window: prefetch + 1 blocks)
+        await streamed.aclose()
+    # given back expanded, with memory of their own of the size they had
+    for sub in model:
+        assert isinstance(sub, Expanded)
+        assert sub.w.stride() == (0, 1) and sub.w.untyped_storage().nbytes() == 64 * 4
+        assert sub.b.stride() == (1, 0) and sub.b.untyped_storage().nbytes() == 256 * 4
+    assert torch.equal(reference(model, x), expected)
+
+
 # ---------------------------------------------------------------- refusals and failures
 
 

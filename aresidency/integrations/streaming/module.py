@@ -41,7 +41,7 @@ from ...runtime.shield import finish_shielded
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
 from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
-from .packing import TensorGroup, collect_groups, find_blocks
+from .packing import TensorGroup, collect_groups, compact, copy_into, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
 from .ring import IdleRing, RingCall
@@ -589,8 +589,12 @@ class StreamedModule:
                     if id(entry.tensor) in done or entry.tensor.data_ptr() != view.data_ptr():
                         continue
                     done.add(id(entry.tensor))
-                    own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype)
-                    own.copy_(view)
+                    if entry.broadcast:
+                        # (expanded: its memory copied, expanded again as it was)
+                        own = compact(view, entry.broadcast).clone().expand(entry.shape)
+                    else:
+                        own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype)
+                        own.copy_(view)
                     entry.tensor.data = own
                 group.host_flat = None
 
@@ -652,7 +656,7 @@ class StreamedModule:
                 if group.host_flat is not None:
                     for entry, view in zip(group.entries, group.views(group.host_flat)):
                         if entry.tensor.data_ptr() != view.data_ptr():
-                            view.copy_(entry.tensor.detach())
+                            copy_into(entry, view, entry.tensor.detach())
                     group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
