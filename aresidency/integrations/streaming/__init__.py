@@ -28,7 +28,8 @@ Budgets that remember (``keep_resident=True``, the default): when the ``device``
 more than the tensors outside the blocks plus the prefetch window, the groups that fit stay on
 the device between calls (the tensors outside the blocks first, then blocks spread evenly over
 the call order, so that the copies of the others overlap their compute), and a call copies only
-the rest; :meth:`StreamedModule.residency` says which and why. Blocks already on the device do
+the rest (a model that fits the budget whole stays whole: no room is left for a window no call
+would use); :meth:`StreamedModule.residency` says which and why. Blocks already on the device do
 not count in the prefetch window: copies run ahead over them.
 
 Hugging Face models: a ``transformers`` causal LM (``LlamaForCausalLM`` and the like: embedding,

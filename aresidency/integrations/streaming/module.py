@@ -802,8 +802,9 @@ class StreamedModule:
 
     def _window_bytes(self) -> int:
         """Device bytes the prefetch window may need at once: the block in use and
-        ``prefetch`` more, counted at the largest block."""
-        return (self.prefetch + 1) * self._largest
+        ``prefetch`` more, counted at the largest block; never more blocks than the module
+        has (a block listed twice is one group: one replica, one ring slot)."""
+        return min(self.prefetch + 1, len(self._groups)) * self._largest
 
     def _plan_keep(self) -> set[int]:
         """The groups to keep on the device after this call: the resident group, then as many
@@ -818,6 +819,10 @@ class StreamedModule:
             return set()  # without a strict budget nothing says how much may stay
         # (our finished calls' rings are ours: the next call takes one over or it retires)
         others = others_bytes(state, self.device, self.all_groups) - self._idle_ring_bytes()
+        if sum(g.charge_bytes for g in self.all_groups) <= ledger.budget_bytes - others:
+            # The whole model fits: every group stays, nothing is copied, and no room is
+            # left for a window no call would use.
+            return {g.index for g in self.all_groups}
         room = ledger.budget_bytes - others - self._window_bytes()
         keep: set[int] = set()
         if self.resident_group is not None:
@@ -832,13 +837,14 @@ class StreamedModule:
         the last call's plan): ``kept`` (group names: the resident group, then blocks in call
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
-        window: ``prefetch + 1`` x the largest block, or, when the budget leaves room for
-        fewer blocks beside the tensors outside the blocks and what other tenants hold, the
-        bytes a call really uses: its ring's slots, or the blocks it copies at once),
+        window: ``prefetch + 1`` x the largest block, or, when fewer blocks are copied on
+        each call than that or the budget leaves room for fewer blocks beside the tensors
+        outside the blocks and what other tenants hold, the bytes a call really uses: its
+        ring's slots, or the blocks it copies at once; 0 when nothing is copied),
         ``window_blocks`` (how many blocks that is), ``budget_bytes``, ``others_bytes`` (what
         other tenants hold at the device), ``reason`` (a sentence, which says when the window
-        is smaller than ``prefetch + 1`` blocks). Before the first call: the plan the first
-        call would make now."""
+        is smaller than ``prefetch + 1`` blocks, and why). Before the first call: the plan the
+        first call would make now."""
         return describe(
             self.manager.state,
             self.device,
