@@ -737,6 +737,38 @@ async def test_tied_weights_are_packed_once() -> None:
     assert second.weight is first.weight
 
 
+def tied_linears() -> nn.Sequential:
+    model = linears(n=4)
+    model[2].weight = model[0].weight  # one weight, in two blocks
+    return model
+
+
+async def test_a_weight_tied_across_blocks_streams_from_a_save_model_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # safetensors' save_model (what a refusal tells a user to write a checkpoint with) keeps
+    # one name of a tied weight: the second block's group looked only for its own name,
+    # '2.weight', and stream_module failed with a KeyError for it.
+    from safetensors.torch import load_file, save_model
+
+    model = tied_linears()
+    x = torch.randn(2, 32)
+    expected = reference(model, x)
+    path = tmp_path / "tied.safetensors"
+    save_model(model, str(path))
+    assert "2.weight" not in load_file(str(path))
+    with torch.device("meta"):
+        skeleton = tied_linears()
+    async with ResidencyManager(budgets={"cuda:0": 2 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, skeleton, checkpoint=path, name="tied")
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_all_released(m, streamed, host="none")
+        await streamed.aclose()
+    assert skeleton[2].weight is skeleton[0].weight
+
+
 class Expanded(nn.Module):
     """A block with an expanded parameter and an expanded buffer (stride 0 along a dimension),
     which records the strides its forward sees."""

@@ -290,14 +290,21 @@ def copy_into(entry: PackedTensor, view: torch.Tensor, value: torch.Tensor) -> N
 
 
 def pack_layout(
-    modules: Sequence[nn.Module], qualified: dict[int, list[str]], keep_strides: bool
+    modules: Sequence[nn.Module],
+    qualified: dict[int, list[str]],
+    keep_strides: bool,
+    aliases: dict[int, list[str]] | None = None,
 ) -> list[PackedTensor]:
     """Lay out the tensors held directly by ``modules`` (each module's own tables only; a tensor
     held twice, a tied weight, is laid out once and every slot naming it is kept). Strides are
     the tensor's own when ``keep_strides`` and dense, else contiguous (a checkpoint's: its
     tensors are stored dense, so an expanded tensor of the module is laid out at its full
     size there, and its view is dense); an expanded tensor keeps its stride 0 (its memory,
-    not its shape, is packed: see :func:`_dense_stride`)."""
+    not its shape, is packed: see :func:`_dense_stride`). ``aliases``: every state_dict name
+    of each tensor in the root module (by ``id``), added after the names ``modules`` give it:
+    a weight tied across blocks is named by all of them in each group that holds it (a
+    checkpoint that stores it once, as ``safetensors.torch.save_model`` does, has one of
+    them)."""
     found: dict[int, tuple[torch.Tensor, list[str], list[tuple[dict[str, Any], str]]]] = {}
     persistent: set[int] = set()
     seen_slots: set[tuple[int, str]] = set()
@@ -316,6 +323,8 @@ def pack_layout(
     entries: list[PackedTensor] = []
     offset = 0
     for tensor, names, slots in found.values():
+        if aliases is not None:
+            names.extend(n for n in aliases.get(id(tensor), ()) if n not in names)
         stride = _dense_stride(tensor) if keep_strides else _contiguous_stride(tensor.shape)
         span = 0
         if tensor.numel():
@@ -356,6 +365,12 @@ def collect_groups(
     qualified: dict[int, list[str]] = {}
     for name, sub in root.named_modules(remove_duplicate=False):
         qualified.setdefault(id(sub), []).append(name)
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in (
+        *root.named_parameters(remove_duplicate=False),
+        *root.named_buffers(remove_duplicate=False),
+    ):
+        aliases.setdefault(id(tensor), []).append(name)
     groups: list[TensorGroup | None] = []
     inside: set[int] = set()
     made: dict[int, TensorGroup | None] = {}  # id(block) -> its group
@@ -366,12 +381,14 @@ def collect_groups(
         modules = list(block.modules())
         inside.update(id(sub) for sub in modules)
         group = make_group(
-            index, f"{prefix}.block{index}", pack_layout(modules, qualified, keep_strides)
+            index,
+            f"{prefix}.block{index}",
+            pack_layout(modules, qualified, keep_strides, aliases),
         )
         made[id(block)] = group
         groups.append(group)
     outside = [sub for sub in root.modules() if id(sub) not in inside]
     resident = make_group(
-        len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides)
+        len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides, aliases)
     )
     return groups, resident
