@@ -96,6 +96,10 @@ class _AdmissionTurn:
         self._held = True
         return self
 
+    @property
+    def held(self) -> bool:
+        return self._held
+
     def end(self) -> None:
         """The call holds what it needs: the next call's turn."""
         if self._held:
@@ -257,6 +261,7 @@ class StreamedModule:
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
         self.current_call: CallPipeline | RingCall | None = None
+        self._turn: _AdmissionTurn | None = None  # the call in flight's admission turn
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
@@ -1141,7 +1146,11 @@ class StreamedModule:
                 if self._closed:
                     raise RuntimeError(f"{self!r} is closed")
                 self._check_manager()
-                return await self._call(turn, generate, args, kwargs)
+                self._turn = turn
+                try:
+                    return await self._call(turn, generate, args, kwargs)
+                finally:
+                    self._turn = None
 
     def _check_manager(self) -> None:
         """``manager.check_thread()``, with a ``ManagerClosedError`` that names this module
@@ -1230,7 +1239,35 @@ class StreamedModule:
             ) from error
         if bridge.on_loop():
             raise RuntimeError("call_threadsafe from the event loop's thread would deadlock")
+        self._refuse_nested()
         return bridge.run_async(self.__call__, *args, **kwargs)
+
+    def _refuse_nested(self) -> None:
+        """``RuntimeError`` for a call made from inside the forward of a streamed call in
+        flight (its worker thread) that could only wait for that call, which waits for it in
+        turn: a call of this module (calls on one module are serialized), or of another
+        module at the same device while the outer call holds the device's admission turn (a
+        call over managed values holds it until it ends). Otherwise both would wait for ever,
+        the outer one even when cancelled (it waits for its thread, blocked in this call)."""
+        for outer in list(_by_manager.get(self.manager, ())):
+            if outer._closed or outer.current_call is None or not outer._threaded.runs_here():
+                continue
+            if outer is self:
+                raise RuntimeError(
+                    f"{self.name}: called from inside the forward of its own call in flight; "
+                    "calls on one streamed module run one at a time, so this call would wait "
+                    "for ever for the call that makes it (call the module's blocks directly "
+                    "inside its forward, or make the second call after the first returned)"
+                )
+            turn = outer._turn
+            if outer.device == self.device and turn is not None and turn.held:
+                raise RuntimeError(
+                    f"{self.name}: called from inside the forward of {outer.name}'s call in "
+                    f"flight at {self.device}, which holds the device's admission turn until "
+                    "it returns (its blocks stream as managed values, each taking its room as "
+                    "it goes), so this call would wait for ever for the call that makes it; "
+                    "call it before or after that call, or stream the two as one module"
+                )
 
     # -- end
 
