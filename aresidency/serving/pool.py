@@ -57,6 +57,7 @@ from ..core.trace import Transition
 from ..core.values import MaterializationState, ValueHandle, check_flag
 from ..integrations.streaming import HostKind
 from ..integrations.streaming.packing import TensorGroup
+from ..integrations.streaming.readroom import make_read_room
 from ..runtime.admission import Kept
 from ..runtime.checkpoints import Checkpoint
 from ..runtime.leases import Hold, current_owner, current_task, current_task_ref
@@ -269,16 +270,25 @@ class _Loading:
     often as that happens (each round awaits copies: the loop is never held, and the
     request's ``timeout`` bounds it).
 
-    State: ``holds`` (group index -> the hold on its device materialization), ``open``
+    State: ``graph`` (what may be evicted where a checkpoint's group is read: the pool's
+    controller's fallback graph), ``holds`` (group index -> the hold on its device
+    materialization), ``open``
     (cleared when the loading gave up: a copy that lands later is not held), ``closed`` (the
     ``ManagerClosedError`` a hold got: the manager closed, :meth:`run` raises it; a done
     callback never raises), ``landed`` (bytes of its copies that landed). Invariant: once
     :meth:`run` raised, nothing is held and nothing it copied is in flight."""
 
-    def __init__(self, manager: ResidencyManager, device: Location, entry: ModelEntry) -> None:
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        device: Location,
+        entry: ModelEntry,
+        graph: FallbackGraph | None = None,
+    ) -> None:
         self.manager = manager
         self.device = device
         self.entry = entry
+        self.graph = graph  # what may be evicted where a checkpoint's group is read
         self.holds: dict[int, Hold] = {}
         self.open = True
         self.closed: ManagerClosedError | None = None  # a hold refused: the manager closed
@@ -306,6 +316,20 @@ class _Loading:
             self.landed += self.entry.streamed.group(index).charge_bytes
             self._hold(index)
 
+    def _begin(self, handle: ValueHandle) -> PendingOperation:
+        """``materialize_nowait`` at the device; a load refused where a checkpoint's group is
+        read on its way (pageable-host) because values nobody needs fill it (a replica of a
+        value resident elsewhere, another model's idle groups moved there) evicts them, as
+        a decision would, and is tried once more (see :func:`make_read_room`)."""
+        try:
+            return self.manager.materialize_nowait(handle, self.device)
+        except ResidencyBudgetError as error:
+            if error.location == self.device or not make_read_room(
+                self.manager, error, graph=self.graph
+            ):
+                raise
+        return self.manager.materialize_nowait(handle, self.device)
+
     async def run(self, keep: list[int]) -> int:
         """Hold every group of ``keep`` at the device, copying in those not there; returns
         the bytes copied. Raises the first copy's error (or a refusal of the budget)."""
@@ -329,7 +353,7 @@ class _Loading:
                     group = self.entry.streamed.group(index)
                     assert group.handle is not None
                     try:
-                        operation = self.manager.materialize_nowait(group.handle, self.device)
+                        operation = self._begin(group.handle)
                     except ResidencyBudgetError as error:
                         if error.location == self.device or not pending:
                             raise
@@ -2008,7 +2032,7 @@ class ModelPool:
                 f"the copies of {entry.name!r} to {self.device} to land ({len(copies)} "
                 f"group(s), {format_nbytes(sum(g.charge_bytes for g in copies))})"
             )
-        loading = _Loading(self.manager, self.device, entry)
+        loading = _Loading(self.manager, self.device, entry, self.controller.fallback_graph)
         try:
             loaded = await loading.run(keep)
         except BaseException as error:

@@ -673,3 +673,70 @@ async def test_residency_reports_the_window_the_budget_leaves_room_for(ring: boo
             ]
             assert rings == [before["window_bytes"]]
         await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", [True, False])
+async def test_residency_counts_no_more_window_blocks_than_the_module_copies(ring: bool) -> None:
+    """Two blocks and prefetch=4: ``residency()`` reported a window of 5 x the largest block,
+    said the budget had "room for 2 of the 5 blocks of the prefetch window" (there are only
+    two), the ring ran with two slots, and the plan, leaving room for five blocks, kept
+    nothing while the whole model fit the budget (every call copied both blocks)."""
+    model = Net(n=2)
+    x = torch.randn(2, 16)
+    expected = reference(model, x)
+    block, resident = await sizes(Net(n=2))
+    whole = resident + 2 * block
+
+    # Streamed every call: the window is the two blocks, and the ring has two slots.
+    async with ResidencyManager(budgets={"cuda:0": 4 * whole}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=4, ring=ring, keep_resident=False)
+        before = streamed.residency()
+        assert (before["window_blocks"], before["window_bytes"]) == (2, 2 * block)
+        assert (
+            "only 2 distinct block(s) of the 5 the prefetch window would hold" in (before["reason"])
+        )
+        since = m.trace().transitions[-1].seq
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert streamed.residency() == before
+        if ring:  # the ring's reservation is the window reported
+            assert [
+                t.nbytes
+                for t in m.trace().transitions
+                if t.seq > since and t.kind == "reserve" and (t.name or "").startswith("stream")
+            ] == [before["window_bytes"]]
+        await streamed.aclose()
+
+    # A budget that holds the whole model (with half a block to spare): it all stays, nothing
+    # is copied after the first call, and no window is reported.
+    async with ResidencyManager(budgets={"cuda:0": whole + block // 2}, backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=4, ring=ring)
+        plan = streamed.residency()
+        assert len(plan["kept"]) == 3 and plan["streamed"] == []
+        assert (plan["window_blocks"], plan["window_bytes"]) == (0, 0)
+        assert "nothing is copied" in plan["reason"]
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+            copies = streamed.copies
+            assert torch.equal(await streamed(x), expected)
+        assert streamed.copies == copies == 3
+        await streamed.drain()
+        assert streamed.residency() == plan
+        await streamed.aclose()
+
+
+async def test_a_block_listed_twice_is_one_block_of_the_window() -> None:
+    torch.manual_seed(3)
+    first, second = nn.Linear(32, 32), nn.Linear(32, 32)
+    model = nn.Sequential(first, second, first)
+    x = torch.randn(2, 32)
+    expected = reference(model, x)
+    async with ResidencyManager(backend="sim") as m:
+        streamed = stream_module(m, model, prefetch=4)
+        report = streamed.residency()
+        block = max(streamed.block_bytes)
+        assert (report["window_blocks"], report["window_bytes"]) == (2, 2 * block)
+        with anyio.fail_after(10), torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.aclose()

@@ -326,7 +326,8 @@ async def test_residency_before_the_first_call_is_the_plan_the_call_then_keeps()
     x = torch.randn(4, 16)
     async with ResidencyManager(backend="sim") as m:
         probe = stream_module(m, model)
-        budget = probe.resident_bytes + sum(probe.block_bytes) // 2 + 3 * max(probe.block_bytes)
+        # (less than the whole model, which would stay whole)
+        budget = probe.resident_bytes + sum(probe.block_bytes) // 2 + 2 * max(probe.block_bytes)
         await probe.aclose()
         m.set_budget("cuda:0", budget)
         streamed = stream_module(m, model)
@@ -734,6 +735,89 @@ async def test_tied_weights_are_packed_once() -> None:
             assert torch.equal(await streamed(x), expected)
         await streamed.aclose()
     assert second.weight is first.weight
+
+
+def tied_linears() -> nn.Sequential:
+    model = linears(n=4)
+    model[2].weight = model[0].weight  # one weight, in two blocks
+    return model
+
+
+async def test_a_weight_tied_across_blocks_streams_from_a_save_model_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # safetensors' save_model (what a refusal tells a user to write a checkpoint with) keeps
+    # one name of a tied weight: the second block's group looked only for its own name,
+    # '2.weight', and stream_module failed with a KeyError for it.
+    from safetensors.torch import load_file, save_model
+
+    model = tied_linears()
+    x = torch.randn(2, 32)
+    expected = reference(model, x)
+    path = tmp_path / "tied.safetensors"
+    save_model(model, str(path))
+    assert "2.weight" not in load_file(str(path))
+    with torch.device("meta"):
+        skeleton = tied_linears()
+    async with ResidencyManager(budgets={"cuda:0": 2 * 4608}, backend="sim") as m:
+        streamed = stream_module(m, skeleton, checkpoint=path, name="tied")
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+        await streamed.drain()
+        assert_all_released(m, streamed, host="none")
+        await streamed.aclose()
+    assert skeleton[2].weight is skeleton[0].weight
+
+
+class Expanded(nn.Module):
+    """A block with an expanded parameter and an expanded buffer (stride 0 along a dimension),
+    which records the strides its forward sees."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Linear(64, 64)
+        row = torch.randn(64, generator=g)
+        self.w = nn.Parameter(row.expand(256, 64), requires_grad=False)
+        self.register_buffer("b", torch.randn(256, 1, generator=g).expand(256, 64))
+        self.seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.w.stride(), self.b.stride()))
+        return torch.tanh(self.lin(x) + (self.w * self.b)[: x.shape[0]])
+
+
+@pytest.mark.parametrize("ring", [True, False])
+async def test_an_expanded_tensor_is_packed_at_the_size_of_its_memory(ring: bool) -> None:
+    # An expand()ed parameter or buffer was packed dense: 64 KiB for the 256 B of 'w' and the
+    # 1 KiB of 'b' (8 x the block's real bytes), and the module's tensors came back dense.
+    model = nn.Sequential(Expanded(1), Expanded(2), Expanded(3))
+    x = torch.randn(4, 64)
+    expected = reference(model, x)
+    # the linear's weight and bias, and the memory of 'w' and 'b', each on a 512 B boundary
+    block = 64 * 64 * 4 + 512 + 512 + 1024
+    async with ResidencyManager(budgets={"cuda:0": 8 * block}, backend="sim") as m:
+        streamed = stream_module(m, model, ring=ring, keep_resident=False)
+        assert streamed.block_bytes == [block] * 3
+        snap = m.snapshot()
+        assert snap.location("pinned-host").used_bytes == 3 * block
+        with torch.no_grad():
+            assert torch.equal(await streamed(x), expected)
+            assert torch.equal(await streamed(x), expected)
+        # the forward saw its device tensors expanded as the module's are
+        for sub in model:
+            assert isinstance(sub, Expanded)
+            assert sub.seen[1:] == [((0, 1), (1, 0))] * 2
+            assert sub.w.stride() == (0, 1) and sub.b.stride() == (1, 0)
+        await streamed.drain()
+        assert max_charge(m.trace()) <= 3 * block  # (the window: prefetch + 1 blocks)
+        await streamed.aclose()
+    # given back expanded, with memory of their own of the size they had
+    for sub in model:
+        assert isinstance(sub, Expanded)
+        assert sub.w.stride() == (0, 1) and sub.w.untyped_storage().nbytes() == 64 * 4
+        assert sub.b.stride() == (1, 0) and sub.b.untyped_storage().nbytes() == 256 * 4
+    assert torch.equal(reference(model, x), expected)
 
 
 # ---------------------------------------------------------------- refusals and failures

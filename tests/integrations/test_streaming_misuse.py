@@ -848,3 +848,48 @@ async def test_a_module_whose_managers_closed_without_aclose_streams_again() -> 
         await second.aclose()
     assert all(not b._forward_pre_hooks and not b._forward_hooks for b in model.layers)
     assert torch.equal(expected(model, x), want)
+
+
+class Nesting(nn.Module):
+    """Three blocks; after the second, the forward calls ``inner`` (set after streaming)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.inner: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 1 and self.inner is not None:
+                x = self.inner(x)
+        return x
+
+
+@pytest.mark.parametrize("which", ["itself", "another module"])
+async def test_a_streamed_call_from_inside_a_forward_that_would_wait_for_it_is_refused(
+    which: str,
+) -> None:
+    # The forward of a call over managed values called a streamed module of the same
+    # manager and device (or the same module) with call_threadsafe: the inner call waited
+    # for the admission turn (or the module's lock) the outer call holds, the outer call for
+    # its forward, for ever; cancelling the outer call could not end it (it waits for its
+    # thread, blocked in the inner call).
+    async with ResidencyManager(budgets={"cuda:0": 64 * 4608}, backend="sim") as m:
+        model = Nesting()
+        x = torch.randn(2, 32)
+        plain = expected(model, x)
+        outer = stream_module(m, model, ring=False, name="outer")
+        inner = outer if which == "itself" else stream_module(m, linears(n=2), name="inner")
+        model.inner = inner.call_threadsafe
+        with anyio.fail_after(10), torch.no_grad():
+            with pytest.raises(RuntimeError, match="would wait for ever for the call that makes"):
+                await outer(x)
+            model.inner = None
+            assert torch.equal(await outer(x), plain)  # nothing was left behind
+            if inner is not outer:
+                await inner(x)
+        for streamed in {id(outer): outer, id(inner): inner}.values():
+            await streamed.drain()
+            await streamed.aclose()

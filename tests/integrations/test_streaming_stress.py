@@ -193,11 +193,11 @@ async def test_a_ring_call_streams_a_kept_block_when_a_tenant_took_its_rings_roo
     """The ring's call plans to keep three blocks beside one slot; while their copies are on
     their way, a tenant takes the room left for the slot (and keeps it): the call streams a
     block it meant to keep instead (it used to wait for room its own kept blocks held)."""
-    model = frozen(Net(n=4, seed=5))
+    model = frozen(Net(n=5, seed=5))
     x = torch.randn(2, 16)
     expected = reference(model, x)
     block, resident = await sizes(model)
-    budget = resident + 4 * block
+    budget = resident + 4 * block  # (one block short of the whole model, which would stay)
     backend = SimBackend()
     async with ResidencyManager(budgets={"cuda:0": budget}, backend=backend) as m:
         h2d = backend.device_streams(0).h2d

@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aresidency import Location, ResidencyBudgetError, ResidencyManager, ResidencyPlanError
+from aresidency import (
+    Location,
+    ReplicaMode,
+    ResidencyBudgetError,
+    ResidencyManager,
+    ResidencyPlanError,
+)
 from aresidency.backends.sim import SimBackend
 from aresidency.serving import ModelPool
 from aresidency.testing import until
@@ -154,3 +160,33 @@ async def test_a_request_waiting_for_the_room_another_pools_load_reads_into_goes
             assert pool.admitted == pool.waiting == 0
             await pool.aclose()
         assert m.snapshot().location("pageable-host").reserved_bytes == 0
+
+
+async def test_a_model_loaded_in_rounds_evicts_what_fills_pageable_host(tmp_path: Path) -> None:
+    # pageable-host holds two groups, both taken by a replica of a value that stays in pinned
+    # memory: the request loads its groups a few at a time (its decision cannot count them
+    # all there at once), and each load waited for room that nothing would give back.
+    original = TinyLM(seed=1)
+    path = checkpoint_of(original, tmp_path / "a.safetensors")
+    budgets = {"cuda:0": 2 * TOTAL, "pageable-host": 2 * BLOCK}
+    async with ResidencyManager(budgets=budgets, backend="sim") as m:
+        cached = m.register(
+            torch.ones(2 * BLOCK // 4), name="cached", replica_mode=ReplicaMode.REPLICABLE
+        )
+        await m.materialize(cached, "pinned-host")
+        # protected: waited for, never evicted (the request times out as before)
+        with m.hold(cached, "pageable-host"):
+            pool = ModelPool(m)
+            pool.add("a", TinyLM(seed=1), checkpoint=path)
+            with pytest.raises(TimeoutError):
+                async with pool.use("a", timeout=0.05):
+                    pass
+        with anyio.fail_after(10):
+            async with pool.use("a") as model:
+                assert model.mode == "resident"
+                assert torch.equal(await model(TOKENS), reference(original, TOKENS))
+        assert max_charge(m.trace(), "pageable-host") <= 2 * BLOCK
+        assert [str(loc) for loc in m.snapshot().value(cached).locations] == ["pinned-host"]
+        assert m.snapshot().location("pageable-host").used_bytes == 0
+        assert_nothing_leaked(m, pool)
+        await pool.aclose()

@@ -28,7 +28,8 @@ Budgets that remember (``keep_resident=True``, the default): when the ``device``
 more than the tensors outside the blocks plus the prefetch window, the groups that fit stay on
 the device between calls (the tensors outside the blocks first, then blocks spread evenly over
 the call order, so that the copies of the others overlap their compute), and a call copies only
-the rest; :meth:`StreamedModule.residency` says which and why. Blocks already on the device do
+the rest (a model that fits the budget whole stays whole: no room is left for a window no call
+would use); :meth:`StreamedModule.residency` says which and why. Blocks already on the device do
 not count in the prefetch window: copies run ahead over them.
 
 Hugging Face models: a ``transformers`` causal LM (``LlamaForCausalLM`` and the like: embedding,
@@ -44,7 +45,10 @@ release whatever its number of parameters (a many-parameter block would otherwis
 in both Python overhead and small-copy bandwidth: docs/performance.md, 44.6 GB/s at 4 MB against
 55 GB/s for large copies). Inside the flat buffer each tensor starts on a 512-byte boundary (the
 CUDA caching allocator's granularity) and keeps its strides, so kernels see the same alignment and
-layout as for a tensor of its own and give bit-identical results.
+layout as for a tensor of its own and give bit-identical results. An ``expand()``ed parameter or
+buffer (stride 0 along a dimension) keeps its stride 0: only its memory is packed, copied and
+charged, and its view on the device is expanded as the module's own (with a checkpoint, which
+stores every tensor dense, it is read and laid out dense).
 
 Blocks are found as: the children of an ``nn.Sequential``; otherwise the ``nn.ModuleList`` of
 ``module`` holding the most parameter and buffer bytes (ties: the first); or ``blocks=`` given

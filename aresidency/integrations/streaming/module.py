@@ -41,7 +41,7 @@ from ...runtime.shield import finish_shielded
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
 from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
-from .packing import TensorGroup, collect_groups, find_blocks
+from .packing import TensorGroup, collect_groups, compact, copy_into, find_blocks
 from .pipeline import CallPipeline
 from .residency import describe, others_bytes, spread
 from .ring import IdleRing, RingCall
@@ -95,6 +95,10 @@ class _AdmissionTurn:
         await self._lock.acquire()
         self._held = True
         return self
+
+    @property
+    def held(self) -> bool:
+        return self._held
 
     def end(self) -> None:
         """The call holds what it needs: the next call's turn."""
@@ -257,6 +261,7 @@ class StreamedModule:
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
         self.current_call: CallPipeline | RingCall | None = None
+        self._turn: _AdmissionTurn | None = None  # the call in flight's admission turn
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
@@ -589,8 +594,12 @@ class StreamedModule:
                     if id(entry.tensor) in done or entry.tensor.data_ptr() != view.data_ptr():
                         continue
                     done.add(id(entry.tensor))
-                    own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype)
-                    own.copy_(view)
+                    if entry.broadcast:
+                        # (expanded: its memory copied, expanded again as it was)
+                        own = compact(view, entry.broadcast).clone().expand(entry.shape)
+                    else:
+                        own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype)
+                        own.copy_(view)
                     entry.tensor.data = own
                 group.host_flat = None
 
@@ -652,7 +661,7 @@ class StreamedModule:
                 if group.host_flat is not None:
                     for entry, view in zip(group.entries, group.views(group.host_flat)):
                         if entry.tensor.data_ptr() != view.data_ptr():
-                            view.copy_(entry.tensor.detach())
+                            copy_into(entry, view, entry.tensor.detach())
                     group.note()
                 self.kept.discard(group.index)
                 self.release_replica(group.index)
@@ -798,8 +807,9 @@ class StreamedModule:
 
     def _window_bytes(self) -> int:
         """Device bytes the prefetch window may need at once: the block in use and
-        ``prefetch`` more, counted at the largest block."""
-        return (self.prefetch + 1) * self._largest
+        ``prefetch`` more, counted at the largest block; never more blocks than the module
+        has (a block listed twice is one group: one replica, one ring slot)."""
+        return min(self.prefetch + 1, len(self._groups)) * self._largest
 
     def _plan_keep(self) -> set[int]:
         """The groups to keep on the device after this call: the resident group, then as many
@@ -814,6 +824,10 @@ class StreamedModule:
             return set()  # without a strict budget nothing says how much may stay
         # (our finished calls' rings are ours: the next call takes one over or it retires)
         others = others_bytes(state, self.device, self.all_groups) - self._idle_ring_bytes()
+        if sum(g.charge_bytes for g in self.all_groups) <= ledger.budget_bytes - others:
+            # The whole model fits: every group stays, nothing is copied, and no room is
+            # left for a window no call would use.
+            return {g.index for g in self.all_groups}
         room = ledger.budget_bytes - others - self._window_bytes()
         keep: set[int] = set()
         if self.resident_group is not None:
@@ -828,13 +842,14 @@ class StreamedModule:
         the last call's plan): ``kept`` (group names: the resident group, then blocks in call
         order), ``streamed`` (the groups copied on each call), ``kept_bytes``,
         ``streamed_bytes`` (copied on each call), ``window_bytes`` (room for the prefetch
-        window: ``prefetch + 1`` x the largest block, or, when the budget leaves room for
-        fewer blocks beside the tensors outside the blocks and what other tenants hold, the
-        bytes a call really uses: its ring's slots, or the blocks it copies at once),
+        window: ``prefetch + 1`` x the largest block, or, when fewer blocks are copied on
+        each call than that or the budget leaves room for fewer blocks beside the tensors
+        outside the blocks and what other tenants hold, the bytes a call really uses: its
+        ring's slots, or the blocks it copies at once; 0 when nothing is copied),
         ``window_blocks`` (how many blocks that is), ``budget_bytes``, ``others_bytes`` (what
         other tenants hold at the device), ``reason`` (a sentence, which says when the window
-        is smaller than ``prefetch + 1`` blocks). Before the first call: the plan the first
-        call would make now."""
+        is smaller than ``prefetch + 1`` blocks, and why). Before the first call: the plan the
+        first call would make now."""
         return describe(
             self.manager.state,
             self.device,
@@ -1010,14 +1025,28 @@ class StreamedModule:
         """When a block waiting for budget now gives up (``anyio.current_time`` clock)."""
         return None if self.timeout is None else anyio.current_time() + self.timeout
 
-    def timeout_message(self, group: TensorGroup, need: int | None = None) -> str:
+    def timeout_message(
+        self,
+        group: TensorGroup,
+        need: int | None = None,
+        refused: ResidencyBudgetError | None = None,
+    ) -> str:
         """The ``TimeoutError`` of ``group`` not admitted in time: what it waited for
         (``need`` bytes: the group's charge, or a ring buffer for it) against the room there
-        was, and the reservations that held the rest, by name."""
+        was, and the reservations that held the rest, by name. ``refused``: the manager's
+        last refusal of its copy, when it was short of room elsewhere than at the device
+        (where a checkpoint's group is read on its way): the message names that location."""
+        where = self.device
         text = f"{group.name} was not admitted at {self.device} within {self.timeout} s"
-        if need is not None:
+        if refused is not None and refused.location != self.device:
+            where = refused.location
+            text += (
+                f": it is read from its source into {where} on its way there, which had no "
+                f"room for its {refused.requested_bytes} B"
+            )
+        elif need is not None:
             text += f": it needs {need} B"
-        ledger = self.manager.state.find_ledger(self.device)
+        ledger = self.manager.state.find_ledger(where)
         if ledger is None:
             return text
         budget = ledger.budget_bytes
@@ -1117,7 +1146,11 @@ class StreamedModule:
                 if self._closed:
                     raise RuntimeError(f"{self!r} is closed")
                 self._check_manager()
-                return await self._call(turn, generate, args, kwargs)
+                self._turn = turn
+                try:
+                    return await self._call(turn, generate, args, kwargs)
+                finally:
+                    self._turn = None
 
     def _check_manager(self) -> None:
         """``manager.check_thread()``, with a ``ManagerClosedError`` that names this module
@@ -1206,7 +1239,35 @@ class StreamedModule:
             ) from error
         if bridge.on_loop():
             raise RuntimeError("call_threadsafe from the event loop's thread would deadlock")
+        self._refuse_nested()
         return bridge.run_async(self.__call__, *args, **kwargs)
+
+    def _refuse_nested(self) -> None:
+        """``RuntimeError`` for a call made from inside the forward of a streamed call in
+        flight (its worker thread) that could only wait for that call, which waits for it in
+        turn: a call of this module (calls on one module are serialized), or of another
+        module at the same device while the outer call holds the device's admission turn (a
+        call over managed values holds it until it ends). Otherwise both would wait for ever,
+        the outer one even when cancelled (it waits for its thread, blocked in this call)."""
+        for outer in list(_by_manager.get(self.manager, ())):
+            if outer._closed or outer.current_call is None or not outer._threaded.runs_here():
+                continue
+            if outer is self:
+                raise RuntimeError(
+                    f"{self.name}: called from inside the forward of its own call in flight; "
+                    "calls on one streamed module run one at a time, so this call would wait "
+                    "for ever for the call that makes it (call the module's blocks directly "
+                    "inside its forward, or make the second call after the first returned)"
+                )
+            turn = outer._turn
+            if outer.device == self.device and turn is not None and turn.held:
+                raise RuntimeError(
+                    f"{self.name}: called from inside the forward of {outer.name}'s call in "
+                    f"flight at {self.device}, which holds the device's admission turn until "
+                    "it returns (its blocks stream as managed values, each taking its room as "
+                    "it goes), so this call would wait for ever for the call that makes it; "
+                    "call it before or after that call, or stream the two as one module"
+                )
 
     # -- end
 

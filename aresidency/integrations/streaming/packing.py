@@ -53,16 +53,43 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def broadcast_dims(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The dimensions of size above one with stride 0: an ``expand()``ed tensor's, whose
+    elements along them are one element of memory repeated."""
+    return tuple(d for d, (size, st) in enumerate(zip(shape, stride)) if st == 0 and size > 1)
+
+
+def compact(tensor: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """``tensor`` narrowed to its first element along ``dims`` (its broadcast dimensions):
+    the memory an expanded tensor really has, as a tensor that can be copied to or from."""
+    for d in dims:
+        tensor = tensor.narrow(d, 0, 1)
+    return tensor
+
+
 def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     """``tensor``'s strides if they lay it out densely without overlap (contiguous, channels-last,
-    transposed...), else contiguous strides. Keeping them keeps the kernels the same."""
+    transposed...), else contiguous strides. Keeping them keeps the kernels the same.
+
+    An expanded tensor (stride 0 along a dimension of size above one: ``expand()``, a
+    broadcast buffer) keeps its stride 0 there, so that it is packed at the size of its memory,
+    not of its shape, and its views on the device are expanded as the module's tensor is; its
+    other dimensions are laid out as any tensor's."""
     shape, stride = tuple(tensor.shape), tuple(tensor.stride())
     if tensor.numel() == 0:
         return _contiguous_stride(shape)
+    broadcast = broadcast_dims(shape, stride)
     expected = 1
-    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+    for st, size in sorted(
+        (st, size)
+        for d, (size, st) in enumerate(zip(shape, stride))
+        if size != 1 and d not in broadcast
+    ):
         if st != expected:
-            return _contiguous_stride(shape)
+            if not broadcast:
+                return _contiguous_stride(shape)
+            dense = _contiguous_stride([1 if d in broadcast else n for d, n in enumerate(shape)])
+            return tuple(0 if d in broadcast else st for d, st in enumerate(dense))
         expected *= size
     return stride
 
@@ -120,6 +147,9 @@ class PackedTensor:
     # in its module's state_dict: a parameter, or a buffer not in its owner's
     # _non_persistent_buffers_set (True if any slot naming the tensor is)
     persistent: bool = True
+    # dimensions laid out with stride 0 (an expanded tensor's: see _dense_stride); a copy to
+    # or from its view goes through compact() of both sides
+    broadcast: tuple[int, ...] = ()
 
 
 class TensorGroup:
@@ -243,18 +273,38 @@ class TensorGroup:
         """Copy the module's tensors into ``flat`` (host side, at start-up or in a load)."""
         for entry, view in zip(self.entries, self.views(flat)):
             if skip is None or not skip(entry):
-                view.copy_(entry.tensor.detach())
+                copy_into(entry, view, entry.tensor.detach())
 
     def __repr__(self) -> str:
         return f"<TensorGroup {self.name!r} {len(self.entries)} tensors {self.nbytes} B>"
 
 
+def copy_into(entry: PackedTensor, view: torch.Tensor, value: torch.Tensor) -> None:
+    """``view.copy_(value)`` for ``entry``'s view: only its memory, for an expanded one (a
+    copy into its broadcast dimensions would write one element many times, which torch
+    refuses; ``value`` must be equal along them, as the module's own expanded tensor is)."""
+    if entry.broadcast:
+        view = compact(view, entry.broadcast)
+        value = compact(value, entry.broadcast)
+    view.copy_(value)
+
+
 def pack_layout(
-    modules: Sequence[nn.Module], qualified: dict[int, list[str]], keep_strides: bool
+    modules: Sequence[nn.Module],
+    qualified: dict[int, list[str]],
+    keep_strides: bool,
+    aliases: dict[int, list[str]] | None = None,
 ) -> list[PackedTensor]:
     """Lay out the tensors held directly by ``modules`` (each module's own tables only; a tensor
     held twice, a tied weight, is laid out once and every slot naming it is kept). Strides are
-    the tensor's own when ``keep_strides`` and dense, else contiguous (a checkpoint's)."""
+    the tensor's own when ``keep_strides`` and dense, else contiguous (a checkpoint's: its
+    tensors are stored dense, so an expanded tensor of the module is laid out at its full
+    size there, and its view is dense); an expanded tensor keeps its stride 0 (its memory,
+    not its shape, is packed: see :func:`_dense_stride`). ``aliases``: every state_dict name
+    of each tensor in the root module (by ``id``), added after the names ``modules`` give it:
+    a weight tied across blocks is named by all of them in each group that holds it (a
+    checkpoint that stores it once, as ``safetensors.torch.save_model`` does, has one of
+    them)."""
     found: dict[int, tuple[torch.Tensor, list[str], list[tuple[dict[str, Any], str]]]] = {}
     persistent: set[int] = set()
     seen_slots: set[tuple[int, str]] = set()
@@ -273,6 +323,8 @@ def pack_layout(
     entries: list[PackedTensor] = []
     offset = 0
     for tensor, names, slots in found.values():
+        if aliases is not None:
+            names.extend(n for n in aliases.get(id(tensor), ()) if n not in names)
         stride = _dense_stride(tensor) if keep_strides else _contiguous_stride(tensor.shape)
         span = 0
         if tensor.numel():
@@ -290,6 +342,7 @@ def pack_layout(
                 offset=offset,
                 span_bytes=span_bytes,
                 persistent=id(tensor) in persistent,
+                broadcast=broadcast_dims(tensor.shape, stride),
             )
         )
         offset = _align(offset + span_bytes)
@@ -312,6 +365,12 @@ def collect_groups(
     qualified: dict[int, list[str]] = {}
     for name, sub in root.named_modules(remove_duplicate=False):
         qualified.setdefault(id(sub), []).append(name)
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in (
+        *root.named_parameters(remove_duplicate=False),
+        *root.named_buffers(remove_duplicate=False),
+    ):
+        aliases.setdefault(id(tensor), []).append(name)
     groups: list[TensorGroup | None] = []
     inside: set[int] = set()
     made: dict[int, TensorGroup | None] = {}  # id(block) -> its group
@@ -322,12 +381,14 @@ def collect_groups(
         modules = list(block.modules())
         inside.update(id(sub) for sub in modules)
         group = make_group(
-            index, f"{prefix}.block{index}", pack_layout(modules, qualified, keep_strides)
+            index,
+            f"{prefix}.block{index}",
+            pack_layout(modules, qualified, keep_strides, aliases),
         )
         made[id(block)] = group
         groups.append(group)
     outside = [sub for sub in root.modules() if id(sub) not in inside]
     resident = make_group(
-        len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides)
+        len(blocks), f"{prefix}.resident", pack_layout(outside, qualified, keep_strides, aliases)
     )
     return groups, resident

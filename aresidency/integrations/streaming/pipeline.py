@@ -72,6 +72,7 @@ from ...runtime.leases import Lease, LeaseWouldWait, current_task, current_task_
 from ...runtime.pending import PendingOperation
 from ...runtime.signal import ManagerClosedError
 from .packing import TensorGroup
+from .readroom import make_read_room
 
 if TYPE_CHECKING:
     from .module import StreamedModule
@@ -125,6 +126,7 @@ class Slot:
         "lease",
         "pending",
         "ready_event",
+        "refused",
         "state",
         "tensors",
         "waiter",
@@ -140,6 +142,9 @@ class Slot:
         self.failure: BaseException | None = None
         self.flag = threading.Event()  # set while ready or failed (thread consumers)
         self.waiter: anyio.Event | None = None  # a loop consumer parked on this slot
+        # The manager's last refusal of its copy (for a timeout's message: the room may have
+        # been short where a checkpoint's group is read, not at the device).
+        self.refused: ResidencyBudgetError | None = None
 
     def signal(self) -> None:
         self.flag.set()
@@ -606,13 +611,23 @@ class CallPipeline:
             slot.state = "starting"
             return True
         if here is None and not self._fits(group):
+            slot.refused = None  # (short at the device)
             return False
         try:
-            pending = self.manager.materialize_nowait(handle, device)
+            try:
+                pending = self.manager.materialize_nowait(handle, device)
+            except ResidencyBudgetError as error:
+                # A checkpoint's group is read into pageable-host on its way: room there held
+                # by values nobody needs now is evicted (as a decision would), then it is
+                # tried once more; anything else that fills it ends on its own (a wait).
+                if error.location == device or not make_read_room(self.manager, error):
+                    raise
+                pending = self.manager.materialize_nowait(handle, device)
         except ResidencyBudgetError as error:
             if error.budget_bytes is not None and error.requested_bytes > error.budget_bytes:
                 self._fail(slot, error)  # it could never fit
                 return None
+            slot.refused = error
             return False
         except Exception as error:  # a ResidencyError, or the device's out-of-memory error
             # Raised here, in a loop callback's pump, it would escape into the event loop and
@@ -621,6 +636,7 @@ class CallPipeline:
             return None
         slot.pending = pending
         slot.state = "starting"
+        slot.refused = None
         self.streamed.copies += 1
         self.streamed.copied_bytes += group.nbytes
         counted = not pending.done()
@@ -778,7 +794,9 @@ class CallPipeline:
             ):
                 if not admitted(slot):
                     raise TimeoutError(
-                        self.streamed.timeout_message(slot.group, slot.group.charge_bytes)
+                        self.streamed.timeout_message(
+                            slot.group, slot.group.charge_bytes, slot.refused
+                        )
                     )
                 deadline = None  # admitted: what is left is its copy, which is not timed
         if slot.state == "failed":
@@ -818,7 +836,9 @@ class CallPipeline:
                     # copy charged and begun), its copy may take what it takes.
                     if not admitted(slot):
                         raise TimeoutError(
-                            self.streamed.timeout_message(slot.group, slot.group.charge_bytes)
+                            self.streamed.timeout_message(
+                                slot.group, slot.group.charge_bytes, slot.refused
+                            )
                         )
                     slot.flag.wait()
             finally:

@@ -66,14 +66,18 @@ def window_blocks(
     held: int,
     largest: int,
     prefetch: int,
+    copied: int | None = None,
 ) -> int:
-    """How many blocks a call's prefetch window really holds at once: ``prefetch + 1``, or,
-    when the budget less what other tenants hold (``others``) and what the call holds for its
-    whole length (``held``: the tensors outside the blocks, the kept blocks) leaves room for
-    fewer blocks of ``largest`` bytes, that many (at least one: a call waits for room for one
-    block and runs with it). A ring has that many slots; a call without one copies at most that
-    many blocks at once."""
-    want = prefetch + 1
+    """How many blocks a call's prefetch window really holds at once: ``prefetch + 1``, no
+    more than the ``copied`` distinct blocks a call copies (a block listed twice is one group:
+    one replica, one ring slot; 0 when nothing is copied), or, when the budget less what other
+    tenants hold (``others``) and what the call holds for its whole length (``held``: the
+    tensors outside the blocks, the kept blocks) leaves room for fewer blocks of ``largest``
+    bytes, that many (at least one: a call waits for room for one block and runs with it). A
+    ring has that many slots; a call without one copies at most that many blocks at once."""
+    want = prefetch + 1 if copied is None else min(prefetch + 1, copied)
+    if want <= 0:
+        return 0
     if budget is None or largest <= 0:
         return want
     return max(1, min(want, (budget - others - held) // largest))
@@ -116,34 +120,49 @@ def describe(
     held = kept_bytes
     if resident is not None and resident.index not in kept:
         held += resident.charge_bytes
-    slots = window_blocks(budget, others or 0, held, largest, prefetch)
-    shrunk = bool(copied) and slots < prefetch + 1
-    if shrunk:
+    # The window never holds more blocks than a call copies (distinct: a block run twice is
+    # one replica, one ring slot), however deep the prefetch.
+    want = min(prefetch + 1, len(copied))
+    slots = window_blocks(budget, others or 0, held, largest, prefetch, len(copied))
+    shrunk = bool(copied) and slots < want
+    few = want < prefetch + 1  # fewer blocks copied than the window would hold
+    if shrunk or few:
         window_bytes = slots * largest
+    how = (
+        f"the ring runs with {slots} slot(s) of {format_nbytes(largest)}"
+        if ring
+        else f"a call copies at most {slots} block(s) of {format_nbytes(largest)} at once"
+    ) + f" ({format_nbytes(window_bytes)}, the window_bytes reported)"
+    only = (
+        f"only {len(copied)} distinct block(s) of the {prefetch + 1} the prefetch window would "
+        f"hold (prefetch={prefetch}) are copied on each call"
+    )
     room = (
         ""
         if budget is None
         else (
             f"the {format_nbytes(budget)} budget, less the tensors outside the blocks and what "
-            f"other tenants hold, has room for {slots} of the {prefetch + 1} blocks of the "
-            f"prefetch window (prefetch={prefetch}): "
-            + (
-                f"the ring runs with {slots} slot(s) of {format_nbytes(largest)}"
-                if ring
-                else f"a call copies at most {slots} block(s) of {format_nbytes(largest)} at once"
-            )
-            + f" ({format_nbytes(window_bytes)}, the window_bytes reported)"
+            f"other tenants hold, has room for {slots} of the {want} blocks of the "
+            + (f"prefetch window ({only}): " if few else f"prefetch window (prefetch={prefetch}): ")
+            + how
         )
     )
+    if few and not shrunk and copied:
+        room = f"{only}: {how}"
     if not keep_resident:
         reason = "keep_resident=False: every block is released after use"
-        if shrunk:
+        if shrunk or (few and copied):
             reason += f"; {room}"
     elif budget is None:
         reason = f"{device} has no strict budget, so nothing stays between calls"
+        if few and copied:
+            reason += f"; {room}"
     elif not streamed:
-        reason = "the whole model fits beside the prefetch window: nothing is copied"
-    elif shrunk:
+        reason = (
+            "the whole model fits the budget beside what other tenants hold: every group "
+            "stays and nothing is copied, so a call needs no prefetch window (window_bytes 0)"
+        )
+    elif copied and (shrunk or few):
         reason = (
             f"{len(staying)} of {len(groups)} groups ({format_nbytes(kept_bytes)}) stay: "
             f"{room}, so {'the' if staying else 'all'} {len(streamed)} "

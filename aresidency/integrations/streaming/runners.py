@@ -229,6 +229,11 @@ class ThreadedRunner:
         self._worker_ident: int | None = None
         self._hooks: list[Any] = []
 
+    def runs_here(self) -> bool:
+        """Whether the calling thread is the worker running a call of the module now (inside
+        its forward)."""
+        return self._worker_ident == threading.get_ident()
+
     def install_hooks(self) -> None:
         """One pre/post hook pair per block with tensors, once for a block listed twice (it
         takes its one group each time it runs; the call's order says which run it is)."""
