@@ -33,6 +33,14 @@ One that charges nothing there (a release, a move out to the host) runs at once:
 what the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an
 empty plan, a plan for another device) does not queue either.
 
+A scope that judges its own admission (``controller.scope``: a decision is bound to the state
+it was derived from, so each change means a new one) waits in an :class:`AdmissionTurn`: a
+place in the same queue, taken when it must wait (its request does not fit now, or earlier
+waiters want the same room) and kept until a scope entered in it is admitted or it gives up.
+It is a waiting scope like the others for everything that comes later, and it decides again
+only while it is first, so it keeps its place in arrival order however often its decisions go
+stale.
+
 Why this module is long: the queue, the refusals of the operations that cannot wait, and the
 account of what a waiting task holds itself (``Kept``, ``_HeldBy``) are one policy: each asks
 the others (a refusal names the scopes it would overtake, a wait is refused when only the
@@ -70,7 +78,7 @@ from .signal import ManagerClosedError
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["AdmissionQueue", "Kept", "Keeper", "RoomWait"]
+__all__ = ["AdmissionQueue", "AdmissionTurn", "Kept", "Keeper", "RoomWait"]
 
 T = TypeVar("T")
 
@@ -236,12 +244,18 @@ class _HeldBy:
 
 
 class _Waiter:
-    """One entry of the queue: a scope's plan, or a direct operation waiting for its turn."""
+    """One entry of the queue: a scope's plan, or a direct operation waiting for its turn, or
+    the turn of a scope that judges its own admission (see :class:`AdmissionTurn`)."""
 
-    __slots__ = ("ahead", "event", "plan", "short_of")
+    __slots__ = ("ahead", "event", "plan", "scope", "short_of")
 
     def __init__(
-        self, plan: ResidencyPlan | None, short_of: frozenset[Location], *, ahead: bool = False
+        self,
+        plan: ResidencyPlan | None,
+        short_of: frozenset[Location],
+        *,
+        ahead: bool = False,
+        scope: bool = False,
     ) -> None:
         self.plan = plan
         # Where it will charge bytes: a waiting scope's claim, which later direct operations
@@ -250,6 +264,8 @@ class _Waiter:
         # Its task holds room itself (leases, holds, entered scopes): it waits behind no one,
         # since an earlier waiter may wait for exactly that room.
         self.ahead = ahead
+        # A scope (not a direct operation waiting for its turn): what a refusal counts.
+        self.scope = scope or plan is not None
         self.event: anyio.Event | None = None
 
     def arm(self) -> None:
@@ -319,6 +335,74 @@ class RoomWait:
     ) -> RoomWait:
         plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
         return cls(plan, {location: need}, what, task, exempt)
+
+
+class AdmissionTurn:
+    """A place in the admission queue for a scope that judges its own admission and waits for
+    room outside :meth:`AdmissionQueue.admit` (``controller.scope``: a decision is bound to
+    the state it was derived from, so it derives a new one whenever the state changed), from
+    :meth:`AdmissionQueue.take_turn` until :meth:`leave`, or until a scope entered in it
+    (``manager.scope(decision, turn=turn)``) was admitted (its entry charged what it needs).
+
+    While it is in the queue it is a waiting scope like any other, charging ``locations``
+    where budgets apply: a later scope, or a direct operation charging one of them, queues
+    behind it; an operation that cannot wait is refused (``waiting_scopes`` counts it);
+    tenants hold back (``waiting_for_room``). Like a queued scope it is woken by a change
+    only while it is :attr:`first` among the waiters it contends with (or always, when its
+    task holds room: it waits behind no one). Its owner judges, then awaits :meth:`wait`,
+    and judges again: a change that came while it judged is kept (``wait`` returns at once).
+    A scope entered in it waits where it is, never at the back of the queue, and a stale
+    decision leaves it in place for the next one."""
+
+    __slots__ = ("_queue", "_waiter", "locations")
+
+    def __init__(self, queue: AdmissionQueue, waiter: _Waiter) -> None:
+        self._queue = queue
+        self._waiter = waiter
+        self.locations = waiter.short_of
+
+    def __repr__(self) -> str:
+        where = ", ".join(str(loc) for loc in sorted(self.locations))
+        status = "first" if self.first else "queued" if self.active else "done"
+        return f"<AdmissionTurn {status} [{where}]>"
+
+    @property
+    def active(self) -> bool:
+        """Whether it is still in the queue (not left, nor used by an admitted scope)."""
+        return self._waiter in self._queue._queue
+
+    @property
+    def first(self) -> bool:
+        """Whether no earlier waiter contends with it (it would be checked now)."""
+        return self.active and self._queue._is_first(self._waiter)
+
+    @property
+    def waiting_ahead(self) -> int:
+        """How many earlier waiters contend with it (and come first)."""
+        return self._queue._ahead_of(self._waiter)
+
+    async def wait(self, deadline: float | None) -> bool:
+        """Park until woken (by a change while it is first, or at once for one that came
+        since the last ``wait`` returned) or until ``deadline`` (``anyio.current_time()``
+        clock); ``False`` if the deadline passed first. ``ManagerClosedError`` once the
+        manager closes; ``RuntimeError`` once it left the queue."""
+        queue, waiter = self._queue, self._waiter
+        queue._check_open()
+        if not self.active:
+            raise RuntimeError(f"{self!r} left the admission queue: take a new turn")
+        waiter.arm()
+        event = waiter.event
+        assert event is not None
+        try:
+            await waiter.sleep(deadline)
+        finally:
+            waiter.arm()  # for a change that comes while its owner judges again
+        queue._check_open()
+        return event.is_set()
+
+    def leave(self) -> None:
+        """Give up the place (nothing when it left already); the waiters behind it move up."""
+        self._queue.release(self._waiter)
 
 
 class AdmissionQueue:
@@ -607,6 +691,34 @@ class AdmissionQueue:
                 return False
         return False
 
+    def _ahead_of(self, waiter: _Waiter) -> int:
+        """How many waiters ahead of ``waiter`` contend with it (0 when it is ahead)."""
+        if waiter.ahead or waiter not in self._queue:
+            return 0
+        wants = waiter.short_of & self._budgeted()
+        queue = list(self._queue)
+        return sum(1 for other in queue[: queue.index(waiter)] if wants & other.short_of)
+
+    def take_turn(
+        self, locations: Iterable[Location], *, only_behind_others: bool = False
+    ) -> AdmissionTurn | None:
+        """A place at the back of the queue for a scope charging ``locations`` that judges
+        its own admission (see :class:`AdmissionTurn`). Its task holds room itself (a lease,
+        hold, entered scope, reservation...): it waits behind no one, as such a task's scope
+        does. ``only_behind_others``: ``None`` unless it would wait behind an earlier waiter
+        (one charging one of ``locations`` where a budget applies, and the task holds no
+        room)."""
+        self._check_open()
+        charged = frozenset(locations)
+        task = current_task()
+        ahead = self._holds_room(task)
+        if only_behind_others and (ahead or not self.must_queue(charged)):
+            return None
+        waiter = _Waiter(None, charged, ahead=ahead, scope=True)
+        waiter.arm()  # a change from now on is one it has not judged
+        self._enqueue(waiter)
+        return AdmissionTurn(self, waiter)
+
     def _check_open(self) -> None:
         if self._closed is not None:
             raise ManagerClosedError(self._closed)
@@ -634,19 +746,27 @@ class AdmissionQueue:
         timeout: float | None,
         *,
         overtake: bool = False,
+        turn: AdmissionTurn | None = None,
     ) -> _Waiter:
         """Return once ``plan`` may start (FIFO); see the module docstring. Raises
         ``ResidencyStaleStateError`` (checked before anything else, and again when its turn
         comes), ``ResidencyPlanError`` (could never fit, or blocked by what will not move on
         its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds.
         ``overtake``: it had its turn already (``execute`` waited for it as a direct operation
-        does), so it does not queue behind scopes that came later.
+        does), so it does not queue behind scopes that came later. ``turn``: the place in the
+        queue it waits in (see :class:`AdmissionTurn`), instead of one at the back; a failure
+        leaves it there, for its owner to judge again in it or leave.
 
         Returns the scope's *claim*, which stays in the queue until :meth:`release`: the
         entry awaits its transfers after admission, and nothing queued behind it may take its
         room meanwhile. The caller releases it once the entry charged what it needs (or
         failed)."""
         self._check_open()
+        if turn is not None and (turn._queue is not self or not turn.active):
+            raise RuntimeError(
+                f"{turn!r} is not a place in this manager's admission queue any more (it was "
+                "left, or a scope was admitted in it): take a new turn"
+            )
         state = self._rt.state
         self._check_stale(expected_version)
         charged = self.charged_by(plan)
@@ -654,15 +774,22 @@ class AdmissionQueue:
         # plan, a plan for another device): it does not wait behind them. Nor does one whose
         # task holds room itself: an earlier waiter may wait for exactly that room.
         task = current_task()
-        queued = not overtake and self.must_queue(charged)
-        ahead = queued and self._holds_room(task)
-        queued = queued and not ahead
-        waiter = _Waiter(plan, charged, ahead=ahead)
+        if turn is not None:  # already in its place: it waits behind the waiters before it
+            waiter = turn._waiter
+            waiter.plan = plan
+            waiter.short_of = turn.locations | charged
+            queued = not self._is_first(waiter)
+        else:
+            queued = not overtake and self.must_queue(charged)
+            ahead = queued and self._holds_room(task)
+            queued = queued and not ahead
+            waiter = _Waiter(plan, charged, ahead=ahead)
         if not queued and (
             plan_fits_at_once(state, plan) or await self._fits(plan, expected_version)
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
-            self._enqueue(waiter)
+            if turn is None:
+                self._enqueue(waiter)
             return waiter
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
@@ -670,7 +797,8 @@ class AdmissionQueue:
         explanation = await self._reclaiming(plan, explanation, expected_version)
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
-            self._enqueue(waiter)
+            if turn is None:
+                self._enqueue(waiter)
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
@@ -690,7 +818,8 @@ class AdmissionQueue:
         # Waiting for room its task may hold some of: registered, and refused at once if it
         # closes a cycle of tasks each waiting for room the others hold (hold and wait).
         unregister = None if explanation.feasible else self._register_scope_wait(plan, task)
-        self._enqueue(waiter)
+        if turn is None:
+            self._enqueue(waiter)
         try:
             while True:
                 waiter.arm()
@@ -718,7 +847,8 @@ class AdmissionQueue:
                 await waiter.sleep(deadline)
                 self._check_open()
         except BaseException:
-            self.release(waiter)
+            if turn is None:
+                self.release(waiter)
             raise
         finally:
             if unregister is not None:
@@ -1047,9 +1177,7 @@ class AdmissionQueue:
         for location, (nbytes, kind) in charges.items():
             if location in short:
                 ledger = self._rt.state.ledger(location)
-                waiting = sum(
-                    1 for w in self._queue if w.plan is not None and location in w.short_of
-                )
+                waiting = sum(1 for w in self._queue if w.scope and location in w.short_of)
                 raise ResidencyBudgetError(
                     location,
                     ledger.budget_bytes,

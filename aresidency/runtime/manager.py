@@ -65,7 +65,7 @@ from ..core.values import (
     value_charge,
 )
 from ..progress import progress_if_large
-from .admission import Keeper, RoomWait
+from .admission import AdmissionTurn, Keeper, RoomWait
 from .context import Runtime
 from .driver import PhaseRun
 from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
@@ -1085,10 +1085,41 @@ class ResidencyManager:
             pass
         return scope.report
 
-    def scope(self, plan_or_decision: Any, timeout: float | None = None) -> Scope:
+    def scope(
+        self,
+        plan_or_decision: Any,
+        timeout: float | None = None,
+        *,
+        turn: AdmissionTurn | None = None,
+    ) -> Scope:
         """A single-use async context manager that enters the plan (or a controller decision)
-        and undoes its reservations and runs its exit actions at the end. See ``Scope``."""
-        return Scope(self._running(), plan_or_decision, timeout=timeout)
+        and undoes its reservations and runs its exit actions at the end. See ``Scope``.
+        ``turn``: a place in the admission queue taken with :meth:`take_turn`, where the
+        scope waits instead of at the back of the queue (``ValueError`` for one this manager
+        did not give, or that ended)."""
+        return Scope(self._running(), plan_or_decision, timeout=timeout, turn=turn)
+
+    def take_turn(
+        self, locations: Iterable[LocationLike], *, only_behind_others: bool = False
+    ) -> AdmissionTurn | None:
+        """A place at the back of the admission queue, for a scope charging ``locations``
+        that judges its own admission and waits for room outside the queue's own check
+        (``controller.scope``: each change of the state means a new decision). While the
+        turn is in the queue it counts as a scope waiting for room there: later scopes and
+        direct operations charging those locations queue behind it, and operations that
+        cannot wait are refused (see :meth:`reservation`). Its owner judges whenever
+        ``await turn.wait(deadline)`` returns (woken by a change while the turn is first
+        among the waiters it contends with), enters with ``manager.scope(decision,
+        turn=turn)`` (admitted there, it ends the turn) and calls ``turn.leave()`` in any
+        case (once admitted, that does nothing). A task that holds room of this manager (a
+        lease, hold, entered scope or reservation) waits behind no one, as its scopes do.
+        ``only_behind_others``: ``None`` unless the turn would wait behind an earlier waiter.
+        Loop thread; never waits."""
+        rt = self._running()
+        locs = [Location.parse(location) for location in locations]
+        for loc in locs:
+            rt.backend.check_location(loc)
+        return rt.admission.take_turn(locs, only_behind_others=only_behind_others)
 
     def reservation(
         self, name: str, location: LocationLike, nbytes: ByteSize
