@@ -23,7 +23,8 @@ a location where a waiting scope will charge bytes (``materialize``, ``move``, `
 waits for the scopes ahead of it, then runs (it never waits for room itself: it either fits
 then or raises ``ResidencyBudgetError``; ``execute`` a ``ResidencyPlanError``). Two
 exceptions keep that from deadlocking or lying: a caller that holds room of this manager (a
-lease or hold, an entered scope or reservation block, what a keeper keeps for it) does not
+lease or hold, an entered scope or reservation block, a reservation it made with
+``reserve_nowait`` and has not ended, what a keeper keeps for it) does not
 wait (the scope may be waiting for exactly that room) and goes ahead (a scope of such a task
 does not queue behind the waiting ones either, for the same reason);
 and an operation that cannot wait (``materialize_nowait``, ``reserve_nowait``,
@@ -121,13 +122,15 @@ class _HeldBy:
     """What one task (or ``tasks`` of them together) holds itself, which ends only when it
     goes on: the scopes it entered (``own``), its leases and holds (``leased``, one entry
     each; ``uses``: the leases among them), the reservation blocks it is in (``blocks``, as
-    ``(name, location)``), and what keepers keep for it (``tenants``); ``scoped``: the values
-    of the other tasks' entered scopes (their exit may move them)."""
+    ``(name, location)``), the reservations it made with ``reserve_nowait`` and has not
+    ended (``nowaits``, alike), and what keepers keep for it (``tenants``); ``scoped``: the
+    values of the other tasks' entered scopes (their exit may move them)."""
 
     __slots__ = (
         "blocks",
         "kept",
         "leased",
+        "nowaits",
         "own",
         "reservations",
         "scoped",
@@ -145,16 +148,19 @@ class _HeldBy:
         blocks: list[tuple[str, Location]] | None = None,
         tasks: int = 1,
         uses: tuple[tuple[ValueHandle, Location], ...] = (),
+        nowaits: list[tuple[str, Location]] | None = None,
     ) -> None:
         self.tasks = tasks  # how many tasks hold all this together
         self.own = own
         self.tenants = tenants
         self.scoped = scoped
         self.blocks = blocks or []
+        self.nowaits = nowaits or []
         self.kept = [*leased, *(pair for tenant in tenants for pair in tenant.materializations)]
         self.reservations = [held for scope in own for held in scope.reservations_held]
         self.reservations += [pair for tenant in tenants for pair in tenant.reservations]
         self.reservations += self.blocks
+        self.reservations += self.nowaits
         # A tenant's own leases (a loader's, entered while this task ran it) are named as the
         # tenant's, not as the task's.
         theirs = {pair for tenant in tenants for pair in tenant.materializations}
@@ -177,6 +183,7 @@ class _HeldBy:
             or any(loc == location for _, loc in (*t.materializations, *t.reservations))
         ]
         blocks = [b for b in self.blocks if location is None or b[1] == location]
+        nowaits = [r for r in self.nowaits if location is None or r[1] == location]
         held: list[str] = []
         hints: list[str] = []
         if self.own:
@@ -217,6 +224,17 @@ class _HeldBy:
             held.append(f"{len(blocks)} reservation block(s) ({named})")
             hints.append(
                 "End those reservation blocks first, or reserve that room in the plan itself."
+            )
+        if nowaits:
+            named = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in nowaits))
+            many = len(nowaits) > 1
+            held.append(
+                f"{len(nowaits)} reservation{'s' if many else ''} made with reserve_nowait "
+                f"({named})"
+            )
+            hints.append(
+                f"End {'them' if many else 'it'} with unreserve_nowait first, or reserve that "
+                "room in the plan itself."
             )
         for tenant in tenants:
             held.append(tenant.what)
@@ -896,7 +914,8 @@ class AdmissionQueue:
 
     def _holds_room(self, task: object | None) -> bool:
         """Whether ``task`` holds a lease or hold of this manager, has entered a scope or
-        a reservation block, or a keeper keeps something on its behalf."""
+        a reservation block, made a reservation with ``reserve_nowait`` it has not ended, or a
+        keeper keeps something on its behalf."""
         if task is None:
             return False
         if lease_owners(self._rt).task_protects(task):
@@ -904,6 +923,8 @@ class AdmissionQueue:
         if any(getattr(scope, "task", None) is task for scope in self._rt.scopes):
             return True
         if any(owner is task for owner in self._rt.blocks.values()):
+            return True
+        if any(owner is task for owner in self._rt.nowaits.values()):
             return True
         return bool(self.kept_for(task))
 
@@ -1041,11 +1062,12 @@ class AdmissionQueue:
         )
         tenants = [kept for task in tasks if task is not None for kept in self.kept_for(task)]
         blocks = [key for key, owner in rt.blocks.items() if id(owner) in members]
-        if not own and not leased and not tenants and not blocks:
+        nowaits = [key for key, owner in rt.nowaits.items() if id(owner) in members]
+        if not own and not leased and not tenants and not blocks and not nowaits:
             return None
         others = [scope for scope in rt.scopes if id(getattr(scope, "task", None)) not in members]
         scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
-        return _HeldBy(own, leased, tenants, scoped, blocks, len(members), uses)
+        return _HeldBy(own, leased, tenants, scoped, blocks, len(members), uses, nowaits)
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""

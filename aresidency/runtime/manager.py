@@ -539,10 +539,10 @@ class ResidencyManager:
     ) -> tuple[tuple[tuple[ValueHandle, Location], ...], tuple[tuple[str, Location], ...], str]:
         """What ``task`` (default: the calling task) holds itself, which ends only when it goes
         on: the materializations its leases and holds (and keepers on its behalf) keep, as
-        ``(handle, location)``; the reservations of its scopes, reservation blocks and keepers,
-        as ``(name, location)``; and a sentence naming them and what to do. Empty when it holds
-        nothing. For a tenant about to wait (the controller's scope): what waiting cannot end.
-        Loop thread; never waits."""
+        ``(handle, location)``; the reservations of its scopes, reservation blocks, keepers and
+        its ``reserve_nowait`` calls, as ``(name, location)``; and a sentence naming them and
+        what to do. Empty when it holds nothing. For a tenant about to wait (the controller's
+        scope): what waiting cannot end. Loop thread; never waits."""
         rt = self._running()
         own = rt.admission._held_by(current_task() if task is None else task)
         if own is None:
@@ -1160,16 +1160,35 @@ class ResidencyManager:
         self._state.unreserve(name, loc)
         rt.settle()
 
-    def reserve_nowait(self, name: str, location: LocationLike, nbytes: ByteSize) -> None:
+    def reserve_nowait(
+        self, name: str, location: LocationLike, nbytes: ByteSize, *, task_owned: bool = True
+    ) -> None:
         """Admit a named reservation of ``nbytes`` at ``location`` now, held until
         :meth:`unreserve_nowait` (``ResidencyBudgetError`` at once when it does not fit;
         ``DuplicateReservationError`` for a name already active there; refused while a scope
-        waits for room there: see :meth:`reservation`). Loop thread."""
+        waits for room there: see :meth:`reservation`). Loop thread.
+
+        The reservation is the calling task's own room until it ends (whichever task ends
+        it), as a reservation block is: a scope, controller scope or other wait of that task
+        that only it keeps out is refused at once (``ResidencyPlanError``, ``hold_and_wait``)
+        instead of waiting for itself, and the task's direct operations and scopes do not
+        queue behind scopes that may wait for that room. ``task_owned=False``: nobody's, for a
+        tenant that reserves for itself and gives the room back on its own (a loader's ring
+        slots, reserved from a change listener, which runs in whichever task changed the
+        state); one made outside any task (a loop callback) is nobody's too. Nobody's room
+        counts as transient for every waiter."""
+        if not isinstance(task_owned, bool):
+            raise TypeError(f"task_owned must be True or False, got {task_owned!r}")
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
         self._refuse_reservation(rt, name, loc, nbytes)
         self._state.reserve(name, loc, nbytes, owner="direct")
+        # The task that made it keeps it until it ends it: a wait of that task that only this
+        # room keeps out would never end (see AdmissionQueue).
+        task = current_task() if task_owned else None
+        if task is not None:
+            rt.nowaits[name, loc] = task
         rt.settle()
 
     @staticmethod
@@ -1206,6 +1225,7 @@ class ResidencyManager:
                 f"by {held_by}; unreserve_nowait ends only reservations reserve_nowait made"
             )
         nbytes = self._state.unreserve(name, loc)
+        rt.nowaits.pop((name, loc), None)
         rt.settle()
         return nbytes
 
