@@ -40,7 +40,8 @@ place in the same queue, taken when it must wait (its request does not fit now, 
 waiters want the same room) and kept until a scope entered in it is admitted or it gives up.
 It is a waiting scope like the others for everything that comes later, and it decides again
 only while it is first, so it keeps its place in arrival order however often its decisions go
-stale.
+stale. Only its own task's calls pass it (the task cannot be waiting in it while it makes
+them): behind it they would wait for ever.
 
 Why this module is long: the queue, the refusals of the operations that cannot wait, and the
 account of what a waiting task holds itself (``Kept``, ``_HeldBy``) are one policy: each asks
@@ -82,6 +83,9 @@ if TYPE_CHECKING:
 __all__ = ["AdmissionQueue", "AdmissionTurn", "Kept", "Keeper", "RoomWait"]
 
 T = TypeVar("T")
+
+#: A location several tasks' waiters claim (see :meth:`AdmissionQueue._firsts`).
+_MANY = object()
 
 #: Sliced simulations restarted because the state moved, before one runs in one go.
 MAX_RESTARTS = 8
@@ -265,7 +269,7 @@ class _Waiter:
     """One entry of the queue: a scope's plan, or a direct operation waiting for its turn, or
     the turn of a scope that judges its own admission (see :class:`AdmissionTurn`)."""
 
-    __slots__ = ("ahead", "event", "plan", "scope", "short_of")
+    __slots__ = ("ahead", "event", "plan", "scope", "short_of", "task")
 
     def __init__(
         self,
@@ -274,6 +278,7 @@ class _Waiter:
         *,
         ahead: bool = False,
         scope: bool = False,
+        task: object | None = None,
     ) -> None:
         self.plan = plan
         # Where it will charge bytes: a waiting scope's claim, which later direct operations
@@ -284,7 +289,14 @@ class _Waiter:
         self.ahead = ahead
         # A scope (not a direct operation waiting for its turn): what a refusal counts.
         self.scope = scope or plan is not None
+        # The task it waits for (None: outside any task). An earlier waiter of the same task
+        # is one it cannot be waiting in while it runs (its turn): nobody waits behind it.
+        self.task = task
         self.event: anyio.Event | None = None
+
+    def of_another_task(self, task: object | None) -> bool:
+        """Whether ``task`` would wait behind this waiter: it is not ``task``'s own."""
+        return task is None or self.task is not task
 
     def arm(self) -> None:
         """Before the checks that decide whether to sleep: a wake-up that comes while they
@@ -688,13 +700,18 @@ class AdmissionQueue:
         One pass, with set operations on a few locations per waiter: a thousand waiters are
         checked on every change."""
         budgeted = self._budgeted()
-        claimed: set[Location] = set()
+        # location -> the task of the waiters that claimed it so far (_MANY: several tasks)
+        claimed: dict[Location, object] = {}
         firsts = []
         for waiter in self._queue:
             wants = waiter.short_of & budgeted
-            if waiter.ahead or claimed.isdisjoint(wants):
+            task = waiter.task
+            if waiter.ahead or all(
+                loc not in claimed or (task is not None and claimed[loc] is task) for loc in wants
+            ):
                 firsts.append(waiter)
-            claimed |= wants
+            for loc in wants:
+                claimed[loc] = task if claimed.get(loc, task) is task else _MANY
         return firsts
 
     def _is_first(self, waiter: _Waiter) -> bool:
@@ -705,7 +722,7 @@ class AdmissionQueue:
         for other in self._queue:
             if other is waiter:
                 return True
-            if not wants.isdisjoint(other.short_of):
+            if not wants.isdisjoint(other.short_of) and other.of_another_task(waiter.task):
                 return False
         return False
 
@@ -713,9 +730,17 @@ class AdmissionQueue:
         """How many waiters ahead of ``waiter`` contend with it (0 when it is ahead)."""
         if waiter.ahead or waiter not in self._queue:
             return 0
+        return self._contending_before(waiter)
+
+    def _contending_before(self, waiter: _Waiter) -> int:
+        """How many waiters of other tasks before ``waiter`` want room it wants."""
         wants = waiter.short_of & self._budgeted()
         queue = list(self._queue)
-        return sum(1 for other in queue[: queue.index(waiter)] if wants & other.short_of)
+        return sum(
+            1
+            for other in queue[: queue.index(waiter)]
+            if wants & other.short_of and other.of_another_task(waiter.task)
+        )
 
     def take_turn(
         self, locations: Iterable[Location], *, only_behind_others: bool = False
@@ -730,9 +755,9 @@ class AdmissionQueue:
         charged = frozenset(locations)
         task = current_task()
         ahead = self._holds_room(task)
-        if only_behind_others and (ahead or not self.must_queue(charged)):
+        if only_behind_others and (ahead or not self.must_queue(charged, task)):
             return None
-        waiter = _Waiter(None, charged, ahead=ahead, scope=True)
+        waiter = _Waiter(None, charged, ahead=ahead, scope=True, task=task)
         waiter.arm()  # a change from now on is one it has not judged
         self._enqueue(waiter)
         return AdmissionTurn(self, waiter)
@@ -741,14 +766,17 @@ class AdmissionQueue:
         if self._closed is not None:
             raise ManagerClosedError(self._closed)
 
-    def short_of(self) -> frozenset[Location]:
+    def short_of(self, task: object | None = None) -> frozenset[Location]:
         """Locations some waiting scope is short of (or where one about to wait is being
         judged: see :meth:`admit`). Only budgeted ones: room never runs short where no budget
         applies, so an operation there overtakes nobody (it was refused with a budget error
-        "of unlimited" while a scope charging that location was admitted and entering)."""
+        "of unlimited" while a scope charging that location was admitted and entering).
+        ``task``: as ``task`` sees it, leaving out its own waiters (its turn, which it cannot
+        be waiting in while it asks)."""
         out: set[Location] = set()
         for waiter in self._queue:
-            out |= waiter.short_of
+            if waiter.of_another_task(task):
+                out |= waiter.short_of
         for charged in self._judging:
             out |= charged
         if not out:
@@ -798,10 +826,10 @@ class AdmissionQueue:
             waiter.short_of = turn.locations | charged
             queued = not self._is_first(waiter)
         else:
-            queued = not overtake and self.must_queue(charged)
+            queued = not overtake and self.must_queue(charged, task)
             ahead = queued and self._holds_room(task)
             queued = queued and not ahead
-            waiter = _Waiter(plan, charged, ahead=ahead)
+            waiter = _Waiter(plan, charged, ahead=ahead, task=task)
         if not queued and (
             plan_fits_at_once(state, plan) or await self._fits(plan, expected_version)
         ):
@@ -1083,9 +1111,7 @@ class AdmissionQueue:
     ) -> tuple[str, BaseException | None]:
         """The timeout's message, and the error that stood in the way (the explanation's
         blocking error; ``None`` when only earlier waiters did)."""
-        wants = waiter.short_of & self._budgeted()
-        queue = list(self._queue)
-        ahead = sum(1 for other in queue[: queue.index(waiter)] if wants & other.short_of)
+        ahead = self._contending_before(waiter)
         plan = waiter.plan
         fits = plan is not None and drain(plan_fits_steps(self._rt.state, plan))
         if explanation.feasible or fits:
@@ -1149,11 +1175,12 @@ class AdmissionQueue:
 
     # -- direct operations
 
-    def must_queue(self, locations: Iterable[Location]) -> bool:
-        """Whether a direct operation charging ``locations`` would overtake a waiting scope."""
+    def must_queue(self, locations: Iterable[Location], task: object | None = None) -> bool:
+        """Whether an operation of ``task`` charging ``locations`` would overtake a waiting
+        scope (not ``task``'s own turn)."""
         if not self._queue:
             return False
-        short = self.short_of()
+        short = self.short_of(task)
         return any(location in short for location in locations)
 
     async def wait_turn(self, locations: Iterable[Location]) -> None:
@@ -1161,20 +1188,23 @@ class AdmissionQueue:
         before it, that is short of one of them, has been admitted or has given up."""
         self._check_open()
         wanted = frozenset(locations)
-        if not self.must_queue(wanted):
+        task = current_task()
+        if not self.must_queue(wanted, task):
             return
-        if self._holds_room(current_task()):
+        if self._holds_room(task):
             # The caller holds a lease or hold, has entered a scope or a reservation block, or
             # a keeper keeps room for it: a waiting scope may wait for exactly that, so
             # waiting behind it could never end. It goes ahead (it still must fit).
             return
-        waiter = _Waiter(None, wanted)
+        waiter = _Waiter(None, wanted, task=task)
         self._enqueue(waiter)
         try:
             while True:
                 waiter.arm()
                 ahead = list(self._queue)[: list(self._queue).index(waiter)]
-                if not any(other.short_of & wanted for other in ahead):
+                if not any(
+                    other.short_of & wanted and other.of_another_task(task) for other in ahead
+                ):
                     return
                 await waiter.sleep(None)
                 self._check_open()
@@ -1195,11 +1225,16 @@ class AdmissionQueue:
         many scopes it would overtake (see ``ResidencyBudgetError``)."""
         if not self._queue:
             return  # nobody waits (the common case: a direct operation's fast path)
-        short = self.short_of()
+        task = current_task()
+        short = self.short_of(task)  # (the caller's own turn it does not overtake)
         for location, (nbytes, kind) in charges.items():
             if location in short:
                 ledger = self._rt.state.ledger(location)
-                waiting = sum(1 for w in self._queue if w.scope and location in w.short_of)
+                waiting = sum(
+                    1
+                    for w in self._queue
+                    if w.scope and location in w.short_of and w.of_another_task(task)
+                )
                 raise ResidencyBudgetError(
                     location,
                     ledger.budget_bytes,

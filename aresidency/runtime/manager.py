@@ -1112,7 +1112,9 @@ class ResidencyManager:
         among the waiters it contends with), enters with ``manager.scope(decision,
         turn=turn)`` (admitted there, it ends the turn) and calls ``turn.leave()`` in any
         case (once admitted, that does nothing). A task that holds room of this manager (a
-        lease, hold, entered scope or reservation) waits behind no one, as its scopes do.
+        lease, hold, entered scope or reservation) waits behind no one, as its scopes do. The
+        task's own calls never wait behind its turn, nor are refused for overtaking it (it is
+        not waiting in it while it makes them: they would wait for ever).
         ``only_behind_others``: ``None`` unless the turn would wait behind an earlier waiter.
         Loop thread; never waits."""
         rt = self._running()

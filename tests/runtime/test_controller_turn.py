@@ -246,6 +246,47 @@ async def test_a_turn_of_another_manager_or_that_ended_is_refused_changing_nothi
         assert m.snapshot().location(CUDA0).reserved_bytes == 0
 
 
+async def test_a_task_never_waits_behind_its_own_turn() -> None:
+    """A task holds a turn for cuda:0 (``manager.take_turn``) and then, before it enters in
+    it, runs a direct operation, a scope, a controller scope or a reservation there: the only
+    waiter ahead of them is the task's own turn, which moves only when the task goes on. They
+    waited behind it for ever (a reservation was refused for overtaking it); they go ahead,
+    and the turn keeps its place. Another task's operation still waits behind it."""
+    async with ResidencyManager(budgets={CUDA0: 4 * UNIT}, backend="sim") as m:
+        y = m.register(tensor(UNIT, 1), name="y")
+        plan = ResidencyPlan(reserve=[MemoryReservation("ws", CUDA0, UNIT)])
+        turn = m.take_turn([CUDA0])
+        assert turn is not None
+        with anyio.fail_after(10):
+            await m.materialize(y, CUDA0)
+            await m.move(y, "pageable-host")
+            await m.execute(plan)
+            async with m.scope(plan, timeout=None):
+                pass
+            request = ResidencyRequest("mine", [ResidencyRequirement(y, CUDA0)])
+            async with ResidencyController(m).scope(request, timeout=None):
+                pass
+            m.reserve_nowait("r", CUDA0, UNIT)
+            async with m.reservation("block", CUDA0, UNIT):
+                pass
+        assert m.unreserve_nowait("r", CUDA0) == UNIT
+        assert turn.active and turn.first and m.waiting == 1
+        done = anyio.Event()
+
+        async def other() -> None:
+            await m.move(y, "pageable-host")  # y is at cuda:0: it charges the host only
+            await m.materialize(y, CUDA0)
+            done.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(other)
+                await until_waiting(m, 2)  # behind the turn
+                assert not done.is_set()
+                turn.leave()
+        assert done.is_set() and m.waiting == 0
+
+
 # ----------------------------------------------------------- cancellation, swept
 
 
