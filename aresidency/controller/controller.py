@@ -347,9 +347,15 @@ class ResidencyController:
         events, other scopes' reservations: it would fit on its own) waits for the
         state to change and decides again, as a manual scope waits for admission, for up to
         ``timeout`` seconds in all (``None``: as long as that lasts; ``0``: never waits), then
-        raises ``TimeoutError``; one that could never fit raises ``ResidencyPlanError`` at once,
-        and so does one that only what the entering task holds itself keeps out (its leases,
-        holds, scopes and reservation blocks end only when it goes on: ``hold_and_wait``).
+        raises ``TimeoutError``. It waits in the manager's admission queue
+        (``manager.take_turn``), first come, first served with the manual scopes for the same
+        room: from the moment it must wait (it does not fit now, or a scope already waits for
+        room where it would charge) it has its place there, decides again only while that
+        place is first, and enters its decision in it; what comes later for that room (a
+        scope, a direct operation, a reservation) does not get ahead of it. A request that
+        could never fit raises ``ResidencyPlanError`` at once, and so does one that only what
+        the entering task holds itself keeps out (its leases, holds, scopes and reservation
+        blocks end only when it goes on: ``hold_and_wait``).
         """
         timeout = check_timeout(timeout)
         if not isinstance(request, ResidencyRequest):
@@ -509,8 +515,20 @@ class ControllerScope:
         controller = self.controller
         timeout = self.timeout
         deadline = None if timeout is None else anyio.current_time() + timeout
+        # Its place in the manager's admission queue while it waits (see _take_turn).
+        turn: Any = None
         try:
             while True:
+                if turn is None:
+                    turn = self._take_turn(only_behind_others=True)
+                if turn is not None:
+                    # Judged only once no earlier waiter for the same room is ahead of it.
+                    while not turn.first:
+                        if not await turn.wait(deadline):
+                            raise TimeoutError(
+                                f"request {self.request.name!r} not admitted within {timeout} "
+                                f"s: {turn.waiting_ahead} earlier waiter(s) come first (FIFO)"
+                            )
                 try:
                     decision = await controller._decide(self.request)
                 except ResidencySearchLimitError:
@@ -521,17 +539,33 @@ class ControllerScope:
                     never = self._never_admitted()
                     if never is not None:
                         raise never from error
-                    if not await controller.wait_for_change(deadline):
+                    if turn is None:
+                        turn = self._take_turn()
+                    if turn is not None:
+                        changed = await turn.wait(deadline)
+                    else:  # a stand-in manager, without an admission queue
+                        changed = await controller.wait_for_change(deadline)
+                    if not changed:
                         raise TimeoutError(
                             f"request {self.request.name!r} not admitted within {timeout} s: "
                             f"{error.reason}"
                         ) from error
                     continue
+                if turn is None:
+                    # Scopes came to wait for the same room while it decided: its turn comes
+                    # after theirs, then it decides again.
+                    turn = self._take_turn(only_behind_others=True)
+                    if turn is not None:
+                        continue
                 self.decisions.append(decision)
                 remaining = None if deadline is None else max(0.0, deadline - anyio.current_time())
                 # No await between the decision and this entry: it is fresh here unless entry
                 # itself has to wait for admission behind other scopes.
-                manager_scope = controller.manager.scope(decision, timeout=remaining)
+                if turn is None:
+                    manager_scope = controller.manager.scope(decision, timeout=remaining)
+                else:  # (a manager with take_turn: its scope takes the turn too)
+                    scope_in_turn: Any = controller.manager.scope
+                    manager_scope = scope_in_turn(decision, timeout=remaining, turn=turn)
                 try:
                     await manager_scope.__aenter__()
                 except ResidencyStaleStateError as stale:
@@ -561,6 +595,28 @@ class ControllerScope:
         except BaseException:
             self.status = "failed"
             raise
+        finally:
+            if turn is not None:
+                turn.leave()  # (nothing once the entry was admitted in it)
+
+    def _take_turn(self, *, only_behind_others: bool = False) -> Any:
+        """A place in the manager's admission queue (``manager.take_turn``) for this scope,
+        charging every location the request may charge (each requirement's alternatives, the
+        source locations of values it may rebuild, its reservations), so that it waits for
+        room first come, first served with the manual scopes, and what comes later for the
+        same room does not overtake it; ``None`` for a stand-in manager without a queue (and,
+        ``only_behind_others``, when it would wait behind no one)."""
+        take_turn = getattr(self.controller.manager, "take_turn", None)
+        if take_turn is None:
+            return None
+        state = self.controller._state()
+        locations = {r.location for r in self.request.reservations}
+        for requirement in self.request.requirements:
+            locations.update(requirement.alternatives)
+            value = state.find_value(requirement.handle)
+            if value is not None and value.has_source and value.source_location is not None:
+                locations.add(value.source_location)
+        return take_turn(sorted(locations), only_behind_others=only_behind_others)
 
     def _never_admitted(self) -> ResidencyPlanError | None:
         """The refusal of a request that waiting would never admit: it is infeasible even once

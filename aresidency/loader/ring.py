@@ -847,7 +847,9 @@ class RingEpoch:
             admitted = not manager.waiting_for_room(self.device)  # never overtake a scope
             if admitted:
                 try:
-                    manager.reserve_nowait(name, self.device, charge)
+                    # The ring's own (it gives the slot back itself), never the task's that
+                    # happened to run this (a change listener runs in the notifying task).
+                    manager.reserve_nowait(name, self.device, charge, task_owned=False)
                 except ResidencyBudgetError:
                     admitted = False
             if not admitted:
@@ -922,7 +924,7 @@ class RingEpoch:
         twin_name = f"{name} pinned"
         nbytes = max(PAGE, -(-charge // PAGE) * PAGE)
         try:
-            self.manager.reserve_nowait(twin_name, PINNED, nbytes)
+            self.manager.reserve_nowait(twin_name, PINNED, nbytes, task_owned=False)
         except ResidencyBudgetError as refused:
             self._twins = False
             self.twin_refusal = str(refused)

@@ -23,7 +23,8 @@ a location where a waiting scope will charge bytes (``materialize``, ``move``, `
 waits for the scopes ahead of it, then runs (it never waits for room itself: it either fits
 then or raises ``ResidencyBudgetError``; ``execute`` a ``ResidencyPlanError``). Two
 exceptions keep that from deadlocking or lying: a caller that holds room of this manager (a
-lease or hold, an entered scope or reservation block, what a keeper keeps for it) does not
+lease or hold, an entered scope or reservation block, a reservation it made with
+``reserve_nowait`` and has not ended, what a keeper keeps for it) does not
 wait (the scope may be waiting for exactly that room) and goes ahead (a scope of such a task
 does not queue behind the waiting ones either, for the same reason);
 and an operation that cannot wait (``materialize_nowait``, ``reserve_nowait``,
@@ -32,6 +33,15 @@ true ledger and request and whose ``waiting_scopes`` says how many scopes it wou
 One that charges nothing there (a release, a move out to the host) runs at once: it may be
 what the scopes wait for. A scope whose plan charges nothing where the waiting ones will (an
 empty plan, a plan for another device) does not queue either.
+
+A scope that judges its own admission (``controller.scope``: a decision is bound to the state
+it was derived from, so each change means a new one) waits in an :class:`AdmissionTurn`: a
+place in the same queue, taken when it must wait (its request does not fit now, or earlier
+waiters want the same room) and kept until a scope entered in it is admitted or it gives up.
+It is a waiting scope like the others for everything that comes later, and it decides again
+only while it is first, so it keeps its place in arrival order however often its decisions go
+stale. Only its own task's calls pass it (the task cannot be waiting in it while it makes
+them): behind it they would wait for ever.
 
 Why this module is long: the queue, the refusals of the operations that cannot wait, and the
 account of what a waiting task holds itself (``Kept``, ``_HeldBy``) are one policy: each asks
@@ -70,9 +80,12 @@ from .signal import ManagerClosedError
 if TYPE_CHECKING:
     from .context import Runtime
 
-__all__ = ["AdmissionQueue", "Kept", "Keeper", "RoomWait"]
+__all__ = ["AdmissionQueue", "AdmissionTurn", "Kept", "Keeper", "RoomWait"]
 
 T = TypeVar("T")
+
+#: A location several tasks' waiters claim (see :meth:`AdmissionQueue._firsts`).
+_MANY = object()
 
 #: Sliced simulations restarted because the state moved, before one runs in one go.
 MAX_RESTARTS = 8
@@ -113,13 +126,15 @@ class _HeldBy:
     """What one task (or ``tasks`` of them together) holds itself, which ends only when it
     goes on: the scopes it entered (``own``), its leases and holds (``leased``, one entry
     each; ``uses``: the leases among them), the reservation blocks it is in (``blocks``, as
-    ``(name, location)``), and what keepers keep for it (``tenants``); ``scoped``: the values
-    of the other tasks' entered scopes (their exit may move them)."""
+    ``(name, location)``), the reservations it made with ``reserve_nowait`` and has not
+    ended (``nowaits``, alike), and what keepers keep for it (``tenants``); ``scoped``: the
+    values of the other tasks' entered scopes (their exit may move them)."""
 
     __slots__ = (
         "blocks",
         "kept",
         "leased",
+        "nowaits",
         "own",
         "reservations",
         "scoped",
@@ -137,16 +152,19 @@ class _HeldBy:
         blocks: list[tuple[str, Location]] | None = None,
         tasks: int = 1,
         uses: tuple[tuple[ValueHandle, Location], ...] = (),
+        nowaits: list[tuple[str, Location]] | None = None,
     ) -> None:
         self.tasks = tasks  # how many tasks hold all this together
         self.own = own
         self.tenants = tenants
         self.scoped = scoped
         self.blocks = blocks or []
+        self.nowaits = nowaits or []
         self.kept = [*leased, *(pair for tenant in tenants for pair in tenant.materializations)]
         self.reservations = [held for scope in own for held in scope.reservations_held]
         self.reservations += [pair for tenant in tenants for pair in tenant.reservations]
         self.reservations += self.blocks
+        self.reservations += self.nowaits
         # A tenant's own leases (a loader's, entered while this task ran it) are named as the
         # tenant's, not as the task's.
         theirs = {pair for tenant in tenants for pair in tenant.materializations}
@@ -169,6 +187,7 @@ class _HeldBy:
             or any(loc == location for _, loc in (*t.materializations, *t.reservations))
         ]
         blocks = [b for b in self.blocks if location is None or b[1] == location]
+        nowaits = [r for r in self.nowaits if location is None or r[1] == location]
         held: list[str] = []
         hints: list[str] = []
         if self.own:
@@ -210,6 +229,17 @@ class _HeldBy:
             hints.append(
                 "End those reservation blocks first, or reserve that room in the plan itself."
             )
+        if nowaits:
+            named = ", ".join(sorted(f"{name!r} at {loc}" for name, loc in nowaits))
+            many = len(nowaits) > 1
+            held.append(
+                f"{len(nowaits)} reservation{'s' if many else ''} made with reserve_nowait "
+                f"({named})"
+            )
+            hints.append(
+                f"End {'them' if many else 'it'} with unreserve_nowait first, or reserve that "
+                "room in the plan itself."
+            )
         for tenant in tenants:
             held.append(tenant.what)
             if tenant.hint:
@@ -236,12 +266,19 @@ class _HeldBy:
 
 
 class _Waiter:
-    """One entry of the queue: a scope's plan, or a direct operation waiting for its turn."""
+    """One entry of the queue: a scope's plan, or a direct operation waiting for its turn, or
+    the turn of a scope that judges its own admission (see :class:`AdmissionTurn`)."""
 
-    __slots__ = ("ahead", "event", "plan", "short_of")
+    __slots__ = ("ahead", "event", "plan", "scope", "short_of", "task")
 
     def __init__(
-        self, plan: ResidencyPlan | None, short_of: frozenset[Location], *, ahead: bool = False
+        self,
+        plan: ResidencyPlan | None,
+        short_of: frozenset[Location],
+        *,
+        ahead: bool = False,
+        scope: bool = False,
+        task: object | None = None,
     ) -> None:
         self.plan = plan
         # Where it will charge bytes: a waiting scope's claim, which later direct operations
@@ -250,7 +287,16 @@ class _Waiter:
         # Its task holds room itself (leases, holds, entered scopes): it waits behind no one,
         # since an earlier waiter may wait for exactly that room.
         self.ahead = ahead
+        # A scope (not a direct operation waiting for its turn): what a refusal counts.
+        self.scope = scope or plan is not None
+        # The task it waits for (None: outside any task). An earlier waiter of the same task
+        # is one it cannot be waiting in while it runs (its turn): nobody waits behind it.
+        self.task = task
         self.event: anyio.Event | None = None
+
+    def of_another_task(self, task: object | None) -> bool:
+        """Whether ``task`` would wait behind this waiter: it is not ``task``'s own."""
+        return task is None or self.task is not task
 
     def arm(self) -> None:
         """Before the checks that decide whether to sleep: a wake-up that comes while they
@@ -319,6 +365,74 @@ class RoomWait:
     ) -> RoomWait:
         plan = ResidencyPlan(reserve=[MemoryReservation("aresidency.wait", location, need)])
         return cls(plan, {location: need}, what, task, exempt)
+
+
+class AdmissionTurn:
+    """A place in the admission queue for a scope that judges its own admission and waits for
+    room outside :meth:`AdmissionQueue.admit` (``controller.scope``: a decision is bound to
+    the state it was derived from, so it derives a new one whenever the state changed), from
+    :meth:`AdmissionQueue.take_turn` until :meth:`leave`, or until a scope entered in it
+    (``manager.scope(decision, turn=turn)``) was admitted (its entry charged what it needs).
+
+    While it is in the queue it is a waiting scope like any other, charging ``locations``
+    where budgets apply: a later scope, or a direct operation charging one of them, queues
+    behind it; an operation that cannot wait is refused (``waiting_scopes`` counts it);
+    tenants hold back (``waiting_for_room``). Like a queued scope it is woken by a change
+    only while it is :attr:`first` among the waiters it contends with (or always, when its
+    task holds room: it waits behind no one). Its owner judges, then awaits :meth:`wait`,
+    and judges again: a change that came while it judged is kept (``wait`` returns at once).
+    A scope entered in it waits where it is, never at the back of the queue, and a stale
+    decision leaves it in place for the next one."""
+
+    __slots__ = ("_queue", "_waiter", "locations")
+
+    def __init__(self, queue: AdmissionQueue, waiter: _Waiter) -> None:
+        self._queue = queue
+        self._waiter = waiter
+        self.locations = waiter.short_of
+
+    def __repr__(self) -> str:
+        where = ", ".join(str(loc) for loc in sorted(self.locations))
+        status = "first" if self.first else "queued" if self.active else "done"
+        return f"<AdmissionTurn {status} [{where}]>"
+
+    @property
+    def active(self) -> bool:
+        """Whether it is still in the queue (not left, nor used by an admitted scope)."""
+        return self._waiter in self._queue._queue
+
+    @property
+    def first(self) -> bool:
+        """Whether no earlier waiter contends with it (it would be checked now)."""
+        return self.active and self._queue._is_first(self._waiter)
+
+    @property
+    def waiting_ahead(self) -> int:
+        """How many earlier waiters contend with it (and come first)."""
+        return self._queue._ahead_of(self._waiter)
+
+    async def wait(self, deadline: float | None) -> bool:
+        """Park until woken (by a change while it is first, or at once for one that came
+        since the last ``wait`` returned) or until ``deadline`` (``anyio.current_time()``
+        clock); ``False`` if the deadline passed first. ``ManagerClosedError`` once the
+        manager closes; ``RuntimeError`` once it left the queue."""
+        queue, waiter = self._queue, self._waiter
+        queue._check_open()
+        if not self.active:
+            raise RuntimeError(f"{self!r} left the admission queue: take a new turn")
+        waiter.arm()
+        event = waiter.event
+        assert event is not None
+        try:
+            await waiter.sleep(deadline)
+        finally:
+            waiter.arm()  # for a change that comes while its owner judges again
+        queue._check_open()
+        return event.is_set()
+
+    def leave(self) -> None:
+        """Give up the place (nothing when it left already); the waiters behind it move up."""
+        self._queue.release(self._waiter)
 
 
 class AdmissionQueue:
@@ -586,13 +700,18 @@ class AdmissionQueue:
         One pass, with set operations on a few locations per waiter: a thousand waiters are
         checked on every change."""
         budgeted = self._budgeted()
-        claimed: set[Location] = set()
+        # location -> the task of the waiters that claimed it so far (_MANY: several tasks)
+        claimed: dict[Location, object] = {}
         firsts = []
         for waiter in self._queue:
             wants = waiter.short_of & budgeted
-            if waiter.ahead or claimed.isdisjoint(wants):
+            task = waiter.task
+            if waiter.ahead or all(
+                loc not in claimed or (task is not None and claimed[loc] is task) for loc in wants
+            ):
                 firsts.append(waiter)
-            claimed |= wants
+            for loc in wants:
+                claimed[loc] = task if claimed.get(loc, task) is task else _MANY
         return firsts
 
     def _is_first(self, waiter: _Waiter) -> bool:
@@ -603,22 +722,61 @@ class AdmissionQueue:
         for other in self._queue:
             if other is waiter:
                 return True
-            if not wants.isdisjoint(other.short_of):
+            if not wants.isdisjoint(other.short_of) and other.of_another_task(waiter.task):
                 return False
         return False
+
+    def _ahead_of(self, waiter: _Waiter) -> int:
+        """How many waiters ahead of ``waiter`` contend with it (0 when it is ahead)."""
+        if waiter.ahead or waiter not in self._queue:
+            return 0
+        return self._contending_before(waiter)
+
+    def _contending_before(self, waiter: _Waiter) -> int:
+        """How many waiters of other tasks before ``waiter`` want room it wants."""
+        wants = waiter.short_of & self._budgeted()
+        queue = list(self._queue)
+        return sum(
+            1
+            for other in queue[: queue.index(waiter)]
+            if wants & other.short_of and other.of_another_task(waiter.task)
+        )
+
+    def take_turn(
+        self, locations: Iterable[Location], *, only_behind_others: bool = False
+    ) -> AdmissionTurn | None:
+        """A place at the back of the queue for a scope charging ``locations`` that judges
+        its own admission (see :class:`AdmissionTurn`). Its task holds room itself (a lease,
+        hold, entered scope, reservation...): it waits behind no one, as such a task's scope
+        does. ``only_behind_others``: ``None`` unless it would wait behind an earlier waiter
+        (one charging one of ``locations`` where a budget applies, and the task holds no
+        room)."""
+        self._check_open()
+        charged = frozenset(locations)
+        task = current_task()
+        ahead = self._holds_room(task)
+        if only_behind_others and (ahead or not self.must_queue(charged, task)):
+            return None
+        waiter = _Waiter(None, charged, ahead=ahead, scope=True, task=task)
+        waiter.arm()  # a change from now on is one it has not judged
+        self._enqueue(waiter)
+        return AdmissionTurn(self, waiter)
 
     def _check_open(self) -> None:
         if self._closed is not None:
             raise ManagerClosedError(self._closed)
 
-    def short_of(self) -> frozenset[Location]:
+    def short_of(self, task: object | None = None) -> frozenset[Location]:
         """Locations some waiting scope is short of (or where one about to wait is being
         judged: see :meth:`admit`). Only budgeted ones: room never runs short where no budget
         applies, so an operation there overtakes nobody (it was refused with a budget error
-        "of unlimited" while a scope charging that location was admitted and entering)."""
+        "of unlimited" while a scope charging that location was admitted and entering).
+        ``task``: as ``task`` sees it, leaving out its own waiters (its turn, which it cannot
+        be waiting in while it asks)."""
         out: set[Location] = set()
         for waiter in self._queue:
-            out |= waiter.short_of
+            if waiter.of_another_task(task):
+                out |= waiter.short_of
         for charged in self._judging:
             out |= charged
         if not out:
@@ -634,19 +792,27 @@ class AdmissionQueue:
         timeout: float | None,
         *,
         overtake: bool = False,
+        turn: AdmissionTurn | None = None,
     ) -> _Waiter:
         """Return once ``plan`` may start (FIFO); see the module docstring. Raises
         ``ResidencyStaleStateError`` (checked before anything else, and again when its turn
         comes), ``ResidencyPlanError`` (could never fit, or blocked by what will not move on
         its own, or ``timeout == 0``), ``TimeoutError`` after ``timeout`` seconds.
         ``overtake``: it had its turn already (``execute`` waited for it as a direct operation
-        does), so it does not queue behind scopes that came later.
+        does), so it does not queue behind scopes that came later. ``turn``: the place in the
+        queue it waits in (see :class:`AdmissionTurn`), instead of one at the back; a failure
+        leaves it there, for its owner to judge again in it or leave.
 
         Returns the scope's *claim*, which stays in the queue until :meth:`release`: the
         entry awaits its transfers after admission, and nothing queued behind it may take its
         room meanwhile. The caller releases it once the entry charged what it needs (or
         failed)."""
         self._check_open()
+        if turn is not None and (turn._queue is not self or not turn.active):
+            raise RuntimeError(
+                f"{turn!r} is not a place in this manager's admission queue any more (it was "
+                "left, or a scope was admitted in it): take a new turn"
+            )
         state = self._rt.state
         self._check_stale(expected_version)
         charged = self.charged_by(plan)
@@ -654,15 +820,22 @@ class AdmissionQueue:
         # plan, a plan for another device): it does not wait behind them. Nor does one whose
         # task holds room itself: an earlier waiter may wait for exactly that room.
         task = current_task()
-        queued = not overtake and self.must_queue(charged)
-        ahead = queued and self._holds_room(task)
-        queued = queued and not ahead
-        waiter = _Waiter(plan, charged, ahead=ahead)
+        if turn is not None:  # already in its place: it waits behind the waiters before it
+            waiter = turn._waiter
+            waiter.plan = plan
+            waiter.short_of = turn.locations | charged
+            queued = not self._is_first(waiter)
+        else:
+            queued = not overtake and self.must_queue(charged, task)
+            ahead = queued and self._holds_room(task)
+            queued = queued and not ahead
+            waiter = _Waiter(plan, charged, ahead=ahead, task=task)
         if not queued and (
             plan_fits_at_once(state, plan) or await self._fits(plan, expected_version)
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
-            self._enqueue(waiter)
+            if turn is None:
+                self._enqueue(waiter)
             return waiter
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
@@ -670,7 +843,8 @@ class AdmissionQueue:
         explanation = await self._reclaiming(plan, explanation, expected_version)
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
-            self._enqueue(waiter)
+            if turn is None:
+                self._enqueue(waiter)
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
@@ -690,7 +864,8 @@ class AdmissionQueue:
         # Waiting for room its task may hold some of: registered, and refused at once if it
         # closes a cycle of tasks each waiting for room the others hold (hold and wait).
         unregister = None if explanation.feasible else self._register_scope_wait(plan, task)
-        self._enqueue(waiter)
+        if turn is None:
+            self._enqueue(waiter)
         try:
             while True:
                 waiter.arm()
@@ -718,7 +893,8 @@ class AdmissionQueue:
                 await waiter.sleep(deadline)
                 self._check_open()
         except BaseException:
-            self.release(waiter)
+            if turn is None:
+                self.release(waiter)
             raise
         finally:
             if unregister is not None:
@@ -766,7 +942,8 @@ class AdmissionQueue:
 
     def _holds_room(self, task: object | None) -> bool:
         """Whether ``task`` holds a lease or hold of this manager, has entered a scope or
-        a reservation block, or a keeper keeps something on its behalf."""
+        a reservation block, made a reservation with ``reserve_nowait`` it has not ended, or a
+        keeper keeps something on its behalf."""
         if task is None:
             return False
         if lease_owners(self._rt).task_protects(task):
@@ -774,6 +951,8 @@ class AdmissionQueue:
         if any(getattr(scope, "task", None) is task for scope in self._rt.scopes):
             return True
         if any(owner is task for owner in self._rt.blocks.values()):
+            return True
+        if any(owner is task for owner in self._rt.nowaits.values()):
             return True
         return bool(self.kept_for(task))
 
@@ -911,11 +1090,12 @@ class AdmissionQueue:
         )
         tenants = [kept for task in tasks if task is not None for kept in self.kept_for(task)]
         blocks = [key for key, owner in rt.blocks.items() if id(owner) in members]
-        if not own and not leased and not tenants and not blocks:
+        nowaits = [key for key, owner in rt.nowaits.items() if id(owner) in members]
+        if not own and not leased and not tenants and not blocks and not nowaits:
             return None
         others = [scope for scope in rt.scopes if id(getattr(scope, "task", None)) not in members]
         scoped = [*(h for s in others for h in s.plan.handles()), *exempt]
-        return _HeldBy(own, leased, tenants, scoped, blocks, len(members), uses)
+        return _HeldBy(own, leased, tenants, scoped, blocks, len(members), uses, nowaits)
 
     def release(self, claim: _Waiter) -> None:
         """End an admitted scope's claim (its entry charged what it needs, or failed)."""
@@ -931,9 +1111,7 @@ class AdmissionQueue:
     ) -> tuple[str, BaseException | None]:
         """The timeout's message, and the error that stood in the way (the explanation's
         blocking error; ``None`` when only earlier waiters did)."""
-        wants = waiter.short_of & self._budgeted()
-        queue = list(self._queue)
-        ahead = sum(1 for other in queue[: queue.index(waiter)] if wants & other.short_of)
+        ahead = self._contending_before(waiter)
         plan = waiter.plan
         fits = plan is not None and drain(plan_fits_steps(self._rt.state, plan))
         if explanation.feasible or fits:
@@ -997,11 +1175,12 @@ class AdmissionQueue:
 
     # -- direct operations
 
-    def must_queue(self, locations: Iterable[Location]) -> bool:
-        """Whether a direct operation charging ``locations`` would overtake a waiting scope."""
+    def must_queue(self, locations: Iterable[Location], task: object | None = None) -> bool:
+        """Whether an operation of ``task`` charging ``locations`` would overtake a waiting
+        scope (not ``task``'s own turn)."""
         if not self._queue:
             return False
-        short = self.short_of()
+        short = self.short_of(task)
         return any(location in short for location in locations)
 
     async def wait_turn(self, locations: Iterable[Location]) -> None:
@@ -1009,20 +1188,23 @@ class AdmissionQueue:
         before it, that is short of one of them, has been admitted or has given up."""
         self._check_open()
         wanted = frozenset(locations)
-        if not self.must_queue(wanted):
+        task = current_task()
+        if not self.must_queue(wanted, task):
             return
-        if self._holds_room(current_task()):
+        if self._holds_room(task):
             # The caller holds a lease or hold, has entered a scope or a reservation block, or
             # a keeper keeps room for it: a waiting scope may wait for exactly that, so
             # waiting behind it could never end. It goes ahead (it still must fit).
             return
-        waiter = _Waiter(None, wanted)
+        waiter = _Waiter(None, wanted, task=task)
         self._enqueue(waiter)
         try:
             while True:
                 waiter.arm()
                 ahead = list(self._queue)[: list(self._queue).index(waiter)]
-                if not any(other.short_of & wanted for other in ahead):
+                if not any(
+                    other.short_of & wanted and other.of_another_task(task) for other in ahead
+                ):
                     return
                 await waiter.sleep(None)
                 self._check_open()
@@ -1043,12 +1225,15 @@ class AdmissionQueue:
         many scopes it would overtake (see ``ResidencyBudgetError``)."""
         if not self._queue:
             return  # nobody waits (the common case: a direct operation's fast path)
-        short = self.short_of()
+        task = current_task()
+        short = self.short_of(task)  # (the caller's own turn it does not overtake)
         for location, (nbytes, kind) in charges.items():
             if location in short:
                 ledger = self._rt.state.ledger(location)
                 waiting = sum(
-                    1 for w in self._queue if w.plan is not None and location in w.short_of
+                    1
+                    for w in self._queue
+                    if w.scope and location in w.short_of and w.of_another_task(task)
                 )
                 raise ResidencyBudgetError(
                     location,

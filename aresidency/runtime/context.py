@@ -68,6 +68,9 @@ class Runtime:
         self.scopes: set[Any] = set()  # entered scopes (their values: see scoped_values)
         # Active reservation blocks (manager.reservation), (name, location) -> the task in it.
         self.blocks: dict[tuple[str, Location], object] = {}
+        # Active reservations made with reserve_nowait, (name, location) -> the task that made
+        # it (one made outside any task is nobody's and is not here).
+        self.nowaits: dict[tuple[str, Location], object] = {}
         self.closing = False
         # Set once the manager closed (after its last transfer): nothing changes the state any
         # more; what ends later (a lease, hold, scope, reservation block) raises instead.

@@ -65,7 +65,7 @@ from ..core.values import (
     value_charge,
 )
 from ..progress import progress_if_large
-from .admission import Keeper, RoomWait
+from .admission import AdmissionTurn, Keeper, RoomWait
 from .context import Runtime
 from .driver import PhaseRun
 from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
@@ -539,10 +539,10 @@ class ResidencyManager:
     ) -> tuple[tuple[tuple[ValueHandle, Location], ...], tuple[tuple[str, Location], ...], str]:
         """What ``task`` (default: the calling task) holds itself, which ends only when it goes
         on: the materializations its leases and holds (and keepers on its behalf) keep, as
-        ``(handle, location)``; the reservations of its scopes, reservation blocks and keepers,
-        as ``(name, location)``; and a sentence naming them and what to do. Empty when it holds
-        nothing. For a tenant about to wait (the controller's scope): what waiting cannot end.
-        Loop thread; never waits."""
+        ``(handle, location)``; the reservations of its scopes, reservation blocks, keepers and
+        its ``reserve_nowait`` calls, as ``(name, location)``; and a sentence naming them and
+        what to do. Empty when it holds nothing. For a tenant about to wait (the controller's
+        scope): what waiting cannot end. Loop thread; never waits."""
         rt = self._running()
         own = rt.admission._held_by(current_task() if task is None else task)
         if own is None:
@@ -1085,10 +1085,43 @@ class ResidencyManager:
             pass
         return scope.report
 
-    def scope(self, plan_or_decision: Any, timeout: float | None = None) -> Scope:
+    def scope(
+        self,
+        plan_or_decision: Any,
+        timeout: float | None = None,
+        *,
+        turn: AdmissionTurn | None = None,
+    ) -> Scope:
         """A single-use async context manager that enters the plan (or a controller decision)
-        and undoes its reservations and runs its exit actions at the end. See ``Scope``."""
-        return Scope(self._running(), plan_or_decision, timeout=timeout)
+        and undoes its reservations and runs its exit actions at the end. See ``Scope``.
+        ``turn``: a place in the admission queue taken with :meth:`take_turn`, where the
+        scope waits instead of at the back of the queue (``ValueError`` for one this manager
+        did not give, or that ended)."""
+        return Scope(self._running(), plan_or_decision, timeout=timeout, turn=turn)
+
+    def take_turn(
+        self, locations: Iterable[LocationLike], *, only_behind_others: bool = False
+    ) -> AdmissionTurn | None:
+        """A place at the back of the admission queue, for a scope charging ``locations``
+        that judges its own admission and waits for room outside the queue's own check
+        (``controller.scope``: each change of the state means a new decision). While the
+        turn is in the queue it counts as a scope waiting for room there: later scopes and
+        direct operations charging those locations queue behind it, and operations that
+        cannot wait are refused (see :meth:`reservation`). Its owner judges whenever
+        ``await turn.wait(deadline)`` returns (woken by a change while the turn is first
+        among the waiters it contends with), enters with ``manager.scope(decision,
+        turn=turn)`` (admitted there, it ends the turn) and calls ``turn.leave()`` in any
+        case (once admitted, that does nothing). A task that holds room of this manager (a
+        lease, hold, entered scope or reservation) waits behind no one, as its scopes do. The
+        task's own calls never wait behind its turn, nor are refused for overtaking it (it is
+        not waiting in it while it makes them: they would wait for ever).
+        ``only_behind_others``: ``None`` unless the turn would wait behind an earlier waiter.
+        Loop thread; never waits."""
+        rt = self._running()
+        locs = [Location.parse(location) for location in locations]
+        for loc in locs:
+            rt.backend.check_location(loc)
+        return rt.admission.take_turn(locs, only_behind_others=only_behind_others)
 
     def reservation(
         self, name: str, location: LocationLike, nbytes: ByteSize
@@ -1129,16 +1162,35 @@ class ResidencyManager:
         self._state.unreserve(name, loc)
         rt.settle()
 
-    def reserve_nowait(self, name: str, location: LocationLike, nbytes: ByteSize) -> None:
+    def reserve_nowait(
+        self, name: str, location: LocationLike, nbytes: ByteSize, *, task_owned: bool = True
+    ) -> None:
         """Admit a named reservation of ``nbytes`` at ``location`` now, held until
         :meth:`unreserve_nowait` (``ResidencyBudgetError`` at once when it does not fit;
         ``DuplicateReservationError`` for a name already active there; refused while a scope
-        waits for room there: see :meth:`reservation`). Loop thread."""
+        waits for room there: see :meth:`reservation`). Loop thread.
+
+        The reservation is the calling task's own room until it ends (whichever task ends
+        it), as a reservation block is: a scope, controller scope or other wait of that task
+        that only it keeps out is refused at once (``ResidencyPlanError``, ``hold_and_wait``)
+        instead of waiting for itself, and the task's direct operations and scopes do not
+        queue behind scopes that may wait for that room. ``task_owned=False``: nobody's, for a
+        tenant that reserves for itself and gives the room back on its own (a loader's ring
+        slots, reserved from a change listener, which runs in whichever task changed the
+        state); one made outside any task (a loop callback) is nobody's too. Nobody's room
+        counts as transient for every waiter."""
+        if not isinstance(task_owned, bool):
+            raise TypeError(f"task_owned must be True or False, got {task_owned!r}")
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
         self._refuse_reservation(rt, name, loc, nbytes)
         self._state.reserve(name, loc, nbytes, owner="direct")
+        # The task that made it keeps it until it ends it: a wait of that task that only this
+        # room keeps out would never end (see AdmissionQueue).
+        task = current_task() if task_owned else None
+        if task is not None:
+            rt.nowaits[name, loc] = task
         rt.settle()
 
     @staticmethod
@@ -1175,6 +1227,7 @@ class ResidencyManager:
                 f"by {held_by}; unreserve_nowait ends only reservations reserve_nowait made"
             )
         nbytes = self._state.unreserve(name, loc)
+        rt.nowaits.pop((name, loc), None)
         rt.settle()
         return nbytes
 

@@ -53,6 +53,7 @@ from ..core.locations import Location
 from ..core.plans import Action, ActionFailed, ResidencyPlan, TransitionRecorder
 from ..core.timeouts import check_timeout
 from ..core.trace import ExecutionReport, Transition
+from .admission import AdmissionTurn
 from .driver import PhaseRun
 from .leases import add_owners, current_task
 from .signal import ManagerClosedError
@@ -95,7 +96,10 @@ def plan_of(plan_or_decision: Any, manager_id: str | None = None) -> ResidencyPl
 class Scope:
     """``async with manager.scope(plan_or_decision, timeout=None) as scope`` (see the module
     docstring). State: ``plan``, ``decision`` (when made from one), ``status`` (``new`` ->
-    ``entering`` -> ``entered`` -> ``exited`` | ``failed``), ``exit_error``, ``report``."""
+    ``entering`` -> ``entered`` -> ``exited`` | ``failed``), ``exit_error``, ``report``.
+    Made with a ``turn`` (:meth:`ResidencyManager.take_turn`), it waits for admission in that
+    place of the queue instead of at its back; admitted, it ends the turn (entry failed
+    before admission: the turn stays, for its owner)."""
 
     def __init__(
         self,
@@ -104,8 +108,19 @@ class Scope:
         *,
         timeout: float | None = None,
         phase_name: str | None = None,
+        turn: AdmissionTurn | None = None,
     ) -> None:
+        if turn is not None and not isinstance(turn, AdmissionTurn):
+            raise TypeError(
+                f"turn must be an AdmissionTurn (manager.take_turn(...)) or None, got {turn!r}"
+            )
         plan = plan_of(plan_or_decision, runtime.state.manager_id)
+        if turn is not None and (turn._queue is not runtime.admission or not turn.active):
+            raise ValueError(
+                f"turn {turn!r} is not a place in this manager's admission queue (it is "
+                "another manager's, was left, or a scope was admitted in it already): take a "
+                "new one with manager.take_turn(...)"
+            )
         self._rt = runtime
         self.plan = plan
         self.decision = plan_or_decision if plan_or_decision is not plan else None
@@ -115,6 +130,7 @@ class Scope:
         )
         self.timeout = check_timeout(timeout)
         self._phase_name = phase_name
+        self._turn = turn  # its place in the admission queue, when it has one already
         self._transitions: list[Transition] = []
         self._cleanup: set[int] = set()  # seqs of the failed entry's reservation release
         self._reserved: list[tuple[str, Location]] = []
@@ -288,7 +304,7 @@ class Scope:
                 # it charges, then admitted or refused at once (it never waits for room).
                 await rt.admission.wait_turn(rt.admission.charged_by(plan))
             claim = await rt.admission.admit(
-                plan, self.expected_state_version, self.timeout, overtake=overtake
+                plan, self.expected_state_version, self.timeout, overtake=overtake, turn=self._turn
             )
             if blocked:
                 waited = anyio.current_time() - started

@@ -890,7 +890,14 @@ async def test_a_timeout_says_what_the_block_needed_and_whose_reservation_held_t
         block = max(probe.block_bytes)
         await probe.aclose()
         m.set_budget("cuda:0", 2 * block)
-        m.reserve_nowait("other tenant kv", "cuda:0", block + 1)
+
+        async def other_tenant() -> None:
+            # Another task's (one the calling task made itself would be refused at once: only
+            # its own room would keep the block out, and it waits for no one else).
+            m.reserve_nowait("other tenant kv", "cuda:0", block + 1)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(other_tenant)
         streamed = stream_module(m, model, ring=ring, timeout=0.01, keep_resident=False)
         with pytest.raises(TimeoutError) as timed_out, torch.no_grad():
             await streamed(torch.randn(2, 32))

@@ -553,7 +553,7 @@ async def test_closing_the_manager_wakes_every_waiter() -> None:
             tg.start_soon(controller_waiter)
             tg.start_soon(change_waiter)
             await anyio.wait_all_tasks_blocked()  # queueing is no transition: wait for it parked
-            assert m.waiting == 1
+            assert m.waiting == 2  # the scope, and the controller scope in its turn
             await anyio.wait_all_tasks_blocked()  # all three parked
         # the manager closed here
     assert sorted(outcomes) == ["change waiter woken", "controller woken", "scope woken"]

@@ -373,7 +373,11 @@ class RingCall:
         while True:
             for slots in range(want, 0, -1):
                 try:
-                    self.manager.reserve_nowait(name, self.device, slots * self.charge)
+                    # The call's own (it gives the room back itself, and judges its waits
+                    # with its own values exempt): not counted as the calling task's.
+                    self.manager.reserve_nowait(
+                        name, self.device, slots * self.charge, task_owned=False
+                    )
                 except ResidencyBudgetError:
                     continue
                 self.reservation = name
