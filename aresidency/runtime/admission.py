@@ -981,7 +981,7 @@ class AdmissionQueue:
             try:
                 while True:
                     next(steps)
-                    await anyio.lowlevel.checkpoint()
+                    await self._rt.checkpoint()
                     if state.state_version != version:
                         break
             except StopIteration as done:

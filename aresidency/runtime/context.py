@@ -13,12 +13,14 @@ more, frees those (outside the state change), and notifies the change signal onc
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
@@ -36,6 +38,26 @@ __all__ = ["Runtime"]
 
 PINNED = Location("pinned-host")
 PAGEABLE = Location("pageable-host")
+
+
+def _loop_backend() -> Any:
+    """anyio's backend class for the library running this loop, or ``None``.
+
+    ``anyio.lowlevel.checkpoint()`` and ``anyio.CancelScope()`` look the running library up
+    (sniffio, then a table) on every call: seven Python calls, as many as the checkpoint's
+    own work, on every direct operation, scope and lease. The library of a running loop never
+    changes, so the runtime looks it up once (a private name of anyio's: where it is missing,
+    the runtime uses the public functions, which do the same work)."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        backend = get_async_backend()
+        for name in ("checkpoint", "checkpoint_if_cancelled", "cancel_shielded_checkpoint"):
+            getattr(backend, name)
+        backend.create_cancel_scope  # noqa: B018 - it must exist
+    except Exception:  # pragma: no cover - another anyio's layout
+        return None
+    return backend
 
 
 class Runtime:
@@ -81,6 +103,23 @@ class Runtime:
         )
         self._busy = 0
         self._idle: anyio.Event | None = None
+        # anyio's checkpoints and shielded cancel scope for this loop, looked up once (see
+        # _loop_backend): what anyio.lowlevel's functions and anyio.CancelScope do.
+        low = _loop_backend()
+        self.checkpoint: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.checkpoint if low is None else low.checkpoint
+        )
+        self.checkpoint_if_cancelled: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.checkpoint_if_cancelled if low is None else low.checkpoint_if_cancelled
+        )
+        self.cancel_shielded_checkpoint: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.cancel_shielded_checkpoint
+            if low is None
+            else low.cancel_shielded_checkpoint
+        )
+        self.shielded_scope: Callable[[], anyio.CancelScope] = functools.partial(
+            anyio.CancelScope if low is None else low.create_cancel_scope, shield=True
+        )
 
     def scoped_values(self) -> Iterator[ValueHandle]:
         """The values of the entered scopes (their exit may move them): admission's transient

@@ -766,11 +766,11 @@ class PhaseRun:
         if self.finished:
             return None
         caught: BaseException | None = None
-        with anyio.CancelScope(shield=True):
+        with self._rt.shielded_scope():
             try:
                 # As in wait(): a copy that completed while being issued is delivered in this
                 # turn of the loop, and no event is needed.
-                await anyio.lowlevel.checkpoint()
+                await self._rt.checkpoint()
             except anyio.get_cancelled_exc_class() as cancelled:
                 caught = cancelled  # a native asyncio cancellation (the shield holds anyio's)
         if self.finished:
@@ -796,7 +796,7 @@ class PhaseRun:
                 # One turn of the loop first: a copy that completed while it was being issued
                 # (a small one usually has) is delivered in that turn, ahead of this task, and
                 # the run then finishes without an event to wait on.
-                await anyio.lowlevel.checkpoint()
+                await self._rt.checkpoint()
                 if not self.finished:
                     await self._done_event().wait()
             except anyio.get_cancelled_exc_class():

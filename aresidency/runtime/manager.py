@@ -788,21 +788,33 @@ class ResidencyManager:
         """A direct operation: one action, its own errors raised as they are. Always a
         checkpoint (as every async call of trio's API is): a cancelled caller changes nothing,
         and an operation that had nothing to wait for (a value already there) still lets the
-        loop run once it is done, so a loop of them never starves the other tasks."""
+        loop run once it is done, so a loop of them never starves the other tasks.
+
+        A release charges nothing and usually commits at once: its checkpoint comes first (a
+        cancellation there changes nothing), and none follows it (the loop ran already). A
+        placement checks for a cancellation first and lets the loop run after it began (its
+        copy completes meanwhile), or once done when there was nothing to do."""
         rt = self._running()
         rt.backend.check_location(action.location)
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        charged = self._charged_by(action)
-        if charged:
-            await rt.admission.wait_turn(charged)
-        run = PhaseRun(rt, "execute", [action]).start()
-        finished_at_once = run.finished
+        if type(action) is Release:
+            await rt.checkpoint()
+            if rt.closing:  # it began closing meanwhile: it carries out nothing more
+                rt.check_thread()
+            run = PhaseRun(rt, "execute", [action]).start()
+            finished_at_once = False  # the loop ran before it
+        else:
+            await rt.checkpoint_if_cancelled()
+            charged = self._charged_by(action)
+            if charged:
+                await rt.admission.wait_turn(charged)
+            run = PhaseRun(rt, "execute", [action]).start()
+            finished_at_once = run.finished
         try:
             await run.wait()
         except ActionFailed as failed:
             raise self._failed(rt, failed.cause) from None
         if finished_at_once:  # a run that waited has let the loop run already
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
     @staticmethod
     def _failed(rt: Runtime, error: BaseException) -> BaseException:
@@ -907,7 +919,7 @@ class ResidencyManager:
         one that had nothing to wait for still lets the loop run (after the discard), so a
         loop of discards never starves the other tasks."""
         rt = self._running()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await rt.checkpoint_if_cancelled()
         waited = False
         while True:
             value = self._state.value(handle)
@@ -922,7 +934,7 @@ class ResidencyManager:
         rt.sources.pop(handle, None)
         rt.settle()
         if not waited:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
     def _materialization(self, rt: Runtime, handle: ValueHandle, loc: Location) -> Materialization:
         """The materialization of ``handle`` at ``loc``; where there is none, a location this

@@ -268,7 +268,7 @@ class Scope:
             )
         # A checkpoint, entering and leaving (as trio's async context managers are): a caller
         # already cancelled enters nothing; see __aexit__ for the other end.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await rt.checkpoint_if_cancelled()
         self.status = "entering"
         self.task = current_task()
         plan = self.plan
@@ -365,7 +365,7 @@ class Scope:
         if not self.plan.exit:
             # Lets the loop run even when nothing had to move: a loop of scopes on resident
             # values never starves the other tasks.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
 
 def _note_exit_failure(primary: BaseException, scope: str, error: BaseException) -> None:
