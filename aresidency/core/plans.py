@@ -81,7 +81,9 @@ def items_of(value: Any, what: str) -> tuple[Any, ...]:
 
 
 def _parse_action_location(self: Any, location: LocationLike) -> None:
-    object.__setattr__(self, "location", Location.parse(location))
+    if type(location) is not Location:
+        location = Location.parse(location)
+    object.__setattr__(self, "location", location)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -339,12 +341,18 @@ def choose_source(
     state: ResidencyState, handle: ValueHandle, destination: Location
 ) -> Location | None:
     """The resident materialization a copy to ``destination`` should read, or ``None``."""
-    value = state.value(handle)
-    resident = sorted(
+    return _choose_source(state.value(handle), destination)
+
+
+def _choose_source(value: Value, destination: Location) -> Location | None:
+    """:func:`choose_source` for the value's record."""
+    resident = [
         loc
         for loc, mat in value.materializations.items()
         if mat.state is MaterializationState.RESIDENT and loc != destination
-    )
+    ]
+    if len(resident) > 1:
+        resident.sort()
     for kind in _SOURCE_PREFERENCE[destination.kind]:
         for loc in resident:
             if loc.kind == kind:
@@ -427,13 +435,13 @@ def begin_placement(
                 "there; ask for it after that move"
             )
         return None  # resident, or arriving (a REPLICABLE value's other replicas stay)
-    source = choose_source(state, action.handle, action.location)
+    source = _choose_source(value, action.location)
     if source is not None:
         if value.replica_mode is ReplicaMode.EXCLUSIVE:
             move = True
         else:  # a move never drops a replica that this phase asks for
             move = isinstance(action, Move) and source not in wanted
-        return state.begin_copy(action.handle, source, action.location, move=move)
+        return state._begin_copy(value, source, action.location, move=move)
     if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
         # Its one copy is in flight (loaded from its source, or moving out): none can be read
         # until that transfer commits, and loading it again would make it two copies.

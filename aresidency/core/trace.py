@@ -143,30 +143,32 @@ class ResidencyTrace:
 
 
 class TraceRing:
-    """Ring buffer of :class:`Transition` records; ``capacity == 0`` disables it."""
+    """Ring buffer of :class:`Transition` records; ``capacity == 0`` disables it.
 
-    __slots__ = ("_capacity", "_entries", "_overwritten")
+    ``entries`` is the ring itself (a deque bounded by the capacity: a disabled ring keeps
+    nothing) and ``appended`` counts every transition ever given to it, so what it overwrote
+    is the difference: recording one is an append and an increment (the state does both on
+    every commit, see :meth:`append`)."""
+
+    __slots__ = ("_capacity", "appended", "entries")
 
     def __init__(self, capacity: int) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"trace_capacity must be an int >= 0, got {capacity!r}")
         self._capacity = capacity
-        self._entries: deque[Transition] = deque(maxlen=capacity or None)
-        self._overwritten = 0
+        self.entries: deque[Transition] = deque(maxlen=capacity)
+        self.appended = 0
 
     def append(self, transition: Transition) -> None:
-        if self._capacity == 0:
-            return
-        if len(self._entries) == self._capacity:
-            self._overwritten += 1
-        self._entries.append(transition)
+        self.appended += 1
+        self.entries.append(transition)
 
     def view(self) -> ResidencyTrace:
         return ResidencyTrace(
             enabled=self._capacity > 0,
             capacity=self._capacity,
-            overwritten=self._overwritten,
-            transitions=tuple(self._entries),
+            overwritten=self.appended - len(self.entries) if self._capacity else 0,
+            transitions=tuple(self.entries),
         )
 
 

@@ -232,8 +232,15 @@ class PhaseRun:
         previous, state.origin = state.origin, self
         outcome: BaseException | None = None
         try:
-            mat = state.materialization(action.handle, action.location)
-            if mat.pending_event_count and not (mat.use_count or mat.hold_count):
+            # (state.release validates the handle and location, and raises what this lookup
+            # would: it looks only where they are valid)
+            value = state.find_value(action.handle) if type(action.handle) is ValueHandle else None
+            mat = None if value is None else value.materializations.get(action.location)
+            if (
+                mat is not None
+                and mat.pending_event_count
+                and not (mat.use_count or mat.hold_count)
+            ):
                 self._gen = run_phase(state, self.phase, self.actions)
             else:
                 state.release(action.handle, action.location)
