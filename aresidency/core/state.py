@@ -789,8 +789,9 @@ class ResidencyState:
                 ledger.protected_bytes += src.charged_bytes if now else -src.charged_bytes
             if ticket.move:
                 del value.materializations[src.location]
-                self._uncharge(src.location, src.charged_bytes)
-                self._locations[src.location].outgoing_bytes -= src.charged_bytes
+                ledger = self._locations[src.location]  # (charged there: it has a ledger)
+                ledger.used_bytes -= src.charged_bytes
+                ledger.outgoing_bytes -= src.charged_bytes
                 freed = src.charged_bytes
         # Both ends are named: a move's commit is recorded where its bytes change (the source).
         source, destination = ticket.source or ticket.via, ticket.destination
@@ -880,10 +881,10 @@ class ResidencyState:
         del self._tickets[ticket.ticket_id]
         if ticket.source is not None:
             key = (ticket.handle, ticket.source)
-            reads = self._reads[key]
+            reads = self._reads.pop(key)
             reads.remove(ticket)
-            if not reads:
-                del self._reads[key]
+            if reads:
+                self._reads[key] = reads  # (in the order they began, still)
 
     def reads_of(self, handle: ValueHandle, location: Location) -> list[CopyTicket]:
         """The open transfers that read the materialization (in the order they began)."""

@@ -564,7 +564,9 @@ class AdmissionQueue:
 
     def _wake_head(self) -> None:
         """Wake every waiter that is first among those it contends with."""
-        if self._queue:
+        if len(self._queue) == 1:
+            self._queue[0].wake()  # (first among one: an entering scope's claim, mostly)
+        elif self._queue:
             for waiter in self._firsts():
                 waiter.wake()
         elif self._unlisten is not None:  # the queue emptied: listen again with the next
@@ -653,8 +655,9 @@ class AdmissionQueue:
         # A plan that charges nothing where a waiting scope will overtakes no one (an empty
         # plan, a plan for another device): it does not wait behind them. Nor does one whose
         # task holds room itself: an earlier waiter may wait for exactly that room.
-        task = current_task()
         queued = not overtake and self.must_queue(charged)
+        # (the task is needed only by a plan that queues or waits: asked for then)
+        task = current_task() if queued else None
         ahead = queued and self._holds_room(task)
         queued = queued and not ahead
         waiter = _Waiter(plan, charged, ahead=ahead)
@@ -664,6 +667,8 @@ class AdmissionQueue:
             self._check_stale(expected_version)  # a sliced simulation let others run
             self._enqueue(waiter)
             return waiter
+        if not queued:
+            task = current_task()
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )

@@ -544,10 +544,13 @@ class PhaseRun:
         """May the generator commit (or abort) this completed transfer now? A failed copy's
         destination must be unused, unheld and unread (it is freed at the abort); a move's
         source must have no consumer events left but the copies of this request."""
+        failed = self._errors.get(ticket.ticket_id) is not None
+        if not failed and not (ticket.move and ticket.source is not None):
+            return True  # a copy that keeps its source, or a load, commits when it completed
         value = self._rt.state.find_value(ticket.handle)
         if value is None:
             return True
-        if self._errors.get(ticket.ticket_id) is not None:
+        if failed:
             mat = value.materializations.get(ticket.destination)
             return mat is None or not mat.protected
         if ticket.move and ticket.source is not None:

@@ -34,7 +34,8 @@ class Payload:
     was there from the start); ``readers``: consumer events recorded by leases and not reaped
     yet; ``failure``: the error of the transfer that was filling it (set before its abort, so
     that leases entered on the incoming copy report it); ``aborting``: its transfer is being
-    cancelled, so no new lease may start on it.
+    cancelled, so no new lease may start on it. ``key``: its storage's key in the table
+    (set when it is put there: the tensor never changes, and popping it needs the key).
     """
 
     tensor: torch.Tensor
@@ -42,6 +43,7 @@ class Payload:
     readers: list[DeviceEvent] = field(default_factory=list)
     failure: BaseException | None = None
     aborting: bool = False
+    key: tuple[bool, int] | None = None
 
 
 class PayloadTable:
@@ -66,7 +68,7 @@ class PayloadTable:
 
     def put(self, handle: ValueHandle, location: Location, payload: Payload) -> None:
         self._by_value.setdefault(handle, {})[location] = payload
-        key = _storage_key(payload.tensor)
+        key = payload.key = _storage_key(payload.tensor)
         if key is not None:
             self._storages[key] = (handle, location)
 
@@ -83,7 +85,7 @@ class PayloadTable:
         if not per:
             del self._by_value[handle]
         if payload is not None:
-            key = _storage_key(payload.tensor)
+            key = payload.key
             if key is not None and self._storages.get(key) == (handle, location):
                 del self._storages[key]
         return payload
