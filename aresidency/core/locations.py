@@ -83,6 +83,10 @@ class Location:
         Raises ``ValueError`` naming the value for anything else. ``torch.device("cuda")`` without
         an index is refused rather than guessed.
         """
+        if type(value) is str:  # the common case first: a string parsed before
+            known = _PARSED.get(value)
+            if known is not None:
+                return known
         if isinstance(value, Location):
             return value
         if isinstance(value, str):

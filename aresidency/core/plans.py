@@ -96,7 +96,9 @@ class Materialize:
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
         object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        object.__setattr__(
+            self, "location", location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Materialize({self.handle.name or self.handle.value_id!r}, {self.location})"
@@ -111,7 +113,9 @@ class Move:
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
         object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        object.__setattr__(
+            self, "location", location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Move({self.handle.name or self.handle.value_id!r}, {self.location})"
@@ -126,7 +130,9 @@ class Release:
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
         object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        object.__setattr__(
+            self, "location", location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Release({self.handle.name or self.handle.value_id!r}, {self.location})"

@@ -29,7 +29,7 @@ from ..core.state import ResidencyState
 from ..core.trace import Transition
 from ..core.values import ValueHandle
 from .admission import AdmissionQueue
-from .payloads import PayloadTable
+from .payloads import FREEING_KINDS, PayloadTable
 from .reaper import Reaper
 from .signal import ChangeSignal, ManagerClosedError
 from .sources import Source
@@ -137,15 +137,21 @@ class Runtime:
         if not journal:
             return
         committed = journal[:]
-        journal.clear()
-        self._free(committed)
+        del journal[:]
+        # The payloads to free: only a transition that ends a materialization frees one.
         # The host budgets' headroom, and what the backend keeps spare there, change only
         # with a transition at a host location (or at none: a discard may free host memory).
+        frees = host = False
         for transition in committed:
+            if transition.kind in FREEING_KINDS:
+                frees = True
             location = transition.location
             if location is None or location.kind != "cuda":
-                self.sync_spare()
-                break
+                host = True
+        if frees:
+            self._free(committed)
+        if host:
+            self.sync_spare()
         self.signal.notify()
 
     def _free(self, committed: list[Transition]) -> None:
@@ -220,7 +226,8 @@ class Runtime:
 
     def end_work(self) -> None:
         self._busy -= 1
-        self.check_idle()
+        if self._idle is not None:  # (check_idle's first test: most ends wake nobody)
+            self.check_idle()
 
     def check_idle(self) -> None:
         """Wake :meth:`wait_idle` if nothing is in flight any more (the reaper calls this

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -400,6 +401,13 @@ class ResidencyManager:
     def _running(self) -> Runtime:
         """The runtime, after checking the caller is on the loop's thread and it runs."""
         rt = self._rt
+        if (
+            rt is not None
+            and self._status == "running"
+            and not rt.closing
+            and threading.get_ident() == rt.bridge.thread
+        ):
+            return rt  # (what the checks below and rt.check_thread() accept)
         if rt is None or self._status != "running":
             if self._status in ("closing", "closed"):
                 raise ManagerClosedError(
@@ -800,14 +808,14 @@ class ResidencyManager:
             await rt.checkpoint()
             if rt.closing:  # it began closing meanwhile: it carries out nothing more
                 rt.check_thread()
-            run = PhaseRun(rt, "execute", [action]).start()
+            run = PhaseRun(rt, "execute", [action], record=False).start()
             finished_at_once = False  # the loop ran before it
         else:
             await rt.checkpoint_if_cancelled()
             charged = self._charged_by(action)
-            if charged:
+            if charged and len(rt.admission):  # (an empty queue: nobody to wait behind)
                 await rt.admission.wait_turn(charged)
-            run = PhaseRun(rt, "execute", [action]).start()
+            run = PhaseRun(rt, "execute", [action], record=False).start()
             finished_at_once = run.finished
         try:
             await run.wait()
@@ -869,7 +877,7 @@ class ResidencyManager:
                 if where not in value.materializations
             }
             rt.admission.refuse_nowait(charges, lambda: f"{handle} to {loc}", handle)
-        run = PhaseRun(rt, "execute", [action]).start()
+        run = PhaseRun(rt, "execute", [action], record=False).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)
@@ -882,7 +890,7 @@ class ResidencyManager:
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
-        run = PhaseRun(rt, "execute", [Release(handle, loc)]).start()
+        run = PhaseRun(rt, "execute", [Release(handle, loc)], record=False).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)

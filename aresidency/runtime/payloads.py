@@ -20,10 +20,13 @@ from ..core.locations import Location
 from ..core.trace import Transition
 from ..core.values import ValueHandle
 
-__all__ = ["Payload", "PayloadTable"]
+__all__ = ["FREEING_KINDS", "Payload", "PayloadTable"]
 
 # Transitions that end the materialization at ``transition.location``.
 _ENDS_ONE = frozenset({"release", "invalidate", "move_commit", "copy_abort"})
+#: Transitions that may end payloads (what :meth:`PayloadTable.effects` acts on; it does
+#: nothing for a batch without one).
+FREEING_KINDS = _ENDS_ONE | {"discard"}
 
 
 @dataclass(slots=True, eq=False)
