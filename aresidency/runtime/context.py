@@ -52,7 +52,12 @@ def _loop_backend() -> Any:
         from anyio._core._eventloop import get_async_backend
 
         backend = get_async_backend()
-        for name in ("checkpoint", "checkpoint_if_cancelled", "cancel_shielded_checkpoint"):
+        for name in (
+            "checkpoint",
+            "checkpoint_if_cancelled",
+            "cancel_shielded_checkpoint",
+            "create_event",
+        ):
             getattr(backend, name)
         backend.create_cancel_scope  # noqa: B018 - it must exist
     except Exception:  # pragma: no cover - another anyio's layout
@@ -120,6 +125,19 @@ class Runtime:
         self.shielded_scope: Callable[[], anyio.CancelScope] = functools.partial(
             anyio.CancelScope if low is None else low.create_cancel_scope, shield=True
         )
+        self.new_event: Callable[[], anyio.Event] = anyio.Event if low is None else low.create_event
+        # Whether the backend keeps spare host memory at all (it overrides the Backend
+        # defaults, which keep none and bound nothing): sync_spare has nothing to do otherwise.
+        kind = type(backend)
+        self._keeps_spare = any(
+            getattr(kind, name) is not getattr(Backend, name)
+            for name in (
+                "pinned_overhead_bytes",
+                "limit_pinned_overhead",
+                "pageable_overhead_bytes",
+                "limit_pageable_overhead",
+            )
+        )
 
     def scoped_values(self) -> Iterator[ValueHandle]:
         """The values of the entered scopes (their exit may move them): admission's transient
@@ -166,6 +184,8 @@ class Runtime:
         ledgers: its pinned arena may hold what its live blocks and the copies admitted into
         pinned memory need, plus the pinned-host budget's headroom; the freed pageable
         destinations it keeps, the pageable-host budget's headroom. No more."""
+        if not self._keeps_spare:
+            return  # (the defaults: no spare memory, nothing to bound, spare_bytes stay 0)
         backend = self.backend
         ledger = self.state.find_ledger(PINNED)
         if ledger is not None:

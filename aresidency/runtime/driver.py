@@ -816,7 +816,7 @@ class PhaseRun:
         """The event set when the run finishes (made on first need: most runs are never
         waited on that way)."""
         if self._done is None:
-            self._done = anyio.Event()
+            self._done = self._rt.new_event()
         return self._done
 
     async def wait_finished_shielded(self) -> BaseException | None:
@@ -828,16 +828,22 @@ class PhaseRun:
         if self.finished:
             return None
         caught: BaseException | None = None
-        with self._rt.shielded_scope():
+        later: BaseException | None = None
+        with self._rt.shielded_scope():  # one shield for both waits
             try:
                 # As in wait(): a copy that completed while being issued is delivered in this
                 # turn of the loop, and no event is needed.
                 await self._rt.checkpoint()
             except anyio.get_cancelled_exc_class() as cancelled:
                 caught = cancelled  # a native asyncio cancellation (the shield holds anyio's)
-        if self.finished:
-            return caught
-        later = await wait_shielded(self._done_event())
+            if not self.finished:
+                # wait_shielded(self._done_event()), inside the shield already entered
+                event = self._done_event()
+                while not event.is_set():
+                    try:
+                        await event.wait()
+                    except anyio.get_cancelled_exc_class() as cancelled:
+                        later = cancelled  # (native asyncio, as above: kept, raised later)
         return caught if caught is not None else later
 
     async def wait_finished(self) -> None:
