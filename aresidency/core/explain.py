@@ -326,10 +326,11 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
         if len(phase) > 1 and _names_exclusive_twice(state, phase):
             return False  # invalid: the simulation says so (never "fits")
     adds: dict[Location, int] = {}
+    values = state._values  # (find_value, inline)
     for action in (*plan.reclaim, *plan.enter, *plan.exit):
         if isinstance(action, Release):
             return False
-        value = state.find_value(action.handle)
+        value = values.get(action.handle)
         if value is None or value.discarded:
             return False
         # One pass over its materializations: whether any holds the value (resident or
@@ -362,8 +363,9 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
         ledger = state.find_ledger(location)
         if ledger is None:
             return False
-        if ledger.budget_bytes is not None and ledger.charged_bytes + nbytes > ledger.budget_bytes:
-            return False
+        budget = ledger.budget_bytes
+        if budget is not None and ledger.used_bytes + ledger.reserved_bytes + nbytes > budget:
+            return False  # (ledger.charged_bytes is used + reserved)
     return True
 
 

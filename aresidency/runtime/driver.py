@@ -605,8 +605,13 @@ class PhaseRun:
             return mat is None or not mat.protected
         if ticket.move and ticket.source is not None:
             src = value.materializations.get(ticket.source)
-            ours = self._reads.get((ticket.handle, ticket.source), 0)
-            return src is None or src.pending_event_count <= ours
+            if src is None:
+                return True
+            if self._request is _SINGLE:
+                ours = 1  # a run of one action: its one copy reads the source (_issue_single)
+            else:
+                ours = self._reads.get((ticket.handle, ticket.source), 0)
+            return src.pending_event_count <= ours
         return True
 
     def _poll_commit(self) -> None:
