@@ -558,6 +558,8 @@ class AdmissionQueue:
         return len(self._queue)
 
     def _enqueue(self, waiter: _Waiter) -> None:
+        """Queue a waiter that may sleep, and wake the queue's firsts on every change from
+        now on (an admitted scope's claim, which never sleeps, is only appended)."""
         self._queue.append(waiter)
         if self._unlisten is None:
             self._unlisten = self._rt.signal.add_listener(self._wake_head)
@@ -665,7 +667,7 @@ class AdmissionQueue:
             plan_fits_at_once(state, plan) or await self._fits(plan, expected_version)
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
-            self._enqueue(waiter)
+            self._queue.append(waiter)  # (a claim: it never sleeps, nothing to wake it for)
             return waiter
         if not queued:
             task = current_task()
@@ -675,7 +677,7 @@ class AdmissionQueue:
         explanation = await self._reclaiming(plan, explanation, expected_version)
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
-            self._enqueue(waiter)
+            self._queue.append(waiter)  # (a claim, as above)
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
