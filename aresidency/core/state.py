@@ -668,9 +668,11 @@ class ResidencyState:
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
         charge = value.charge_bytes
-        ledger = self.ledger(dst)
+        ledger = self._locations.get(dst)
+        if ledger is None:
+            ledger = self.ledger(dst)  # (adds it)
         budget = ledger.budget_bytes
-        if budget is not None and ledger.charged_bytes + charge > budget:
+        if budget is not None and ledger.used_bytes + ledger.reserved_bytes + charge > budget:
             ledger.check_admit(  # raises (the message is built only then)
                 charge,
                 f"{handle} ({'move' if move else 'copy'} from {src})",
@@ -694,7 +696,8 @@ class ResidencyState:
         if move:
             mat.state = MaterializationState.OUTGOING
             source_ledger.outgoing_bytes += charge
-        self._open(ticket)
+        self._tickets[ticket.ticket_id] = ticket  # self._open(ticket), inline
+        self._reads.setdefault((handle, src), []).append(ticket)
         self._commit(
             "move_begin" if move else "copy_begin",
             handle,
@@ -764,7 +767,9 @@ class ResidencyState:
         if known is not ticket and known != ticket:
             # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
-        value = self.value(ticket.handle)
+        value = self._values.get(ticket.handle)
+        if value is None:
+            value = self.value(ticket.handle)  # raises, saying why
         dst = value.materializations[ticket.destination]
         src = None if ticket.source is None else value.materializations[ticket.source]
         if src is not None and ticket.move and (src.pending_event_count > 1 or src.use_count):

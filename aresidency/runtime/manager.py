@@ -812,9 +812,12 @@ class ResidencyManager:
             finished_at_once = False  # the loop ran before it
         else:
             await rt.checkpoint_if_cancelled()
-            charged = self._charged_by(action)
-            if charged and len(rt.admission):  # (an empty queue: nobody to wait behind)
-                await rt.admission.wait_turn(charged)
+            if len(rt.admission):
+                charged = self._charged_by(action)
+                if charged:
+                    await rt.admission.wait_turn(charged)
+            else:  # nobody to wait behind; the handle is checked as _charged_by checks it
+                self._state.value(action.handle)
             run = PhaseRun(rt, "execute", [action], record=False).start()
             finished_at_once = run.finished
         try:
