@@ -781,7 +781,13 @@ class ResidencyState:
                 src.pending_event_count - 1,
                 operation="complete the move out of",
             )
-        self._close(ticket)
+        del self._tickets[ticket.ticket_id]  # self._close(ticket), inline
+        if ticket.source is not None:
+            key = (ticket.handle, ticket.source)
+            reads = self._reads.pop(key)
+            reads.remove(ticket)
+            if reads:
+                self._reads[key] = reads
         dst.state = MaterializationState.RESIDENT
         self._locations[ticket.destination].incoming_bytes -= ticket.nbytes
         freed = 0

@@ -221,7 +221,8 @@ class Runtime:
         """Raise ``RuntimeError`` unless called on the loop's thread while running."""
         if self.closing:
             raise ManagerClosedError("the manager is closing: it carries out nothing more")
-        self.check_loop_thread()
+        if threading.get_ident() != self.bridge.thread:
+            self.check_loop_thread()  # raises, saying why
 
     def check_loop_thread(self) -> None:
         """Raise ``RuntimeError`` unless called on the loop's thread (closing or not: for the

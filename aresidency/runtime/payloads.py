@@ -100,10 +100,21 @@ class PayloadTable:
         for transition in transitions:
             kind = transition.kind
             if kind in _ENDS_ONE:
-                assert transition.location is not None
-                payload = self._pop(transition.handle, transition.location)
-                if payload is not None:
-                    freed.append((payload.tensor, transition.location))
+                location = transition.location
+                assert location is not None
+                # self._pop(transition.handle, location), inline (one per freed payload)
+                per = self._by_value.get(transition.handle)
+                if per is None:
+                    continue
+                payload = per.pop(location, None)
+                if not per:
+                    del self._by_value[transition.handle]
+                if payload is None:
+                    continue
+                key = payload.key
+                if key is not None and self._storages.get(key) == (transition.handle, location):
+                    del self._storages[key]
+                freed.append((payload.tensor, location))
             elif kind == "discard":
                 for location in list(self._by_value.get(transition.handle, {})):
                     payload = self._pop(transition.handle, location)
