@@ -36,7 +36,7 @@ from .errors import ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location, LocationLike
 from .sizes import ByteSize, parse_nbytes
 from .state import ResidencyState
-from .trace import Transition
+from .trace import Transition, slot_setter
 from .values import (
     CopyTicket,
     MaterializationState,
@@ -95,9 +95,10 @@ class Materialize:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        object.__setattr__(
-            self, "location", location if type(location) is Location else Location.parse(location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_materialize_handle(self, handle)
+        _set_materialize_location(
+            self, location if type(location) is Location else Location.parse(location)
         )
 
     def __str__(self) -> str:
@@ -112,9 +113,10 @@ class Move:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        object.__setattr__(
-            self, "location", location if type(location) is Location else Location.parse(location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_move_handle(self, handle)
+        _set_move_location(
+            self, location if type(location) is Location else Location.parse(location)
         )
 
     def __str__(self) -> str:
@@ -129,13 +131,22 @@ class Release:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        object.__setattr__(
-            self, "location", location if type(location) is Location else Location.parse(location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_release_handle(self, handle)
+        _set_release_location(
+            self, location if type(location) is Location else Location.parse(location)
         )
 
     def __str__(self) -> str:
         return f"Release({self.handle.name or self.handle.value_id!r}, {self.location})"
+
+
+_set_materialize_handle = slot_setter(Materialize, "handle")
+_set_materialize_location = slot_setter(Materialize, "location")
+_set_move_handle = slot_setter(Move, "handle")
+_set_move_location = slot_setter(Move, "location")
+_set_release_handle = slot_setter(Release, "handle")
+_set_release_location = slot_setter(Release, "location")
 
 
 @dataclass(frozen=True, slots=True, init=False)
