@@ -152,8 +152,8 @@ class SimBackend(Backend):
     # -------------------------------------------------------------- topology
 
     def check_location(self, location: Location) -> None:
-        loc = Location.parse(location)
-        if loc.is_cuda and loc.device_index >= self.num_devices:
+        loc = location if type(location) is Location else Location.parse(location)
+        if loc.index is not None and loc.index >= self.num_devices:  # (only cuda has one)
             raise ValueError(
                 f"{loc} does not exist on the simulated backend, which has "
                 f"{self.num_devices} simulated cuda device(s) (cuda:0..cuda:{self.num_devices - 1})"

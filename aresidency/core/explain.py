@@ -323,35 +323,49 @@ def plan_fits_at_once(state: ResidencyState, plan: ResidencyPlan) -> bool:
     if plan.reserve:
         return False
     for phase in (plan.reclaim, plan.enter, plan.exit):
-        if _names_exclusive_twice(state, phase):
+        if len(phase) > 1 and _names_exclusive_twice(state, phase):
             return False  # invalid: the simulation says so (never "fits")
     adds: dict[Location, int] = {}
+    values = state._values  # (find_value, inline)
     for action in (*plan.reclaim, *plan.enter, *plan.exit):
         if isinstance(action, Release):
             return False
-        value = state.find_value(action.handle)
+        value = values.get(action.handle)
         if value is None or value.discarded:
             return False
-        holders = value.holders()
-        if not holders or any(m.write_count for m in holders):
+        # One pass over its materializations: whether any holds the value (resident or
+        # moving out), any of those is resident, written, or used or held.
+        held = resident = used = False
+        for m in value.materializations.values():
+            if m.state is MaterializationState.INCOMING:
+                continue
+            if m.write_count:
+                return False
+            held = True
+            if m.state is MaterializationState.RESIDENT:
+                resident = True
+            if m.use_count or m.hold_count:
+                used = True
+        if not held:
             return False
         present = value.materializations.get(action.location)
         if present is not None:
             if present.state is MaterializationState.OUTGOING:
                 return False  # moving out of there: it cannot also stay (the simulation says)
             continue  # already there (or arriving): nothing charged
-        if not any(m.state is MaterializationState.RESIDENT for m in holders):
+        if not resident:
             return False  # only moving out: no copy to read until that move commits
         moves = isinstance(action, Move) or value.replica_mode is ReplicaMode.EXCLUSIVE
-        if moves and any(m.use_count or m.hold_count for m in holders):
+        if moves and used:
             return False
         adds[action.location] = adds.get(action.location, 0) + value.charge_bytes
     for location, nbytes in adds.items():
         ledger = state.find_ledger(location)
         if ledger is None:
             return False
-        if ledger.budget_bytes is not None and ledger.charged_bytes + nbytes > ledger.budget_bytes:
-            return False
+        budget = ledger.budget_bytes
+        if budget is not None and ledger.used_bytes + ledger.reserved_bytes + nbytes > budget:
+            return False  # (ledger.charged_bytes is used + reserved)
     return True
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 __all__ = ["PAGEABLE_HOST", "PINNED_HOST", "Location", "LocationLike", "LocationMap"]
@@ -31,7 +31,7 @@ def _hint(value: str) -> str:
     return expected
 
 
-@dataclass(frozen=True, slots=True, order=False)
+@dataclass(frozen=True, slots=True, init=False, eq=False)
 class Location:
     """One place a materialization can live.
 
@@ -39,30 +39,42 @@ class Location:
     ordinal for ``cuda`` and ``None`` for host kinds. Build one with :meth:`parse`; the
     constructor reads one argument as :meth:`parse` does, so ``Location('cuda:0')``, as a
     location prints its repr, is that location.
+
+    Each location exists once: every way of making one (the constructor, :meth:`parse`,
+    unpickling, ``copy``) returns the same object for the same place, so equality is identity
+    and the hash is the object's (both computed in C: locations key every table of the
+    runtime, and a method written in Python cost a call on each lookup).
     """
 
     kind: str
-    index: int | None = None
-    # Locations key the runtime's tables: hashed once, not on every lookup.
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    index: int | None
 
-    def __post_init__(self) -> None:
-        if self.index is None and not (isinstance(self.kind, str) and self.kind in _KIND_ORDER):
+    def __new__(cls, kind: Any, index: int | None = None) -> Location:
+        if type(kind) is str and (index is None or type(index) is int):
+            known = _INTERNED.get((kind, index))
+            if known is not None:
+                return known
+        if index is None and not (isinstance(kind, str) and kind in _KIND_ORDER):
             # One argument, as the repr writes it ('cuda:0') or a torch.device: parsed.
-            parsed = Location.parse(self.kind)
-            object.__setattr__(self, "kind", parsed.kind)
-            object.__setattr__(self, "index", parsed.index)
-        object.__setattr__(self, "_hash", hash((self.kind, self.index)))
-        if self.kind not in _KIND_ORDER:
+            return cls.parse(kind)
+        hash((kind, index))  # an unhashable argument is a TypeError, as it always was
+        if kind not in _KIND_ORDER:
             raise ValueError(
-                f"unknown location kind {self.kind!r}: expected 'pageable-host', "
-                "'pinned-host' or 'cuda'"
+                f"unknown location kind {kind!r}: expected 'pageable-host', 'pinned-host' or 'cuda'"
             )
-        if self.kind == "cuda":
-            if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
-                raise ValueError(f"a cuda location needs a device index >= 0, got {self.index!r}")
-        elif self.index is not None:
-            raise ValueError(f"a {self.kind} location takes no index, got {self.index!r}")
+        if kind == "cuda":
+            if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                raise ValueError(f"a cuda location needs a device index >= 0, got {index!r}")
+        elif index is not None:
+            raise ValueError(f"a {kind} location takes no index, got {index!r}")
+        made = object.__new__(cls)
+        object.__setattr__(made, "kind", kind)
+        object.__setattr__(made, "index", int(index) if index is not None else None)
+        # The first one made is the location (two threads making it at once get the same).
+        return _INTERNED.setdefault((made.kind, made.index), made)
+
+    def __init__(self, kind: Any, index: int | None = None) -> None:
+        """Nothing to do: :meth:`__new__` returned the location, complete."""
 
     @classmethod
     def parse(cls, value: LocationLike) -> Location:
@@ -71,6 +83,10 @@ class Location:
         Raises ``ValueError`` naming the value for anything else. ``torch.device("cuda")`` without
         an index is refused rather than guessed.
         """
+        if type(value) is str:  # the common case first: a string parsed before
+            known = _PARSED.get(value)
+            if known is not None:
+                return known
         if isinstance(value, Location):
             return value
         if isinstance(value, str):
@@ -147,16 +163,6 @@ class Location:
             return NotImplemented
         return self._key() >= other._key()
 
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if not isinstance(other, Location):
-            return NotImplemented
-        return self.kind == other.kind and self.index == other.index
-
     def __str__(self) -> str:
         return self.kind if self.index is None else f"cuda:{self.index}"
 
@@ -168,6 +174,9 @@ class Location:
 
 
 _PARSED: dict[str, Location] = {}  # string -> its Location (immutable: shared)
+# (kind, index) -> the one Location of that place (see Location.__new__). Never trimmed: a
+# program names a few places, and a location must stay the one object it was.
+_INTERNED: dict[tuple[str, int | None], Location] = {}
 
 LocationLike = Location | str | Any  # Any: a torch.device, checked at parse time
 

@@ -36,7 +36,7 @@ from .errors import ResidencyError, ResidencyInUseError, ResidencyPlanError
 from .locations import Location, LocationLike
 from .sizes import ByteSize, parse_nbytes
 from .state import ResidencyState
-from .trace import Transition
+from .trace import Transition, slot_setter
 from .values import (
     CopyTicket,
     MaterializationState,
@@ -81,7 +81,9 @@ def items_of(value: Any, what: str) -> tuple[Any, ...]:
 
 
 def _parse_action_location(self: Any, location: LocationLike) -> None:
-    object.__setattr__(self, "location", Location.parse(location))
+    if type(location) is not Location:
+        location = Location.parse(location)
+    object.__setattr__(self, "location", location)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -93,8 +95,11 @@ class Materialize:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_materialize_handle(self, handle)
+        _set_materialize_location(
+            self, location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Materialize({self.handle.name or self.handle.value_id!r}, {self.location})"
@@ -108,8 +113,11 @@ class Move:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_move_handle(self, handle)
+        _set_move_location(
+            self, location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Move({self.handle.name or self.handle.value_id!r}, {self.location})"
@@ -123,11 +131,22 @@ class Release:
     location: Location
 
     def __init__(self, handle: ValueHandle, location: LocationLike) -> None:
-        object.__setattr__(self, "handle", handle)
-        _parse_action_location(self, location)
+        # (through the slots' setters: what the frozen dataclass's object.__setattr__ does)
+        _set_release_handle(self, handle)
+        _set_release_location(
+            self, location if type(location) is Location else Location.parse(location)
+        )
 
     def __str__(self) -> str:
         return f"Release({self.handle.name or self.handle.value_id!r}, {self.location})"
+
+
+_set_materialize_handle = slot_setter(Materialize, "handle")
+_set_materialize_location = slot_setter(Materialize, "location")
+_set_move_handle = slot_setter(Move, "handle")
+_set_move_location = slot_setter(Move, "location")
+_set_release_handle = slot_setter(Release, "handle")
+_set_release_location = slot_setter(Release, "location")
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -339,12 +358,18 @@ def choose_source(
     state: ResidencyState, handle: ValueHandle, destination: Location
 ) -> Location | None:
     """The resident materialization a copy to ``destination`` should read, or ``None``."""
-    value = state.value(handle)
-    resident = sorted(
+    return _choose_source(state.value(handle), destination)
+
+
+def _choose_source(value: Value, destination: Location) -> Location | None:
+    """:func:`choose_source` for the value's record."""
+    resident = [
         loc
         for loc, mat in value.materializations.items()
         if mat.state is MaterializationState.RESIDENT and loc != destination
-    )
+    ]
+    if len(resident) > 1:
+        resident.sort()
     for kind in _SOURCE_PREFERENCE[destination.kind]:
         for loc in resident:
             if loc.kind == kind:
@@ -427,13 +452,13 @@ def begin_placement(
                 "there; ask for it after that move"
             )
         return None  # resident, or arriving (a REPLICABLE value's other replicas stay)
-    source = choose_source(state, action.handle, action.location)
+    source = _choose_source(value, action.location)
     if source is not None:
         if value.replica_mode is ReplicaMode.EXCLUSIVE:
             move = True
         else:  # a move never drops a replica that this phase asks for
             move = isinstance(action, Move) and source not in wanted
-        return state.begin_copy(action.handle, source, action.location, move=move)
+        return state._begin_copy(value, source, action.location, move=move)
     if value.replica_mode is ReplicaMode.EXCLUSIVE and value.materializations:
         # Its one copy is in flight (loaded from its source, or moving out): none can be read
         # until that transfer commits, and loading it again would make it two copies.

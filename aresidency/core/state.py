@@ -121,7 +121,8 @@ class ResidencyState:
     # ------------------------------------------------------------------ reading
 
     def ledger(self, location: LocationLike) -> LocationLedger:
-        location = Location.parse(location)
+        if type(location) is not Location:
+            location = Location.parse(location)
         entry = self._locations.get(location)
         if entry is None:
             entry = self._locations[location] = LocationLedger(location, None)
@@ -136,6 +137,12 @@ class ResidencyState:
 
     def value(self, handle: Any) -> Value:
         """The value for ``handle``; raises for a foreign, unknown or discarded handle."""
+        if type(handle) is ValueHandle:
+            # The common case first: a handle of this manager's (one of another manager's
+            # is never equal to one of these keys, and falls through to say so).
+            found = self._values.get(handle)
+            if found is not None:
+                return found
         if not isinstance(handle, ValueHandle):
             raise TypeError(f"expected a ValueHandle, got {handle!r} ({type(handle).__name__})")
         if handle.manager_id != self.manager_id:
@@ -174,7 +181,8 @@ class ResidencyState:
         return list(self._values)
 
     def materialization(self, handle: Any, location: LocationLike) -> Materialization:
-        location = Location.parse(location)
+        if type(location) is not Location:
+            location = Location.parse(location)
         value = self.value(handle)
         mat = value.materializations.get(location)
         if mat is None:
@@ -206,13 +214,17 @@ class ResidencyState:
         *,
         source: Location | None = None,
         destination: Location | None = None,
+        value: Value | None = None,
     ) -> None:
+        """Record one transition (see the module docstring); ``value``: the value of
+        ``handle`` when the caller has it (else looked up)."""
         self.state_version += 1
         self._seq += 1
         if handle is not None:
             if self.snapshot_values is not None:
                 self._note_changed(handle)
-            value = self._values.get(handle)
+            if value is None:
+                value = self._values.get(handle)
             if value is not None:
                 value.last_used_version = self.state_version
         transition = Transition(
@@ -227,7 +239,9 @@ class ResidencyState:
             source,
             destination,
         )
-        self._trace.append(transition)
+        trace = self._trace  # TraceRing.append, inline: one commit is one trace entry
+        trace.appended += 1
+        trace.entries.append(transition)
         for recorder in self.recorders:
             recorder.append(transition)
         if self.origin is not None:
@@ -286,13 +300,16 @@ class ResidencyState:
             )
 
     def _check_not_last(self, value: Value, location: Location, operation: str) -> None:
-        others = [m for m in value.holders() if m.location != location]
-        if not others and not value.has_source:
-            raise ResidencyPlanError(
-                f"cannot {operation} {value.handle} at {location}: it is the last copy of a "
-                "value without a source and would be lost; move it elsewhere or discard the "
-                "value"
-            )
+        if value.has_source:
+            return
+        for mat in value.materializations.values():
+            if mat.location != location and mat.state is not MaterializationState.INCOMING:
+                return  # another copy holds the value
+        raise ResidencyPlanError(
+            f"cannot {operation} {value.handle} at {location}: it is the last copy of a "
+            "value without a source and would be lost; move it elsewhere or discard the "
+            "value"
+        )
 
     # -------------------------------------------------------------- transitions
 
@@ -544,10 +561,12 @@ class ResidencyState:
 
     def release(self, handle: ValueHandle, location: LocationLike) -> int:
         """Drop one resident, unprotected materialization; returns the bytes freed."""
-        loc = Location.parse(location)
+        loc = location if type(location) is Location else Location.parse(location)
         value = self.value(handle)
-        mat = self.materialization(handle, loc)
-        if mat.state != MaterializationState.RESIDENT:
+        mat = value.materializations.get(loc)
+        if mat is None:
+            mat = self.materialization(handle, loc)  # raises, naming where the value is
+        if mat.state is not MaterializationState.RESIDENT:
             raise ResidencyInUseError(
                 handle,
                 loc,
@@ -557,11 +576,12 @@ class ResidencyState:
                 operation="release",
                 transfer=mat.state.value,
             )
-        self._check_removable(value, mat, "release")
+        if mat.use_count or mat.hold_count or mat.pending_event_count:
+            self._check_removable(value, mat, "release")  # raises
         self._check_not_last(value, loc, "release")
         del value.materializations[loc]
-        self._uncharge(loc, mat.charged_bytes)
-        self._commit("release", handle, loc, -mat.charged_bytes)
+        self._locations[loc].used_bytes -= mat.charged_bytes
+        self._commit("release", handle, loc, -mat.charged_bytes, value=value)
         return mat.charged_bytes
 
     def discard(self, handle: ValueHandle) -> int:
@@ -605,7 +625,12 @@ class ResidencyState:
         """
         src = Location.parse(source)
         dst = Location.parse(destination)
-        value = self.value(handle)
+        return self._begin_copy(self.value(handle), src, dst, move=move)
+
+    def _begin_copy(self, value: Value, src: Location, dst: Location, *, move: bool) -> CopyTicket:
+        """:meth:`begin_copy` of ``value`` (this state's, as :meth:`value` returned it) between
+        two parsed locations: every check, then the transition."""
+        handle = value.handle
         if src == dst:
             raise ValueError(f"a copy of {handle} needs two different locations, got {src} twice")
         mat = value.materializations.get(src)
@@ -643,29 +668,44 @@ class ResidencyState:
                 "is not allowed (move it instead, or register it REPLICABLE)"
             )
         charge = value.charge_bytes
-        ledger = self.ledger(dst)
+        ledger = self._locations.get(dst)
+        if ledger is None:
+            ledger = self.ledger(dst)  # (adds it)
         budget = ledger.budget_bytes
-        if budget is not None and ledger.charged_bytes + charge > budget:
+        if budget is not None and ledger.used_bytes + ledger.reserved_bytes + charge > budget:
             ledger.check_admit(  # raises (the message is built only then)
                 charge,
                 f"{handle} ({'move' if move else 'copy'} from {src})",
                 handle=handle,
                 in_simulation=self.in_simulation,
             )
-        ticket = CopyTicket(self._new_id(), handle, src, dst, charge, move)
+        self._next_id += 1
+        ticket = CopyTicket(self._next_id - 1, handle, src, dst, charge, move)
         value.materializations[dst] = Materialization(dst, charge, MaterializationState.INCOMING)
         ledger.used_bytes += charge
-        ledger.note_peak()
+        charged = ledger.used_bytes + ledger.reserved_bytes  # ledger.note_peak(), inline
+        if charged > ledger.peak_bytes:
+            ledger.peak_bytes = charged
         ledger.incoming_bytes += charge
-        was = mat.protected
+        source_ledger = self._locations[src]
+        was = mat.use_count or mat.hold_count or mat.pending_event_count
         mat.pending_event_count += 1
-        self._protection_changed(mat, was)
+        now = mat.use_count or mat.hold_count or mat.pending_event_count
+        if (not now) != (not was):  # _protection_changed(mat, was), inline
+            source_ledger.protected_bytes += mat.charged_bytes if now else -mat.charged_bytes
         if move:
             mat.state = MaterializationState.OUTGOING
-            self._locations[src].outgoing_bytes += charge
-        self._open(ticket)
+            source_ledger.outgoing_bytes += charge
+        self._tickets[ticket.ticket_id] = ticket  # self._open(ticket), inline
+        self._reads.setdefault((handle, src), []).append(ticket)
         self._commit(
-            "move_begin" if move else "copy_begin", handle, dst, charge, source=src, destination=dst
+            "move_begin" if move else "copy_begin",
+            handle,
+            dst,
+            charge,
+            source=src,
+            destination=dst,
+            value=value,
         )
         return ticket
 
@@ -723,10 +763,13 @@ class ResidencyState:
         """The transfer finished: the destination is RESIDENT; a move frees its source.
 
         A move's source must have no other pending events (its readers were reaped)."""
-        if self._tickets.get(ticket.ticket_id) != ticket:
+        known = self._tickets.get(ticket.ticket_id)
+        if known is not ticket and known != ticket:
             # (compared whole: a ticket of another state, or a stale one, may share its id)
             raise ValueError(f"transfer {ticket.ticket_id} is not in flight")
-        value = self.value(ticket.handle)
+        value = self._values.get(ticket.handle)
+        if value is None:
+            value = self.value(ticket.handle)  # raises, saying why
         dst = value.materializations[ticket.destination]
         src = None if ticket.source is None else value.materializations[ticket.source]
         if src is not None and ticket.move and (src.pending_event_count > 1 or src.use_count):
@@ -738,18 +781,28 @@ class ResidencyState:
                 src.pending_event_count - 1,
                 operation="complete the move out of",
             )
-        self._close(ticket)
+        del self._tickets[ticket.ticket_id]  # self._close(ticket), inline
+        if ticket.source is not None:
+            key = (ticket.handle, ticket.source)
+            reads = self._reads.pop(key)
+            reads.remove(ticket)
+            if reads:
+                self._reads[key] = reads
         dst.state = MaterializationState.RESIDENT
         self._locations[ticket.destination].incoming_bytes -= ticket.nbytes
         freed = 0
         if src is not None:
-            was = src.protected
+            was = src.use_count or src.hold_count or src.pending_event_count
             src.pending_event_count -= 1
-            self._protection_changed(src, was)
+            now = src.use_count or src.hold_count or src.pending_event_count
+            if (not now) != (not was):  # _protection_changed(src, was), inline
+                ledger = self._locations[src.location]
+                ledger.protected_bytes += src.charged_bytes if now else -src.charged_bytes
             if ticket.move:
                 del value.materializations[src.location]
-                self._uncharge(src.location, src.charged_bytes)
-                self._locations[src.location].outgoing_bytes -= src.charged_bytes
+                ledger = self._locations[src.location]  # (charged there: it has a ledger)
+                ledger.used_bytes -= src.charged_bytes
+                ledger.outgoing_bytes -= src.charged_bytes
                 freed = src.charged_bytes
         # Both ends are named: a move's commit is recorded where its bytes change (the source).
         source, destination = ticket.source or ticket.via, ticket.destination
@@ -762,6 +815,7 @@ class ResidencyState:
                 -freed,
                 source=source,
                 destination=destination,
+                value=value,
             )
         elif ticket.via is not None:
             # The temporary charge ends at the source location: record it there.
@@ -774,11 +828,18 @@ class ResidencyState:
                 -ticket.nbytes,
                 source=source,
                 destination=destination,
+                value=value,
             )
         else:
             kind = "load_commit" if src is None else "copy_commit"
             self._commit(
-                kind, ticket.handle, destination, 0, source=source, destination=destination
+                kind,
+                ticket.handle,
+                destination,
+                0,
+                source=source,
+                destination=destination,
+                value=value,
             )
 
     def abort_copy(self, ticket: CopyTicket) -> None:
@@ -831,10 +892,10 @@ class ResidencyState:
         del self._tickets[ticket.ticket_id]
         if ticket.source is not None:
             key = (ticket.handle, ticket.source)
-            reads = self._reads[key]
+            reads = self._reads.pop(key)
             reads.remove(ticket)
-            if not reads:
-                del self._reads[key]
+            if reads:
+                self._reads[key] = reads  # (in the order they began, still)
 
     def reads_of(self, handle: ValueHandle, location: Location) -> list[CopyTicket]:
         """The open transfers that read the materialization (in the order they began)."""

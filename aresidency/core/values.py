@@ -8,11 +8,12 @@ owns them and changes them only through its transitions.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ResidencyBudgetError
 from .locations import Location
+from .trace import slot_setter
 
 __all__ = [
     "DEFAULT_GRANULARITY",
@@ -354,7 +355,7 @@ class LocationLedger:
         self.peak_bytes = max(self.peak_bytes, self.charged_bytes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class CopyTicket:
     """A transfer begun on the model and not yet committed or aborted.
 
@@ -371,3 +372,40 @@ class CopyTicket:
     nbytes: int
     move: bool
     via: Location | None = None
+
+    def __init__(
+        self,
+        ticket_id: int,
+        handle: ValueHandle,
+        source: Location | None,
+        destination: Location,
+        nbytes: int,
+        move: bool,
+        via: Location | None = None,
+    ) -> None:
+        # The dataclass's __init__, through the slots' setters (see trace.slot_setter).
+        _set_ticket_id(self, ticket_id)
+        _set_handle(self, handle)
+        _set_source(self, source)
+        _set_destination(self, destination)
+        _set_nbytes(self, nbytes)
+        _set_move(self, move)
+        _set_via(self, via)
+
+
+_set_ticket_id = slot_setter(CopyTicket, "ticket_id")
+_set_handle = slot_setter(CopyTicket, "handle")
+_set_source = slot_setter(CopyTicket, "source")
+_set_destination = slot_setter(CopyTicket, "destination")
+_set_nbytes = slot_setter(CopyTicket, "nbytes")
+_set_move = slot_setter(CopyTicket, "move")
+_set_via = slot_setter(CopyTicket, "via")
+assert [f.name for f in fields(CopyTicket)] == [
+    "ticket_id",
+    "handle",
+    "source",
+    "destination",
+    "nbytes",
+    "move",
+    "via",
+], "CopyTicket.__init__ sets every field"

@@ -672,13 +672,17 @@ class AdmissionQueue:
         return len(self._queue)
 
     def _enqueue(self, waiter: _Waiter) -> None:
+        """Queue a waiter that may sleep, and wake the queue's firsts on every change from
+        now on (an admitted scope's claim, which never sleeps, is only appended)."""
         self._queue.append(waiter)
         if self._unlisten is None:
             self._unlisten = self._rt.signal.add_listener(self._wake_head)
 
     def _wake_head(self) -> None:
         """Wake every waiter that is first among those it contends with."""
-        if self._queue:
+        if len(self._queue) == 1:
+            self._queue[0].wake()  # (first among one: an entering scope's claim, mostly)
+        elif self._queue:
             for waiter in self._firsts():
                 waiter.wake()
         elif self._unlisten is not None:  # the queue emptied: listen again with the next
@@ -819,13 +823,16 @@ class AdmissionQueue:
         # A plan that charges nothing where a waiting scope will overtakes no one (an empty
         # plan, a plan for another device): it does not wait behind them. Nor does one whose
         # task holds room itself: an earlier waiter may wait for exactly that room.
-        task = current_task()
         if turn is not None:  # already in its place: it waits behind the waiters before it
+            task = current_task()
             waiter = turn._waiter
             waiter.plan = plan
             waiter.short_of = turn.locations | charged
             queued = not self._is_first(waiter)
         else:
+            # (the task is asked for only where there is a queue to wait in: an operation never
+            # waits behind its own task's turn; a waiter without one is everyone's)
+            task = current_task() if self._queue else None
             queued = not overtake and self.must_queue(charged, task)
             ahead = queued and self._holds_room(task)
             queued = queued and not ahead
@@ -835,8 +842,10 @@ class AdmissionQueue:
         ):
             self._check_stale(expected_version)  # a sliced simulation let others run
             if turn is None:
-                self._enqueue(waiter)
+                self._queue.append(waiter)  # (a claim: it never sleeps, nothing to wake it for)
             return waiter
+        if task is None:
+            task = waiter.task = current_task()
         explanation = await self._sliced(
             lambda: explain_plan_steps(state, plan, scoped=self._rt.scoped_values())
         )
@@ -844,7 +853,7 @@ class AdmissionQueue:
         self._check_stale(expected_version)
         if explanation.feasible and not queued:
             if turn is None:
-                self._enqueue(waiter)
+                self._queue.append(waiter)  # (a claim, as above)
             return waiter
         if not explanation.feasible and (not explanation.transient or timeout == 0):
             raise ResidencyPlanError(explanation.reason) from explanation.blocking_error
@@ -1124,13 +1133,13 @@ class AdmissionQueue:
     def charged_by(self, plan: ResidencyPlan) -> frozenset[Location]:
         """Where ``plan`` would charge bytes: its reservations' locations, its copies'
         destinations, and the source locations of values it may rebuild."""
-        out = {reservation.location for reservation in plan.reserve}
-        state = self._rt.state
+        out = {reservation.location for reservation in plan.reserve} if plan.reserve else set()
+        values = self._rt.state._values  # (find_value, inline: one lookup per action)
         for action in (*plan.reclaim, *plan.enter, *plan.exit):
             if isinstance(action, Release):
                 continue
             out.add(action.location)
-            value = state.find_value(action.handle)
+            value = values.get(action.handle)
             if value is not None and value.has_source and value.source_location is not None:
                 out.add(value.source_location)
         return frozenset(out)
@@ -1159,7 +1168,7 @@ class AdmissionQueue:
             try:
                 while True:
                     next(steps)
-                    await anyio.lowlevel.checkpoint()
+                    await self._rt.checkpoint()
                     if state.state_version != version:
                         break
             except StopIteration as done:

@@ -13,12 +13,14 @@ more, frees those (outside the state change), and notifies the change signal onc
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
@@ -27,7 +29,7 @@ from ..core.state import ResidencyState
 from ..core.trace import Transition
 from ..core.values import ValueHandle
 from .admission import AdmissionQueue
-from .payloads import PayloadTable
+from .payloads import FREEING_KINDS, PayloadTable
 from .reaper import Reaper
 from .signal import ChangeSignal, ManagerClosedError
 from .sources import Source
@@ -36,6 +38,31 @@ __all__ = ["Runtime"]
 
 PINNED = Location("pinned-host")
 PAGEABLE = Location("pageable-host")
+
+
+def _loop_backend() -> Any:
+    """anyio's backend class for the library running this loop, or ``None``.
+
+    ``anyio.lowlevel.checkpoint()`` and ``anyio.CancelScope()`` look the running library up
+    (sniffio, then a table) on every call: seven Python calls, as many as the checkpoint's
+    own work, on every direct operation, scope and lease. The library of a running loop never
+    changes, so the runtime looks it up once (a private name of anyio's: where it is missing,
+    the runtime uses the public functions, which do the same work)."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        backend = get_async_backend()
+        for name in (
+            "checkpoint",
+            "checkpoint_if_cancelled",
+            "cancel_shielded_checkpoint",
+            "create_event",
+        ):
+            getattr(backend, name)
+        backend.create_cancel_scope  # noqa: B018 - it must exist
+    except Exception:  # pragma: no cover - another anyio's layout
+        return None
+    return backend
 
 
 class Runtime:
@@ -84,6 +111,36 @@ class Runtime:
         )
         self._busy = 0
         self._idle: anyio.Event | None = None
+        # anyio's checkpoints and shielded cancel scope for this loop, looked up once (see
+        # _loop_backend): what anyio.lowlevel's functions and anyio.CancelScope do.
+        low = _loop_backend()
+        self.checkpoint: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.checkpoint if low is None else low.checkpoint
+        )
+        self.checkpoint_if_cancelled: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.checkpoint_if_cancelled if low is None else low.checkpoint_if_cancelled
+        )
+        self.cancel_shielded_checkpoint: Callable[[], Coroutine[Any, Any, None]] = (
+            anyio.lowlevel.cancel_shielded_checkpoint
+            if low is None
+            else low.cancel_shielded_checkpoint
+        )
+        self.shielded_scope: Callable[[], anyio.CancelScope] = functools.partial(
+            anyio.CancelScope if low is None else low.create_cancel_scope, shield=True
+        )
+        self.new_event: Callable[[], anyio.Event] = anyio.Event if low is None else low.create_event
+        # Whether the backend keeps spare host memory at all (it overrides the Backend
+        # defaults, which keep none and bound nothing): sync_spare has nothing to do otherwise.
+        kind = type(backend)
+        self._keeps_spare = any(
+            getattr(kind, name) is not getattr(Backend, name)
+            for name in (
+                "pinned_overhead_bytes",
+                "limit_pinned_overhead",
+                "pageable_overhead_bytes",
+                "limit_pageable_overhead",
+            )
+        )
 
     def scoped_values(self) -> Iterator[ValueHandle]:
         """The values of the entered scopes (their exit may move them): admission's transient
@@ -101,15 +158,21 @@ class Runtime:
         if not journal:
             return
         committed = journal[:]
-        journal.clear()
-        self._free(committed)
+        del journal[:]
+        # The payloads to free: only a transition that ends a materialization frees one.
         # The host budgets' headroom, and what the backend keeps spare there, change only
         # with a transition at a host location (or at none: a discard may free host memory).
+        frees = host = False
         for transition in committed:
+            if transition.kind in FREEING_KINDS:
+                frees = True
             location = transition.location
             if location is None or location.kind != "cuda":
-                self.sync_spare()
-                break
+                host = True
+        if frees:
+            self._free(committed)
+        if host:
+            self.sync_spare()
         self.signal.notify()
 
     def _free(self, committed: list[Transition]) -> None:
@@ -124,6 +187,8 @@ class Runtime:
         ledgers: its pinned arena may hold what its live blocks and the copies admitted into
         pinned memory need, plus the pinned-host budget's headroom; the freed pageable
         destinations it keeps, the pageable-host budget's headroom. No more."""
+        if not self._keeps_spare:
+            return  # (the defaults: no spare memory, nothing to bound, spare_bytes stay 0)
         backend = self.backend
         ledger = self.state.find_ledger(PINNED)
         if ledger is not None:
@@ -159,7 +224,8 @@ class Runtime:
         """Raise ``RuntimeError`` unless called on the loop's thread while running."""
         if self.closing:
             raise ManagerClosedError("the manager is closing: it carries out nothing more")
-        self.check_loop_thread()
+        if threading.get_ident() != self.bridge.thread:
+            self.check_loop_thread()  # raises, saying why
 
     def check_loop_thread(self) -> None:
         """Raise ``RuntimeError`` unless called on the loop's thread (closing or not: for the
@@ -184,7 +250,8 @@ class Runtime:
 
     def end_work(self) -> None:
         self._busy -= 1
-        self.check_idle()
+        if self._idle is not None:  # (check_idle's first test: most ends wake nobody)
+            self.check_idle()
 
     def check_idle(self) -> None:
         """Wake :meth:`wait_idle` if nothing is in flight any more (the reaper calls this

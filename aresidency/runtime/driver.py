@@ -139,6 +139,7 @@ class PhaseRun:
         "_gen",
         "_known",
         "_open",
+        "_origin",
         "_reads",
         "_ready",
         "_request",
@@ -157,7 +158,9 @@ class PhaseRun:
         "transitions",
     )
 
-    def __init__(self, runtime: Runtime, phase: str, actions: Sequence[Action]) -> None:
+    def __init__(
+        self, runtime: Runtime, phase: str, actions: Sequence[Action], *, record: bool = True
+    ) -> None:
         self._rt = runtime
         self.phase = phase
         self.actions = actions
@@ -183,7 +186,11 @@ class PhaseRun:
         self._unlisten: Callable[[], None] | None = None
         self._done: anyio.Event | None = None
         self._callbacks: list[Callable[[PhaseRun], None]] = []
+        # ``transitions`` lists what the run committed (a scope reports it); a run whose caller
+        # reads nothing of it (a direct operation) records nothing there: its commits are
+        # made with no origin, so that none is counted as another run's either.
         self.transitions: list[Transition] = []
+        self._origin: PhaseRun | None = self if record else None
         self.started = False
         self.finished = False
         self._ended = False
@@ -215,7 +222,8 @@ class PhaseRun:
                 "final, so nothing was changed"
             )
             return self
-        self._rt.state.origin_recorders[self] = self.transitions
+        if self._origin is not None:
+            self._rt.state.origin_recorders[self] = self.transitions
         self._rt.begin_work()
         if self._single is not None:
             self._start_single(self._single)
@@ -229,11 +237,18 @@ class PhaseRun:
         """A phase of one Release: commit it now if its materialization has no readers to wait
         for (what the phase generator would do, without it); otherwise run the generator."""
         state = self._rt.state
-        previous, state.origin = state.origin, self
+        previous, state.origin = state.origin, self._origin
         outcome: BaseException | None = None
         try:
-            mat = state.materialization(action.handle, action.location)
-            if mat.pending_event_count and not (mat.use_count or mat.hold_count):
+            # (state.release validates the handle and location, and raises what this lookup
+            # would: it looks only where they are valid)
+            value = state.find_value(action.handle) if type(action.handle) is ValueHandle else None
+            mat = None if value is None else value.materializations.get(action.location)
+            if (
+                mat is not None
+                and mat.pending_event_count
+                and not (mat.use_count or mat.hold_count)
+            ):
                 self._gen = run_phase(state, self.phase, self.actions)
             else:
                 state.release(action.handle, action.location)
@@ -254,7 +269,7 @@ class PhaseRun:
         :meth:`_issue` do for a phase of one action, without them)."""
         rt = self._rt
         state = rt.state
-        previous, state.origin = state.origin, self
+        previous, state.origin = state.origin, self._origin
         outcome: BaseException | None = None
         ticket: CopyTicket | None = None
         try:
@@ -269,7 +284,48 @@ class PhaseRun:
             return
         self._ticket = ticket
         self._request = _SINGLE
-        self._issue_tickets((ticket,))
+        self._issue_single(ticket)
+
+    def _issue_single(self, ticket: CopyTicket) -> None:
+        """:meth:`_issue_tickets` and :meth:`_copy` for the one ticket of a run of one action
+        (the same bookkeeping and the same backend call, a ``copy_many`` of one request,
+        without the batching loop); its completion goes to :meth:`_single_done`."""
+        rt = self._rt
+        ticket_id = ticket.ticket_id
+        self._open[ticket_id] = ticket
+        self._reads[(ticket.handle, ticket.source)] = 1  # the phase's one read of its source
+        if ticket.source is None:
+            rt.begin_work()
+            self._load(ticket)
+            return
+        if self.cancel_requested:
+            error = TransferCancelledError(
+                f"the copy of {ticket.handle} was cancelled before it began"
+            )
+            self._complete(ticket, error)
+            return
+        payloads = rt.payloads
+        source = payloads.get(ticket.handle, ticket.source)
+        assert source is not None, "a resident materialization without data"
+        request = CopyRequest(source.tensor, ticket.source, ticket.destination, source.readers)
+        del source
+        result = rt.backend.copy_many([request])[0]
+        del request
+        if not isinstance(result, Transfer):
+            self._complete(ticket, result)
+            return
+        self._transfers[ticket_id] = result
+        payloads.put(ticket.handle, ticket.destination, Payload(result.tensor, result))
+        rt.reaper.watch(result, functools.partial(self._single_done, ticket))
+
+    def _single_done(self, ticket: CopyTicket, error: BaseException | None) -> None:
+        """The reaper: the one transfer of a run of one action completed (or the backend
+        closed): :meth:`_transfer_done` without a request's other tickets to commit."""
+        transfer = self._transfers.get(ticket.ticket_id)
+        if error is None and transfer is not None:
+            error = transfer.outcome()
+        del transfer  # completing may free its destination (an abort): hold nothing of it
+        self._complete(ticket, error)
 
     def _end_single(self) -> None:
         """The one transfer completed and may commit: commit it (or abort it if it failed)
@@ -278,10 +334,11 @@ class PhaseRun:
         assert ticket is not None
         self._ticket = None
         self._request = None
-        self._unlisten_now()
+        if self._unlisten is not None:
+            self._unlisten_now()
         error = self._errors.get(ticket.ticket_id)
         state = self._rt.state
-        previous, state.origin = state.origin, self
+        previous, state.origin = state.origin, self._origin
         try:
             if error is None:
                 state.commit_copy(ticket)
@@ -299,7 +356,7 @@ class PhaseRun:
         gen = self._gen
         assert gen is not None, "a run of one action has no phase generator"
         while True:
-            previous, state.origin = state.origin, self
+            previous, state.origin = state.origin, self._origin
             request: SettleRequest | TransferRequest | Checkpoint | None = None
             outcome: BaseException | None = None
             ended = False
@@ -537,16 +594,24 @@ class PhaseRun:
         """May the generator commit (or abort) this completed transfer now? A failed copy's
         destination must be unused, unheld and unread (it is freed at the abort); a move's
         source must have no consumer events left but the copies of this request."""
+        failed = self._errors.get(ticket.ticket_id) is not None
+        if not failed and not (ticket.move and ticket.source is not None):
+            return True  # a copy that keeps its source, or a load, commits when it completed
         value = self._rt.state.find_value(ticket.handle)
         if value is None:
             return True
-        if self._errors.get(ticket.ticket_id) is not None:
+        if failed:
             mat = value.materializations.get(ticket.destination)
             return mat is None or not mat.protected
         if ticket.move and ticket.source is not None:
             src = value.materializations.get(ticket.source)
-            ours = self._reads.get((ticket.handle, ticket.source), 0)
-            return src is None or src.pending_event_count <= ours
+            if src is None:
+                return True
+            if self._request is _SINGLE:
+                ours = 1  # a run of one action: its one copy reads the source (_issue_single)
+            else:
+                ours = self._reads.get((ticket.handle, ticket.source), 0)
+            return src.pending_event_count <= ours
         return True
 
     def _poll_commit(self) -> None:
@@ -637,8 +702,10 @@ class PhaseRun:
     def _finish(self, error: BaseException | None) -> None:
         """Every ticket the run began is committed or aborted."""
         self._ended = True
-        self._unlisten_now()
-        self._rt.state.origin_recorders.pop(self, None)
+        if self._unlisten is not None:
+            self._unlisten_now()
+        if self._origin is not None:
+            self._rt.state.origin_recorders.pop(self, None)
         if not self.finished:  # else finished early (see _decide_early), with this outcome
             self._announce(error)
 
@@ -754,7 +821,7 @@ class PhaseRun:
         """The event set when the run finishes (made on first need: most runs are never
         waited on that way)."""
         if self._done is None:
-            self._done = anyio.Event()
+            self._done = self._rt.new_event()
         return self._done
 
     async def wait_finished_shielded(self) -> BaseException | None:
@@ -766,16 +833,22 @@ class PhaseRun:
         if self.finished:
             return None
         caught: BaseException | None = None
-        with anyio.CancelScope(shield=True):
+        later: BaseException | None = None
+        with self._rt.shielded_scope():  # one shield for both waits
             try:
                 # As in wait(): a copy that completed while being issued is delivered in this
                 # turn of the loop, and no event is needed.
-                await anyio.lowlevel.checkpoint()
+                await self._rt.checkpoint()
             except anyio.get_cancelled_exc_class() as cancelled:
                 caught = cancelled  # a native asyncio cancellation (the shield holds anyio's)
-        if self.finished:
-            return caught
-        later = await wait_shielded(self._done_event())
+            if not self.finished:
+                # wait_shielded(self._done_event()), inside the shield already entered
+                event = self._done_event()
+                while not event.is_set():
+                    try:
+                        await event.wait()
+                    except anyio.get_cancelled_exc_class() as cancelled:
+                        later = cancelled  # (native asyncio, as above: kept, raised later)
         return caught if caught is not None else later
 
     async def wait_finished(self) -> None:
@@ -796,7 +869,7 @@ class PhaseRun:
                 # One turn of the loop first: a copy that completed while it was being issued
                 # (a small one usually has) is delivered in that turn, ahead of this task, and
                 # the run then finishes without an event to wait on.
-                await anyio.lowlevel.checkpoint()
+                await self._rt.checkpoint()
                 if not self.finished:
                     await self._done_event().wait()
             except anyio.get_cancelled_exc_class():

@@ -389,7 +389,7 @@ class Lease:
     async def __aenter__(self) -> Lease:
         # A checkpoint, entering and leaving (as trio's async context managers are): a caller
         # already cancelled enters nothing; __aexit__ lets the loop run once the use ended.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._rt.checkpoint_if_cancelled()
         if self.mode == "write":
             await self._wait_for_other_replicas_readers()
         payload = self._begin()
@@ -546,7 +546,7 @@ class Lease:
             # Entered on an incoming copy: the body's reads are valid only if it succeeds.
             await self._rt.backend.wait(transfer)
         else:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await self._rt.cancel_shielded_checkpoint()
         if payload is not None and payload.failure is None and transfer is not None:
             payload.failure = transfer.outcome()
         if payload is not None and payload.failure is not None:

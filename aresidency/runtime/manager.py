@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -400,6 +401,13 @@ class ResidencyManager:
     def _running(self) -> Runtime:
         """The runtime, after checking the caller is on the loop's thread and it runs."""
         rt = self._rt
+        if (
+            rt is not None
+            and self._status == "running"
+            and not rt.closing
+            and threading.get_ident() == rt.bridge.thread
+        ):
+            return rt  # (what the checks below and rt.check_thread() accept)
         if rt is None or self._status != "running":
             if self._status in ("closing", "closed"):
                 raise ManagerClosedError(
@@ -788,21 +796,36 @@ class ResidencyManager:
         """A direct operation: one action, its own errors raised as they are. Always a
         checkpoint (as every async call of trio's API is): a cancelled caller changes nothing,
         and an operation that had nothing to wait for (a value already there) still lets the
-        loop run once it is done, so a loop of them never starves the other tasks."""
+        loop run once it is done, so a loop of them never starves the other tasks.
+
+        A release charges nothing and usually commits at once: its checkpoint comes first (a
+        cancellation there changes nothing), and none follows it (the loop ran already). A
+        placement checks for a cancellation first and lets the loop run after it began (its
+        copy completes meanwhile), or once done when there was nothing to do."""
         rt = self._running()
         rt.backend.check_location(action.location)
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        charged = self._charged_by(action)
-        if charged:
-            await rt.admission.wait_turn(charged)
-        run = PhaseRun(rt, "execute", [action]).start()
-        finished_at_once = run.finished
+        if type(action) is Release:
+            await rt.checkpoint()
+            if rt.closing:  # it began closing meanwhile: it carries out nothing more
+                rt.check_thread()
+            run = PhaseRun(rt, "execute", [action], record=False).start()
+            finished_at_once = False  # the loop ran before it
+        else:
+            await rt.checkpoint_if_cancelled()
+            if len(rt.admission):
+                charged = self._charged_by(action)
+                if charged:
+                    await rt.admission.wait_turn(charged)
+            else:  # nobody to wait behind; the handle is checked as _charged_by checks it
+                self._state.value(action.handle)
+            run = PhaseRun(rt, "execute", [action], record=False).start()
+            finished_at_once = run.finished
         try:
             await run.wait()
         except ActionFailed as failed:
             raise self._failed(rt, failed.cause) from None
         if finished_at_once:  # a run that waited has let the loop run already
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
     @staticmethod
     def _failed(rt: Runtime, error: BaseException) -> BaseException:
@@ -857,7 +880,7 @@ class ResidencyManager:
                 if where not in value.materializations
             }
             rt.admission.refuse_nowait(charges, lambda: f"{handle} to {loc}", handle)
-        run = PhaseRun(rt, "execute", [action]).start()
+        run = PhaseRun(rt, "execute", [action], record=False).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)
@@ -870,7 +893,7 @@ class ResidencyManager:
         rt = self._running()
         loc = Location.parse(location)
         rt.backend.check_location(loc)
-        run = PhaseRun(rt, "execute", [Release(handle, loc)]).start()
+        run = PhaseRun(rt, "execute", [Release(handle, loc)], record=False).start()
         if run.finished and isinstance(run.error, ActionFailed):
             raise self._failed(rt, run.error.cause) from None
         return PendingOperation(run)
@@ -907,7 +930,7 @@ class ResidencyManager:
         one that had nothing to wait for still lets the loop run (after the discard), so a
         loop of discards never starves the other tasks."""
         rt = self._running()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await rt.checkpoint_if_cancelled()
         waited = False
         while True:
             value = self._state.value(handle)
@@ -922,7 +945,7 @@ class ResidencyManager:
         rt.sources.pop(handle, None)
         rt.settle()
         if not waited:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
     def _materialization(self, rt: Runtime, handle: ValueHandle, loc: Location) -> Materialization:
         """The materialization of ``handle`` at ``loc``; where there is none, a location this

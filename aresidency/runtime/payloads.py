@@ -20,10 +20,13 @@ from ..core.locations import Location
 from ..core.trace import Transition
 from ..core.values import ValueHandle
 
-__all__ = ["Payload", "PayloadTable"]
+__all__ = ["FREEING_KINDS", "Payload", "PayloadTable"]
 
 # Transitions that end the materialization at ``transition.location``.
 _ENDS_ONE = frozenset({"release", "invalidate", "move_commit", "copy_abort"})
+#: Transitions that may end payloads (what :meth:`PayloadTable.effects` acts on; it does
+#: nothing for a batch without one).
+FREEING_KINDS = _ENDS_ONE | {"discard"}
 
 
 @dataclass(slots=True, eq=False)
@@ -34,7 +37,8 @@ class Payload:
     was there from the start); ``readers``: consumer events recorded by leases and not reaped
     yet; ``failure``: the error of the transfer that was filling it (set before its abort, so
     that leases entered on the incoming copy report it); ``aborting``: its transfer is being
-    cancelled, so no new lease may start on it.
+    cancelled, so no new lease may start on it. ``key``: its storage's key in the table
+    (set when it is put there: the tensor never changes, and popping it needs the key).
     """
 
     tensor: torch.Tensor
@@ -42,6 +46,7 @@ class Payload:
     readers: list[DeviceEvent] = field(default_factory=list)
     failure: BaseException | None = None
     aborting: bool = False
+    key: tuple[bool, int] | None = None
 
 
 class PayloadTable:
@@ -66,7 +71,7 @@ class PayloadTable:
 
     def put(self, handle: ValueHandle, location: Location, payload: Payload) -> None:
         self._by_value.setdefault(handle, {})[location] = payload
-        key = _storage_key(payload.tensor)
+        key = payload.key = _storage_key(payload.tensor)
         if key is not None:
             self._storages[key] = (handle, location)
 
@@ -83,7 +88,7 @@ class PayloadTable:
         if not per:
             del self._by_value[handle]
         if payload is not None:
-            key = _storage_key(payload.tensor)
+            key = payload.key
             if key is not None and self._storages.get(key) == (handle, location):
                 del self._storages[key]
         return payload
@@ -95,10 +100,21 @@ class PayloadTable:
         for transition in transitions:
             kind = transition.kind
             if kind in _ENDS_ONE:
-                assert transition.location is not None
-                payload = self._pop(transition.handle, transition.location)
-                if payload is not None:
-                    freed.append((payload.tensor, transition.location))
+                location = transition.location
+                assert location is not None
+                # self._pop(transition.handle, location), inline (one per freed payload)
+                per = self._by_value.get(transition.handle)
+                if per is None:
+                    continue
+                payload = per.pop(location, None)
+                if not per:
+                    del self._by_value[transition.handle]
+                if payload is None:
+                    continue
+                key = payload.key
+                if key is not None and self._storages.get(key) == (transition.handle, location):
+                    del self._storages[key]
+                freed.append((payload.tensor, location))
             elif kind == "discard":
                 for location in list(self._by_value.get(transition.handle, {})):
                     payload = self._pop(transition.handle, location)

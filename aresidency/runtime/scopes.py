@@ -201,13 +201,14 @@ class Scope:
         error of ``phase`` (a cancellation or anything else unknown is the caller's)."""
         self._transitions.extend(run.transitions)
         error = run.error
+        if error is None:
+            return
         if isinstance(error, ActionFailed):
             action = error.action if error.action is not None else actions[error.index]
             raise self._fail(phase, error.cause, error.index, action) from error.cause
         if isinstance(error, ResidencyError):
             raise self._fail(phase, error) from error
-        if error is not None:
-            raise error
+        raise error
 
     def _reserve_all(self) -> None:
         if not self.plan.reserve:
@@ -289,7 +290,7 @@ class Scope:
             )
         # A checkpoint, entering and leaving (as trio's async context managers are): a caller
         # already cancelled enters nothing; see __aexit__ for the other end.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await rt.checkpoint_if_cancelled()
         self.status = "entering"
         self.task = current_task()
         plan = self.plan
@@ -310,8 +311,10 @@ class Scope:
                 waited = anyio.current_time() - started
                 _log.info("%s admitted after waiting %.3f s", self._name(), waited)
             try:
-                await self._run_phase("reclaim", plan.reclaim)
-                self._reserve_all()
+                if plan.reclaim:
+                    await self._run_phase("reclaim", plan.reclaim)
+                if plan.reserve:
+                    self._reserve_all()
                 await self._run_phase("enter", plan.enter)
             finally:
                 rt.admission.release(claim)  # what it needs is charged: let the next in
@@ -360,7 +363,8 @@ class Scope:
             return
         cancelled: BaseException | None = None
         try:
-            self._unreserve_all()
+            if self._reserved:
+                self._unreserve_all()
             if self.plan.exit:
                 # Finished whatever cancels the task meanwhile, a native asyncio cancellation
                 # included (an anyio shield would let that one through): see .shield.
@@ -386,7 +390,7 @@ class Scope:
         if not self.plan.exit:
             # Lets the loop run even when nothing had to move: a loop of scopes on resident
             # values never starves the other tasks.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await rt.cancel_shielded_checkpoint()
 
 
 def _note_exit_failure(primary: BaseException, scope: str, error: BaseException) -> None:
