@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ...runtime.shield import finish_shielded, wait_shielded
+from . import nesting
 from .packing import TensorGroup
 from .pipeline import CallPipeline, Slot
 from .ring import RingCall, RingSlot
@@ -229,11 +230,6 @@ class ThreadedRunner:
         self._worker_ident: int | None = None
         self._hooks: list[Any] = []
 
-    def runs_here(self) -> bool:
-        """Whether the calling thread is the worker running a call of the module now (inside
-        its forward)."""
-        return self._worker_ident == threading.get_ident()
-
     def install_hooks(self) -> None:
         """One pre/post hook pair per block with tensors, once for a block listed twice (it
         takes its one group each time it runs; the call's order says which run it is)."""
@@ -359,13 +355,29 @@ class ThreadedRunner:
             resident_slot = await call.take(resident.index)
             assert resident_slot.tensors is not None
             resident.swap_in(resident_slot.tensors)
+        forward = streamed._forward
         try:
             work = functools.partial(
-                self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
+                self._work,
+                call,
+                stream,
+                resident_slot,
+                TorchState.capture(),
+                forward,
+                fn,
+                args,
+                kwargs,
             )
-            # Cancelled: the worker's next block fails; wait for it to unwind.
+            # Cancelled: the worker's next block fails, and a call made from inside the
+            # forward is cancelled; wait for the thread to unwind.
+
+            def cancel() -> None:
+                call.abort()
+                if forward is not None:
+                    forward.cancel()
+
             pipeline = call if isinstance(call, CallPipeline) else None
-            result, event = await self.submit(work, on_cancel=call.abort, pipeline=pipeline)
+            result, event = await self.submit(work, on_cancel=cancel, pipeline=pipeline)
             if resident is not None:
                 call.give_back(resident.index, event)
             return result
@@ -379,15 +391,17 @@ class ThreadedRunner:
         stream: Any,
         resident: Slot | RingSlot | None,
         torch_state: TorchState,
+        forward: nesting.Forward | None,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, Any]:
         """The worker thread: run ``fn`` with the caller's thread-local torch state and the
-        compute stream current; return its output and an event after its last kernel."""
+        compute stream current (marked as running ``forward``: see :mod:`.nesting`); return
+        its output and an event after its last kernel."""
         streamed = self.streamed
         backend = streamed.manager.backend
-        with torch_state.enter(), backend.stream_context(stream):
+        with torch_state.enter(), backend.stream_context(stream), nesting.running(forward):
             self._worker_ident = threading.get_ident()
             try:
                 if resident is not None and resident.ready_event is not None:
