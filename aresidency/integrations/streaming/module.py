@@ -14,7 +14,7 @@ import functools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -80,6 +80,39 @@ _turns: weakref.WeakKeyDictionary[ResidencyManager, dict[Location, anyio.Lock]] 
 )
 
 
+async def _acquire(lock: anyio.Lock, manager: ResidencyManager) -> None:
+    """``await lock.acquire()``, or ``ManagerClosedError`` once the manager closes while it
+    waits: the call holding the lock ends when the manager closes, as a rule, but one whose
+    forward never returns (blocked in the user's code, or in a call nested in it) does not,
+    and its followers would wait for ever. Free: no wait, nothing more."""
+    try:
+        lock.acquire_nowait()
+        return
+    except anyio.WouldBlock:
+        pass
+    closed: list[ManagerClosedError] = []
+    acquired = False
+    with anyio.CancelScope() as scope:
+
+        async def watch() -> None:
+            try:
+                while True:
+                    await manager.wait_for_change()
+            except ManagerClosedError as error:
+                closed.append(error)
+                scope.cancel()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watch)
+            await lock.acquire()
+            acquired = True
+            tasks.cancel_scope.cancel()
+    if closed:
+        if acquired:
+            lock.release()
+        raise closed[0]
+
+
 class _AdmissionTurn:
     """A call's turn to take what it needs at its device, one call at a time per manager and
     device: two calls that each took the tensors they hold for the whole call could otherwise
@@ -89,12 +122,20 @@ class _AdmissionTurn:
     needs nothing more) and by a call over managed values until it ends (it takes each block's
     room as it goes)."""
 
-    def __init__(self, manager: ResidencyManager, device: Location) -> None:
+    def __init__(
+        self, manager: ResidencyManager, device: Location, closed: Callable[[], None]
+    ) -> None:
+        self._manager = manager
         self._lock = _turns.setdefault(manager, {}).setdefault(device, anyio.Lock())
         self._held = False
+        self._closed = closed  # raises the call's ManagerClosedError
 
     async def __aenter__(self) -> _AdmissionTurn:
-        await self._lock.acquire()
+        try:
+            await _acquire(self._lock, self._manager)
+        except ManagerClosedError:
+            self._closed()
+            raise
         self._held = True
         return self
 
@@ -1140,12 +1181,12 @@ class StreamedModule:
             raise RuntimeError(f"{self!r} is closed")
         self._check_manager()
         self._check_inference(args, kwargs)
-        async with self._lock:
+        async with self._waiting_for(self._lock):
             if self._closed:
                 # aclose() ran while this call waited for the one before it
                 raise RuntimeError(f"{self!r} is closed")
             self._check_manager()  # (it may have closed while this call waited)
-            async with _AdmissionTurn(self.manager, self.device) as turn:
+            async with _AdmissionTurn(self.manager, self.device, self._check_manager) as turn:
                 if self._closed:
                     raise RuntimeError(f"{self!r} is closed")
                 self._check_manager()
@@ -1157,6 +1198,20 @@ class StreamedModule:
                     return await self._call(turn, generate, args, kwargs)
                 finally:
                     self._forward = None
+
+    @contextlib.asynccontextmanager
+    async def _waiting_for(self, lock: anyio.Lock) -> AsyncIterator[None]:
+        """``async with lock`` for a call: a wait for it ends with this module's
+        ``ManagerClosedError`` once the manager closes (see :func:`_acquire`)."""
+        try:
+            await _acquire(lock, self.manager)
+        except ManagerClosedError:
+            self._check_manager()  # (raises it, naming this module)
+            raise
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _check_manager(self) -> None:
         """``manager.check_thread()``, with a ``ManagerClosedError`` that names this module
