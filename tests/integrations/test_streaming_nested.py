@@ -1,5 +1,6 @@
 """Streamed calls made from inside another streamed call's forward (``call_threadsafe`` from
-a block or a forward hook, in the forward's thread): refused at once when they could only
+a block or a forward hook, in the forward's thread or, for a plain ``nn.Sequential`` on the
+simulated backend, on the simulated stream's thread): refused at once when they could only
 wait for the outer call, which waits for them; otherwise run, and cancelled with the outer
 call.
 
@@ -190,7 +191,7 @@ async def close(*streamed: StreamedModule) -> None:
         await module.aclose()
 
 
-@pytest.mark.parametrize("kind", ["forward", "hook"])
+@pytest.mark.parametrize("kind", ["forward", "hook", "sequential"])
 @pytest.mark.parametrize("holds", ["ring", "kept"])
 @pytest.mark.parametrize("inner_ring", [None, False], ids=["inner-ring", "inner-values"])
 async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused_at_once(
@@ -230,7 +231,7 @@ async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused
         await close(outer, inner)
 
 
-@pytest.mark.parametrize("kind", ["forward", "hook"])
+@pytest.mark.parametrize("kind", ["forward", "hook", "sequential"])
 @pytest.mark.parametrize("inner_ring", [None, False], ids=["inner-ring", "inner-values"])
 async def test_a_nested_call_waiting_for_room_is_cancelled_with_the_outer_call(
     kind: str, inner_ring: bool | None
@@ -294,3 +295,53 @@ async def test_a_nested_call_waiting_for_room_ends_when_the_manager_closes() -> 
         assert str(raised[0]).startswith("outer: the manager closed during the call")
         await outer.aclose()
         await inner.aclose()
+
+
+@pytest.mark.parametrize("case", ["outer-values", "same-stream"])
+async def test_a_nested_call_from_a_sequentials_block_that_could_only_wait_is_refused(
+    case: str,
+) -> None:
+    # A plain nn.Sequential on the simulated backend runs its blocks on the compute stream's
+    # thread, which the check for nested calls did not look at: a call made from a block
+    # waited for ever for the outer call's admission turn (the outer call over managed
+    # values holds it until it ends), or for its own blocks, queued on that stream behind
+    # the block that waits for them.
+    async with bench(64 * BLOCK) as b:
+        m = b.m
+        model, calls = outer_model("sequential")
+        ring = False if case == "outer-values" else None
+        outer = stream_module(m, model, prefetch=1, ring=ring, name="outer")
+        inner_kind = "sequential" if case == "same-stream" else "forward"
+        inner = stream_module(m, inner_model(inner_kind), name="inner")
+        calls.inner = inner.call_threadsafe
+        x = torch.randn(2, 32)
+
+        async def call() -> object:
+            with anyio.fail_after(BOUND), torch.no_grad():
+                return await outer(x)
+
+        raised, hung = await b.within(call)
+        assert not hung, "the nested call waited for ever, and so did the outer one"
+        assert isinstance(raised, RuntimeError), raised
+        message = str(raised)
+        assert message.startswith("inner: called from inside ") and "outer's call" in message
+        assert "wait for ever" in message, message
+        calls.inner = None
+        with anyio.fail_after(BOUND), torch.no_grad():
+            assert torch.equal(await outer(x), reference(model, None, x))
+            await inner(x)
+        await close(outer, inner)
+
+
+async def test_a_nested_call_from_a_sequentials_block_runs_when_it_can() -> None:
+    async with bench(64 * BLOCK) as b:
+        m = b.m
+        model, calls = outer_model("sequential")
+        x = torch.randn(2, 32)
+        want = reference(model, inner_model(), x)
+        outer = stream_module(m, model, prefetch=1, name="outer")
+        inner = stream_module(m, inner_model(), name="inner")
+        calls.inner = inner.call_threadsafe
+        with anyio.fail_after(BOUND), torch.no_grad():
+            assert torch.equal(await outer(x), want)
+        await close(outer, inner)

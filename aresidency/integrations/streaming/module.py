@@ -1294,11 +1294,13 @@ class StreamedModule:
         event loop: blocks that thread (not the loop) until the call returns.
 
         From inside the forward of another streamed call in flight (its blocks, a forward
-        hook), the call is *nested* in that one, which cannot go on until
-        it returned: it is refused at once (``RuntimeError``) when it could only wait for
-        the outer call (see :meth:`_refuse_nested`), and a wait for room that only what the
-        outer call holds keeps out is a ``ResidencyBudgetError`` at once, naming both; it
-        is cancelled when the outer call is (``RuntimeError`` in the forward)."""
+        hook; a block of a plain ``nn.Sequential``, which runs on the simulated backend's
+        stream thread, or on the loop on CUDA), the call is *nested* in that one, which
+        cannot go on until it returned: it is refused at once (``RuntimeError``) when it
+        could only wait for the outer call (see :meth:`_refuse_nested`), and a wait for room
+        that only what the outer call holds keeps out is a ``ResidencyBudgetError`` at once,
+        naming both; it is cancelled when the outer call is (``RuntimeError`` in the
+        forward)."""
         outer = nesting.current()
         if outer is not None:
             self._refuse_nested(outer)
@@ -1319,10 +1321,12 @@ class StreamedModule:
         """``RuntimeError`` for a call made from inside the forward of ``outer`` (a streamed
         call in flight, itself perhaps nested in others) that could only wait for a call it
         is nested in, which waits for it in turn: a call of the same module (calls on one
-        module are serialized), or of a module at a device where a call it is nested in
-        holds the admission turn (a call over managed values holds it until it ends).
-        Otherwise both would wait for ever, the outer one even when cancelled (it waits for
-        the thread blocked in this call)."""
+        module are serialized), of a module at a device where a call it is nested in holds
+        the admission turn (a call over managed values holds it until it ends), one made on
+        the event loop's thread (a plain ``nn.Sequential`` runs its blocks there on CUDA),
+        or a plain ``nn.Sequential`` whose blocks would queue on the stream whose thread runs
+        the outer call's block (the simulated backend). Otherwise both would wait for ever,
+        the outer one even when cancelled (it waits for the thread blocked in this call)."""
         for forward in outer.chain():
             name = forward.streamed.name
             made = (
@@ -1347,6 +1351,27 @@ class StreamedModule:
                     "it goes), so this call would wait for ever for the call that makes it; "
                     "call it before or after that call, or stream the two as one module"
                 )
+        name = outer.streamed.name
+        if self.manager.running and self.manager.bridge.on_loop():
+            raise RuntimeError(
+                f"{self.name}: called from inside a block of {name}'s call in flight, which "
+                "runs its blocks on the event loop's thread (a plain nn.Sequential): this call "
+                "needs that loop, so both would wait for ever; call it before or after that "
+                "call, or stream the two as one module"
+            )
+        if (
+            outer.stream is not None
+            and self._sequential
+            and self.device == outer.streamed.device
+            and self._compute_stream() is outer.stream
+        ):
+            raise RuntimeError(
+                f"{self.name}: called from inside a block of {name}'s call in flight, which "
+                f"runs on {self.device}'s compute stream (a plain nn.Sequential's blocks run "
+                "in stream order on the simulated backend); this call's blocks would queue "
+                "on that stream behind the block that waits for them, so both would wait for "
+                "ever; call it before or after that call, or stream the two as one module"
+            )
 
     async def _call_nested(
         self, outer: nesting.Forward, args: tuple[Any, ...], kwargs: dict[str, Any]

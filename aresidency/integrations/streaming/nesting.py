@@ -1,7 +1,8 @@
 """Streamed calls made from inside another streamed call's forward.
 
-A forward runs in a thread (the module's worker thread), while the call that runs it waits on
-the event loop for that thread. A call made from there with
+A forward runs in a thread (the module's worker thread, or, for a plain ``nn.Sequential`` on the
+simulated backend, the simulated compute stream's thread), while the call that runs it waits
+on the event loop for that thread. A call made from there with
 :meth:`~aresidency.integrations.streaming.module.StreamedModule.call_threadsafe` is a call
 *nested* in that one: the outer call cannot go on, nor give back anything it holds, until the
 nested call returned. This module is what the nested call knows of the calls it is nested in:
@@ -48,12 +49,13 @@ class Forward:
     """A streamed call in flight whose forward runs in a thread: ``streamed`` (its module),
     ``task`` (the task awaiting the call, which holds what the call leased), ``bridge`` (its
     manager's loop), ``turn`` (its admission turn, ``None`` for a call that takes none),
-    ``parent`` (the call this one is nested in, if any), ``nested``
+    ``stream`` (set when its blocks run on this stream's own thread: a call that queues work
+    there waits behind them), ``parent`` (the call this one is nested in, if any), ``nested``
     (cancel scopes of the calls nested in it now), ``cancelled`` (the call was cancelled or
     failed: nothing nested in it starts). Made and changed on the loop; :func:`current`
     reads it from the thread that runs the forward."""
 
-    __slots__ = ("bridge", "cancelled", "nested", "parent", "streamed", "task", "turn")
+    __slots__ = ("bridge", "cancelled", "nested", "parent", "stream", "streamed", "task", "turn")
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class Forward:
         self.task = task
         self.bridge = streamed.manager.bridge
         self.turn = turn
+        self.stream: Any = None
         self.parent = parent
         self.nested: set[anyio.CancelScope] = set()
         self.cancelled = False

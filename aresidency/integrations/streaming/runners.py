@@ -110,6 +110,9 @@ async def run_sequential(
     box: list[Any] = [args[0]]
     errors: list[BaseException] = []
     torch_state = TorchState.capture() if streamed.host_compute else None
+    forward = streamed._forward
+    if forward is not None and streamed.host_compute:
+        forward.stream = stream  # (the blocks run on the stream's own thread)
 
     def run(block: nn.Module, group: TensorGroup | None, tensors: list[torch.Tensor]) -> None:
         if errors:
@@ -117,11 +120,12 @@ async def run_sequential(
         if group is not None:
             group.swap_in(tensors)
         try:
-            if torch_state is not None:
-                with torch_state.enter():
+            with nesting.running(forward):
+                if torch_state is not None:
+                    with torch_state.enter():
+                        box[0] = owned(block(box[0]), storage_of(tensors))
+                else:
                     box[0] = owned(block(box[0]), storage_of(tensors))
-            else:
-                box[0] = owned(block(box[0]), storage_of(tensors))
         except BaseException as error:
             errors.append(error)
         finally:
@@ -143,6 +147,10 @@ async def run_sequential(
             call.give_back(group.index, backend.record_event(stream))
             if errors:
                 break
+    except BaseException:
+        if forward is not None:
+            forward.cancel()  # (a block enqueued may wait for a call nested in it)
+        raise
     finally:
         if streamed.host_compute:
             # The result exists once the stream ran the blocks; wait for it even when
@@ -156,7 +164,15 @@ async def run_sequential(
                     raise
                 ran = None  # the manager closed its backend: its streams run nothing more
             if ran is not None:
-                await finish_shielded(backend.wait, ran)
+                try:
+                    await backend.wait(ran)
+                except anyio.get_cancelled_exc_class():
+                    # A block may wait for a call made from inside it: cancel that call, so
+                    # that the block ends, then wait for the stream all the same.
+                    if forward is not None:
+                        forward.cancel()
+                    await finish_shielded(backend.wait, ran)
+                    raise
     if errors:
         raise errors[0]
     # A call cancelled while every block was ready (so it never awaited) still ends
