@@ -1,8 +1,8 @@
 """Streamed calls made from inside another streamed call's forward (``call_threadsafe`` from
 a block or a forward hook, in the forward's thread or, for a plain ``nn.Sequential`` on the
-simulated backend, on the simulated stream's thread): refused at once when they could only
-wait for the outer call, which waits for them; otherwise run, and cancelled with the outer
-call.
+simulated backend, on the simulated stream's thread; from a pooled model's forward): refused
+at once when they could only wait for the outer call, which waits for them; otherwise run,
+and cancelled with the outer call.
 
 Each test bounds its calls with ``anyio.fail_after``. A call that cannot be cancelled (the
 outer call, cancelled, waits for its thread, blocked in the nested call) would outlast that
@@ -24,6 +24,7 @@ from torch import nn
 from aresidency import ResidencyBudgetError, ResidencyManager, ValueHandle
 from aresidency.integrations import StreamedModule, stream_module
 from aresidency.runtime import ManagerClosedError
+from aresidency.serving import ModelPool
 
 pytestmark = pytest.mark.anyio
 
@@ -345,3 +346,53 @@ async def test_a_nested_call_from_a_sequentials_block_runs_when_it_can() -> None
         with anyio.fail_after(BOUND), torch.no_grad():
             assert torch.equal(await outer(x), want)
         await close(outer, inner)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["direct", "shared"])
+async def test_a_nested_call_from_a_pooled_models_forward(shared: bool) -> None:
+    # A resident request's call runs the model's forward in a thread directly on the held
+    # replicas (or beside its other calls, shared): a streamed call made from inside it was
+    # not seen as nested. With the room held by the request, it waited for ever; waiting for
+    # another tenant's room, it could not be cancelled with the request.
+    async with bench(4 * BLOCK) as b:
+        m = b.m
+        model, calls = outer_model("forward")
+        x = torch.randn(2, 32)
+        pool = ModelPool(m, shared_calls=shared)
+        pool.add("pooled", model)
+        inner = stream_module(m, inner_model(), prefetch=1, name="inner")
+        calls.inner = inner.call_threadsafe
+        other = await fill(m, BLOCK)  # with the request's three blocks: the whole budget
+
+        async def refused() -> object:
+            with anyio.fail_after(BOUND):
+                async with pool.use("pooled") as pooled:
+                    assert pooled.mode == "resident"
+                    return await pooled(x)
+
+        raised, hung = await b.within(refused)
+        assert not hung, "the nested call waited for ever, and so did the request"
+        assert isinstance(raised, ResidencyBudgetError), raised
+        assert "pooled's call in flight" in str(raised) and "inner: inner." in str(raised)
+        way = "shared_calls" if shared else "direct_calls"
+        assert pool.stats()["pooled"][way] == 1  # (the call took that way)
+
+        await m.discard(other)
+
+        # The same call waiting for room another task holds instead: cancelled with the
+        # request's call.
+        async def request() -> None:
+            async with pool.use("pooled") as pooled:
+                await pooled(x)
+
+        async with held_by_another_task(m, BLOCK):
+            cancelled, hung = await b.within(lambda: cancelled_once_waiting(m, "inner", request))
+            assert not hung, "cancelled, the request waited for ever for the nested call"
+            assert cancelled is True, cancelled
+            assert inner.current_call is None and m.room_waits() == []
+        calls.inner = None
+        with anyio.fail_after(BOUND):
+            async with pool.use("pooled") as pooled:
+                assert torch.equal(await pooled(x), reference(model, None, x))
+        await pool.aclose()
+        await close(inner)

@@ -1294,13 +1294,13 @@ class StreamedModule:
         event loop: blocks that thread (not the loop) until the call returns.
 
         From inside the forward of another streamed call in flight (its blocks, a forward
-        hook; a block of a plain ``nn.Sequential``, which runs on the simulated backend's
-        stream thread, or on the loop on CUDA), the call is *nested* in that one, which
-        cannot go on until it returned: it is refused at once (``RuntimeError``) when it
-        could only wait for the outer call (see :meth:`_refuse_nested`), and a wait for room
-        that only what the outer call holds keeps out is a ``ResidencyBudgetError`` at once,
-        naming both; it is cancelled when the outer call is (``RuntimeError`` in the
-        forward)."""
+        hook, a model pool's model; a block of a plain ``nn.Sequential``, which runs on the
+        simulated backend's stream thread, or on the loop on CUDA), the call is *nested* in
+        that one, which cannot go on until it returned: it is refused at once
+        (``RuntimeError``) when it could only wait for the outer call (see
+        :meth:`_refuse_nested`), and a wait for room that only what the outer call holds
+        keeps out is a ``ResidencyBudgetError`` at once, naming both; it is cancelled when
+        the outer call is (``RuntimeError`` in the forward)."""
         outer = nesting.current()
         if outer is not None:
             self._refuse_nested(outer)

@@ -1,8 +1,8 @@
 """Streamed calls made from inside another streamed call's forward.
 
-A forward runs in a thread (the module's worker thread, or, for a plain ``nn.Sequential`` on the
-simulated backend, the simulated compute stream's thread), while the call that runs it waits
-on the event loop for that thread. A call made from there with
+A forward runs in a thread (the module's worker thread, a model pool's thread, or, for a plain
+``nn.Sequential`` on the simulated backend, the simulated compute stream's thread), while the
+call that runs it waits on the event loop for that thread. A call made from there with
 :meth:`~aresidency.integrations.streaming.module.StreamedModule.call_threadsafe` is a call
 *nested* in that one: the outer call cannot go on, nor give back anything it holds, until the
 nested call returned. This module is what the nested call knows of the calls it is nested in:
@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
 from ...core.locations import Location
 from ...core.values import ValueHandle
@@ -35,7 +37,9 @@ if TYPE_CHECKING:
     from ...runtime.manager import ResidencyManager
     from .module import StreamedModule
 
-__all__ = ["NESTED_IN", "Forward", "current", "keeper", "running"]
+__all__ = ["NESTED_IN", "Forward", "current", "keeper", "run_sync", "running"]
+
+T = TypeVar("T")
 
 _here = threading.local()
 
@@ -167,3 +171,34 @@ def keeper(outer: Forward, task: object, inner: StreamedModule) -> Keeper:
         )
 
     return kept
+
+
+async def run_sync(fn: Callable[[], T], forward: Forward) -> T:
+    """``anyio.to_thread.run_sync(fn)``, which waits for the thread even when the caller is
+    cancelled, for a thread that runs ``forward``'s module: a cancellation meanwhile cancels
+    the calls nested in it at once, so that the thread can end."""
+    finished = False
+
+    async def watch() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            if not finished:
+                forward.cancel()
+
+    result: list[T] = []
+    failed: list[Exception] = []
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        try:
+            result.append(await anyio.to_thread.run_sync(fn))
+        except Exception as error:  # (raised as it is, not in the task group's group)
+            failed.append(error)
+        finally:
+            finished = True
+            tasks.cancel_scope.cancel()
+    if failed:
+        # Cancelled meanwhile: the cancellation, not what it made the thread raise.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        raise failed[0]
+    return result[0]

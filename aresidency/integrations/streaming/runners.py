@@ -342,11 +342,14 @@ class ThreadedRunner:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        forward: nesting.Forward | None = None,
     ) -> tuple[Any, Any]:
         """The worker thread, for a call whose tensors are all swapped in already (no hooks
         fire: the call is not the pipeline's): run ``fn`` with the caller's torch state and
-        the compute stream current; return its output and an event after its last kernel."""
-        with torch_state.enter(), self.streamed.manager.backend.stream_context(stream):
+        the compute stream current; return its output and an event after its last kernel.
+        ``forward``: the call, as a call made from inside it sees it (see :mod:`.nesting`)."""
+        backend = self.streamed.manager.backend
+        with torch_state.enter(), backend.stream_context(stream), nesting.running(forward):
             output = fn(*args, **kwargs)
             for group in self.streamed.all_groups:
                 group.capture_replaced()  # (before the reader event lets the replicas go)
