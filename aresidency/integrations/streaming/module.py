@@ -92,25 +92,29 @@ async def _acquire(lock: anyio.Lock, manager: ResidencyManager) -> None:
         pass
     closed: list[ManagerClosedError] = []
     acquired = False
-    with anyio.CancelScope() as scope:
+    try:
+        with anyio.CancelScope() as scope:
 
-        async def watch() -> None:
-            try:
-                while True:
-                    await manager.wait_for_change()
-            except ManagerClosedError as error:
-                closed.append(error)
-                scope.cancel()
+            async def watch() -> None:
+                try:
+                    while True:
+                        await manager.wait_for_change()
+                except ManagerClosedError as error:
+                    closed.append(error)
+                    scope.cancel()
 
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(watch)
-            await lock.acquire()
-            acquired = True
-            tasks.cancel_scope.cancel()
-    if closed:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(watch)
+                await lock.acquire()
+                acquired = True
+                tasks.cancel_scope.cancel()
+        if closed:
+            raise closed[0]
+    except BaseException:
+        # (closed, or cancelled as the task group ended: the lock is not the caller's)
         if acquired:
             lock.release()
-        raise closed[0]
+        raise
 
 
 class _AdmissionTurn:
