@@ -1404,8 +1404,8 @@ class StreamedModule:
             nesting.NESTED_IN.reset(token)
             unkeep()
         raise RuntimeError(
-            f"{self.name}: cancelled, as {outer.streamed.name}'s call, which made it from "
-            "inside its forward, was"
+            f"{self.name}: cancelled with {outer.streamed.name}'s call, which made it from "
+            "inside its forward"
         )
 
     def ring_reservation(self) -> str | None:
