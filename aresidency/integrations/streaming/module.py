@@ -1408,7 +1408,7 @@ class StreamedModule:
             "inside its forward"
         )
 
-    def ring_reservation(self) -> str | None:
+    def _ring_reservation(self) -> str | None:
         """The name of the ring reservation the call in flight holds at the device (``None``
         without one)."""
         call = self.current_call

@@ -143,7 +143,7 @@ def keeper(outer: Forward, task: object, inner: StreamedModule) -> Keeper:
             held, reserved, _ = manager.task_holdings(forward.task)
             copies.update(dict.fromkeys(held))
             reservations.update(dict.fromkeys(reserved))
-            ring = forward.streamed.ring_reservation()
+            ring = forward.streamed._ring_reservation()
             if ring is not None:
                 reservations[ring, forward.streamed.device] = None
         if not copies and not reservations:
