@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import torch
 
 from ..core.errors import ResidencyBudgetError
@@ -27,10 +26,10 @@ from ..core.locations import Location
 from ..core.sizes import format_nbytes
 from ..core.state import ResidencyState
 from ..core.values import MaterializationState, ValueHandle
-from ..integrations.streaming import StreamedModule
+from ..integrations.streaming import StreamedModule, nesting
 from ..integrations.streaming.packing import TensorGroup
 from ..integrations.streaming.runners import TorchState, run_once
-from ..runtime.leases import Lease, LeaseWouldWait
+from ..runtime.leases import Lease, LeaseWouldWait, current_task
 
 __all__ = [
     "CHECKPOINT_READ_INTO",
@@ -172,6 +171,7 @@ class PooledStreamedModule(StreamedModule):
             self.calls += 1
             try:
                 # The worker thread lets go of the call before it returns (see run_once).
+                forward = nesting.Forward(self, current_task())
                 work: list[Callable[[], tuple[Any, Any]]] = [
                     functools.partial(
                         self._threaded.run_direct,
@@ -180,9 +180,11 @@ class PooledStreamedModule(StreamedModule):
                         self.module,
                         args,
                         kwargs,
+                        forward,
                     )
                 ]
-                result, reader = await anyio.to_thread.run_sync(run_once, work)
+                # (cancelled, a call made from inside the forward is too: see nesting)
+                result, reader = await nesting.run_sync(functools.partial(run_once, work), forward)
             finally:
                 self.shared_calls -= 1
                 if self.shared_calls == 0:
@@ -256,6 +258,7 @@ class PooledStreamedModule(StreamedModule):
                     group.swap_in(tensors)
                 reader: Any = None
                 try:
+                    forward = nesting.Forward(self, current_task())
                     work = functools.partial(
                         self._threaded.run_direct,
                         stream,
@@ -263,8 +266,10 @@ class PooledStreamedModule(StreamedModule):
                         self.module if fn is None else fn,
                         args,
                         kwargs,
+                        forward,
                     )
-                    result, reader = await self._threaded.submit(work)
+                    # (cancelled, a call made from inside the forward is too: see nesting)
+                    result, reader = await self._threaded.submit(work, on_cancel=forward.cancel)
                 finally:
                     for group in self.all_groups:
                         group.restore()

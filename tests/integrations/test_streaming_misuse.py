@@ -710,13 +710,70 @@ async def test_a_call_that_starts_as_the_manager_closes_names_the_module(
     assert all(isinstance(error, ManagerClosedError) for error in raised.values()), raised
     assert str(raised["running"]).startswith("gated: the manager closed during the call")
     for name in ("queued", "after"):
+        # (the queued one as the manager closes: its wait ends then, "the manager is closing")
         assert str(raised[name]).startswith(
-            "gated: the manager closed, so this call cannot start (the manager is closed"
+            "gated: the manager closed, so this call cannot start (the manager is clos"
         ), raised[name]
     # from another thread too (it had "the manager is closed: it has no loop to call")
     with pytest.raises(ManagerClosedError, match=r"^gated: the manager closed, so this call"):
         await anyio.to_thread.run_sync(streamed.call_threadsafe, torch.randn(2, 16))
     await streamed.aclose()
+
+
+@pytest.mark.parametrize("ring", [None, False], ids=["ring", "values"])
+async def test_calls_waiting_behind_a_call_that_never_ends_end_when_the_manager_closes(
+    ring: bool | None,
+) -> None:
+    """A call's forward blocks for good (here until the test lets it go) when the manager
+    closes. The calls waiting behind it, one of the same module (for its turn) and, without a
+    ring, one of another module at the device (for the admission turn the first call holds
+    until it ends), waited until it ended, for ever if it never did: they raise
+    ``ManagerClosedError`` at once, naming their module."""
+    model = GatedNet()
+    gate = model.gate
+    gate.go.clear()
+    gate.entered.clear()
+    raised: dict[str, BaseException] = {}
+    ended = {name: anyio.Event() for name in ("stuck", "queued", "other")}
+
+    async def call(name: str, streamed: StreamedModule) -> None:
+        try:
+            with anyio.fail_after(20):
+                await streamed(torch.randn(2, 16))
+        except Exception as error:
+            raised[name] = error
+        finally:
+            ended[name].set()
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            m = ResidencyManager(backend="sim")
+            await m.__aenter__()
+            try:
+                stuck = stream_module(m, model, prefetch=1, ring=ring, name="stuck")
+                other = stream_module(m, linears(d=16, n=2), name="other")
+                tasks.start_soon(call, "stuck", stuck)
+                await anyio.to_thread.run_sync(gate.entered.wait, 20)
+                tasks.start_soon(call, "queued", stuck)
+                tasks.start_soon(call, "other", other)
+                await anyio.wait_all_tasks_blocked()
+            finally:
+                await m.__aexit__(None, None, None)
+            with anyio.fail_after(10):  # (the stuck call's block waits 30 s at most)
+                await ended["queued"].wait()
+                await ended["other"].wait()
+            assert not ended["stuck"].is_set()
+            gate.go.set()
+    finally:
+        gate.go.set()
+    assert str(raised["queued"]).startswith("stuck: the manager closed, so this call cannot")
+    if ring is False:
+        assert str(raised["other"]).startswith("other: the manager closed, so this call")
+    else:  # (the ring call's turn ended once its ring was reserved: it ran, or was running)
+        assert "other" not in raised or isinstance(raised["other"], ManagerClosedError), raised
+    assert isinstance(raised["stuck"], ManagerClosedError), raised
+    await stuck.aclose()
+    await other.aclose()
 
 
 async def test_a_module_streamed_by_another_manager_is_refused_until_aclose() -> None:

@@ -79,7 +79,9 @@ During a call the module's parameters and buffers are replaced by the leased dev
 the block's forward, and put back right after, so the module never points at freed device
 memory. Inference only: a call with grad mode enabled and an input that requires grad is
 refused (autograd would keep the weights past their release). Calls on one streamed module are
-serialized; do not run the module elsewhere while a call is in flight.
+serialized; do not run the module elsewhere while a call is in flight. A call made with
+``call_threadsafe`` from inside another streamed call's forward is nested in it (see
+:mod:`.nesting`): refused at once when it could only wait for that call, cancelled with it.
 
 Failures and the end: a block that raises, or a cancelled call, exits every lease and releases
 every replica (in the background; :meth:`StreamedModule.drain` waits for them). A failed copy

@@ -14,7 +14,7 @@ import functools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -35,11 +35,13 @@ from ...core.values import (
 )
 from ...progress import progress_if_large
 from ...runtime.checkpoints import Checkpoint
+from ...runtime.leases import current_task
 from ...runtime.manager import ResidencyManager
 from ...runtime.pending import PendingOperation
 from ...runtime.shield import finish_shielded
 from ...runtime.signal import ManagerClosedError
 from ...runtime.sources import CallableSource
+from . import nesting
 from .checkpoint import BlockLoader, CheckpointNames, block_loader, check_names
 from .packing import TensorGroup, collect_groups, compact, copy_into, find_blocks
 from .pipeline import CallPipeline
@@ -78,6 +80,43 @@ _turns: weakref.WeakKeyDictionary[ResidencyManager, dict[Location, anyio.Lock]] 
 )
 
 
+async def _acquire(lock: anyio.Lock, manager: ResidencyManager) -> None:
+    """``await lock.acquire()``, or ``ManagerClosedError`` once the manager closes while it
+    waits: the call holding the lock ends when the manager closes, as a rule, but one whose
+    forward never returns (blocked in the user's code, or in a call nested in it) does not,
+    and its followers would wait for ever. Free: no wait, nothing more."""
+    try:
+        lock.acquire_nowait()
+        return
+    except anyio.WouldBlock:
+        pass
+    closed: list[ManagerClosedError] = []
+    acquired = False
+    try:
+        with anyio.CancelScope() as scope:
+
+            async def watch() -> None:
+                try:
+                    while True:
+                        await manager.wait_for_change()
+                except ManagerClosedError as error:
+                    closed.append(error)
+                    scope.cancel()
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(watch)
+                await lock.acquire()
+                acquired = True
+                tasks.cancel_scope.cancel()
+        if closed:
+            raise closed[0]
+    except BaseException:
+        # (closed, or cancelled as the task group ended: the lock is not the caller's)
+        if acquired:
+            lock.release()
+        raise
+
+
 class _AdmissionTurn:
     """A call's turn to take what it needs at its device, one call at a time per manager and
     device: two calls that each took the tensors they hold for the whole call could otherwise
@@ -87,12 +126,20 @@ class _AdmissionTurn:
     needs nothing more) and by a call over managed values until it ends (it takes each block's
     room as it goes)."""
 
-    def __init__(self, manager: ResidencyManager, device: Location) -> None:
+    def __init__(
+        self, manager: ResidencyManager, device: Location, closed: Callable[[], None]
+    ) -> None:
+        self._manager = manager
         self._lock = _turns.setdefault(manager, {}).setdefault(device, anyio.Lock())
         self._held = False
+        self._closed = closed  # raises the call's ManagerClosedError
 
     async def __aenter__(self) -> _AdmissionTurn:
-        await self._lock.acquire()
+        try:
+            await _acquire(self._lock, self._manager)
+        except ManagerClosedError:
+            self._closed()
+            raise
         self._held = True
         return self
 
@@ -261,7 +308,8 @@ class StreamedModule:
         self._raised: set[int] = set()  # ids of errors a call raised (drain skips them)
         self._lock = anyio.Lock()
         self.current_call: CallPipeline | RingCall | None = None
-        self._turn: _AdmissionTurn | None = None  # the call in flight's admission turn
+        # the call in flight, for a call made from inside its forward (see nesting)
+        self._forward: nesting.Forward | None = None
         self._threaded = ThreadedRunner(self)
         self._closed = False
         self._registered: list[TensorGroup] = []
@@ -1137,20 +1185,37 @@ class StreamedModule:
             raise RuntimeError(f"{self!r} is closed")
         self._check_manager()
         self._check_inference(args, kwargs)
-        async with self._lock:
+        async with self._waiting_for(self._lock):
             if self._closed:
                 # aclose() ran while this call waited for the one before it
                 raise RuntimeError(f"{self!r} is closed")
             self._check_manager()  # (it may have closed while this call waited)
-            async with _AdmissionTurn(self.manager, self.device) as turn:
+            async with _AdmissionTurn(self.manager, self.device, self._check_manager) as turn:
                 if self._closed:
                     raise RuntimeError(f"{self!r} is closed")
                 self._check_manager()
-                self._turn = turn
+                forward = nesting.Forward(
+                    self, current_task(), turn=turn, parent=nesting.NESTED_IN.get()
+                )
+                self._forward = forward
                 try:
                     return await self._call(turn, generate, args, kwargs)
                 finally:
-                    self._turn = None
+                    self._forward = None
+
+    @contextlib.asynccontextmanager
+    async def _waiting_for(self, lock: anyio.Lock) -> AsyncIterator[None]:
+        """``async with lock`` for a call: a wait for it ends with this module's
+        ``ManagerClosedError`` once the manager closes (see :func:`_acquire`)."""
+        try:
+            await _acquire(lock, self.manager)
+        except ManagerClosedError:
+            self._check_manager()  # (raises it, naming this module)
+            raise
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _check_manager(self) -> None:
         """``manager.check_thread()``, with a ``ManagerClosedError`` that names this module
@@ -1230,7 +1295,19 @@ class StreamedModule:
 
     def call_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
         """``await self(*args, **kwargs)`` for a caller on another thread than the manager's
-        event loop: blocks that thread (not the loop) until the call returns."""
+        event loop: blocks that thread (not the loop) until the call returns.
+
+        From inside the forward of another streamed call in flight (its blocks, a forward
+        hook, a model pool's model; a block of a plain ``nn.Sequential``, which runs on the
+        simulated backend's stream thread, or on the loop on CUDA), the call is *nested* in
+        that one, which cannot go on until it returned: it is refused at once
+        (``RuntimeError``) when it could only wait for the outer call (see
+        :meth:`_refuse_nested`), and a wait for room that only what the outer call holds
+        keeps out is a ``ResidencyBudgetError`` at once, naming both; it is cancelled when
+        the outer call is (``RuntimeError`` in the forward)."""
+        outer = nesting.current()
+        if outer is not None:
+            self._refuse_nested(outer)
         try:
             bridge = self.manager.bridge
         except ManagerClosedError as error:
@@ -1239,35 +1316,103 @@ class StreamedModule:
             ) from error
         if bridge.on_loop():
             raise RuntimeError("call_threadsafe from the event loop's thread would deadlock")
-        self._refuse_nested()
-        return bridge.run_async(self.__call__, *args, **kwargs)
+        if outer is None or outer.bridge != bridge:
+            # (a call of a manager on another loop waits for nothing of the outer call's)
+            return bridge.run_async(self.__call__, *args, **kwargs)
+        return bridge.run_async(self._call_nested, outer, args, kwargs)
 
-    def _refuse_nested(self) -> None:
-        """``RuntimeError`` for a call made from inside the forward of a streamed call in
-        flight (its worker thread) that could only wait for that call, which waits for it in
-        turn: a call of this module (calls on one module are serialized), or of another
-        module at the same device while the outer call holds the device's admission turn (a
-        call over managed values holds it until it ends). Otherwise both would wait for ever,
-        the outer one even when cancelled (it waits for its thread, blocked in this call)."""
-        for outer in list(_by_manager.get(self.manager, ())):
-            if outer._closed or outer.current_call is None or not outer._threaded.runs_here():
-                continue
-            if outer is self:
+    def _refuse_nested(self, outer: nesting.Forward) -> None:
+        """``RuntimeError`` for a call made from inside the forward of ``outer`` (a streamed
+        call in flight, itself perhaps nested in others) that could only wait for a call it
+        is nested in, which waits for it in turn: a call of the same module (calls on one
+        module are serialized), of a module at a device where a call it is nested in holds
+        the admission turn (a call over managed values holds it until it ends), one made on
+        the event loop's thread (a plain ``nn.Sequential`` runs its blocks there on CUDA),
+        or a plain ``nn.Sequential`` whose blocks would queue on the stream whose thread runs
+        the outer call's block (the simulated backend). Otherwise both would wait for ever,
+        the outer one even when cancelled (it waits for the thread blocked in this call)."""
+        for forward in outer.chain():
+            name = forward.streamed.name
+            made = (
+                "from inside its own call's forward"
+                if forward is outer
+                else f"from inside the forward of {outer.streamed.name}'s call, itself made "
+                "from inside its own call's forward"
+            )
+            if forward.streamed is self:
                 raise RuntimeError(
-                    f"{self.name}: called from inside the forward of its own call in flight; "
-                    "calls on one streamed module run one at a time, so this call would wait "
-                    "for ever for the call that makes it (call the module's blocks directly "
-                    "inside its forward, or make the second call after the first returned)"
+                    f"{self.name}: called {made}; calls on one streamed module run one at a "
+                    "time, so this call would wait for ever for the call that makes it (call "
+                    "the module's blocks directly inside its forward, or make the second call "
+                    "after the first returned)"
                 )
-            turn = outer._turn
-            if outer.device == self.device and turn is not None and turn.held:
+            if forward.holds_turn(self.manager, self.device):
+                within = "" if forward is outer else f" (which {outer.streamed.name}'s is in)"
                 raise RuntimeError(
-                    f"{self.name}: called from inside the forward of {outer.name}'s call in "
-                    f"flight at {self.device}, which holds the device's admission turn until "
+                    f"{self.name}: called from inside the forward of {name}'s call in flight"
+                    f"{within} at {self.device}, which holds the device's admission turn until "
                     "it returns (its blocks stream as managed values, each taking its room as "
                     "it goes), so this call would wait for ever for the call that makes it; "
                     "call it before or after that call, or stream the two as one module"
                 )
+        name = outer.streamed.name
+        if self.manager.running and self.manager.bridge.on_loop():
+            raise RuntimeError(
+                f"{self.name}: called from inside a block of {name}'s call in flight, which "
+                "runs its blocks on the event loop's thread (a plain nn.Sequential): this call "
+                "needs that loop, so both would wait for ever; call it before or after that "
+                "call, or stream the two as one module"
+            )
+        if (
+            outer.stream is not None
+            and self._sequential
+            and self.device == outer.streamed.device
+            and self._compute_stream() is outer.stream
+        ):
+            raise RuntimeError(
+                f"{self.name}: called from inside a block of {name}'s call in flight, which "
+                f"runs on {self.device}'s compute stream (a plain nn.Sequential's blocks run "
+                "in stream order on the simulated backend); this call's blocks would queue "
+                "on that stream behind the block that waits for them, so both would wait for "
+                "ever; call it before or after that call, or stream the two as one module"
+            )
+
+    async def _call_nested(
+        self, outer: nesting.Forward, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A call made from inside ``outer``'s forward (:meth:`call_threadsafe`), on the
+        loop in a task of its own: what the calls it is nested in hold counts as its own
+        (a wait for room only they keep out is refused at once), and cancelling ``outer``
+        cancels it (``RuntimeError`` to the forward, which ``outer``'s call then ends with
+        its cancellation)."""
+        self._check_manager()
+        if outer.cancelled:
+            raise RuntimeError(
+                f"{self.name}: not started: {outer.streamed.name}'s call, which made it from "
+                "inside its forward, was cancelled or ended"
+            )
+        task = current_task()
+        unkeep = self.manager.add_task_keeper(nesting.keeper(outer, task, self))
+        token = nesting.NESTED_IN.set(outer)
+        scope = anyio.CancelScope()
+        outer.nested.add(scope)
+        try:
+            with scope:
+                return await self._run(None, args, kwargs)
+        finally:
+            outer.nested.discard(scope)
+            nesting.NESTED_IN.reset(token)
+            unkeep()
+        raise RuntimeError(
+            f"{self.name}: cancelled with {outer.streamed.name}'s call, which made it from "
+            "inside its forward"
+        )
+
+    def _ring_reservation(self) -> str | None:
+        """The name of the ring reservation the call in flight holds at the device (``None``
+        without one)."""
+        call = self.current_call
+        return call.reservation if isinstance(call, RingCall) else None
 
     # -- end
 

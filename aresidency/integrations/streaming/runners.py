@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ...runtime.shield import finish_shielded, wait_shielded
+from . import nesting
 from .packing import TensorGroup
 from .pipeline import CallPipeline, Slot
 from .ring import RingCall, RingSlot
@@ -109,6 +110,9 @@ async def run_sequential(
     box: list[Any] = [args[0]]
     errors: list[BaseException] = []
     torch_state = TorchState.capture() if streamed.host_compute else None
+    forward = streamed._forward
+    if forward is not None and streamed.host_compute:
+        forward.stream = stream  # (the blocks run on the stream's own thread)
 
     def run(block: nn.Module, group: TensorGroup | None, tensors: list[torch.Tensor]) -> None:
         if errors:
@@ -116,11 +120,12 @@ async def run_sequential(
         if group is not None:
             group.swap_in(tensors)
         try:
-            if torch_state is not None:
-                with torch_state.enter():
+            with nesting.running(forward):
+                if torch_state is not None:
+                    with torch_state.enter():
+                        box[0] = owned(block(box[0]), storage_of(tensors))
+                else:
                     box[0] = owned(block(box[0]), storage_of(tensors))
-            else:
-                box[0] = owned(block(box[0]), storage_of(tensors))
         except BaseException as error:
             errors.append(error)
         finally:
@@ -142,6 +147,10 @@ async def run_sequential(
             call.give_back(group.index, backend.record_event(stream))
             if errors:
                 break
+    except BaseException:
+        if forward is not None:
+            forward.cancel()  # (a block enqueued may wait for a call nested in it)
+        raise
     finally:
         if streamed.host_compute:
             # The result exists once the stream ran the blocks; wait for it even when
@@ -155,7 +164,15 @@ async def run_sequential(
                     raise
                 ran = None  # the manager closed its backend: its streams run nothing more
             if ran is not None:
-                await finish_shielded(backend.wait, ran)
+                try:
+                    await backend.wait(ran)
+                except anyio.get_cancelled_exc_class():
+                    # A block may wait for a call made from inside it: cancel that call, so
+                    # that the block ends, then wait for the stream all the same.
+                    if forward is not None:
+                        forward.cancel()
+                    await finish_shielded(backend.wait, ran)
+                    raise
     if errors:
         raise errors[0]
     # A call cancelled while every block was ready (so it never awaited) still ends
@@ -228,11 +245,6 @@ class ThreadedRunner:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_ident: int | None = None
         self._hooks: list[Any] = []
-
-    def runs_here(self) -> bool:
-        """Whether the calling thread is the worker running a call of the module now (inside
-        its forward)."""
-        return self._worker_ident == threading.get_ident()
 
     def install_hooks(self) -> None:
         """One pre/post hook pair per block with tensors, once for a block listed twice (it
@@ -330,11 +342,14 @@ class ThreadedRunner:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        forward: nesting.Forward | None = None,
     ) -> tuple[Any, Any]:
         """The worker thread, for a call whose tensors are all swapped in already (no hooks
         fire: the call is not the pipeline's): run ``fn`` with the caller's torch state and
-        the compute stream current; return its output and an event after its last kernel."""
-        with torch_state.enter(), self.streamed.manager.backend.stream_context(stream):
+        the compute stream current; return its output and an event after its last kernel.
+        ``forward``: the call, as a call made from inside it sees it (see :mod:`.nesting`)."""
+        backend = self.streamed.manager.backend
+        with torch_state.enter(), backend.stream_context(stream), nesting.running(forward):
             output = fn(*args, **kwargs)
             for group in self.streamed.all_groups:
                 group.capture_replaced()  # (before the reader event lets the replicas go)
@@ -359,13 +374,29 @@ class ThreadedRunner:
             resident_slot = await call.take(resident.index)
             assert resident_slot.tensors is not None
             resident.swap_in(resident_slot.tensors)
+        forward = streamed._forward
         try:
             work = functools.partial(
-                self._work, call, stream, resident_slot, TorchState.capture(), fn, args, kwargs
+                self._work,
+                call,
+                stream,
+                resident_slot,
+                TorchState.capture(),
+                forward,
+                fn,
+                args,
+                kwargs,
             )
-            # Cancelled: the worker's next block fails; wait for it to unwind.
+            # Cancelled: the worker's next block fails, and a call made from inside the
+            # forward is cancelled; wait for the thread to unwind.
+
+            def cancel() -> None:
+                call.abort()
+                if forward is not None:
+                    forward.cancel()
+
             pipeline = call if isinstance(call, CallPipeline) else None
-            result, event = await self.submit(work, on_cancel=call.abort, pipeline=pipeline)
+            result, event = await self.submit(work, on_cancel=cancel, pipeline=pipeline)
             if resident is not None:
                 call.give_back(resident.index, event)
             return result
@@ -379,15 +410,17 @@ class ThreadedRunner:
         stream: Any,
         resident: Slot | RingSlot | None,
         torch_state: TorchState,
+        forward: nesting.Forward | None,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, Any]:
         """The worker thread: run ``fn`` with the caller's thread-local torch state and the
-        compute stream current; return its output and an event after its last kernel."""
+        compute stream current (marked as running ``forward``: see :mod:`.nesting`); return
+        its output and an event after its last kernel."""
         streamed = self.streamed
         backend = streamed.manager.backend
-        with torch_state.enter(), backend.stream_context(stream):
+        with torch_state.enter(), backend.stream_context(stream), nesting.running(forward):
             self._worker_ident = threading.get_ident()
             try:
                 if resident is not None and resident.ready_event is not None:
