@@ -3,8 +3,10 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -13,6 +15,7 @@ import torch
 
 from aresidency import (
     CallableSource,
+    Hold,
     Materialize,
     ReplicaMode,
     ResidencyBudgetError,
@@ -22,9 +25,15 @@ from aresidency import (
     ResidencyPlanError,
     ResidencyPlanExecutionError,
     ResidencyUnavailableError,
+    ValueHandle,
 )
 from aresidency.backends.sim import SimBackend
 from aresidency.core.locations import Location
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is in the test extra (not on Windows)
+    uvloop = None
 
 pytestmark = pytest.mark.anyio
 
@@ -698,3 +707,61 @@ def test_an_unknown_backend_is_refused_where_the_manager_is_made(backend: object
     """It was accepted, and refused only by the ``async with`` that starts the manager."""
     with pytest.raises(ValueError, match="backend must be 'auto', 'cuda', 'sim' or a Backend"):
         ResidencyManager(backend=backend)
+
+
+_LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+if uvloop is not None:
+    _LOOPS.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+
+
+@pytest.mark.timeout(60)  # the old behaviour: a wait for ever, which no cancellation ended
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_a_call_from_another_event_loop_of_the_same_thread_fails_clearly(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A manager entered on one loop and used from another loop of the same thread (a second
+    ``asyncio.run()``, a notebook's loop beside the script's) passed the thread check: the
+    copy's completion went to the manager's loop, which was not running, and ``await
+    manager.move(...)`` waited for ever. It is refused at once now, before anything changes,
+    and the manager goes on on its own loop."""
+    own, other = new_loop(), new_loop()
+    m = ResidencyManager(backend="sim")
+    made: list[tuple[ValueHandle, Hold]] = []
+
+    async def life(ready: asyncio.Event, go: asyncio.Event) -> None:
+        async with m:
+            h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+            made.append((h, m.hold(h, "pageable-host")))
+            ready.set()
+            await go.wait()  # the other loop runs meanwhile; this one does not
+            made[0][1].release()
+            await m.materialize(h, "cuda:0")
+            locations = m.snapshot().value(h).locations
+            assert locations == (Location("pageable-host"), Location("cuda:0"))
+
+    async def use(call: Callable[[], Awaitable[object]]) -> object:
+        return await call()
+
+    try:
+        ready, go = asyncio.Event(), asyncio.Event()
+        lived = own.create_task(life(ready, go))
+        own.run_until_complete(ready.wait())
+        (h, hold), version = made[0], m.state_version
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: m.materialize(h, "cuda:0"),
+            lambda: m.release(h, "pageable-host"),
+            lambda: anyio.sleep(0, m.snapshot()),
+            lambda: anyio.sleep(0, hold.release()),
+        ]
+        for call in calls:
+            with pytest.raises(RuntimeError, match="belongs to the event loop") as caught:
+                other.run_until_complete(use(call))
+            assert "asyncio.run" in str(caught.value)
+        with pytest.raises(RuntimeError, match="belongs to the event loop"):
+            m.register(random_tensor(), name="x")  # no loop runs at all
+        assert m.state_version == version and hold.active
+        go.set()
+        own.run_until_complete(lived)
+    finally:
+        own.close()
+        other.close()
