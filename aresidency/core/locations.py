@@ -181,7 +181,8 @@ class LocationMap(Mapping[Location, _V]):
     """A read-only mapping keyed by :class:`Location` that is also indexed by what
     :meth:`Location.parse` reads: ``peaks["cuda:0"]`` is ``peaks[Location("cuda:0")]`` (a plain
     dict keyed by locations answered ``KeyError: 'cuda:0'``). Iterates and prints as the
-    dict of locations it holds; equal to any mapping with the same items."""
+    dict of locations it holds; equal to any mapping with the same items; hashable (when its
+    values are)."""
 
     __slots__ = ("_data",)
 
@@ -207,3 +208,8 @@ class LocationMap(Mapping[Location, _V]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LocationMap, (self._data,))
+
+    # Read-only, so hashable (``Mapping`` is not): the frozen records that hold one (a plan's
+    # explanation, a decision) hash as frozen records do.
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
