@@ -637,6 +637,22 @@ class Hold:
         if self.active:
             self.release()
 
+    if not TYPE_CHECKING:  # to a type checker a Hold stays not awaitable, as it is
+
+        def __await__(self) -> Any:
+            # ``await manager.hold(h, loc)``, as every other call of the manager is awaited:
+            # the hold was taken by the call, and Python's own TypeError would lose it still
+            # active (the copy protected for good). Give it back, then say how to hold.
+            was = self.active
+            if was:
+                self.release()
+            raise TypeError(
+                f"a hold is not awaitable: manager.hold() takes the hold when it is called "
+                f"(no wait); {'it was released now, so ' if was else ''}nothing stays held. "
+                "Write 'hold = manager.hold(handle, location)' ... 'hold.release()', or "
+                "'with manager.hold(handle, location):'"
+            )
+
     def __repr__(self) -> str:
         state = "active" if self.active else "released"
         return f"<Hold {self.handle.name!r} @ {self.location} {state} by {self.owner!r}>"

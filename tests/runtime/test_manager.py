@@ -172,6 +172,28 @@ async def test_hold_protects_from_release_until_released() -> None:
             hold.release()
 
 
+async def test_awaiting_a_hold_is_refused_saying_so_and_leaves_nothing_held() -> None:
+    """``await manager.hold(h, loc)`` (every other call of the manager is awaited) took the
+    hold, then raised Python's ``TypeError: object Hold can't be used in 'await'
+    expression``: the hold object was lost while still active, so the copy stayed protected
+    for the manager's life (its release, move and discard refused with ResidencyInUseError).
+    The await now gives the hold back and says how to hold."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        with pytest.raises(TypeError, match=r"not awaitable.*'with manager.hold\(") as info:
+            await m.hold(h, "cuda:0")  # type: ignore[misc]
+        assert "nothing stays held" in str(info.value)
+        record = m.snapshot().value(h).materialization("cuda:0")
+        assert record is not None and record.hold_count == 0 and m.owners() == []
+        await m.release(h, "cuda:0")  # nothing protects it
+        hold = m.hold(h, "pageable-host")
+        hold.release()
+        with pytest.raises(TypeError, match="not awaitable"):
+            await hold  # type: ignore[misc]
+        assert not hold.active
+
+
 async def test_a_released_hold_cannot_be_entered_again() -> None:
     """Entering a released hold would protect nothing: refused, by ``with`` and ``async
     with``, changing nothing (the copy stays unprotected and releasable)."""
