@@ -163,6 +163,10 @@ class Location:
     def __repr__(self) -> str:
         return f"Location({str(self)!r})"
 
+    def __format__(self, spec: str) -> str:
+        # As its string: f"{location:<14}" pads it (object's own refuses every spec).
+        return format(str(self), spec)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (Location, (self.kind, self.index))
 
