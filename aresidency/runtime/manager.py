@@ -73,7 +73,7 @@ from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
 from .shield import finish_shielded
-from .signal import ManagerClosedError
+from .signal import ManagerClosedError, check_callback
 from .sources import Source
 from .tensors import tensor_problem
 
@@ -450,6 +450,7 @@ class ResidencyManager:
         their own (a prefetch pipeline); the callback must not raise and must not await. Loop
         thread, and so is the returned function (it works after the manager closed too)."""
         rt = self._running()
+        check_callback(callback, "manager.add_change_listener")
         return _on_loop_thread(rt, rt.signal.add_listener(callback))
 
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
@@ -462,6 +463,7 @@ class ResidencyManager:
         function (it works after the manager closed too); ``reclaimer`` must not raise or
         await."""
         rt = self._running()
+        check_callback(reclaimer, "manager.add_reclaimer")
         return _on_loop_thread(rt, rt.admission.add_reclaimer(reclaimer))
 
     def reclaimable_changed(self) -> None:
@@ -483,7 +485,12 @@ class ResidencyManager:
         (:meth:`add_reclaimer`), in the order they came, to give back that much. Returns the
         bytes whose release began (they free as the releases commit: wait for the change).
         Loop thread; never waits."""
-        return self._running().admission.reclaim(Location.parse(location), nbytes)
+        rt = self._running()
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"reclaim: nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"reclaim: nbytes must be an int >= 0, got {nbytes}")
+        return rt.admission.reclaim(Location.parse(location), nbytes)
 
     def reclaim_for(self, location: LocationLike, need: int) -> int:
         """:meth:`reclaim` what ``need`` more bytes at ``location`` lack beside the charge

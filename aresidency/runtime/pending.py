@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.plans import ActionFailed
 from .driver import PhaseRun
+from .signal import check_callback
 
 __all__ = ["PendingOperation"]
 
@@ -59,6 +60,7 @@ class PendingOperation:
         manager's loop only: from another thread it raises ``RuntimeError`` and adds nothing
         (the callback would run on that thread, or join a list the loop owns)."""
         self._run._rt.check_loop_thread()
+        check_callback(callback, "PendingOperation.add_done_callback")
         self._run.add_done_callback(lambda _run: callback(self))
 
     async def wait(self) -> None:

@@ -15,15 +15,37 @@ The runtime notifies once per batch of committed transitions, not once per trans
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
-__all__ = ["ChangeSignal", "ManagerClosedError"]
+__all__ = ["ChangeSignal", "ManagerClosedError", "check_callback"]
 
 _log = logging.getLogger("aresidency")
+
+
+def check_callback(callback: Any, where: str) -> None:
+    """Refuse (``TypeError`` naming ``where``) what cannot be called as a synchronous
+    callback: anything not callable (it would fail at every call, long after it was added),
+    and a coroutine function (each call would make a coroutine that nobody awaits)."""
+    if not callable(callback):
+        raise TypeError(
+            f"{where} takes a function to call, got {callback!r} "
+            f"({type(callback).__name__}), which is not callable"
+        )
+    if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
+        getattr(callback, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    ):
+        raise TypeError(
+            f"{where} takes a plain function, called on the loop and never awaited; "
+            f"{callback!r} is a coroutine function, whose calls would only make coroutines "
+            "that nobody awaits: pass a plain function (one that starts a task of yours if "
+            "it must await)"
+        )
 
 
 class ManagerClosedError(RuntimeError):
