@@ -135,12 +135,16 @@ class _SingleUse(AbstractAsyncContextManager[None]):
     """An ``async with`` block entered once: a second entry is a ``RuntimeError`` that says
     so (contextlib's generator block raised ``AttributeError: ... no attribute 'args'``)."""
 
-    __slots__ = ("_block", "_entered", "_label")
+    __slots__ = ("_block", "_entered", "_exited", "_label", "_shown")
 
-    def __init__(self, block: AbstractAsyncContextManager[None], label: str) -> None:
+    def __init__(
+        self, block: AbstractAsyncContextManager[None], label: str, shown: str | None = None
+    ) -> None:
         self._block = block
         self._label = label
+        self._shown = label if shown is None else shown  # what the repr calls it
         self._entered = False
+        self._exited = False
 
     async def __aenter__(self) -> None:
         if self._entered:
@@ -157,7 +161,12 @@ class _SingleUse(AbstractAsyncContextManager[None]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        self._exited = True
         return await self._block.__aexit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        status = "exited" if self._exited else "entered" if self._entered else "new"
+        return f"<{self._shown} {status}>"
 
 
 def _native_cancelling() -> int | None:
@@ -1139,9 +1148,14 @@ class ResidencyManager:
         after the manager closed changes nothing and raises ``ManagerClosedError`` (unless the
         body raised). Single use, as a scope: entering the returned object again is a
         ``RuntimeError`` (call ``reservation`` again for another block)."""
+        try:
+            size = f"{parse_nbytes(nbytes)} B"
+        except (TypeError, ValueError):
+            size = repr(nbytes)  # refused when the block is entered
         return _SingleUse(
             self._reservation_block(name, location, nbytes),
             f"manager.reservation({name!r}, {location!r}, ...)",
+            f"manager.reservation({name!r}, {str(location)!r}, {size})",
         )
 
     @asynccontextmanager

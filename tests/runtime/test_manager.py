@@ -600,6 +600,22 @@ async def test_a_lease_s_stream_or_a_done_callback_from_another_thread_is_refuse
         assert called == [pending]
 
 
+async def test_a_reservation_block_and_the_live_state_say_what_they_are_in_their_repr() -> None:
+    """``repr(manager.reservation(...))`` and ``repr(manager.state)`` were Python's default
+    (``<aresidency.runtime.manager._SingleUse object at 0x...>``): in a debugger or a log line
+    they named a private class and nothing else."""
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"}) as m:
+        block = m.reservation("workspace", "cuda:0", "64KiB")
+        assert repr(block) == "<manager.reservation('workspace', 'cuda:0', 65536 B) new>"
+        async with block:
+            assert repr(block).endswith(" entered>")
+        assert repr(block).endswith(" exited>")
+        m.register(random_tensor(), name="w")
+        assert repr(m.state) == (
+            f"<ResidencyState of manager {m.id} v{m.state_version} [1 values, 4 locations]>"
+        )
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
