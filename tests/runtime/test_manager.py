@@ -4,6 +4,7 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import threading
 from collections.abc import Awaitable, Callable
@@ -433,6 +434,20 @@ def test_a_callable_source_refuses_a_shape_that_is_not_ints_naming_it(
     size = CallableSource(lambda: torch.zeros(2, 3), shape=torch.Size([2, 3]), dtype=torch.float32)
     assert size.shape == (2, 3)
     assert CallableSource(lambda: torch.zeros(2), shape=[2], dtype=torch.float32).shape == (2,)
+
+
+async def _load_async() -> torch.Tensor:
+    return torch.zeros(4)
+
+
+def test_a_callable_source_refuses_an_async_load_when_it_is_made() -> None:
+    """``CallableSource(async_load, ...)`` was accepted; the load, called in a worker thread,
+    returned a coroutine that nobody awaited, and every materialize failed later with
+    "load() returned coroutine". It is refused when the source is made, saying why."""
+    with pytest.raises(TypeError, match=r"coroutine function.*worker thread"):
+        CallableSource(_load_async, shape=(4,), dtype=torch.float32)
+    with pytest.raises(TypeError, match="coroutine function"):
+        CallableSource(functools.partial(_load_async), shape=(4,), dtype=torch.float32)
 
 
 async def test_discard_frees_everything_and_the_handle_is_then_refused() -> None:
