@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
@@ -73,7 +73,7 @@ from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
 from .shield import finish_shielded
-from .signal import ManagerClosedError, check_callback
+from .signal import ManagerClosedError, check_callback, refuse_copy
 from .sources import Source
 from .tensors import tensor_problem
 
@@ -421,6 +421,16 @@ class ResidencyManager:
     def check_thread(self) -> None:
         """Raise unless called on the manager's loop thread while it runs."""
         self._running()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it owns the residency state of its values, and its id is in each of their "
+            "handles (a copy would take the other's handles for its own; a copy of a running "
+            "one would share its runtime, and closing either would close both)",
+            "make a new ResidencyManager(...) wherever another one is needed (in another "
+            "process too), and pass handles and snapshots around instead",
+        )
 
     def __repr__(self) -> str:
         backend = self._backend.name if self._backend is not None else self._backend_spec

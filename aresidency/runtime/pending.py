@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, NoReturn
 
 from ..core.plans import ActionFailed
 from .driver import PhaseRun
-from .signal import check_callback
+from .signal import check_callback, refuse_copy
 
 __all__ = ["PendingOperation"]
 
@@ -77,6 +77,14 @@ class PendingOperation:
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it is an operation its manager carries out, and a copy would cancel or wait "
+            "for it as if it were another",
+            "keep the PendingOperation itself (await it, or add a done callback)",
+        )
 
     def __repr__(self) -> str:
         if not self._run.finished:

@@ -19,11 +19,11 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 
-__all__ = ["ChangeSignal", "ManagerClosedError", "check_callback"]
+__all__ = ["ChangeSignal", "ManagerClosedError", "check_callback", "refuse_copy"]
 
 _log = logging.getLogger("aresidency")
 
@@ -46,6 +46,15 @@ def check_callback(callback: Any, where: str) -> None:
             "that nobody awaits: pass a plain function (one that starts a task of yours if "
             "it must await)"
         )
+
+
+def refuse_copy(obj: object, why: str, instead: str) -> NoReturn:
+    """The ``__reduce_ex__`` of a live object of the runtime (a manager, a lease, a hold, a
+    scope, a pending operation): ``copy.copy``, ``copy.deepcopy`` and ``pickle`` go through
+    it, and each is refused with a ``TypeError`` saying ``why`` and what to do ``instead``
+    (a copy would share or repeat what the original alone may do: close the runtime, end a
+    hold twice, accept the other's handles)."""
+    raise TypeError(f"a {type(obj).__name__} cannot be copied or pickled: {why}; {instead}")
 
 
 class ManagerClosedError(RuntimeError):

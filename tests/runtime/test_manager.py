@@ -4,7 +4,9 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
+import pickle
 import re
 import threading
 from collections.abc import Awaitable, Callable
@@ -628,6 +630,53 @@ async def test_a_reservation_block_and_the_live_state_say_what_they_are_in_their
         m.register(random_tensor(), name="w")
         assert repr(m.state) == (
             f"<ResidencyState of manager {m.id} v{m.state_version} [1 values, 4 locations]>"
+        )
+
+
+def test_a_manager_not_yet_entered_cannot_be_copied_or_pickled() -> None:
+    """A copy (or a pickle loaded back) of a manager had the same id, so each accepted the
+    other's handles as its own. Refused, saying what to do instead."""
+    m = ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"})
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="ResidencyManager cannot be copied or pickled"):
+            copier(m)
+
+
+async def test_live_runtime_objects_cannot_be_copied_or_pickled_and_stay_whole() -> None:
+    """``copy.copy`` of a running manager shared its runtime: closing the copy closed the
+    original's and broke its task group (its own exit then raised anyio's ``AttributeError``).
+    A copied hold or lease ended the same hold or lease twice (the second end took another's
+    hold, or raised an internal ``ValueError``). Each refuses to be copied or pickled now,
+    and the original goes on as it was."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        pending = m.materialize_nowait(h, "cuda:0")
+        hold = m.hold(h, "pageable-host")
+        lease = m.acquire(h, "pageable-host")
+        scope = m.scope(ResidencyPlan(enter=[Materialize(h, "cuda:1")]))
+        live = {
+            "ResidencyManager": m,
+            "Hold": hold,
+            "Lease": lease,
+            "Scope": scope,
+            "PendingOperation": pending,
+        }
+        before = m.snapshot()
+        for name, obj in live.items():
+            for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match=f"{name} cannot be copied or pickled"):
+                    copier(obj)
+        assert m.snapshot() == before
+        await pending
+        async with lease, scope:
+            pass
+        hold.release()
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (0, 0)
+        assert m.snapshot().value(h).locations == (
+            Location("pageable-host"),
+            Location("cuda:0"),
+            Location("cuda:1"),
         )
 
 
