@@ -29,7 +29,6 @@ end (``owners``, ``dump``, ``export_timeline``) delegate to :mod:`aresidency.dia
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -68,6 +67,7 @@ from ..progress import progress_if_large
 from .admission import AdmissionTurn, Keeper, RoomWait
 from .context import Runtime
 from .driver import PhaseRun
+from .hosted import HostedTaskGroup
 from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
@@ -169,15 +169,6 @@ class _SingleUse(AbstractAsyncContextManager[None]):
         return f"<{self._shown} {status}>"
 
 
-def _native_cancelling() -> int | None:
-    """The asyncio task's ``cancelling()`` count (``None`` off asyncio, on trio)."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        return None
-    return None if task is None else task.cancelling()
-
-
 class ResidencyManager:
     """Owns residency state and carries out transitions on a device backend.
 
@@ -218,7 +209,7 @@ class ResidencyManager:
         self._backend: Backend | None = None
         self._reserve_staging = reserve_staging
         self._rt: Runtime | None = None
-        self._tasks: anyio.abc.TaskGroup | None = None
+        self._hosted: HostedTaskGroup | None = None
         self._status = "new"  # new -> running -> closing -> closed
         # Tenants waiting for room outside the admission queue, per location (want_room).
         self._wanting: dict[Location, int] = {}
@@ -333,11 +324,18 @@ class ResidencyManager:
             self._state.ledger(host)
         for index in range(backend.device_count()):
             self._state.ledger(Location("cuda", index))
-        backend.start(bridge)
-        tasks = anyio.create_task_group()
-        await tasks.__aenter__()
+        # The background task group first (its start is the one await here: cancelled, it
+        # leaves nothing started), in a task of its own on asyncio so that any task may close
+        # the manager (see .hosted).
+        hosted = HostedTaskGroup()
+        tasks = await hosted.open()
+        try:
+            backend.start(bridge)
+        except BaseException:
+            await hosted.close()  # nothing runs in it yet
+            raise
+        self._hosted = hosted
         self._backend = backend
-        self._tasks = tasks
         rt = self._rt = Runtime(self._state, backend, bridge, tasks)
         if staging:
             self._state.reserve(STAGING_RESERVATION, PINNED_HOST, staging, owner="backend")
@@ -358,12 +356,12 @@ class ResidencyManager:
         backend. From then on the state is final: leases, holds, scopes and reservation blocks
         still active keep their records (a dump shows them) and raise ``ManagerClosedError``
         when they end."""
-        rt, tasks, backend = self._rt, self._tasks, self._backend
-        if rt is None or tasks is None or backend is None or self._status != "running":
+        rt, hosted, backend = self._rt, self._hosted, self._backend
+        if rt is None or hosted is None or backend is None or self._status != "running":
             return None
+        hosted.check_closer()  # on trio only the entering task can: refused before a change
         self._status = "closing"
         rt.closing = True
-        cancelling = _native_cancelling()
         message = "the manager closed while this was waiting"
         rt.admission.close(message)
         rt.signal.close(message)
@@ -386,18 +384,8 @@ class ResidencyManager:
             # The body's own exception is not handed to the task group: it would come back
             # wrapped in an exception group. Background tasks never raise, so the group ends
             # cleanly and the body's exception (if any) propagates as it is.
-            tasks.cancel_scope.cancel()
             try:
-                try:
-                    await tasks.__aexit__(None, None, None)
-                except anyio.get_cancelled_exc_class():
-                    # anyio re-raises its own cancellation of the background tasks when the
-                    # task's native cancellation count is above what it was when the group was
-                    # entered. Python 3.11's TaskGroup leaves it raised after a child failed
-                    # (nothing cancels the task), so only a count that grew during this close
-                    # (a cancellation that arrived meanwhile) is one to raise.
-                    if cancelling is None or _native_cancelling() != cancelling:
-                        raise
+                await hosted.close()
             finally:
                 try:
                     await finish_shielded(backend.aclose)

@@ -9,7 +9,7 @@ import functools
 import pickle
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -32,11 +32,17 @@ from aresidency import (
 )
 from aresidency.backends.sim import SimBackend
 from aresidency.core.locations import Location
+from aresidency.runtime import ManagerClosedError
 
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is in the test extra (not on Windows)
     uvloop = None
+
+try:
+    import trio
+except ImportError:  # pragma: no cover - trio is in the test extra
+    trio = None
 
 pytestmark = pytest.mark.anyio
 
@@ -867,3 +873,84 @@ def test_a_call_from_another_event_loop_of_the_same_thread_fails_clearly(
     finally:
         own.close()
         other.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_a_manager_entered_and_exited_by_different_tasks_closes_cleanly(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """pytest-asyncio runs an async generator fixture's setup and teardown in two tasks (as
+    do a notebook's cells, and an ``AsyncExitStack`` closed by another task). The manager's
+    background task group lived in the entering task, so the teardown's exit raised anyio's
+    ``RuntimeError: Attempted to exit cancel scope in a different task than it was entered
+    in`` after half a close; docs/testing.md told pytest-asyncio users to do exactly that. On
+    asyncio the group lives in a task of its own now, and the exit is a plain close."""
+    loop = new_loop()
+
+    async def fixture() -> AsyncIterator[ResidencyManager]:
+        async with ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"}) as m:
+            yield m
+
+    try:
+        made = fixture()
+        m = loop.run_until_complete(made.__anext__())  # the setup: a task of its own
+
+        async def test() -> None:  # the test: another task
+            h = m.register(random_tensor(), name="w")
+            await m.move(h, "cuda:0")
+            async with m.acquire(h, "cuda:0") as lease:
+                assert torch.equal(lease.tensor, random_tensor())
+
+        loop.run_until_complete(test())
+
+        async def teardown() -> None:  # a third task
+            with pytest.raises(StopAsyncIteration):
+                await made.__anext__()
+
+        loop.run_until_complete(teardown())
+        assert not m.running and "closed" in repr(m)
+        with pytest.raises(ManagerClosedError):
+            m.snapshot()
+    finally:
+        loop.close()
+
+
+@pytest.mark.skipif(trio is None, reason="needs trio")
+def test_on_trio_an_exit_by_another_task_is_refused_before_anything_closes() -> None:
+    """On trio the manager's task group stays in the entering task (a system task's error
+    would end the whole run), so an exit by another task cannot close it: it is refused at
+    once with a sentence saying so, and the entering task still closes the manager. (It ran
+    half a close, then trio's nursery, left by the wrong task, broke the run. ``trio.run``
+    here rather than anyio's test runner, which waited for ever for that broken run.)"""
+    m = ResidencyManager(backend="sim")
+    errors: list[BaseException] = []
+
+    async def scenario() -> None:
+        entered, refused = anyio.Event(), anyio.Event()
+
+        async def owner() -> None:
+            async with m:
+                entered.set()
+                await refused.wait()
+                h = m.register(random_tensor(), name="w")
+                await m.move(h, "cuda:0")  # still running
+
+        async def other() -> None:
+            await entered.wait()
+            try:
+                await m.__aexit__(None, None, None)
+            except BaseException as error:  # what it raised is checked below
+                errors.append(error)
+            finally:
+                refused.set()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(owner)
+                tasks.start_soon(other)
+
+    trio.run(scenario)
+    assert [type(e) for e in errors] == [RuntimeError]
+    assert "exited by the task that entered it" in str(errors[0])
+    assert not m.running
