@@ -359,6 +359,9 @@ class ResidencyManager:
         rt, hosted, backend = self._rt, self._hosted, self._backend
         if rt is None or hosted is None or backend is None or self._status != "running":
             return None
+        # Refused before anything changes: from another thread or loop the close would wait
+        # for ever for completions that go to the manager's own loop.
+        rt.check_loop_thread()
         hosted.check_closer()  # on trio only the entering task can: refused before a change
         self._status = "closing"
         rt.closing = True

@@ -954,3 +954,53 @@ def test_on_trio_an_exit_by_another_task_is_refused_before_anything_closes() -> 
     assert [type(e) for e in errors] == [RuntimeError]
     assert "exited by the task that entered it" in str(errors[0])
     assert not m.running
+
+
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_leaving_the_manager_from_another_loop_or_thread_is_refused_before_anything_closes(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """``__aexit__`` skipped the loop check every other call makes: called from another loop
+    of the thread (or another thread) it began the close, then waited for ever for work
+    whose completions go to the manager's own loop. It is refused at once now, the manager
+    running as before, and its own loop closes it."""
+    own, other = new_loop(), new_loop()
+    m = ResidencyManager(backend="sim")
+
+    async def enter() -> None:
+        await m.__aenter__()
+        m.register(random_tensor(), name="w")
+
+    try:
+        own.run_until_complete(enter())
+        closing = other.create_task(m.__aexit__(None, None, None))
+        other.run_until_complete(asyncio.wait([closing], timeout=10))
+        assert closing.done(), "the close from another loop waits"
+        with pytest.raises(RuntimeError, match="belongs to the event loop"):
+            closing.result()
+        errors: list[BaseException] = []
+
+        def in_a_thread() -> None:
+            try:
+                asyncio.run(m.__aexit__(None, None, None))
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=in_a_thread, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the close from another thread waits"
+        assert [type(e) for e in errors] == [RuntimeError]
+        assert "event loop's thread" in str(errors[0])
+        assert m.running
+
+        async def close() -> None:
+            h = next(iter(m.snapshot().values))
+            await m.move(h, "cuda:0")  # still running on its own loop
+            await m.__aexit__(None, None, None)
+
+        own.run_until_complete(close())
+        assert not m.running
+    finally:
+        own.close()
+        other.close()
