@@ -1048,7 +1048,10 @@ class ResidencyManager:
     def snapshot(self) -> ResidencySnapshot:
         """Atomic, tensor-free view (taken in one synchronous step on the loop). The pinned
         arena's spare bytes are read now: its blocks return when their last tensor dies,
-        which is no state change of the manager's."""
+        which is no state change of the manager's. Once the manager closed, the final state
+        (what was active at close included, as :meth:`dump` writes it), from any thread."""
+        if self._status == "closed":
+            return take_snapshot(self._state)
         self._running().sync_spare()
         return take_snapshot(self._state)
 
@@ -1075,7 +1078,10 @@ class ResidencyManager:
         rt.settle()
 
     def trace(self) -> ResidencyTrace:
-        self._running()
+        """The bounded trace of committed transitions; once the manager closed, the final
+        one, from any thread."""
+        if self._status != "closed":
+            self._running()
         return self._state.trace_ring.view()
 
     # ---------------------------------------------------------------- plans

@@ -911,7 +911,7 @@ def test_a_manager_entered_and_exited_by_different_tasks_closes_cleanly(
         loop.run_until_complete(teardown())
         assert not m.running and "closed" in repr(m)
         with pytest.raises(ManagerClosedError):
-            m.snapshot()
+            m.register(random_tensor(seed=1), name="x")
     finally:
         loop.close()
 
