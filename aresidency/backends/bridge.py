@@ -84,6 +84,31 @@ class LoopBridge:
     def on_loop(self) -> bool:
         return threading.get_ident() == self.thread
 
+    def running_here(self) -> bool:
+        """Whether this bridge's loop is the one running in the calling thread now (another
+        loop of the same thread, a second ``asyncio.run()`` say, is not; nor is no loop)."""
+        if self.library == "asyncio":
+            try:
+                return asyncio.get_running_loop() is self._loop
+            except RuntimeError:
+                return False
+        import trio
+
+        try:
+            return trio.lowlevel.current_trio_token() is self._loop
+        except RuntimeError:
+            return False
+
+    def finished(self) -> bool:
+        """Whether the loop has finished (an asyncio loop closed; trio's run ended)."""
+        if self.library == "asyncio":
+            return bool(self._loop.is_closed())
+        try:
+            self._loop.run_sync_soon(lambda: None)
+        except RuntimeError:  # trio.RunFinishedError
+            return True
+        return False
+
     # Two bridges to one loop are equal (a waiter keeps one poller per loop, not per bridge).
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LoopBridge) and other._loop is self._loop

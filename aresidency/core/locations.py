@@ -169,6 +169,10 @@ class Location:
     def __repr__(self) -> str:
         return f"Location({str(self)!r})"
 
+    def __format__(self, spec: str) -> str:
+        # As its string: f"{location:<14}" pads it (object's own refuses every spec).
+        return format(str(self), spec)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (Location, (self.kind, self.index))
 
@@ -190,7 +194,8 @@ class LocationMap(Mapping[Location, _V]):
     """A read-only mapping keyed by :class:`Location` that is also indexed by what
     :meth:`Location.parse` reads: ``peaks["cuda:0"]`` is ``peaks[Location("cuda:0")]`` (a plain
     dict keyed by locations answered ``KeyError: 'cuda:0'``). Iterates and prints as the
-    dict of locations it holds; equal to any mapping with the same items."""
+    dict of locations it holds; equal to any mapping with the same items; hashable (when its
+    values are)."""
 
     __slots__ = ("_data",)
 
@@ -216,3 +221,8 @@ class LocationMap(Mapping[Location, _V]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LocationMap, (self._data,))
+
+    # Read-only, so hashable (``Mapping`` is not): the frozen records that hold one (a plan's
+    # explanation, a decision) hash as frozen records do.
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))

@@ -128,6 +128,12 @@ class ResidencyState:
             entry = self._locations[location] = LocationLedger(location, None)
         return entry
 
+    def __repr__(self) -> str:
+        return (
+            f"<ResidencyState of manager {self.manager_id} v{self.state_version} "
+            f"[{len(self._values)} values, {len(self._locations)} locations]>"
+        )
+
     def locations(self) -> list[Location]:
         return sorted(self._locations)
 

@@ -83,6 +83,10 @@ class ValueHandle:
     def __repr__(self) -> str:
         return f"<ValueHandle {self.name!r} #{self.value_id} of manager {self.manager_id}>"
 
+    def __format__(self, spec: str) -> str:
+        # As its string: f"{handle:<24}" pads it (object's own refuses every spec).
+        return format(str(self), spec)
+
     def to_dict(self) -> dict[str, Any]:
         return {"manager_id": self.manager_id, "value_id": self.value_id, "name": self.name}
 

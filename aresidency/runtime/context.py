@@ -236,6 +236,16 @@ class Runtime:
                 "thread (for example with anyio.from_thread.run or "
                 "asyncio.run_coroutine_threadsafe)"
             )
+        if not self.frozen and not self.bridge.running_here():
+            # The right thread, but not the loop that entered the manager: its completions go
+            # to that loop, so a wait here would never end.
+            gone = "which has finished" if self.bridge.finished() else "which is not running"
+            raise RuntimeError(
+                "this ResidencyManager belongs to the event loop that entered it, "
+                f"{gone}, not to the one running now (another event loop of the same "
+                "thread, or none; each asyncio.run() starts a new loop): enter the manager "
+                "with 'async with' inside the loop that uses it, or call it from that loop"
+            )
 
     # -- background work
 

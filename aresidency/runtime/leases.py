@@ -21,7 +21,7 @@ import asyncio
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -31,7 +31,7 @@ from ..core.errors import ResidencyInUseError, ResidencyUnavailableError
 from ..core.locations import Location
 from ..core.values import Materialization, ValueHandle
 from .payloads import Payload
-from .signal import ManagerClosedError
+from .signal import ManagerClosedError, refuse_copy
 
 if TYPE_CHECKING:
     from .context import Runtime
@@ -563,6 +563,13 @@ class Lease:
         if error is not None and exc is None:
             raise error
 
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it is one use of a value in its manager, and a copy would enter or end that use twice",
+            "call manager.acquire(...) again for another lease",
+        )
+
     def __repr__(self) -> str:
         owner = f" by {self.owner!r}" if self.owner is not None else ""
         return f"<Lease {self.handle.name!r} @ {self.location} {self.mode} {self.status}{owner}>"
@@ -636,6 +643,30 @@ class Hold:
     async def __aexit__(self, *exc: object) -> None:
         if self.active:
             self.release()
+
+    if not TYPE_CHECKING:  # to a type checker a Hold stays not awaitable, as it is
+
+        def __await__(self) -> Any:
+            # ``await manager.hold(h, loc)``, as every other call of the manager is awaited:
+            # the hold was taken by the call, and Python's own TypeError would lose it still
+            # active (the copy protected for good). Give it back, then say how to hold.
+            was = self.active
+            if was:
+                self.release()
+            raise TypeError(
+                f"a hold is not awaitable: manager.hold() takes the hold when it is called "
+                f"(no wait); {'it was released now, so ' if was else ''}nothing stays held. "
+                "Write 'hold = manager.hold(handle, location)' ... 'hold.release()', or "
+                "'with manager.hold(handle, location):'"
+            )
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it is one hold on a value in its manager, and a copy would release it twice "
+            "(the second release taking another hold's place)",
+            "call manager.hold(...) again for another hold",
+        )
 
     def __repr__(self) -> str:
         state = "active" if self.active else "released"

@@ -29,7 +29,6 @@ end (``owners``, ``dump``, ``export_timeline``) delegate to :mod:`aresidency.dia
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -38,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
@@ -69,12 +68,13 @@ from ..progress import progress_if_large
 from .admission import AdmissionTurn, Keeper, RoomWait
 from .context import Runtime
 from .driver import PhaseRun
+from .hosted import HostedTaskGroup
 from .leases import Hold, Lease, TaskRef, add_owners, current_task, lease_owners
 from .payloads import Payload
 from .pending import PendingOperation
 from .scopes import Scope, plan_of
 from .shield import finish_shielded
-from .signal import ManagerClosedError
+from .signal import ManagerClosedError, check_callback, refuse_copy
 from .sources import Source
 from .tensors import tensor_problem
 
@@ -136,12 +136,16 @@ class _SingleUse(AbstractAsyncContextManager[None]):
     """An ``async with`` block entered once: a second entry is a ``RuntimeError`` that says
     so (contextlib's generator block raised ``AttributeError: ... no attribute 'args'``)."""
 
-    __slots__ = ("_block", "_entered", "_label")
+    __slots__ = ("_block", "_entered", "_exited", "_label", "_shown")
 
-    def __init__(self, block: AbstractAsyncContextManager[None], label: str) -> None:
+    def __init__(
+        self, block: AbstractAsyncContextManager[None], label: str, shown: str | None = None
+    ) -> None:
         self._block = block
         self._label = label
+        self._shown = label if shown is None else shown  # what the repr calls it
         self._entered = False
+        self._exited = False
 
     async def __aenter__(self) -> None:
         if self._entered:
@@ -158,16 +162,12 @@ class _SingleUse(AbstractAsyncContextManager[None]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        self._exited = True
         return await self._block.__aexit__(exc_type, exc, tb)
 
-
-def _native_cancelling() -> int | None:
-    """The asyncio task's ``cancelling()`` count (``None`` off asyncio, on trio)."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        return None
-    return None if task is None else task.cancelling()
+    def __repr__(self) -> str:
+        status = "exited" if self._exited else "entered" if self._entered else "new"
+        return f"<{self._shown} {status}>"
 
 
 class ResidencyManager:
@@ -210,7 +210,7 @@ class ResidencyManager:
         self._backend: Backend | None = None
         self._reserve_staging = reserve_staging
         self._rt: Runtime | None = None
-        self._tasks: anyio.abc.TaskGroup | None = None
+        self._hosted: HostedTaskGroup | None = None
         self._status = "new"  # new -> running -> closing -> closed
         # Tenants waiting for room outside the admission queue, per location (want_room).
         self._wanting: dict[Location, int] = {}
@@ -325,11 +325,18 @@ class ResidencyManager:
             self._state.ledger(host)
         for index in range(backend.device_count()):
             self._state.ledger(Location("cuda", index))
-        backend.start(bridge)
-        tasks = anyio.create_task_group()
-        await tasks.__aenter__()
+        # The background task group first (its start is the one await here: cancelled, it
+        # leaves nothing started), in a task of its own on asyncio so that any task may close
+        # the manager (see .hosted).
+        hosted = HostedTaskGroup()
+        tasks = await hosted.open()
+        try:
+            backend.start(bridge)
+        except BaseException:
+            await hosted.close()  # nothing runs in it yet
+            raise
+        self._hosted = hosted
         self._backend = backend
-        self._tasks = tasks
         rt = self._rt = Runtime(self._state, backend, bridge, tasks)
         if staging:
             self._state.reserve(STAGING_RESERVATION, PINNED_HOST, staging, owner="backend")
@@ -350,12 +357,15 @@ class ResidencyManager:
         backend. From then on the state is final: leases, holds, scopes and reservation blocks
         still active keep their records (a dump shows them) and raise ``ManagerClosedError``
         when they end."""
-        rt, tasks, backend = self._rt, self._tasks, self._backend
-        if rt is None or tasks is None or backend is None or self._status != "running":
+        rt, hosted, backend = self._rt, self._hosted, self._backend
+        if rt is None or hosted is None or backend is None or self._status != "running":
             return None
+        # Refused before anything changes: from another thread or loop the close would wait
+        # for ever for completions that go to the manager's own loop.
+        rt.check_loop_thread()
+        hosted.check_closer()  # on trio only the entering task can: refused before a change
         self._status = "closing"
         rt.closing = True
-        cancelling = _native_cancelling()
         message = "the manager closed while this was waiting"
         rt.admission.close(message)
         rt.signal.close(message)
@@ -378,18 +388,8 @@ class ResidencyManager:
             # The body's own exception is not handed to the task group: it would come back
             # wrapped in an exception group. Background tasks never raise, so the group ends
             # cleanly and the body's exception (if any) propagates as it is.
-            tasks.cancel_scope.cancel()
             try:
-                try:
-                    await tasks.__aexit__(None, None, None)
-                except anyio.get_cancelled_exc_class():
-                    # anyio re-raises its own cancellation of the background tasks when the
-                    # task's native cancellation count is above what it was when the group was
-                    # entered. Python 3.11's TaskGroup leaves it raised after a child failed
-                    # (nothing cancels the task), so only a count that grew during this close
-                    # (a cancellation that arrived meanwhile) is one to raise.
-                    if cancelling is None or _native_cancelling() != cancelling:
-                        raise
+                await hosted.close()
             finally:
                 try:
                     await finish_shielded(backend.aclose)
@@ -420,6 +420,16 @@ class ResidencyManager:
     def check_thread(self) -> None:
         """Raise unless called on the manager's loop thread while it runs."""
         self._running()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it owns the residency state of its values, and its id is in each of their "
+            "handles (a copy would take the other's handles for its own; a copy of a running "
+            "one would share its runtime, and closing either would close both)",
+            "make a new ResidencyManager(...) wherever another one is needed (in another "
+            "process too), and pass handles and snapshots around instead",
+        )
 
     def __repr__(self) -> str:
         backend = self._backend.name if self._backend is not None else self._backend_spec
@@ -458,6 +468,7 @@ class ResidencyManager:
         their own (a prefetch pipeline); the callback must not raise and must not await. Loop
         thread, and so is the returned function (it works after the manager closed too)."""
         rt = self._running()
+        check_callback(callback, "manager.add_change_listener")
         return _on_loop_thread(rt, rt.signal.add_listener(callback))
 
     def add_reclaimer(self, reclaimer: Callable[[Location, int], int]) -> Callable[[], None]:
@@ -470,6 +481,7 @@ class ResidencyManager:
         function (it works after the manager closed too); ``reclaimer`` must not raise or
         await."""
         rt = self._running()
+        check_callback(reclaimer, "manager.add_reclaimer")
         return _on_loop_thread(rt, rt.admission.add_reclaimer(reclaimer))
 
     def reclaimable_changed(self) -> None:
@@ -491,7 +503,12 @@ class ResidencyManager:
         (:meth:`add_reclaimer`), in the order they came, to give back that much. Returns the
         bytes whose release began (they free as the releases commit: wait for the change).
         Loop thread; never waits."""
-        return self._running().admission.reclaim(Location.parse(location), nbytes)
+        rt = self._running()
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"reclaim: nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"reclaim: nbytes must be an int >= 0, got {nbytes}")
+        return rt.admission.reclaim(Location.parse(location), nbytes)
 
     def reclaim_for(self, location: LocationLike, need: int) -> int:
         """:meth:`reclaim` what ``need`` more bytes at ``location`` lack beside the charge
@@ -1054,7 +1071,10 @@ class ResidencyManager:
     def snapshot(self) -> ResidencySnapshot:
         """Atomic, tensor-free view (taken in one synchronous step on the loop). The pinned
         arena's spare bytes are read now: its blocks return when their last tensor dies,
-        which is no state change of the manager's."""
+        which is no state change of the manager's. Once the manager closed, the final state
+        (what was active at close included, as :meth:`dump` writes it), from any thread."""
+        if self._status == "closed":
+            return take_snapshot(self._state)
         self._running().sync_spare()
         return take_snapshot(self._state)
 
@@ -1081,7 +1101,10 @@ class ResidencyManager:
         rt.settle()
 
     def trace(self) -> ResidencyTrace:
-        self._running()
+        """The bounded trace of committed transitions; once the manager closed, the final
+        one, from any thread."""
+        if self._status != "closed":
+            self._running()
         return self._state.trace_ring.view()
 
     # ---------------------------------------------------------------- plans
@@ -1155,9 +1178,14 @@ class ResidencyManager:
         after the manager closed changes nothing and raises ``ManagerClosedError`` (unless the
         body raised). Single use, as a scope: entering the returned object again is a
         ``RuntimeError`` (call ``reservation`` again for another block)."""
+        try:
+            size = f"{parse_nbytes(nbytes)} B"
+        except (TypeError, ValueError):
+            size = repr(nbytes)  # refused when the block is entered
         return _SingleUse(
             self._reservation_block(name, location, nbytes),
             f"manager.reservation({name!r}, {location!r}, ...)",
+            f"manager.reservation({name!r}, {str(location)!r}, {size})",
         )
 
     @asynccontextmanager

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, NoReturn
 
 from ..core.plans import ActionFailed
 from .driver import PhaseRun
+from .signal import check_callback, refuse_copy
 
 __all__ = ["PendingOperation"]
 
@@ -59,6 +60,7 @@ class PendingOperation:
         manager's loop only: from another thread it raises ``RuntimeError`` and adds nothing
         (the callback would run on that thread, or join a list the loop owns)."""
         self._run._rt.check_loop_thread()
+        check_callback(callback, "PendingOperation.add_done_callback")
         self._run.add_done_callback(lambda _run: callback(self))
 
     async def wait(self) -> None:
@@ -75,6 +77,14 @@ class PendingOperation:
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it is an operation its manager carries out, and a copy would cancel or wait "
+            "for it as if it were another",
+            "keep the PendingOperation itself (await it, or add a done callback)",
+        )
 
     def __repr__(self) -> str:
         if not self._run.finished:

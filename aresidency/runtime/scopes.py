@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -56,7 +56,7 @@ from ..core.trace import ExecutionReport, Transition
 from .admission import AdmissionTurn
 from .driver import PhaseRun
 from .leases import add_owners, current_task
-from .signal import ManagerClosedError
+from .signal import ManagerClosedError, refuse_copy
 from .sources import load_failure_notes
 
 if TYPE_CHECKING:
@@ -153,6 +153,14 @@ class Scope:
         request = getattr(self.decision, "request", None)
         name = getattr(request, "name", None)
         return f"scope for request {name!r}" if name else f"scope {id(self):#x}"
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            self,
+            "it is one single-use entry of a plan into its manager, and a copy would enter "
+            "or exit it twice",
+            "call manager.scope(...) again (with a new decision) for another scope",
+        )
 
     def __repr__(self) -> str:
         return f"<Scope {self.status} [{len(self._transitions)} transitions]>"

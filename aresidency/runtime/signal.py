@@ -15,15 +15,46 @@ The runtime notifies once per batch of committed transitions, not once per trans
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable
+from typing import Any, NoReturn
 
 import anyio
 
-__all__ = ["ChangeSignal", "ManagerClosedError"]
+__all__ = ["ChangeSignal", "ManagerClosedError", "check_callback", "refuse_copy"]
 
 _log = logging.getLogger("aresidency")
+
+
+def check_callback(callback: Any, where: str) -> None:
+    """Refuse (``TypeError`` naming ``where``) what cannot be called as a synchronous
+    callback: anything not callable (it would fail at every call, long after it was added),
+    and a coroutine function (each call would make a coroutine that nobody awaits)."""
+    if not callable(callback):
+        raise TypeError(
+            f"{where} takes a function to call, got {callback!r} "
+            f"({type(callback).__name__}), which is not callable"
+        )
+    if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
+        getattr(callback, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    ):
+        raise TypeError(
+            f"{where} takes a plain function, called on the loop and never awaited; "
+            f"{callback!r} is a coroutine function, whose calls would only make coroutines "
+            "that nobody awaits: pass a plain function (one that starts a task of yours if "
+            "it must await)"
+        )
+
+
+def refuse_copy(obj: object, why: str, instead: str) -> NoReturn:
+    """The ``__reduce_ex__`` of a live object of the runtime (a manager, a lease, a hold, a
+    scope, a pending operation): ``copy.copy``, ``copy.deepcopy`` and ``pickle`` go through
+    it, and each is refused with a ``TypeError`` saying ``why`` and what to do ``instead``
+    (a copy would share or repeat what the original alone may do: close the runtime, end a
+    hold twice, accept the other's handles)."""
+    raise TypeError(f"a {type(obj).__name__} cannot be copied or pickled: {why}; {instead}")
 
 
 class ManagerClosedError(RuntimeError):

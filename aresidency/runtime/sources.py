@@ -7,6 +7,7 @@ A source is any object with ``shape``, ``dtype``, ``source_location`` and a sync
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,6 +150,15 @@ class CallableSource:
     ) -> None:
         if not callable(load):
             raise TypeError(f"load must be callable, got {load!r}")
+        if inspect.iscoroutinefunction(load) or inspect.iscoroutinefunction(
+            getattr(load, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+        ):
+            raise TypeError(
+                f"load must be a plain function returning the tensor; {load!r} is a coroutine "
+                "function, and load runs in a worker thread, where it would return a "
+                "coroutine that nobody awaits: pass a synchronous load (read the file, "
+                "build the tensor, return it)"
+            )
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self._load = load

@@ -189,6 +189,16 @@ async def test_decide_matches_the_synchronous_search() -> None:
     assert controller.decisions == 1 and controller.restarts == 0
 
 
+async def test_a_decision_is_hashable_as_a_frozen_record() -> None:
+    """``hash(decision)`` was ``TypeError: unhashable type: 'LocationMap'`` (its explanation's
+    peaks): a decision could not be a set member or a dict key, unlike a snapshot."""
+    state, request = hard_state(30, 20)
+    controller = ResidencyController(StandInManager(state))
+    first, second = await controller.decide(request), await controller.decide(request)
+    assert first == second and hash(first) == hash(second)
+    assert len({first, second}) == 1
+
+
 async def test_decide_can_be_read_without_await_as_troubleshooting_step_5_does() -> None:
     state, request = hard_state(30, 20)
     controller = ResidencyController(StandInManager(state))

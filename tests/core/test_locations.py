@@ -171,6 +171,19 @@ def test_equal_locations_hash_equal_and_work_as_dict_keys():
     assert Location.parse("pinned-host") != Location.parse("pageable-host")
 
 
+def test_a_location_formats_as_its_string_with_any_str_format_spec():
+    """It prints as its string, so a table row (``f"{loc:<14}{used:>12}"``, a log format)
+    pads it as that string; a format spec was ``TypeError: unsupported format string passed
+    to Location.__format__``."""
+    location = Location.parse("cuda:0")
+    assert f"{location}" == "cuda:0" and f"{location!s:>8}" == "  cuda:0"
+    assert f"{location:<14}|" == "cuda:0        |"
+    assert f"{PINNED_HOST:^15}" == "  pinned-host  "
+    assert format(PAGEABLE_HOST, ".4") == "page"
+    with pytest.raises(ValueError):
+        format(location, "d")  # not a spec a str takes
+
+
 def test_a_location_is_immutable_and_pickles_to_an_equal_location():
     location = Location.parse("cuda:2")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -496,6 +496,23 @@ def test_the_same_state_and_plan_give_the_same_explanation():
     assert first == second
 
 
+def test_an_explanation_is_hashable_as_a_frozen_record():
+    """A frozen record with its peaks in a ``LocationMap``: ``hash(explanation)`` (a set of
+    them, a dict keyed by them, ``functools.cache``) was ``TypeError: unhashable type:
+    'LocationMap'``, while a snapshot hashed. Equal explanations hash equal now."""
+    state = make_state({CUDA0: 4096})
+    handle = state.register(name="w", charge_bytes=1024, location=PINNED)
+    plan = ResidencyPlan(
+        reserve=[MemoryReservation("kv", CUDA0, 2048)], enter=[Move(handle, CUDA0)]
+    )
+    first, second = explain_plan(state, plan), explain_plan(state, plan)
+    assert hash(first) == hash(second) and len({first, second}) == 1
+    peaks = first.predicted_peak_bytes
+    assert hash(peaks) == hash(second.predicted_peak_bytes) and {peaks: 1}[peaks] == 1
+    other = explain_plan(state, ResidencyPlan(enter=[Move(handle, CUDA1)]))
+    assert len({first, other}) == 2
+
+
 # ----------------------------------------------------------------------- property: peaks
 
 HANDLE_SLOTS = 5

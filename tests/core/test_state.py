@@ -589,6 +589,15 @@ def test_handles_are_unique_hashable_and_name_their_manager():
     assert a.manager_id == "m-abc" and "m-abc" in repr(a) and "w" in str(a)
 
 
+def test_a_handle_formats_as_its_string_with_any_str_format_spec():
+    """``f"{handle:<24}"`` in a table of values was ``TypeError: unsupported format string
+    passed to ValueHandle.__format__``; it pads the handle's string as ``str`` does."""
+    state = make_state(manager_id="m-abc")
+    handle = state.register(name="w", charge_bytes=512, location=CUDA0)
+    assert f"{handle}" == str(handle) == "value w (#1)"
+    assert f"{handle:>14}|" == "  value w (#1)|" and f"{handle:.7}" == "value w"
+
+
 def test_two_states_have_different_default_manager_ids():
     from aresidency.core import ResidencyState
 

@@ -12,6 +12,7 @@ callbacks, must still end under it (it waited forever before)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ import anyio
 import pytest
 import torch
 
-from aresidency import ResidencyManager
+from aresidency import ReplicaMode, ResidencyManager
 from aresidency.integrations import stream_module
 from aresidency.runtime.leases import NO_TASK, current_owner
 
@@ -176,3 +177,58 @@ async def test_a_done_callback_that_raises_is_logged_and_the_others_still_run(
         with anyio.fail_after(10):
             await m.move(h, "pinned-host")  # the manager goes on as before
         assert {str(r.location) for r in m.snapshot().values[h].materializations} == {"pinned-host"}
+
+
+async def _async_callback(*args: object) -> None:
+    """A coroutine function: called as a callback, it would only make a coroutine."""
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        (5, "not callable"),
+        (None, "not callable"),
+        (_async_callback, "coroutine function"),
+        (functools.partial(_async_callback, 1), "coroutine function"),
+    ],
+    ids=["int", "None", "async-def", "partial-of-async-def"],
+)
+async def test_a_callback_that_cannot_be_called_as_one_is_refused_when_it_is_added(
+    bad: object, words: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """add_change_listener(5) and add_reclaimer(5) were accepted: the listener then logged
+    ``TypeError: 'int' object is not callable`` at every change of the state for the
+    manager's life, and the reclaimer at every reclaim. An ``async def`` callback made a
+    coroutine nobody awaited at each call (the work it meant never ran). Each is refused
+    when it is added now, naming what it got, and nothing is added."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(torch.arange(64.0), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        pending = m.materialize_nowait(h, "cuda:0")
+        adders = {
+            "add_change_listener": m.add_change_listener,
+            "add_reclaimer": m.add_reclaimer,
+            "add_done_callback": pending.add_done_callback,
+        }
+        for name, add in adders.items():
+            with pytest.raises(TypeError, match=words) as info:
+                add(bad)  # type: ignore[arg-type]
+            assert name in str(info.value)
+        with caplog.at_level(logging.ERROR, logger="aresidency"), anyio.fail_after(10):
+            await pending
+            await m.materialize(h, "cuda:1")
+        assert m.reclaim("cuda:0", 512) == 0  # no reclaimer was added
+        assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "error"), [(-1, ValueError), (True, TypeError), ("1KiB", TypeError)]
+)
+async def test_reclaim_refuses_a_byte_count_that_is_not_one(nbytes: object, error: type) -> None:
+    """``reclaim(loc, -100)`` asked the reclaimers for -100 bytes (and answered 0): a
+    caller's sign error passed for "nothing to give back"."""
+    async with ResidencyManager(backend="sim") as m:
+        asked: list[int] = []
+        m.add_reclaimer(lambda location, n: asked.append(n) or 0)
+        with pytest.raises(error, match="nbytes"):
+            m.reclaim("cuda:0", nbytes)  # type: ignore[arg-type]
+        assert asked == [] and m.reclaim("cuda:0", 0) == 0

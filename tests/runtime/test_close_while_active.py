@@ -155,3 +155,37 @@ async def test_a_scope_exit_that_wakes_as_the_close_stops_waiting_is_not_cut_off
         assert entered.exit_error is outcome[0]
         assert states == {"cuda:0": "resident"}
     m.state.check_invariants()
+
+
+async def test_the_final_state_is_read_after_close_as_a_dump_reads_it() -> None:
+    """``manager.snapshot()`` and ``manager.trace()`` after the ``async with`` block raised
+    ``ManagerClosedError`` ("it carries out nothing more"), while ``manager.dump`` and
+    ``diagnose`` read the same final state: an ``except`` around the whole block could not
+    print the snapshot of the failure it caught. They return the final state now (what was
+    active at close included); operations still raise."""
+    m = ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend="sim")
+    async with m:
+        h = m.register(tensor(), name="w")
+        await m.move(h, "cuda:0")
+        hold = m.hold(h, "cuda:0")
+        inside, trace_inside = m.snapshot(), m.trace()
+    assert m.snapshot() == inside and m.snapshot().state_version == m.state_version
+    assert m.trace() == trace_inside
+    record = m.snapshot().value(h).materialization("cuda:0")
+    assert record.hold_count == 1  # active at close, kept in the final state
+    with pytest.raises(ManagerClosedError):
+        await m.move(h, "pinned-host")
+    with pytest.raises(ManagerClosedError):
+        hold.release()
+    errors: list[BaseException] = []
+
+    def other() -> None:  # the state is final: any thread may read it
+        try:
+            assert m.snapshot() == inside
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    await anyio.to_thread.run_sync(thread.join)
+    assert errors == []

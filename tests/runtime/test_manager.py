@@ -3,8 +3,13 @@ host memory): placement, moves, replicas, releases, leases, holds, sources, thre
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import functools
+import pickle
 import re
 import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -13,6 +18,7 @@ import torch
 
 from aresidency import (
     CallableSource,
+    Hold,
     Materialize,
     ReplicaMode,
     ResidencyBudgetError,
@@ -22,9 +28,21 @@ from aresidency import (
     ResidencyPlanError,
     ResidencyPlanExecutionError,
     ResidencyUnavailableError,
+    ValueHandle,
 )
 from aresidency.backends.sim import SimBackend
 from aresidency.core.locations import Location
+from aresidency.runtime import ManagerClosedError
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is in the test extra (not on Windows)
+    uvloop = None
+
+try:
+    import trio
+except ImportError:  # pragma: no cover - trio is in the test extra
+    trio = None
 
 pytestmark = pytest.mark.anyio
 
@@ -161,6 +179,28 @@ async def test_hold_protects_from_release_until_released() -> None:
         await m.release(h, "cuda:0")
         with pytest.raises(RuntimeError, match="already released"):
             hold.release()
+
+
+async def test_awaiting_a_hold_is_refused_saying_so_and_leaves_nothing_held() -> None:
+    """``await manager.hold(h, loc)`` (every other call of the manager is awaited) took the
+    hold, then raised Python's ``TypeError: object Hold can't be used in 'await'
+    expression``: the hold object was lost while still active, so the copy stayed protected
+    for the manager's life (its release, move and discard refused with ResidencyInUseError).
+    The await now gives the hold back and says how to hold."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        await m.materialize(h, "cuda:0")
+        with pytest.raises(TypeError, match=r"not awaitable.*'with manager.hold\(") as info:
+            await m.hold(h, "cuda:0")  # type: ignore[misc]
+        assert "nothing stays held" in str(info.value)
+        record = m.snapshot().value(h).materialization("cuda:0")
+        assert record is not None and record.hold_count == 0 and m.owners() == []
+        await m.release(h, "cuda:0")  # nothing protects it
+        hold = m.hold(h, "pageable-host")
+        hold.release()
+        with pytest.raises(TypeError, match="not awaitable"):
+            await hold  # type: ignore[misc]
+        assert not hold.active
 
 
 async def test_a_released_hold_cannot_be_entered_again() -> None:
@@ -404,6 +444,20 @@ def test_a_callable_source_refuses_a_shape_that_is_not_ints_naming_it(
     assert CallableSource(lambda: torch.zeros(2), shape=[2], dtype=torch.float32).shape == (2,)
 
 
+async def _load_async() -> torch.Tensor:
+    return torch.zeros(4)
+
+
+def test_a_callable_source_refuses_an_async_load_when_it_is_made() -> None:
+    """``CallableSource(async_load, ...)`` was accepted; the load, called in a worker thread,
+    returned a coroutine that nobody awaited, and every materialize failed later with
+    "load() returned coroutine". It is refused when the source is made, saying why."""
+    with pytest.raises(TypeError, match=r"coroutine function.*worker thread"):
+        CallableSource(_load_async, shape=(4,), dtype=torch.float32)
+    with pytest.raises(TypeError, match="coroutine function"):
+        CallableSource(functools.partial(_load_async), shape=(4,), dtype=torch.float32)
+
+
 async def test_discard_frees_everything_and_the_handle_is_then_refused() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
@@ -569,6 +623,69 @@ async def test_a_lease_s_stream_or_a_done_callback_from_another_thread_is_refuse
         assert called == [pending]
 
 
+async def test_a_reservation_block_and_the_live_state_say_what_they_are_in_their_repr() -> None:
+    """``repr(manager.reservation(...))`` and ``repr(manager.state)`` were Python's default
+    (``<aresidency.runtime.manager._SingleUse object at 0x...>``): in a debugger or a log line
+    they named a private class and nothing else."""
+    async with ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"}) as m:
+        block = m.reservation("workspace", "cuda:0", "64KiB")
+        assert repr(block) == "<manager.reservation('workspace', 'cuda:0', 65536 B) new>"
+        async with block:
+            assert repr(block).endswith(" entered>")
+        assert repr(block).endswith(" exited>")
+        m.register(random_tensor(), name="w")
+        assert repr(m.state) == (
+            f"<ResidencyState of manager {m.id} v{m.state_version} [1 values, 4 locations]>"
+        )
+
+
+def test_a_manager_not_yet_entered_cannot_be_copied_or_pickled() -> None:
+    """A copy (or a pickle loaded back) of a manager had the same id, so each accepted the
+    other's handles as its own. Refused, saying what to do instead."""
+    m = ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"})
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="ResidencyManager cannot be copied or pickled"):
+            copier(m)
+
+
+async def test_live_runtime_objects_cannot_be_copied_or_pickled_and_stay_whole() -> None:
+    """``copy.copy`` of a running manager shared its runtime: closing the copy closed the
+    original's and broke its task group (its own exit then raised anyio's ``AttributeError``).
+    A copied hold or lease ended the same hold or lease twice (the second end took another's
+    hold, or raised an internal ``ValueError``). Each refuses to be copied or pickled now,
+    and the original goes on as it was."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+        pending = m.materialize_nowait(h, "cuda:0")
+        hold = m.hold(h, "pageable-host")
+        lease = m.acquire(h, "pageable-host")
+        scope = m.scope(ResidencyPlan(enter=[Materialize(h, "cuda:1")]))
+        live = {
+            "ResidencyManager": m,
+            "Hold": hold,
+            "Lease": lease,
+            "Scope": scope,
+            "PendingOperation": pending,
+        }
+        before = m.snapshot()
+        for name, obj in live.items():
+            for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match=f"{name} cannot be copied or pickled"):
+                    copier(obj)
+        assert m.snapshot() == before
+        await pending
+        async with lease, scope:
+            pass
+        hold.release()
+        record = m.snapshot().value(h).materialization("pageable-host")
+        assert record is not None and (record.use_count, record.hold_count) == (0, 0)
+        assert m.snapshot().value(h).locations == (
+            Location("pageable-host"),
+            Location("cuda:0"),
+            Location("cuda:1"),
+        )
+
+
 async def test_unknown_cuda_device_is_a_clear_error() -> None:
     async with ResidencyManager(backend="sim") as m:
         h = m.register(random_tensor(), name="w")
@@ -698,3 +815,192 @@ def test_an_unknown_backend_is_refused_where_the_manager_is_made(backend: object
     """It was accepted, and refused only by the ``async with`` that starts the manager."""
     with pytest.raises(ValueError, match="backend must be 'auto', 'cuda', 'sim' or a Backend"):
         ResidencyManager(backend=backend)
+
+
+_LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+if uvloop is not None:
+    _LOOPS.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+
+
+@pytest.mark.timeout(60)  # the old behaviour: a wait for ever, which no cancellation ended
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_a_call_from_another_event_loop_of_the_same_thread_fails_clearly(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A manager entered on one loop and used from another loop of the same thread (a second
+    ``asyncio.run()``, a notebook's loop beside the script's) passed the thread check: the
+    copy's completion went to the manager's loop, which was not running, and ``await
+    manager.move(...)`` waited for ever. It is refused at once now, before anything changes,
+    and the manager goes on on its own loop."""
+    own, other = new_loop(), new_loop()
+    m = ResidencyManager(backend="sim")
+    made: list[tuple[ValueHandle, Hold]] = []
+
+    async def life(ready: asyncio.Event, go: asyncio.Event) -> None:
+        async with m:
+            h = m.register(random_tensor(), name="w", replica_mode=ReplicaMode.REPLICABLE)
+            made.append((h, m.hold(h, "pageable-host")))
+            ready.set()
+            await go.wait()  # the other loop runs meanwhile; this one does not
+            made[0][1].release()
+            await m.materialize(h, "cuda:0")
+            locations = m.snapshot().value(h).locations
+            assert locations == (Location("pageable-host"), Location("cuda:0"))
+
+    async def use(call: Callable[[], Awaitable[object]]) -> object:
+        return await call()
+
+    try:
+        ready, go = asyncio.Event(), asyncio.Event()
+        lived = own.create_task(life(ready, go))
+        own.run_until_complete(ready.wait())
+        (h, hold), version = made[0], m.state_version
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: m.materialize(h, "cuda:0"),
+            lambda: m.release(h, "pageable-host"),
+            lambda: anyio.sleep(0, m.snapshot()),
+            lambda: anyio.sleep(0, hold.release()),
+        ]
+        for call in calls:
+            with pytest.raises(RuntimeError, match="belongs to the event loop") as caught:
+                other.run_until_complete(use(call))
+            assert "asyncio.run" in str(caught.value)
+        with pytest.raises(RuntimeError, match="belongs to the event loop"):
+            m.register(random_tensor(), name="x")  # no loop runs at all
+        assert m.state_version == version and hold.active
+        go.set()
+        own.run_until_complete(lived)
+    finally:
+        own.close()
+        other.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_a_manager_entered_and_exited_by_different_tasks_closes_cleanly(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """pytest-asyncio runs an async generator fixture's setup and teardown in two tasks (as
+    do a notebook's cells, and an ``AsyncExitStack`` closed by another task). The manager's
+    background task group lived in the entering task, so the teardown's exit raised anyio's
+    ``RuntimeError: Attempted to exit cancel scope in a different task than it was entered
+    in`` after half a close; docs/testing.md told pytest-asyncio users to do exactly that. On
+    asyncio the group lives in a task of its own now, and the exit is a plain close."""
+    loop = new_loop()
+
+    async def fixture() -> AsyncIterator[ResidencyManager]:
+        async with ResidencyManager(backend="sim", budgets={"cuda:0": "1MiB"}) as m:
+            yield m
+
+    try:
+        made = fixture()
+        m = loop.run_until_complete(made.__anext__())  # the setup: a task of its own
+
+        async def test() -> None:  # the test: another task
+            h = m.register(random_tensor(), name="w")
+            await m.move(h, "cuda:0")
+            async with m.acquire(h, "cuda:0") as lease:
+                assert torch.equal(lease.tensor, random_tensor())
+
+        loop.run_until_complete(test())
+
+        async def teardown() -> None:  # a third task
+            with pytest.raises(StopAsyncIteration):
+                await made.__anext__()
+
+        loop.run_until_complete(teardown())
+        assert not m.running and "closed" in repr(m)
+        with pytest.raises(ManagerClosedError):
+            m.register(random_tensor(seed=1), name="x")
+    finally:
+        loop.close()
+
+
+@pytest.mark.skipif(trio is None, reason="needs trio")
+def test_on_trio_an_exit_by_another_task_is_refused_before_anything_closes() -> None:
+    """On trio the manager's task group stays in the entering task (a system task's error
+    would end the whole run), so an exit by another task cannot close it: it is refused at
+    once with a sentence saying so, and the entering task still closes the manager. (It ran
+    half a close, then trio's nursery, left by the wrong task, broke the run. ``trio.run``
+    here rather than anyio's test runner, which waited for ever for that broken run.)"""
+    m = ResidencyManager(backend="sim")
+    errors: list[BaseException] = []
+
+    async def scenario() -> None:
+        entered, refused = anyio.Event(), anyio.Event()
+
+        async def owner() -> None:
+            async with m:
+                entered.set()
+                await refused.wait()
+                h = m.register(random_tensor(), name="w")
+                await m.move(h, "cuda:0")  # still running
+
+        async def other() -> None:
+            await entered.wait()
+            try:
+                await m.__aexit__(None, None, None)
+            except BaseException as error:  # what it raised is checked below
+                errors.append(error)
+            finally:
+                refused.set()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(owner)
+                tasks.start_soon(other)
+
+    trio.run(scenario)
+    assert [type(e) for e in errors] == [RuntimeError]
+    assert "exited by the task that entered it" in str(errors[0])
+    assert not m.running
+
+
+@pytest.mark.parametrize("new_loop", _LOOPS)
+def test_leaving_the_manager_from_another_loop_or_thread_is_refused_before_anything_closes(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """``__aexit__`` skipped the loop check every other call makes: called from another loop
+    of the thread (or another thread) it began the close, then waited for ever for work
+    whose completions go to the manager's own loop. It is refused at once now, the manager
+    running as before, and its own loop closes it."""
+    own, other = new_loop(), new_loop()
+    m = ResidencyManager(backend="sim")
+
+    async def enter() -> None:
+        await m.__aenter__()
+        m.register(random_tensor(), name="w")
+
+    try:
+        own.run_until_complete(enter())
+        closing = other.create_task(m.__aexit__(None, None, None))
+        other.run_until_complete(asyncio.wait([closing], timeout=10))
+        assert closing.done(), "the close from another loop waits"
+        with pytest.raises(RuntimeError, match="belongs to the event loop"):
+            closing.result()
+        errors: list[BaseException] = []
+
+        def in_a_thread() -> None:
+            try:
+                asyncio.run(m.__aexit__(None, None, None))
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=in_a_thread, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the close from another thread waits"
+        assert [type(e) for e in errors] == [RuntimeError]
+        assert "event loop's thread" in str(errors[0])
+        assert m.running
+
+        async def close() -> None:
+            h = next(iter(m.snapshot().values))
+            await m.move(h, "cuda:0")  # still running on its own loop
+            await m.__aexit__(None, None, None)
+
+        own.run_until_complete(close())
+        assert not m.running
+    finally:
+        own.close()
+        other.close()
