@@ -333,6 +333,24 @@ class ImportClock:
         return timed
 
 
+def _stack_of(thread: int) -> traceback.StackSummary | None:
+    """What ``thread`` runs now, outermost first (its 64 innermost frames): names and line
+    numbers only. No frame object outlives this call: a frame held by another thread keeps
+    its function's locals alive after the function returned (a tensor released there would
+    stay allocated until the holder let go)."""
+    frame = sys._current_frames().get(thread)
+    if frame is None:
+        return None
+    try:
+        stack = traceback.StackSummary.extract(
+            traceback.walk_stack(frame), limit=64, lookup_lines=False
+        )
+    finally:
+        del frame
+    stack.reverse()  # outermost first, as a traceback prints
+    return stack
+
+
 class StallWatchdog:
     """A thread that looks at the loop's thread when the loop has not ticked for ``after``
     seconds, and keeps the stack it was running (once per stall): what blocked the loop, seen
@@ -374,13 +392,9 @@ class StallWatchdog:
                 started = self._last_tick
                 if self._caught is not None or time.perf_counter() - started < self._after:
                     continue
-            frame = sys._current_frames().get(self._loop_thread)
-            if frame is None:
+            stack = _stack_of(self._loop_thread)
+            if stack is None:
                 continue
-            stack = traceback.StackSummary.extract(
-                traceback.walk_stack(frame), limit=64, lookup_lines=False
-            )
-            stack.reverse()  # outermost first, as a traceback prints
             with self._lock:
                 if self._last_tick == started:  # the stall still goes on
                     self._caught = (started, stack)

@@ -371,6 +371,36 @@ def test_the_guard_shows_what_the_loop_ran_while_it_was_blocked(pytester):
     assert "_pytest" not in result.stdout.str().split("innermost last:")[1].split("=====")[0]
 
 
+KEEPS_NO_FRAME = """
+    import gc
+    import time
+    import weakref
+    import pytest
+
+    pytestmark = pytest.mark.anyio
+
+    class Payload:
+        pass
+
+    def blocks_holding(payload):
+        time.sleep(0.4)  # the watchdog looks at this frame while it blocks
+
+    @pytest.mark.allow_loop_stall(0.5)
+    async def test_a_stalled_frame_s_locals_die_with_it(loop_stall_guard):
+        payload = Payload()
+        alive = weakref.ref(payload)
+        blocks_holding(payload)
+        del payload
+        assert not gc.isenabled()  # (the guard pauses collection: only references count)
+        assert alive() is None, "a frame the watchdog looked at still holds the payload"
+"""
+
+
+def test_the_watchdog_keeps_no_frame_of_the_loop_s_thread(pytester):
+    result = run(pytester, KEEPS_NO_FRAME)
+    result.assert_outcomes(passed=1)
+
+
 FIRST_IMPORTS = """
     import sys
     import time
