@@ -224,7 +224,7 @@ class Runtime:
         """Raise ``RuntimeError`` unless called on the loop's thread while running."""
         if self.closing:
             raise ManagerClosedError("the manager is closing: it carries out nothing more")
-        if threading.get_ident() != self.bridge.thread:
+        if threading.get_ident() != self.bridge.thread or not self.bridge.running_here():
             self.check_loop_thread()  # raises, saying why
 
     def check_loop_thread(self) -> None:

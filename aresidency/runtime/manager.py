@@ -406,6 +406,7 @@ class ResidencyManager:
             and self._status == "running"
             and not rt.closing
             and threading.get_ident() == rt.bridge.thread
+            and rt.bridge.running_here()
         ):
             return rt  # (what the checks below and rt.check_thread() accept)
         if rt is None or self._status != "running":
