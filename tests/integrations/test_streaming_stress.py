@@ -302,7 +302,10 @@ async def _two_modules(seed: int) -> None:
         assert location.reserved_bytes == 0 and location.peak_bytes <= budget
         kept_bytes = 0
         for streamed in mods:
-            kept = set(streamed.residency()["kept"])
+            # Before a module's first call (every call of it may have been cancelled while it
+            # waited for its turn), residency() is the plan that call would make: it keeps
+            # nothing yet (see the test below).
+            kept = set(streamed.residency()["kept"]) if streamed.calls else set()
             for handle in streamed.handles:
                 value = snap.value(handle)
                 here = "cuda:0" in [str(loc) for loc in value.locations]
@@ -395,6 +398,56 @@ async def test_a_call_cancelled_while_it_waits_for_its_admission_turn_leaves_not
         assert torch.equal(await b(x), b_expected)
         for streamed in (a, b):
             await streamed.drain()
+            await streamed.aclose()
+
+
+async def test_a_module_whose_calls_were_all_cancelled_in_their_turn_reports_its_plan() -> None:
+    """Module a's call over managed values holds the device's admission turn; each call of
+    module b is cancelled while it waits for its turn. b has made no call yet, so
+    ``residency()`` is the plan its first call would make (documented): ``kept`` names
+    groups none of which is at the device. Once a call of b ran, ``kept`` names exactly the
+    groups there. (Under load, the randomized test saw one module's four calls all time out
+    in their turn, and took that plan for what the module keeps.)"""
+    a_model, b_model = frozen(Net(n=3, seed=1)), frozen(Net(n=3, seed=2))
+    x = torch.randn(2, 16)
+    a_expected, b_expected = reference(a_model, x), reference(b_model, x)
+    block, resident = await sizes(Net(n=3))
+    budget = 2 * (resident + 3 * block)  # both whole models stay
+    entered, gate = gate_block(a_model, a_model.layers[1])
+    async with ResidencyManager(budgets={"cuda:0": budget}, backend=SimBackend()) as m:
+        a = stream_module(m, a_model, prefetch=1, name="a", ring=False)
+        b = stream_module(m, b_model, prefetch=1, name="b")
+        out: dict[str, Any] = {}
+
+        async def call_a() -> None:
+            out["a"] = await a(x)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call_a)
+            await anyio.to_thread.run_sync(entered.wait)  # a holds the turn
+            for _ in range(2):
+                with anyio.move_on_after(0.01) as scope:
+                    await b(x)
+                assert scope.cancelled_caught
+            gate.set()
+        assert torch.equal(out["a"], a_expected)
+        await b.drain()
+
+        def at_device() -> set[str]:
+            snap = m.snapshot()
+            return {
+                h.name
+                for h in b.handles
+                if "cuda:0" in [str(loc) for loc in snap.value(h).locations]
+            }
+
+        assert b.calls == 0
+        assert set(b.residency()["kept"]) == {h.name for h in b.handles}  # the plan
+        assert at_device() == set()
+        assert torch.equal(await b(x), b_expected)
+        await b.drain()
+        assert b.calls == 1 and set(b.residency()["kept"]) == at_device() != set()
+        for streamed in (a, b):
             await streamed.aclose()
 
 
