@@ -33,8 +33,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_cost_ab
 
@@ -69,21 +67,7 @@ def deferred_backend(pkg: ModuleType) -> Any:
 async def count(pkg: ModuleType, deferred: bool, top: int) -> dict[str, float]:
     backend = deferred_backend(pkg) if deferred else host_cost_ab.instant_backend(pkg)
     async with pkg.ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=backend) as m:
-        for i in range(1000):
-            m.register(torch.empty(256), name=f"other{i}")
-        handles = [
-            m.register(
-                torch.empty(1024),
-                name=f"v{i}",
-                location="pinned-host",
-                replica_mode=pkg.ReplicaMode.REPLICABLE,
-            )
-            for i in range(N)
-        ]
-        moving = m.register(torch.randn(1024), name="moving", location="pinned-host")
-        plan = pkg.ResidencyPlan(
-            enter=[pkg.Move(moving, "cuda:0")], exit=[pkg.Move(moving, "pinned-host")]
-        )
+        handles, plan = host_cost_ab.populate(pkg, m, N)
 
         async def in_turn() -> None:
             for h in handles:

@@ -104,14 +104,10 @@ def instant_backend(pkg: ModuleType) -> Any:
     return InstantBackend()
 
 
-Rows = dict[str, Callable[[], Awaitable[float]]]
-
-
-async def rows_for(pkg: ModuleType, stack: contextlib.AsyncExitStack) -> Rows:
-    m = await stack.enter_async_context(
-        pkg.ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=instant_backend(pkg))
-    )
-    for i in range(1000):  # a populated manager, as bench_scope.py's
+def populate(pkg: ModuleType, m: Any, n: int) -> tuple[list[Any], Any]:
+    """Fill `m` as bench_scope.py's populated manager: 1000 other values, `n` replicable
+    pinned values, and a one-value plan that moves 4 KiB in on entry and out on exit."""
+    for i in range(1000):
         m.register(torch.empty(256), name=f"other{i}")
     handles = [
         m.register(
@@ -120,12 +116,23 @@ async def rows_for(pkg: ModuleType, stack: contextlib.AsyncExitStack) -> Rows:
             location="pinned-host",
             replica_mode=pkg.ReplicaMode.REPLICABLE,
         )
-        for i in range(64)
+        for i in range(n)
     ]
     moving = m.register(torch.randn(1024), name="moving", location="pinned-host")
     plan = pkg.ResidencyPlan(
         enter=[pkg.Move(moving, "cuda:0")], exit=[pkg.Move(moving, "pinned-host")]
     )
+    return handles, plan
+
+
+Rows = dict[str, Callable[[], Awaitable[float]]]
+
+
+async def rows_for(pkg: ModuleType, stack: contextlib.AsyncExitStack) -> Rows:
+    m = await stack.enter_async_context(
+        pkg.ResidencyManager(budgets={"cuda:0": 1 << 30}, backend=instant_backend(pkg))
+    )
+    handles, plan = populate(pkg, m, 64)
     n = len(handles)
 
     async def scope() -> float:
