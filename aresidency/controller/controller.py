@@ -22,6 +22,7 @@ itself) read best beside the search they re-run.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any, Protocol
@@ -36,7 +37,8 @@ from ..core.errors import (
     ResidencyStaleStateError,
 )
 from ..core.explain import PlanExplanation
-from ..core.plans import ResidencyPlan
+from ..core.locations import Location
+from ..core.plans import MemoryReservation, ResidencyPlan
 from ..core.state import ResidencyState
 from ..core.timeouts import check_timeout
 from .index import CandidateIndex, Slicer
@@ -517,6 +519,7 @@ class ControllerScope:
         deadline = None if timeout is None else anyio.current_time() + timeout
         # Its place in the manager's admission queue while it waits (see _take_turn).
         turn: Any = None
+        registered: contextlib.ExitStack | None = None
         try:
             while True:
                 if turn is None:
@@ -541,6 +544,11 @@ class ControllerScope:
                         raise never from error
                     if turn is None:
                         turn = self._take_turn()
+                    if registered is None:
+                        # Registered for the hold-and-wait check, as a waiting manual scope
+                        # is: refused here if it closes a cycle of tasks each waiting for
+                        # room the others hold, and a later wait closing one is refused.
+                        registered = self._register_wait()
                     if turn is not None:
                         changed = await turn.wait(deadline)
                     else:  # a stand-in manager, without an admission queue
@@ -596,8 +604,42 @@ class ControllerScope:
             self.status = "failed"
             raise
         finally:
+            if registered is not None:
+                registered.close()
             if turn is not None:
                 turn.leave()  # (nothing once the entry was admitted in it)
+
+    def _register_wait(self) -> contextlib.ExitStack:
+        """Register this scope's wait with the manager (``manager.plan_wait``) as the room it
+        needs at least: the bytes of each requirement with a single location (budgeted, and
+        the value not there yet), and the request's reservations, as one reservation per
+        location. What has alternatives is left out, so the wait is judged as needing no more
+        than it does (a cycle is never seen where one of its waits could end). Raises the
+        ``ResidencyPlanError`` (``hold_and_wait``) of a wait that closes a cycle."""
+        stack = contextlib.ExitStack()
+        plan_wait = getattr(self.controller.manager, "plan_wait", None)
+        if plan_wait is None:  # a stand-in manager, which registers no waits
+            return stack
+        state = self.controller._state()
+        needs: dict[Location, int] = {}
+        for reservation in self.request.reservations:
+            needs[reservation.location] = needs.get(reservation.location, 0) + reservation.nbytes
+        for requirement in self.request.requirements:
+            value = state.find_value(requirement.handle)
+            location = requirement.location
+            if requirement.fallbacks or value is None or location in value.materializations:
+                continue
+            needs[location] = needs.get(location, 0) + value.charge_bytes
+        name = f"aresidency.request.{self.request.name}"
+        plan = ResidencyPlan(
+            reserve=[MemoryReservation(name, loc, n) for loc, n in needs.items() if n > 0]
+        )
+        try:
+            stack.enter_context(plan_wait(plan, what=f"request {self.request.name!r}"))
+        except ResidencyPlanError as error:
+            error.request = self.request
+            raise
+        return stack
 
     def _take_turn(self, *, only_behind_others: bool = False) -> Any:
         """A place in the manager's admission queue (``manager.take_turn``) for this scope,

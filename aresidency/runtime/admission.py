@@ -910,11 +910,12 @@ class AdmissionQueue:
                 unregister()
 
     def _register_scope_wait(
-        self, plan: ResidencyPlan, task: object | None
+        self, plan: ResidencyPlan, task: object | None, what: str | None = None
     ) -> Callable[[], None] | None:
         """Register the wait of a scope about to wait for room (see :meth:`admit`), or raise
         ``ResidencyPlanError`` if it would close a cycle of waiting tasks
-        (:meth:`waiting_on_each_other`). ``None`` for a wait outside any task."""
+        (:meth:`waiting_on_each_other`). ``None`` for a wait outside any task, or one that
+        charges no budgeted location. ``what`` names the wait (default: the scope's values)."""
         if task is None:
             return None
         state = self._rt.state
@@ -935,8 +936,10 @@ class AdmissionQueue:
                 needs[action.location] = needs.get(action.location, 0) + value.charge_bytes
         if not needs:
             return None
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        what = f"a scope entering {shown}" if names else "a scope's reservations"
+        if what is None:
+            shown = ", ".join(names[:4])
+            shown += f" and {len(names) - 4} more" if len(names) > 4 else ""
+            what = f"a scope entering {shown}" if names else "a scope's reservations"
         wait = RoomWait(plan, needs, what, task)
         found = self.waiting_on_each_other(wait)
         if found is not None:

@@ -49,7 +49,7 @@ from ..backends.bridge import LoopBridge
 from ..core.errors import ResidencyBudgetError, ResidencyUnavailableError, format_bytes
 from ..core.explain import PlanExplanation, explain_plan
 from ..core.locations import PINNED_HOST, Location, LocationLike
-from ..core.plans import Action, ActionFailed, Materialize, Move, Release
+from ..core.plans import Action, ActionFailed, Materialize, Move, Release, ResidencyPlan
 from ..core.sizes import ByteSize, format_nbytes, parse_nbytes
 from ..core.snapshot import ResidencySnapshot, bring_up_to_date, take_snapshot
 from ..core.state import ResidencyState
@@ -626,6 +626,31 @@ class ResidencyManager:
             yield
         finally:
             remove()
+
+    @contextmanager
+    def plan_wait(
+        self, plan: ResidencyPlan, *, what: str, task: object | None = None
+    ) -> Iterator[None]:
+        """``with manager.plan_wait(plan, what=...)``: around the wait of a tenant that judges
+        its own admission (``controller.scope``) for the room ``plan`` needs, on behalf of
+        ``task`` (default: the calling task). As :meth:`room_wait`, for a plan: on entry,
+        ``ResidencyPlanError`` (``hold_and_wait``) at once when this wait and the waits other
+        tasks registered would wait for one another for ever; inside, the wait is registered
+        (:meth:`room_waits` lists it where the plan charges budgeted room), so that a later
+        wait closing such a cycle is refused in turn. ``plan`` should need no more than the
+        tenant's admission would (it is judged as what the wait needs at least). Loop thread;
+        never waits."""
+        rt = self._running()
+        if not isinstance(plan, ResidencyPlan):
+            raise TypeError(f"plan_wait needs a ResidencyPlan, got {type(plan).__name__}")
+        remove = rt.admission._register_scope_wait(
+            plan, current_task() if task is None else task, what
+        )
+        try:
+            yield
+        finally:
+            if remove is not None:
+                remove()
 
     def room_waits(self) -> list[tuple[str, Location, int, str]]:
         """The waits for room registered now (:meth:`room_wait`), oldest first, as ``(task

@@ -256,3 +256,70 @@ async def test_an_operation_that_cannot_wait_is_never_refused_where_no_budget_ap
         finally:
             gate.set()
         assert entered.is_set()
+
+
+@pytest.mark.parametrize("first", ["controller", "manual"])
+async def test_a_controller_scope_and_a_manual_scope_waiting_for_each_others_room(
+    first: str,
+) -> None:
+    # Each task holds 1 MiB of 3 in a reservation block (the controller cannot evict that),
+    # then its inner scope needs 2 MiB more: one a manual scope, one a controller's. The
+    # controller's wait is registered as a manual scope's is, so whichever of the two waits
+    # second closes the cycle and is refused at once, and the other enters in the room given
+    # back.
+    async with ResidencyManager(budgets={"cuda:0": 3 * MIB}, backend="sim") as m:
+        v = values(m, 6)
+        controller = ResidencyController(m)
+        held = [anyio.Event(), anyio.Event()]
+        outcome: dict[str, object] = {}
+
+        async def task(kind: str, i: int) -> None:
+            async with m.reservation(f"outer{i}", "cuda:0", MIB):
+                held[i].set()
+                await held[1 - i].wait()
+                if kind != first:
+                    await until_waiting(m, 1)  # the other's inner scope waits first
+                mine = [v[2 + 2 * i], v[3 + 2 * i]]
+                try:
+                    if kind == "controller":
+                        request = ResidencyRequest("inner", [(h, "cuda:0") for h in mine])
+                        async with controller.scope(request, timeout=None):
+                            outcome[kind] = "entered"
+                    else:
+                        plan = ResidencyPlan(
+                            enter=[Move(h, "cuda:0") for h in mine],
+                            exit=[Move(h, "pageable-host") for h in mine],
+                        )
+                        async with m.scope(plan):
+                            outcome[kind] = "entered"
+                except ResidencyPlanError as error:
+                    outcome[kind] = error
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(task, "controller", 0)
+                tasks.start_soon(task, "manual", 1)
+        second = "manual" if first == "controller" else "controller"
+        error = outcome[second]
+        assert isinstance(error, ResidencyPlanError) and error.hold_and_wait, outcome
+        assert "hold and wait" in str(error), str(error)
+        other = "request 'inner'" if second == "manual" else "a scope entering v4, v5"
+        assert other in str(error), str(error)
+        if second == "controller":
+            assert error.request.name == "inner"  # type: ignore[attr-defined]
+        assert outcome[first] == "entered", outcome
+        assert m.room_waits() == []
+        snap = m.snapshot().location("cuda:0")
+        assert snap.reserved_bytes == 0 and snap.peak_bytes <= 3 * MIB
+
+
+async def test_plan_wait_registers_the_wait_and_refuses_a_plan_that_is_not_one() -> None:
+    async with ResidencyManager(budgets={"cuda:0": 3 * MIB}, backend="sim") as m:
+        plan = ResidencyPlan(reserve=[MemoryReservation("kv", "cuda:0", MIB)])
+        refused = pytest.raises(TypeError, match="plan_wait needs a ResidencyPlan, got list")
+        with refused, m.plan_wait([], what="nothing"):  # type: ignore[arg-type]
+            pytest.fail("entered")
+        with m.plan_wait(plan, what="the kv cache"):
+            [(_, where, need, what)] = m.room_waits()
+            assert (str(where), need, what) == ("cuda:0", MIB, "the kv cache")
+        assert m.room_waits() == []
