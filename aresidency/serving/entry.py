@@ -184,7 +184,12 @@ class PooledStreamedModule(StreamedModule):
                     )
                 ]
                 # (cancelled, a call made from inside the forward is too: see nesting)
-                result, reader = await nesting.run_sync(functools.partial(run_once, work), forward)
+                try:
+                    result, reader = await nesting.run_sync(
+                        functools.partial(run_once, work), forward
+                    )
+                finally:
+                    forward.done = True
             finally:
                 self.shared_calls -= 1
                 if self.shared_calls == 0:
@@ -269,7 +274,10 @@ class PooledStreamedModule(StreamedModule):
                         forward,
                     )
                     # (cancelled, a call made from inside the forward is too: see nesting)
-                    result, reader = await self._threaded.submit(work, on_cancel=forward.cancel)
+                    try:
+                        result, reader = await self._threaded.submit(work, on_cancel=forward.cancel)
+                    finally:
+                        forward.done = True
                 finally:
                     for group in self.all_groups:
                         group.restore()

@@ -11,8 +11,10 @@ that the test fails (``hung``) instead of hanging."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -186,13 +188,29 @@ async def held_by_another_task(m: ResidencyManager, nbytes: int) -> AsyncIterato
         await m.discard(other)
 
 
+def entry(inner: StreamedModule, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How the outer call's forward calls ``inner``: ``call_threadsafe``, or (``kind``
+    "task") awaited in a task the forward's thread starts on the loop itself
+    (``asyncio.run_coroutine_threadsafe``, ``trio.from_thread.run``). Made on the loop."""
+    if kind != "task":
+        return inner.call_threadsafe
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda x: trio.from_thread.run(inner, x, trio_token=token)  # type: ignore[no-any-return]
+    return lambda x: asyncio.run_coroutine_threadsafe(inner(x), loop).result()  # type: ignore[no-any-return]
+
+
 async def close(*streamed: StreamedModule) -> None:
     for module in streamed:
         await module.drain()
         await module.aclose()
 
 
-@pytest.mark.parametrize("kind", ["forward", "hook", "sequential"])
+@pytest.mark.parametrize("kind", ["forward", "hook", "sequential", "task"])
 @pytest.mark.parametrize("holds", ["ring", "kept"])
 @pytest.mark.parametrize("inner_ring", [None, False], ids=["inner-ring", "inner-values"])
 async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused_at_once(
@@ -208,7 +226,7 @@ async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused
         x = torch.randn(2, 32)
         outer = stream_module(m, model, prefetch=1, name="outer")
         inner = stream_module(m, inner_model(), prefetch=1, ring=inner_ring, name="inner")
-        calls.inner = inner.call_threadsafe
+        calls.inner = entry(inner, kind)
 
         async def call() -> object:
             with anyio.fail_after(BOUND), torch.no_grad():
@@ -232,7 +250,7 @@ async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused
         await close(outer, inner)
 
 
-@pytest.mark.parametrize("kind", ["forward", "hook", "sequential"])
+@pytest.mark.parametrize("kind", ["forward", "hook", "sequential", "task"])
 @pytest.mark.parametrize("inner_ring", [None, False], ids=["inner-ring", "inner-values"])
 async def test_a_nested_call_waiting_for_room_is_cancelled_with_the_outer_call(
     kind: str, inner_ring: bool | None
@@ -246,7 +264,7 @@ async def test_a_nested_call_waiting_for_room_is_cancelled_with_the_outer_call(
         x = torch.randn(2, 32)
         outer = stream_module(m, model, prefetch=1, name="outer")
         inner = stream_module(m, inner_model(), prefetch=1, ring=inner_ring, name="inner")
-        calls.inner = inner.call_threadsafe
+        calls.inner = entry(inner, kind)
 
         async def call() -> object:
             with torch.no_grad():
@@ -348,8 +366,9 @@ async def test_a_nested_call_from_a_sequentials_block_runs_when_it_can() -> None
         await close(outer, inner)
 
 
+@pytest.mark.parametrize("kind", ["forward", "task"])
 @pytest.mark.parametrize("shared", [False, True], ids=["direct", "shared"])
-async def test_a_nested_call_from_a_pooled_models_forward(shared: bool) -> None:
+async def test_a_nested_call_from_a_pooled_models_forward(shared: bool, kind: str) -> None:
     # A resident request's call runs the model's forward in a thread directly on the held
     # replicas (or beside its other calls, shared): a streamed call made from inside it was
     # not seen as nested. With the room held by the request, it waited for ever; waiting for
@@ -361,7 +380,7 @@ async def test_a_nested_call_from_a_pooled_models_forward(shared: bool) -> None:
         pool = ModelPool(m, shared_calls=shared)
         pool.add("pooled", model)
         inner = stream_module(m, inner_model(), prefetch=1, name="inner")
-        calls.inner = inner.call_threadsafe
+        calls.inner = entry(inner, kind)
         other = await fill(m, BLOCK)  # with the request's three blocks: the whole budget
 
         async def refused() -> object:
@@ -395,4 +414,72 @@ async def test_a_nested_call_from_a_pooled_models_forward(shared: bool) -> None:
             async with pool.use("pooled") as pooled:
                 assert torch.equal(await pooled(x), reference(model, None, x))
         await pool.aclose()
+        await close(inner)
+
+
+@pytest.mark.parametrize("kind", ["forward", "task"])
+async def test_a_call_of_the_same_module_from_inside_its_forward_is_refused(kind: str) -> None:
+    # Calls on one module run one at a time: one made from inside its own call's forward
+    # could only wait for the call that makes it. Through a task the forward started on the
+    # loop, it was not seen as nested and waited for ever, the outer call uncancellable.
+    async with bench(64 * BLOCK) as b:
+        model, calls = outer_model("forward")
+        x = torch.randn(2, 32)
+        outer = stream_module(b.m, model, prefetch=1, name="outer")
+        calls.inner = entry(outer, kind)
+
+        async def call() -> object:
+            with anyio.fail_after(BOUND), torch.no_grad():
+                return await outer(x)
+
+        raised, hung = await b.within(call)
+        assert not hung, "the nested call waited for ever, and so did the outer one"
+        assert isinstance(raised, RuntimeError), raised
+        assert str(raised).startswith("outer: called from inside its own call's forward")
+        calls.inner = None
+        with anyio.fail_after(BOUND), torch.no_grad():
+            assert torch.equal(await outer(x), reference(model, None, x))
+        await close(outer)
+
+
+async def test_a_task_a_forward_started_that_calls_after_the_forward_returned_is_not_nested() -> (
+    None
+):
+    # The task inherits the forward's context; once the outer call returned, a streamed call
+    # awaited there is an ordinary call: what the outer call's task holds then (the test's
+    # task holds the room the call needs) is not counted as the call's own, so its wait for
+    # that room is not refused, and it goes on once the room is given back.
+    async with bench(4 * BLOCK) as b:
+        model, calls = outer_model("forward")
+        x = torch.randn(2, 32)
+        outer = stream_module(b.m, model, prefetch=1, name="outer")
+        inner = stream_module(b.m, inner_model(), prefetch=1, name="inner")
+        started: list[object] = []
+        go = threading.Event()
+
+        async def later(y: torch.Tensor) -> torch.Tensor:
+            await anyio.to_thread.run_sync(go.wait)
+            out: torch.Tensor = await inner(y)
+            return out
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pytest.skip("starts a task from the forward with asyncio.run_coroutine_threadsafe")
+
+        def start(y: torch.Tensor) -> torch.Tensor:
+            started.append(asyncio.run_coroutine_threadsafe(later(y), loop))
+            return y
+
+        calls.inner = start
+        with anyio.fail_after(BOUND), torch.no_grad():
+            await outer(x)
+            await close(outer)  # (its blocks were kept on the device: all the room now)
+            async with held_by_another_task(b.m, 4 * BLOCK):
+                go.set()
+                await waits_for_room(b.m, "inner")
+            (future,) = started
+            while not future.done():
+                await b.m.wait_for_change(0.05)
+            assert isinstance(future.result(), torch.Tensor)
         await close(inner)

@@ -1185,6 +1185,13 @@ class StreamedModule:
             raise RuntimeError(f"{self!r} is closed")
         self._check_manager()
         self._check_inference(args, kwargs)
+        outer = nesting.awaited_in(self.manager.bridge)
+        if outer is not None:
+            # Awaited in a task that another call's forward started on this loop (with
+            # asyncio.run_coroutine_threadsafe or from_thread.run): nested in that call, as
+            # a call_threadsafe from there is.
+            self._refuse_nested(outer, from_task=True)
+            return await self._call_nested(outer, args, kwargs, generate)
         async with self._waiting_for(self._lock):
             if self._closed:
                 # aclose() ran while this call waited for the one before it
@@ -1201,6 +1208,7 @@ class StreamedModule:
                 try:
                     return await self._call(turn, generate, args, kwargs)
                 finally:
+                    forward.done = True
                     self._forward = None
 
     @contextlib.asynccontextmanager
@@ -1321,7 +1329,7 @@ class StreamedModule:
             return bridge.run_async(self.__call__, *args, **kwargs)
         return bridge.run_async(self._call_nested, outer, args, kwargs)
 
-    def _refuse_nested(self, outer: nesting.Forward) -> None:
+    def _refuse_nested(self, outer: nesting.Forward, *, from_task: bool = False) -> None:
         """``RuntimeError`` for a call made from inside the forward of ``outer`` (a streamed
         call in flight, itself perhaps nested in others) that could only wait for a call it
         is nested in, which waits for it in turn: a call of the same module (calls on one
@@ -1330,7 +1338,9 @@ class StreamedModule:
         the event loop's thread (a plain ``nn.Sequential`` runs its blocks there on CUDA),
         or a plain ``nn.Sequential`` whose blocks would queue on the stream whose thread runs
         the outer call's block (the simulated backend). Otherwise both would wait for ever,
-        the outer one even when cancelled (it waits for the thread blocked in this call)."""
+        the outer one even when cancelled (it waits for the thread blocked in this call).
+        ``from_task``: the call is awaited in a task the outer call's forward started on the
+        loop (the loop is not blocked by it)."""
         for forward in outer.chain():
             name = forward.streamed.name
             made = (
@@ -1356,7 +1366,7 @@ class StreamedModule:
                     "call it before or after that call, or stream the two as one module"
                 )
         name = outer.streamed.name
-        if self.manager.running and self.manager.bridge.on_loop():
+        if not from_task and self.manager.running and self.manager.bridge.on_loop():
             raise RuntimeError(
                 f"{self.name}: called from inside a block of {name}'s call in flight, which "
                 "runs its blocks on the event loop's thread (a plain nn.Sequential): this call "
@@ -1378,7 +1388,11 @@ class StreamedModule:
             )
 
     async def _call_nested(
-        self, outer: nesting.Forward, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        outer: nesting.Forward,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        generate: Callable[..., Any] | None = None,
     ) -> Any:
         """A call made from inside ``outer``'s forward (:meth:`call_threadsafe`), on the
         loop in a task of its own: what the calls it is nested in hold counts as its own
@@ -1398,7 +1412,7 @@ class StreamedModule:
         outer.nested.add(scope)
         try:
             with scope:
-                return await self._run(None, args, kwargs)
+                return await self._run(generate, args, kwargs)
         finally:
             outer.nested.discard(scope)
             nesting.NESTED_IN.reset(token)

@@ -37,7 +37,16 @@ if TYPE_CHECKING:
     from ...runtime.manager import ResidencyManager
     from .module import StreamedModule
 
-__all__ = ["NESTED_IN", "Forward", "current", "keeper", "run_sync", "running"]
+__all__ = [
+    "NESTED_IN",
+    "RUNNING",
+    "Forward",
+    "awaited_in",
+    "current",
+    "keeper",
+    "run_sync",
+    "running",
+]
 
 T = TypeVar("T")
 
@@ -46,6 +55,14 @@ _here = threading.local()
 #: In the task that runs a nested call: the call it was made from inside of.
 NESTED_IN: contextvars.ContextVar[Forward | None] = contextvars.ContextVar(
     "aresidency_nested_in", default=None
+)
+
+#: In the context a forward runs in (set by :func:`running`): that call. A task the forward's
+#: thread starts on a loop (``asyncio.run_coroutine_threadsafe``, ``anyio.from_thread.run``,
+#: ``trio.from_thread.run``: each runs it in a copy of the thread's context) inherits it, so
+#: that a streamed call awaited there knows the call it is nested in (:func:`awaited_in`).
+RUNNING: contextvars.ContextVar[Forward | None] = contextvars.ContextVar(
+    "aresidency_running_forward", default=None
 )
 
 
@@ -59,7 +76,17 @@ class Forward:
     failed: nothing nested in it starts). Made and changed on the loop; :func:`current`
     reads it from the thread that runs the forward."""
 
-    __slots__ = ("bridge", "cancelled", "nested", "parent", "stream", "streamed", "task", "turn")
+    __slots__ = (
+        "bridge",
+        "cancelled",
+        "done",
+        "nested",
+        "parent",
+        "stream",
+        "streamed",
+        "task",
+        "turn",
+    )
 
     def __init__(
         self,
@@ -77,6 +104,7 @@ class Forward:
         self.parent = parent
         self.nested: set[anyio.CancelScope] = set()
         self.cancelled = False
+        self.done = False  # the call returned: a task its forward started is not nested
 
     def chain(self) -> Iterator[Forward]:
         """This call, then the calls it is nested in, innermost first."""
@@ -113,15 +141,29 @@ def running(forward: Forward | None) -> Iterator[None]:
         return
     previous = getattr(_here, "forward", None)
     _here.forward = forward
+    token = RUNNING.set(forward)
     try:
         yield
     finally:
+        RUNNING.reset(token)
         _here.forward = previous
 
 
 def current() -> Forward | None:
     """The streamed call whose forward the calling thread runs now, if any."""
     forward: Forward | None = getattr(_here, "forward", None)
+    return forward
+
+
+def awaited_in(bridge: object) -> Forward | None:
+    """The streamed call in flight (of a manager on ``bridge``'s loop) whose forward started
+    the task awaiting a call now, through a loop's thread-safe entry (see :data:`RUNNING`),
+    unless that call is already known to be nested there (:data:`NESTED_IN`) or returned."""
+    forward = RUNNING.get()
+    if forward is None or forward.done or forward.bridge != bridge:
+        return None
+    if NESTED_IN.get() is forward:
+        return None
     return forward
 
 
