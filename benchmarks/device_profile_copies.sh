@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the host time of small copies goes on the GPU: the manager's 64 x 4 MB copies, a task
-# each and in one plan, under cProfile (raw profiles in $OUT for pstats elsewhere), then the
-# loader's quick benchmark unless NO_LOADER is set.   bash benchmarks/device_profile_copies.sh
+# each and in one plan, and a scope moving 4 KiB in and out, under cProfile (raw profiles in
+# $OUT for pstats elsewhere), then the loader's quick benchmark unless NO_LOADER is set.   bash benchmarks/device_profile_copies.sh
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/device_env.sh
@@ -13,6 +13,10 @@ for mode in tasks one-plan; do
   echo "== profile $mode rc=$?"
   head -n 1 "$OUT/profile-$mode.log"
 done
+timeout 90 python3 benchmarks/bench_scope.py --backend cuda --profile --dump "$OUT/scope.prof" \
+  > "$OUT/profile-scope.log" 2>&1
+echo "== profile scope rc=$?"
+head -n 40 "$OUT/profile-scope.log"
 [ -n "${NO_LOADER:-}" ] || {
   timeout -s INT 300 python3 benchmarks/bench_loader.py ${LOADER_ARGS:---quick} \
     --markdown "$OUT/loader.md" > "$OUT/loader.log" 2>&1
