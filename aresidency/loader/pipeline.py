@@ -71,6 +71,7 @@ from .feeder import (
     bridge_wake,
     changed_since_yielded,
     feed_async,
+    version_of,
 )
 from .fills import StagedFills, return_slot
 from .lifetime import closed_under_pass, watch_close
@@ -358,6 +359,18 @@ class Epoch:
                 self.manager.bridge.call_soon_quietly(self.pump)  # (once the releases left)
         return False
 
+    def _copy_host(self, part: Part) -> None:
+        """Give ``part`` a copy of its host tensor, in memory of its own (a clone on the loop:
+        only for a storage that became another value after the source's thread looked)."""
+        assert part.host is not None
+        host = part.host.clone(memory_format=torch.contiguous_format)
+        part.host = host
+        part.version = version_of(host)
+        part.location = self.manager.backend.location_of(host)
+        storage = host.untyped_storage()
+        part.key = (str(host.device), storage.data_ptr()) if storage.nbytes() else None
+        self.counters.host_copies += 1
+
     def _try_admit(self, batch: BatchRecord) -> bool:
         """Register the batch's values and begin their materializations at the device, if the
         whole batch fits now. False (changing nothing that holds room) if it must wait."""
@@ -373,6 +386,20 @@ class Epoch:
             # A scope, or a streamed call (``want_room``), waits for room here: it comes
             # first (a scope would refuse the materialization below anyway).
             return self._blocked(batch)
+        for part in waiting:
+            if (
+                part.handle is None
+                and part.host is not None
+                and self._registered_elsewhere(part.host)
+            ):
+                # Registered by another tenant since the source's thread looked (another
+                # loader's batch of the same tensors, its copy in flight): the batch gets a
+                # copy of its own, as that thread gives it one of a value it sees.
+                changed = self._changed(batch)
+                if changed is not None:
+                    batch.error = changed
+                    return False
+                self._copy_host(part)
         host_needs: dict[Location, int] = {}
         for part in waiting:
             if part.handle is None and part.location is not None:

@@ -224,6 +224,49 @@ async def test_a_tensor_the_application_registered_is_copied_into_its_batch(
     assert all(torch.equal(x, a) and torch.equal(t, table) for (x, t), a in zip(got, data))
 
 
+@pytest.mark.parametrize("source", ["sync", "async"])
+async def test_a_tensor_another_loader_registered_after_the_source_read_it_is_copied(
+    source: str,
+) -> None:
+    # Two loaders through managed values over the same tensors: the source's thread saw
+    # batch 0's tensor unregistered, then the other loader registered it (its copy still in
+    # flight) while the batch waited for room. Its registration was refused ("this tensor's
+    # storage already belongs to value ...") and the pass failed; the batch gets a copy, as
+    # if it had been seen.
+    data = batches(2)
+
+    async def agen() -> Any:
+        for x in data:
+            yield x
+
+    backend = SimBackend(num_devices=2)
+    gate = threading.Event()
+    backend.device_streams(1).h2d.submit(lambda: gate.wait(10))  # holds the other's copies
+    async with ResidencyManager(budgets={"cuda:0": 2 * CHARGE}, backend=backend) as m:
+        first = DeviceLoader(m, data if source == "sync" else agen(), "cuda:0", ring=False)
+        other = DeviceLoader(m, data, "cuda:1", ring=False)
+        got: dict[str, list[torch.Tensor]] = {"first": [], "other": []}
+
+        async def consume(loader: DeviceLoader, into: list[torch.Tensor]) -> None:
+            try:
+                into.extend([b.clone() async for b in loader])
+            finally:
+                gate.set()  # the first loader's pass ended: the other's copies may land
+
+        with anyio.fail_after(10):
+            async with first, other, anyio.create_task_group() as tasks:
+                hog = m.reservation("hog", "cuda:0", 2 * CHARGE)  # all of cuda:0, for a while
+                async with hog:
+                    tasks.start_soon(consume, first, got["first"])
+                    await until(lambda: first.stats().source_batches >= 1)  # waits for room
+                    tasks.start_soon(consume, other, got["other"])
+                    await until(lambda: m.storage_owner(data[0]) is not None)
+        assert first.stats().host_copies == 2  # both tensors: the other's, copies held up
+        assert_nothing_left(m)
+    for tensors in got.values():
+        assert len(tensors) == 2 and all(map(torch.equal, tensors, data))
+
+
 async def test_a_source_that_hands_out_the_same_tensor_again_gets_it_each_time(
     ring: bool | None,
 ) -> None:
