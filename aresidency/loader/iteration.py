@@ -94,6 +94,7 @@ class Iteration:
         # aclose): as an async generator's finalizer, schedule the pass's end on the loop.
         epoch = self._epoch
         if epoch is not None and epoch.status == "running":
+            epoch.dropped = True  # (a loader of its name may open now: see DeviceLoader)
             end_on_loop(epoch.bridge, functools.partial(self._loader._dropped, epoch))
 
     async def aclose(self) -> None:

@@ -34,8 +34,12 @@ __all__ = ["DeviceLoader"]
 _NAMES = itertools.count()
 #: The loaders of each manager by name (the last made with each): their reservations are
 #: named after them, so two open loaders of one manager may not share a name (a closed
-#: loader's name is free again).
+#: loader's name is free again, and so is that of one only ending a dropped pass).
 _open: weakref.WeakKeyDictionary[ResidencyManager, weakref.WeakValueDictionary[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+#: The numbers of the ring slots' reservations, per manager and loader name.
+_serials: weakref.WeakKeyDictionary[ResidencyManager, dict[str, Iterator[int]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -143,7 +147,7 @@ class DeviceLoader:
         self.name = name if name is not None else f"loader-{next(_NAMES)}"
         named = _open.get(manager)
         other = None if named is None else named.get(self.name)
-        if other is not None and other.status == "open":
+        if other is not None and other.status == "open" and not other._only_ending():
             raise ValueError(
                 f"another DeviceLoader named {self.name!r} is open on this manager; a "
                 "loader's reservations are named after it, so the two would collide: give "
@@ -252,6 +256,23 @@ class DeviceLoader:
         self._closing: anyio.Event | None = None  # set once a close has ended
         self.status = "open"
         _open.setdefault(manager, weakref.WeakValueDictionary())[self.name] = self
+        serials = _serials.setdefault(manager, {})
+        self.ring_serial = serials.setdefault(self.name, itertools.count())
+
+    def _only_ending(self) -> bool:
+        """Whether this loader only ends a pass its iterator dropped (``async for batch in
+        DeviceLoader(...)`` left by a ``break`` or an exception): not entered, holding no
+        staging buffers or page-locked files (named after it), its pass ending on its own.
+        A loader of the same name may then open beside it (a quick script's next pass): the
+        ring's reservations are numbered per name, so theirs never collide."""
+        epoch = self._epoch
+        return (
+            self.task_group is None
+            and self.staging is None
+            and self.pinned_files is None
+            and epoch is not None
+            and epoch.dropped
+        )
 
     # ------------------------------------------------------------------ iteration
 

@@ -109,6 +109,7 @@ class Epoch:
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
         self.ended_by_close = False  # the loader's close ended it while it ran
+        self.dropped = False  # its iterator was dropped while it ran: it ends on its own
         self.manager = loader.manager
         self.device = loader.device
         self.counters = loader.counters

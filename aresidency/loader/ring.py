@@ -261,6 +261,7 @@ class RingEpoch:
         self.number = number
         self.ended_by: int | None = None  # the newer pass that ended this one
         self.ended_by_close = False  # the loader's close ended it while it ran
+        self.dropped = False  # its iterator was dropped while it ran: it ends on its own
         self.manager = loader.manager
         self.backend = loader.manager.backend
         self.device: Location = loader.device
@@ -281,7 +282,9 @@ class RingEpoch:
         self._out: dict[int, _Out] = {}
         self._streams: list[Any] = []
         self._progress: anyio.Event | None = None
-        self._serial = itertools.count()
+        # Shared by every loader of this name on the manager: a slot's reservation name is
+        # unique even beside a dropped pass of another loader of that name, still ending.
+        self._serial = loader.ring_serial
         self._numbers = itertools.count()  # the slots' numbers (a slot shed leaves a gap)
         self._retiring: list[tuple[Any, list[torch.Tensor]]] = []  # (copy event, pins)
         self._unlisten: Callable[[], None] | None = None

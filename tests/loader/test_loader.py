@@ -1957,3 +1957,36 @@ async def test_two_open_loaders_of_one_manager_may_not_share_a_name(ring: bool) 
         with pytest.raises(TypeError, match="name must be a string"):
             DeviceLoader(m, source, "cuda:0", name=7)  # type: ignore[arg-type]
         assert_nothing_left(m)
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "values"])
+async def test_a_named_loop_left_by_a_break_frees_the_name_for_the_next_loader(ring: bool) -> None:
+    """A quick script's ``async for batch in DeviceLoader(..., name="train")`` left by a
+    ``break`` drops its iterator, and the pass ends on its own, a moment later. The next
+    loader of that name (the next epoch's) was refused meanwhile ("another DeviceLoader named
+    'train' is open"), and nothing could close the first: no one held it. It opens now, its
+    ring's reservations numbered after the ending pass's, so the two never collide."""
+    source = batches(6)
+    want = [s[0].item() for s in source]
+    async with ResidencyManager(budgets={"cuda:0": 64 * KiB}, backend=sim()) as m:
+        with anyio.fail_after(10):
+            for _ in range(3):
+                seen = []
+                async for batch in DeviceLoader(
+                    m, source, "cuda:0", prefetch=2, name="train", ring=ring
+                ):
+                    seen.append(batch[0].item())
+                    if len(seen) == 2:
+                        break
+                assert seen == want[:2]
+            async with DeviceLoader(
+                m, source, "cuda:0", prefetch=2, name="train", ring=ring
+            ) as last:
+                assert [b[0].item() for b in await collect(last)] == want
+                # A loader of the name that is open (entered, or with a pass running) still
+                # refuses another.
+                with pytest.raises(ValueError, match="another DeviceLoader named 'train' is open"):
+                    DeviceLoader(m, source, "cuda:0", name="train", ring=ring)
+            while list(m.state.values()) or m.snapshot().location("cuda:0").reserved_bytes:
+                await m.wait_for_change(0.05)  # (the dropped passes end as the device passes)
+        assert_nothing_left(m)
