@@ -129,6 +129,18 @@ class Bench:
             await done.wait()
         return outcome[0], hung
 
+    async def call_once(self, outer: StreamedModule, x: torch.Tensor) -> object:
+        """``await outer(x)`` (no grad, bounded by ``BOUND``) through :meth:`within`: what it
+        returned or raised; fails the test if it hung."""
+
+        async def call() -> object:
+            with anyio.fail_after(BOUND), torch.no_grad():
+                return await outer(x)
+
+        raised, hung = await self.within(call)
+        assert not hung, "the nested call waited for ever, and so did the outer one"
+        return raised
+
 
 @contextlib.asynccontextmanager
 async def bench(budget: int) -> AsyncIterator[Bench]:
@@ -228,12 +240,7 @@ async def test_a_nested_call_that_only_the_outer_calls_room_keeps_out_is_refused
         inner = stream_module(m, inner_model(), prefetch=1, ring=inner_ring, name="inner")
         calls.inner = entry(inner, kind)
 
-        async def call() -> object:
-            with anyio.fail_after(BOUND), torch.no_grad():
-                return await outer(x)
-
-        raised, hung = await b.within(call)
-        assert not hung, "the nested call waited for ever, and so did the outer one"
+        raised = await b.call_once(outer, x)
         assert isinstance(raised, ResidencyBudgetError), raised
         message = str(raised)
         assert message.startswith("budget exceeded at cuda:0"), message
@@ -335,12 +342,7 @@ async def test_a_nested_call_from_a_sequentials_block_that_could_only_wait_is_re
         calls.inner = inner.call_threadsafe
         x = torch.randn(2, 32)
 
-        async def call() -> object:
-            with anyio.fail_after(BOUND), torch.no_grad():
-                return await outer(x)
-
-        raised, hung = await b.within(call)
-        assert not hung, "the nested call waited for ever, and so did the outer one"
+        raised = await b.call_once(outer, x)
         assert isinstance(raised, RuntimeError), raised
         message = str(raised)
         assert message.startswith("inner: called from inside ") and "outer's call" in message
@@ -428,12 +430,7 @@ async def test_a_call_of_the_same_module_from_inside_its_forward_is_refused(kind
         outer = stream_module(b.m, model, prefetch=1, name="outer")
         calls.inner = entry(outer, kind)
 
-        async def call() -> object:
-            with anyio.fail_after(BOUND), torch.no_grad():
-                return await outer(x)
-
-        raised, hung = await b.within(call)
-        assert not hung, "the nested call waited for ever, and so did the outer one"
+        raised = await b.call_once(outer, x)
         assert isinstance(raised, RuntimeError), raised
         assert str(raised).startswith("outer: called from inside its own call's forward")
         calls.inner = None
