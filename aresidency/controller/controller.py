@@ -544,11 +544,14 @@ class ControllerScope:
                         raise never from error
                     if turn is None:
                         turn = self._take_turn()
-                    if registered is None:
-                        # Registered for the hold-and-wait check, as a waiting manual scope
-                        # is: refused here if it closes a cycle of tasks each waiting for
-                        # room the others hold, and a later wait closing one is refused.
-                        registered = self._register_wait()
+                    # Registered for the hold-and-wait check, as a waiting manual scope is:
+                    # refused here if it closes a cycle of tasks each waiting for room the
+                    # others hold, and a later wait closing one is refused. Anew at each
+                    # wait: what it needs changes as values arrive and leave.
+                    if registered is not None:
+                        registered.close()
+                    registered = None
+                    registered = self._register_wait()
                     if turn is not None:
                         changed = await turn.wait(deadline)
                     else:  # a stand-in manager, without an admission queue
