@@ -63,6 +63,17 @@ def _location(data: Any, key: str | int, where: str) -> Location:
         raise ValueError(f"{_path(where, key)} is not a location: {error}") from None
 
 
+def _handle(data: Any, key: str, where: str) -> ValueHandle:
+    """``data[key]``, a handle as ``ValueHandle.to_dict`` writes it, each field checked."""
+    got = data[key]
+    if not isinstance(got, Mapping):
+        raise ValueError(f"{_path(where, key)} must be a handle's dict, got {got!r}")
+    path = _path(where, key)
+    return ValueHandle(
+        _text(got, "manager_id", path), _count(got, "value_id", path), _text(got, "name", path)
+    )
+
+
 E = TypeVar("E", bound=enum.Enum)
 
 
@@ -241,7 +252,7 @@ class ValueSnapshot:
             if not isinstance(items, list | tuple):
                 raise ValueError(f"{where}.{field} must be a list, got {items!r}")
         return cls(
-            ValueHandle.from_dict(data["handle"]),
+            _handle(data, "handle", where),
             _text(data, "name", where),
             _member(ReplicaMode, data, "replica_mode", where),
             _text(data, "recoverability", where),

@@ -233,8 +233,8 @@ class Runtime:
         if threading.get_ident() != self.bridge.thread:
             raise RuntimeError(
                 "ResidencyManager state is owned by its event loop's thread; call it from that "
-                "thread (for example with anyio.from_thread.run or "
-                "asyncio.run_coroutine_threadsafe)"
+                "thread: from another one, manager.bridge.call_soon(fn, *args) (never waits) or "
+                "manager.bridge.run_async(async_fn, *args) (blocks that thread)"
             )
         if not self.frozen and not self.bridge.running_here():
             # The right thread, but not the loop that entered the manager: its completions go

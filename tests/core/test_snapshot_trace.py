@@ -409,6 +409,11 @@ def _set(data: dict[str, Any], path: str, new: Any) -> None:
         ("values[0].replica_mode", "bogus", "values[0].replica_mode is 'bogus', not a ReplicaMode"),
         ("values[0].discarded", "no", "values[0].discarded must be true or false"),
         ("values[0].name", 3, "values[0].name must be a str"),
+        ("values[0].handle", "v", "values[0].handle must be a handle's dict"),
+        ("values[0].handle.value_id", 1.5, "values[0].handle.value_id must be a non-negative int"),
+        ("values[0].handle.value_id", "x", "values[0].handle.value_id must be a non-negative int"),
+        ("values[0].handle.manager_id", None, "values[0].handle.manager_id must be a str"),
+        ("values[0].handle.name", None, "values[0].handle.name must be a str"),
         (
             "values[0].materializations[0].use_count",
             "x",

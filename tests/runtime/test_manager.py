@@ -420,6 +420,31 @@ async def test_cancelling_a_pending_operation_from_another_thread_fails_and_canc
         assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
 
 
+async def test_a_call_from_another_thread_is_told_to_use_the_bridge() -> None:
+    """The refusal of a call from a plain thread names the way back to the loop the docs give,
+    ``manager.bridge`` (it named anyio.from_thread.run, which a thread anyio did not start
+    cannot use, and asyncio.run_coroutine_threadsafe, which trio has not), and that way
+    works."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                m.hold(h, "pageable-host")
+            except BaseException as e:
+                errors.append(e)
+            m.bridge.run_async(m.move, h, "cuda:0")
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(e) for e in errors] == [RuntimeError]
+        assert "manager.bridge.call_soon" in str(errors[0])
+        assert "manager.bridge.run_async" in str(errors[0])
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["cuda:0"]
+
+
 @pytest.mark.parametrize(
     ("shape", "error", "match"),
     [
