@@ -122,7 +122,11 @@ def parse_nbytes(value: object, what: str = "size", *, allow_zero: bool = True) 
     else:
         raise TypeError(_refuse(what, value, f"a {type(value).__name__} is not a size"))
     if nbytes == 0 and not allow_zero:
-        raise ValueError(_refuse(what, value, "it must be greater than 0 here"))
+        # (not the list of accepted forms: it says an int >= 0, and 0 is one of them)
+        raise ValueError(
+            f"{what} must be a byte count greater than 0 here, such as '512MB', '1 GiB' or "
+            f"4096; got {value!r}"
+        )
     return nbytes
 
 
