@@ -16,7 +16,7 @@
 ==================  ========================================================================
 """
 
-from .leases import Hold, Lease
+from .leases import Hold, Lease, LeaseWouldWait
 from .manager import ResidencyManager
 from .pending import PendingOperation
 from .scopes import Scope
@@ -27,6 +27,7 @@ __all__ = [
     "CallableSource",
     "Hold",
     "Lease",
+    "LeaseWouldWait",
     "ManagerClosedError",
     "PendingOperation",
     "ResidencyManager",
