@@ -1,9 +1,10 @@
 """Automatic Example 16: weight streaming runs a model bigger than the GPU budget, block by block.
 
 The model keeps its weights in pinned host memory; a budget of three blocks on ``cuda:0`` is
-all it gets. While block ``i`` computes, the copies of blocks ``i+1`` and ``i+2`` are already on
-the copy stream, and block ``i``'s weights leave the budget as soon as its kernels finished
-(the manager's reaper sees the event; nobody synchronizes). The result is the same, bit for
+all it gets. A call reserves a ring of device buffers for the blocks (one reservation). While
+block ``i`` computes, the copies of blocks ``i+1`` and ``i+2`` are already on the copy stream,
+each into the buffer of a block whose kernels finished (the copy waits for them on the device;
+nobody synchronizes). The result is the same, bit for
 bit, as running the whole model on the GPU.
 
 Runs on a GPU when there is one (backend "auto") and on the simulated backend otherwise, which
@@ -111,9 +112,13 @@ async def main() -> None:
             f"({residency['kept_bytes'] / MiB:.1f} MiB): {residency['reason']}"
         )
         assert record.peak_bytes <= budget and record.used_bytes == residency["kept_bytes"]
+        # The blocks' copies run inside a call's ring (its reservation is all the manager sees
+        # of them; a call that starts while the device still runs the previous one takes its
+        # ring over); the manager's own copies are the resident group's.
         kinds = [t.kind for t in manager.trace().transitions]
         print(
-            f"trace: {kinds.count('copy_begin')} copies, {kinds.count('event_reaped')} "
+            f"trace: {kinds.count('reserve')} ring reservation(s), "
+            f"{kinds.count('copy_begin')} managed copies, {kinds.count('event_reaped')} "
             f"compute events reaped, {kinds.count('release')} releases"
         )
 
