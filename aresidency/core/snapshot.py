@@ -387,6 +387,9 @@ class ResidencySnapshot:
         """The snapshot ``to_dict`` described; ``ValueError`` naming the first missing or
         malformed field (JSON from elsewhere is checked, not trusted)."""
         try:
+            for field in ("locations", "values"):
+                if not isinstance(data[field], list | tuple):
+                    raise ValueError(f"{field} must be a list, got {data[field]!r}")
             locations = [
                 LocationRecord.from_dict(d, f"locations[{i}]")
                 for i, d in enumerate(data["locations"])
@@ -411,6 +414,22 @@ class ResidencySnapshot:
                 f"not a snapshot dict: manager_id must be a str and state_version an int, got "
                 f"{manager_id!r} and {version!r}"
             )
+        seen: set[object] = set()
+        for i, record in enumerate(locations):
+            if record.location in seen:
+                raise ValueError(f"locations[{i}] repeats location {record.location}")
+            seen.add(record.location)
+        ids: set[int] = set()
+        for i, value in enumerate(values):
+            handle = value.handle
+            if handle.manager_id != manager_id:
+                raise ValueError(
+                    f"values[{i}].handle.manager_id is {handle.manager_id!r}, not the "
+                    f"snapshot's manager_id {manager_id!r}"
+                )
+            if handle.value_id in ids:
+                raise ValueError(f"values[{i}] repeats value id {handle.value_id}")
+            ids.add(handle.value_id)
         return cls(
             manager_id,
             version,

@@ -414,6 +414,13 @@ def _set(data: dict[str, Any], path: str, new: Any) -> None:
         ("values[0].handle.value_id", "x", "values[0].handle.value_id must be a non-negative int"),
         ("values[0].handle.manager_id", None, "values[0].handle.manager_id must be a str"),
         ("values[0].handle.name", None, "values[0].handle.name must be a str"),
+        ("values", {}, "values must be a list, got {}"),
+        ("locations", {}, "locations must be a list, got {}"),
+        (
+            "values[0].handle.manager_id",
+            "other",
+            "values[0].handle.manager_id is 'other', not the snapshot's manager_id",
+        ),
         (
             "values[0].materializations[0].use_count",
             "x",
@@ -434,5 +441,19 @@ def test_a_snapshot_dict_with_a_malformed_field_is_refused_naming_it(
     data = _snapshot_dict()
     assert ResidencySnapshot.from_dict(copy.deepcopy(data)).to_dict() == data
     _set(data, path, new)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ResidencySnapshot.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "said"),
+    [("values", "values[1] repeats value id"), ("locations", "locations[1] repeats location")],
+)
+def test_a_snapshot_dict_that_lists_a_value_or_location_twice_is_refused(
+    field: str, said: str
+) -> None:
+    """Read as it was, the second record would replace the first without a word."""
+    data = _snapshot_dict()
+    data[field] = [data[field][0], copy.deepcopy(data[field][0])]
     with pytest.raises(ValueError, match=re.escape(said)):
         ResidencySnapshot.from_dict(data)
