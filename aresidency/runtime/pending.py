@@ -34,12 +34,19 @@ class PendingOperation:
     def done(self) -> bool:
         return self._run.finished
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
         """Cancel the transfer if nobody uses its destination yet (synchronous; it settles
-        later, through the normal path). On the manager's loop only: from another thread it
-        raises ``RuntimeError`` and cancels nothing (it would drive the run off the loop)."""
+        later, through the normal path). Returns whether this call asked for it: ``False``
+        once the operation finished or a cancellation was asked before (as
+        ``Future.cancel``; :meth:`cancelled` says, once done, whether it ended cancelled). On
+        the manager's loop only: from another thread it raises ``RuntimeError`` and cancels
+        nothing (it would drive the run off the loop)."""
         self._run._rt.check_loop_thread()
-        self._run.cancel()
+        run = self._run
+        if run.finished or run.cancel_requested:
+            return False
+        run.cancel()
+        return True
 
     def cancelled(self) -> bool:
         """Whether it finished cancelled (the value did not arrive because of :meth:`cancel`)."""

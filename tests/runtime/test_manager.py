@@ -1029,3 +1029,23 @@ def test_leaving_the_manager_from_another_loop_or_thread_is_refused_before_anyth
     finally:
         own.close()
         other.close()
+
+
+async def test_cancel_of_a_pending_operation_says_whether_it_asked() -> None:
+    """``pending.cancel()`` returns, as ``Future.cancel`` does, whether it asked for the
+    cancellation: ``True`` while the copy is in flight, ``False`` asked again or once the
+    operation finished (it returned ``None`` whatever happened)."""
+    async with ResidencyManager(backend="sim") as m:
+        h = m.register(random_tensor(), name="w")
+        gate = threading.Event()
+        m.backend.device_streams(0).h2d.submit(lambda: gate.wait(10))  # holds the copy back
+        pending = m.materialize_nowait(h, "cuda:0")
+        assert pending.cancel() is True
+        assert pending.cancel() is False  # asked already
+        gate.set()
+        await pending.wait_settled()
+        assert pending.cancelled() and pending.cancel() is False
+        assert [str(x) for x in m.snapshot().value(h).locations] == ["pageable-host"]
+        done = m.materialize_nowait(h, "cuda:0")
+        await done
+        assert done.cancel() is False and not done.cancelled()
