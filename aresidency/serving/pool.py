@@ -2176,8 +2176,9 @@ class ModelPool:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per model: ``requests``, ``hits``, ``loads``, ``evictions``, ``evicted_bytes``,
-        ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, ``joined_past``, and
-        now:
+        ``bytes_copied``, ``wait_seconds``, ``failures``, ``last_mode``, ``joined_past``,
+        ``calls``, ``shared_calls``, ``direct_calls``, ``call_seconds``, ``call_wait_seconds``,
+        and now:
         ``demand_per_s``, ``resident_bytes`` (on the device), ``total_bytes``, ``active``
         (admitted requests). JSON-friendly. Loop thread; still readable once the manager
         closed (its final state), and once the pool closed (the reading :meth:`aclose` took
