@@ -549,8 +549,7 @@ class ControllerScope:
                     # others hold, and a later wait closing one is refused. Anew at each
                     # wait: what it needs changes as values arrive and leave.
                     if registered is not None:
-                        registered.close()
-                    registered = None
+                        registered.close()  # (closing it again in the finally does nothing)
                     registered = self._register_wait()
                     if turn is not None:
                         changed = await turn.wait(deadline)
