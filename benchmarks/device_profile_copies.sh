@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Where the host time of small copies goes on the GPU: the manager's 64 x 4 MB copies, a task
+# Where the host time of small copies goes on the GPU: the parts of 64 x 4 MB copies with the
+# device's own span beside the host's total (diag_manager_copies.py), then the manager's 64 x 4 MB copies, a task
 # each and in one plan, and a scope moving 4 KiB in and out, under cProfile (raw profiles in
 # $OUT for pstats elsewhere), then the loader's quick benchmark unless NO_LOADER is set.   bash benchmarks/device_profile_copies.sh
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/device_env.sh
+timeout 120 python3 benchmarks/diag_manager_copies.py --backend cuda --rounds 15 \
+  > "$OUT/diag-copies.log" 2>&1
+echo "== diag_manager_copies rc=$?"
+tail -n 20 "$OUT/diag-copies.log"
 for mode in tasks one-plan; do
   flag=""
   [ "$mode" = one-plan ] && flag=--one-plan

@@ -2,8 +2,15 @@
 registered values of ``--size`` bytes (pinned sources) copied to ``cuda:0`` at once, timed in
 parts. Each row is the median of ``--rounds`` rounds, in microseconds per copy:
 
+* ``torch issue`` / ``torch total``: plain torch (``.to(device, non_blocking=True)`` on a side
+  stream, then that stream synchronized), as ``bench_copy.py``'s torch column;
 * ``backend issue`` / ``backend total``: ``CudaBackend.copy`` for every value (the host's issue
   time), then every transfer awaited and freed (the whole round);
+* ``copy_many issue`` / ``copy_many total``: the same copies in one ``CudaBackend.copy_many``
+  (one stream switch and one completion event for all);
+* ``... device span`` (CUDA only): the device's own time for that row's copies, between a timing
+  event recorded on the copy stream before the first copy and one after the last; the row's
+  total minus it is what the host added (the first issue and the notice of the last completion);
 * ``nowait issue`` / ``nowait total``: ``materialize_nowait`` for every value, then every
   pending operation awaited (the runtime's admission, plan, commit and settle on top);
 * ``release nowait``: ``release_nowait`` for every value and their awaits;
@@ -34,6 +41,7 @@ smoke test of the script, not a measurement of the CUDA path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -48,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aresidency import Materialize, Release, ReplicaMode, ResidencyManager, ResidencyPlan
+from aresidency.backends.base import CopyRequest
 from aresidency.core.locations import Location
 from aresidency.core.sizes import format_nbytes, parse_nbytes
 
@@ -132,21 +141,81 @@ async def main(args: argparse.Namespace) -> None:
             for i, s in enumerate(sources(4096))
         ]
 
-        async def copy_round(through: Any) -> dict[str, float]:
+        def span_markers(stream: Any) -> tuple[Any, Any]:
+            """Two timing events on the stream the copies go to: the first recorded now (before
+            the copies), the second to be recorded after them. The device's own time for the
+            copies is the span between them; the round's time minus it is the host's share
+            (the issue before the first copy and the notice after the last)."""
+            if not gpu:
+                return None, None
+            first, last = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            first.record(stream)
+            return first, last
+
+        def device_span(first: Any, last: Any) -> float:
+            if first is None:
+                return 0.0
+            last.synchronize()
+            return float(first.elapsed_time(last)) / 1e3
+
+        def h2d_stream() -> Any:
+            if not gpu:
+                return None
+            from aresidency.backends.cuda import copy_streams
+
+            return copy_streams(0).h2d
+
+        async def copy_round(through: Any, label: str = "backend") -> dict[str, float]:
             """Every source copied to the device by ``through`` (a backend), awaited, freed."""
             _sync(gpu)
+            stream = h2d_stream()
             t0 = time.perf_counter()
-            transfers = [through.copy(s, host, dev) for s in big]
+            first, last = span_markers(stream)
+            if label == "copy_many":
+                requests = [CopyRequest(s, host, dev) for s in big]
+                transfers = through.copy_many(requests)
+            else:
+                transfers = [through.copy(s, host, dev) for s in big]
             t1 = time.perf_counter()
+            if last is not None:
+                last.record(stream)
             for t in transfers:
                 await t.wait()
             t2 = time.perf_counter()
+            span = device_span(first, last)
             for t in transfers:
                 through.free(t.tensor, dev)
-            return {"backend issue": t1 - t0, "backend total": t2 - t0}
+            out = {f"{label} issue": t1 - t0, f"{label} total": t2 - t0}
+            if gpu:
+                out[f"{label} device span"] = span
+            return out
+
+        async def torch_round() -> dict[str, float]:
+            """Plain torch, as ``bench_copy.py``'s torch column: every source ``.to(device,
+            non_blocking=True)`` on one side stream, then the stream synchronized."""
+            _sync(gpu)
+            stream = torch.cuda.Stream() if gpu else None
+            t0 = time.perf_counter()
+            first, last = span_markers(stream)
+            with torch.cuda.stream(stream) if gpu else contextlib.nullcontext():
+                outs = [s.to("cuda:0" if gpu else "cpu", non_blocking=True) for s in big]
+            t1 = time.perf_counter()
+            if last is not None:
+                last.record(stream)
+                stream.synchronize()
+            t2 = time.perf_counter()
+            span = device_span(first, last)
+            del outs
+            out = {"torch issue": t1 - t0, "torch total": t2 - t0}
+            if gpu:
+                out["torch device span"] = span
+            return out
 
         async def backend_round() -> dict[str, float]:
             return await copy_round(backend)
+
+        async def copy_many_round() -> dict[str, float]:
+            return await copy_round(backend, "copy_many")
 
         async def nowait_round() -> dict[str, float]:
             _sync(gpu)
@@ -209,7 +278,9 @@ async def main(args: argparse.Namespace) -> None:
             second.start()
 
         rows_to_run = [
+            torch_round,
             backend_round,
+            copy_many_round,
             nowait_round,
             tasks_round(handles, "tasks"),
             tasks_round(small, "4 KiB tasks"),
@@ -253,6 +324,7 @@ async def main(args: argparse.Namespace) -> None:
     for key, us in rows.items():
         size = 4096 if key.startswith("4 KiB") else nbytes
         rate = "" if "issue" in key or "release" in key else f"{size / us / 1e3:.1f}"
+        # (a device span is the copies' own time on the device: its GB/s is the link's)
         print(f"| {key} | {us:.1f} | {rate} |")
 
 
