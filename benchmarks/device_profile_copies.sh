@@ -6,6 +6,7 @@
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/device_env.sh
+python3 benchmarks/diag_host_speed.py
 timeout 120 python3 benchmarks/diag_manager_copies.py --backend cuda --rounds 15 \
   > "$OUT/diag-copies.log" 2>&1
 echo "== diag_manager_copies rc=$?"
