@@ -41,7 +41,6 @@ import contextlib
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +73,7 @@ from .pinned import (
     unregister_pinned,
 )
 from .polling import spin_wait
+from .prediction import CopyQueues
 from .staging import (
     StagingLane,
     StagingPool,
@@ -84,6 +84,14 @@ from .staging import (
 from .waiter import EventWaiter
 
 __all__ = ["CopyStreams", "CudaBackend"]
+
+# Estimates for the waiter (when a copy should be done), not promises: the host link of an H200
+# moves about 55 GB/s each way and NVLink about 380 GB/s between two of them; a launch adds
+# about 10 us.
+_LINK_BYTES_PER_S = 50e9
+_PEER_BYTES_PER_S = 350e9
+_DEVICE_BYTES_PER_S = 1500e9
+_COPY_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,7 @@ class CudaBackend(Backend):
     State: the waiter thread, the staging pool (two lane threads and the memcpy threads), a
     worker pool for host copies and deferred issues, the pinned allocator and arena, the
     pageable cache,
-    ``_busy_until`` (per copy stream, when its queued copies should be done: the waiter polls
+    ``_queues`` (per copy stream, when its queued copies should be done: the waiter polls
     short ones on the loop), ``_host_waits`` (completions of host events), ``_closed``.
     """
 
@@ -307,7 +315,7 @@ class CudaBackend(Backend):
         self.pageable_mmap_bytes = pageable_mmap_bytes
         self.inline_pageable_bytes = inline_pageable_bytes
         self.inline_register_bytes = inline_register_bytes
-        self._busy_until: dict[int, float] = {}  # copy stream handle -> monotonic seconds
+        self._queues = CopyQueues(_COPY_LATENCY_S)  # when each copy stream's copies end
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=host_workers, thread_name_prefix="aresidency-host"
         )
@@ -515,22 +523,27 @@ class CudaBackend(Backend):
         return self._record(stream)
 
     def _record(
-        self, stream: torch.cuda.Stream, expected_at: float | None = None
+        self,
+        stream: torch.cuda.Stream,
+        expected_at: float | None = None,
+        bytes_per_s: float | None = None,
     ) -> torch.cuda.Event:
+        """An event recorded on ``stream`` now and armed; ``expected_at``: from :meth:`_expect`
+        for the copies before it, at ``bytes_per_s`` (the host link's by default)."""
         event = cuda_event(blocking=self.waiter.blocking_events)
         event.record(stream)
         self.waiter.arm(event, stream, expected_at)
+        if expected_at is not None:
+            rate = _LINK_BYTES_PER_S if bytes_per_s is None else bytes_per_s
+            self._queues.recorded(int(stream.cuda_stream), event, rate, expected_at)
         return event
 
     def _expect(self, stream: torch.cuda.Stream, nbytes: int, bytes_per_s: float) -> float:
         """When a copy of ``nbytes`` enqueued on ``stream`` now should be done: after the
-        copies queued before it, at ``bytes_per_s``, plus the launch latency (an estimate for
-        the waiter, never a promise)."""
-        key = int(stream.cuda_stream)
-        now = time.monotonic()
-        done = max(now, self._busy_until.get(key, 0.0)) + _COPY_LATENCY_S + nbytes / bytes_per_s
-        self._busy_until[key] = done
-        return done
+        copies queued before it, at ``bytes_per_s``, plus the launch latency if the stream was
+        idle (an estimate for the waiter, never a promise; made again when the wait begins:
+        :class:`~aresidency.backends.prediction.CopyQueues`)."""
+        return self._queues.expect(int(stream.cuda_stream), nbytes, bytes_per_s)
 
     def stream_wait(self, stream: Any, event: DeviceEvent) -> None:
         """``cudaStreamWaitEvent``: later work on ``stream`` waits for ``event`` on the
@@ -574,6 +587,9 @@ class CudaBackend(Backend):
                 f"the CUDA backend awaits torch.cuda.Event and host events, not {event!r}"
             )
         assert self._bridge is not None
+        notes = getattr(event, "_aresidency", None)
+        if notes is not None and notes.queued is not None and notes.origin is not None:
+            self._queues.reestimate(notes.origin[1], event)
         self.waiter.watch(event, self._bridge, callback)
 
     # -------------------------------------------------------------- copies
@@ -648,94 +664,48 @@ class CudaBackend(Backend):
 
     def copy_many(self, requests: Sequence[CopyRequest]) -> list[Transfer | BaseException]:
         """See :meth:`Backend.copy_many`. Copies from pinned memory to a device, one after
-        the other in ``requests``, are issued together in the calling thread: one switch to
-        the device's host-to-device copy stream, every destination allocated and copied
-        there, and one event after the last, which their transfers share. Every other copy
-        goes through :meth:`copy`."""
+        the other in ``requests``, are issued together in the calling thread: each one as
+        soon as it is checked (the link starts on the first while the host checks the next),
+        on the device's host-to-device copy stream, and one event after the last, which their
+        transfers share. Every other copy goes through :meth:`copy`."""
         out: list[Transfer | BaseException] = []
-        group: list[tuple[int, torch.Tensor, Location, Location, int, list[torch.cuda.Event]]] = []
-
-        def issue_group() -> None:
-            if group:
-                self._issue_direct_h2d(group, out)
-                group.clear()
-
-        for request in requests:
-            src = request.src
-            try:
-                src_loc, dst_loc, nbytes, device_waits, host_waits = self._check_copy(
-                    src, request.src_location, request.dst_location, request.wait_events
-                )
-            except BaseException as error:  # that request fails alone, as copy would raise
-                out.append(error)
-                continue
-            direct = (
-                dst_loc.is_cuda
-                and not src_loc.is_cuda
-                and all(e.query() for e in host_waits)
-                # (the runtime's pinned-host tensors are page-locked: is_pinned() costs a
-                # driver query, asked only of a tensor said to be pageable)
-                and (src_loc.is_pinned or src.is_pinned())
-            )
-            if direct and group and group[0][3] != dst_loc:
-                issue_group()
-            if direct:
-                out.append(_PLACEHOLDER)  # its transfer, once the group is issued
-                group.append((len(out) - 1, src, src_loc, dst_loc, nbytes, device_waits))
-                continue
-            issue_group()
-            try:
-                out.append(
-                    self._copy_checked(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
-                )
-            except BaseException as error:
-                out.append(error)
-        issue_group()
-        return out
-
-    def _issue_direct_h2d(
-        self,
-        group: Sequence[tuple[int, torch.Tensor, Location, Location, int, list[torch.cuda.Event]]],
-        out: list[Transfer | BaseException],
-    ) -> None:
-        """Issue pinned-to-device copies to one device together (see :meth:`copy_many`):
-        ``out[i]`` becomes each one's transfer, or its allocation's error."""
-        dst_loc = group[0][3]
-        stream = copy_streams(dst_loc.device_index).h2d
-        device = _device(dst_loc)
-        issued: list[Transfer] = []
-        total = 0
-        with on_stream(stream):
-            for i, src, src_loc, _, nbytes, device_waits in group:
+        group: _DirectGroup | None = None
+        try:
+            for request in requests:
+                src = request.src
                 try:
-                    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+                    src_loc, dst_loc, nbytes, device_waits, host_waits = self._check_copy(
+                        src, request.src_location, request.dst_location, request.wait_events
+                    )
+                except BaseException as error:  # that request fails alone, as copy would raise
+                    out.append(error)
+                    continue
+                direct = (
+                    dst_loc.is_cuda
+                    and not src_loc.is_cuda
+                    and all(e.query() for e in host_waits)
+                    # (the runtime's pinned-host tensors are page-locked: is_pinned() costs a
+                    # driver query, asked only of a tensor said to be pageable)
+                    and (src_loc.is_pinned or src.is_pinned())
+                )
+                if group is not None and not (direct and group.dst_loc == dst_loc):
+                    group.close()
+                    group = None
+                if direct:
+                    if group is None:
+                        group = _DirectGroup(self, dst_loc)
+                    out.append(group.issue(src, src_loc, nbytes, device_waits))
+                    continue
+                try:
+                    out.append(
+                        self._copy_checked(src, src_loc, dst_loc, nbytes, device_waits, host_waits)
+                    )
                 except BaseException as error:
-                    out[i] = error
-                    continue
-                fail = self.faults.next_transfer_fails()
-                transfer = Transfer(self, dst, nbytes, src_loc, dst_loc, "direct", fail=fail)
-                out[i] = transfer
-                try:
-                    for waited in device_waits:
-                        stream.wait_event(waited)
-                    dst.copy_(src, non_blocking=True)
-                    if fail:
-                        poison_(dst)
-                except BaseException as error:  # the copy's own error is its outcome
-                    transfer._finish_issue(HostEvent(done=True, label="failed"), error)
-                    continue
-                issued.append(transfer)
-                total += nbytes
-            if not issued:
-                return
-            try:
-                event = self._record(stream, self._expect(stream, total, _LINK_BYTES_PER_S))
-            except BaseException as error:  # no event to wait for: each copy failed with it
-                for transfer in issued:
-                    transfer._finish_issue(HostEvent(done=True, label="failed"), error)
-                return
-        for transfer in issued:
-            transfer._finish_issue(event)
+                    out.append(error)
+        finally:
+            if group is not None:
+                group.close()
+        return out
 
     def copy_into(
         self,
@@ -869,7 +839,7 @@ class CudaBackend(Backend):
                 with on_stream(s_j):
                     poison_(dst)
             rate = _PEER_BYTES_PER_S if i != j else _DEVICE_BYTES_PER_S
-            return self._record(s_j, self._expect(s_j, nbytes, rate))
+            return self._record(s_j, self._expect(s_j, nbytes, rate), rate)
 
         self._issue_inline_or_deferred(transfer, host_waits, issue)
         return transfer
@@ -1057,15 +1027,63 @@ class CudaBackend(Backend):
         )
 
 
-# Estimates for the waiter (when a copy should be done), not promises: the host link of an H200
-# moves about 55 GB/s each way and NVLink about 380 GB/s between two of them; a launch adds
-# about 10 us.
-_LINK_BYTES_PER_S = 50e9
-_PEER_BYTES_PER_S = 350e9
-_DEVICE_BYTES_PER_S = 1500e9
-# A slot of copy_many's result list until its group is issued (never returned).
-_PLACEHOLDER: Any = RuntimeError("copy_many: not issued")
-_COPY_LATENCY_S = 10e-6
+class _DirectGroup:
+    """Pinned-to-device copies of :meth:`CudaBackend.copy_many` to one device: each issued on
+    the device's host-to-device copy stream as it comes (:meth:`issue`), then one event after
+    the last, which their transfers share (:meth:`close`, once). A copy whose destination
+    cannot be allocated, or whose issue raises, has that error as its outcome alone."""
+
+    __slots__ = ("backend", "device", "dst_loc", "expected_at", "issued", "stream")
+
+    def __init__(self, backend: CudaBackend, dst_loc: Location) -> None:
+        self.backend = backend
+        self.dst_loc = dst_loc
+        self.stream = copy_streams(dst_loc.device_index).h2d
+        self.device = _device(dst_loc)
+        self.issued: list[Transfer] = []
+        self.expected_at: float | None = None
+
+    def issue(
+        self,
+        src: torch.Tensor,
+        src_loc: Location,
+        nbytes: int,
+        device_waits: list[torch.cuda.Event],
+    ) -> Transfer | BaseException:
+        backend, stream = self.backend, self.stream
+        with on_stream(stream):
+            try:
+                dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            except BaseException as error:
+                return error
+            fail = backend.faults.next_transfer_fails()
+            transfer = Transfer(backend, dst, nbytes, src_loc, self.dst_loc, "direct", fail=fail)
+            try:
+                for waited in device_waits:
+                    stream.wait_event(waited)
+                dst.copy_(src, non_blocking=True)
+                if fail:
+                    poison_(dst)
+            except BaseException as error:  # the copy's own error is its outcome
+                transfer._finish_issue(HostEvent(done=True, label="failed"), error)
+                return transfer
+        self.expected_at = backend._expect(stream, nbytes, _LINK_BYTES_PER_S)
+        self.issued.append(transfer)
+        return transfer
+
+    def close(self) -> None:
+        """Record the event after the copies issued and give it to their transfers."""
+        issued, self.issued = self.issued, []
+        if not issued:
+            return
+        try:
+            event = self.backend._record(self.stream, self.expected_at)
+        except BaseException as error:  # no event to wait for: each copy failed with it
+            for transfer in issued:
+                transfer._finish_issue(HostEvent(done=True, label="failed"), error)
+            return
+        for transfer in issued:
+            transfer._finish_issue(event)
 
 
 def _prefault(raw: torch.Tensor) -> None:

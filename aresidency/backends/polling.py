@@ -41,16 +41,20 @@ class EventNotes:
     ``origin`` (the stream it was recorded on, as ``(device, handle)``), ``expected_at`` (when
     the backend expects it to complete, ``time.monotonic``), ``armed`` (its notification is
     enqueued), ``seq`` (when it was last recorded, in the order of :func:`next_record`: events
-    of one stream complete in that order; 0: unknown). Events that take no attributes get
+    of one stream complete in that order; 0: unknown), and for a copy's event the bytes queued
+    on its stream up to it and the rate assumed (``queued``, ``rate``: see
+    :class:`~aresidency.backends.prediction.CopyQueues`). Events that take no attributes get
     none (and are waited for without them)."""
 
-    __slots__ = ("armed", "expected_at", "origin", "seq")
+    __slots__ = ("armed", "expected_at", "origin", "queued", "rate", "seq")
 
     def __init__(self) -> None:
         self.origin: tuple[int, int | None] | None = None
         self.expected_at: float | None = None
         self.armed = False
         self.seq = 0
+        self.queued: int | None = None
+        self.rate = 0.0
 
     @classmethod
     def of(cls, event: Any) -> EventNotes | None:

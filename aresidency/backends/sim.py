@@ -54,6 +54,7 @@ from .base import (
 from .bridge import LoopBridge
 from .events import OnceCallbacks
 from .memory import POISON_BYTE, as_bytes, is_poisoned, poison_
+from .prediction import CopyQueues
 from .simstreams import SimDeviceStreams, SimEvent, SimStream
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class SimBackend(Backend):
         if waiter is not None:
             _check_waiter(waiter)
         self.waiter = waiter
-        self._busy_until: dict[int, float] = {}  # with a waiter: stream -> expected idle time
+        self._queues = CopyQueues(10e-6)  # with a waiter: when each stream's copies end
         self._unissued: set[Transfer] = set()  # with a waiter: pageable copies issued later
         self.issued_late = 0  # how many were (tests)
         label = "sim"
@@ -368,14 +369,13 @@ class SimBackend(Backend):
         event = stream.record_event()
         if self.waiter is not None:
             expected_at = None
+            rate = (self.copy_gbps or 20.0) * 1e9
             if nbytes is not None:
-                now = time.monotonic()
-                rate = (self.copy_gbps or 20.0) * 1e9
-                key = id(stream)
-                expected_at = max(now, self._busy_until.get(key, 0.0)) + 10e-6 + nbytes / rate
-                self._busy_until[key] = expected_at
+                expected_at = self._queues.expect(stream.cuda_stream, nbytes, rate)
             origin = stream if stream.device_index is not None else None
             self.waiter.arm(event, origin, expected_at)
+            if expected_at is not None:
+                self._queues.recorded(stream.cuda_stream, event, rate, expected_at)
         return event
 
     def notify(self, waitable: DeviceEvent | Transfer, callback: CompletionCallback) -> None:
@@ -388,6 +388,9 @@ class SimBackend(Backend):
             and not self._closed
             and self._bridge is not None
         ):
+            notes = getattr(waitable, "_aresidency", None)
+            if notes is not None and notes.queued is not None and notes.origin is not None:
+                self._queues.reestimate(notes.origin[1], waitable)
             self.waiter.watch(waitable, self._bridge, callback)
             return
         super().notify(waitable, callback)

@@ -791,3 +791,46 @@ async def test_copy_many_fails_each_copy_of_a_group_whose_event_cannot_be_record
     assert isinstance(again, Transfer)
     await again.wait()
     assert _same_bits(again.tensor.cpu(), pinned[0])
+
+
+async def test_copies_note_the_bytes_queued_before_them_and_each_wait_is_estimated_again(
+    backend: CudaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each copy's event carries the bytes enqueued on its copy stream up to it (the copies of
+    one ``copy_many`` group share the group's), and a wait that begins once most of the queue
+    is done expects only what remains, not what the whole queue would take at the assumed
+    rate. (The rate is set to a tenth of the link's here, so that the two differ by
+    milliseconds; the last copy waits behind a kernel so that it is still pending.)"""
+    from aresidency.backends import cuda as cuda_module
+
+    rate = 5e9
+    monkeypatch.setattr(cuda_module, "_LINK_BYTES_PER_S", rate)
+    size = 4 << 20
+    sources = [
+        backend.place(_pattern(size // 4, torch.float32), _loc("pinned-host")) for _ in range(12)
+    ]
+    singles = [backend.copy(s, _loc("pinned-host"), _loc("cuda:0")) for s in sources[:7]]
+    with on_stream(copy_streams(0).h2d):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the last copy stays pending behind it
+    last = backend.copy(sources[7], _loc("pinned-host"), _loc("cuda:0"))
+    group = backend.copy_many(
+        [CopyRequest(s, _loc("pinned-host"), _loc("cuda:0")) for s in sources[8:]]
+    )
+    notes = [EventNotes.of(t.event) for t in (*singles, last)]  # type: ignore[union-attr]
+    queued = [n.queued for n in notes if n is not None]
+    assert [b - a for a, b in itertools.pairwise(queued)] == [size] * 7
+    shared = EventNotes.of(group[0].event)  # type: ignore[union-attr]
+    assert shared is not None and shared.queued == queued[-1] + 4 * size
+    assert all(t.event is group[0].event for t in group)  # type: ignore[union-attr]
+    issued_at = notes[-1].expected_at  # type: ignore[union-attr]
+    singles[-1].event.synchronize()  # type: ignore[union-attr]
+    assert not last.event.query()  # type: ignore[union-attr]
+    before = time.monotonic()
+    await last.wait()
+    expected = notes[-1].expected_at  # type: ignore[union-attr]
+    assert expected is not None and issued_at is not None
+    assert expected <= before + size / rate + 1e-3, "only the last copy's bytes remained"
+    assert issued_at - expected > 2e-3, "the estimate at issue counted the whole queue"
+    for t in (*singles, last, *group):
+        await t.wait()  # type: ignore[union-attr]
+        backend.free(t.tensor, _loc("cuda:0"))  # type: ignore[union-attr]
