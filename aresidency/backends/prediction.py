@@ -3,12 +3,13 @@
 Two sources, the first that applies:
 
 * the backend's estimate for a copy of known size (``EventNotes.expected_at``: the bytes
-  queued before it on its copy stream at 50 GB/s, plus a launch latency);
+  queued before it on its copy stream at 50 GB/s, plus a launch latency where the stream was
+  idle);
 * the origin stream's history: the shortest of its last eight waits, each from the wait's start
   until it was seen complete. The shortest, so that a stream whose waits shrink is caught up in
   a few waits, while one whose waits grow costs a few polls more.
 
-The estimate is :class:`CopyQueues`': it is made when the copy is issued, and made again when
+The estimate is :class:`CopyQueues`'s: it is made when the copy is issued, and made again when
 the wait begins, from the bytes still queued between the stream's last completed event and the
 awaited one (so the error of an assumed rate does not add up over a long queue: a task that
 awaits the 64th of 64 copies queued at once is told when its own few remaining bytes should be
