@@ -13,7 +13,10 @@ worker processes (or, for one row, shards on disk). Methods, each timed in steps
 * ``pin+side stream``: the same with the copy of the next batch on a side stream, one batch
   ahead, ordered by events (hand-written double buffering);
 * ``aresidency``: ``DeviceLoader(manager, dataloader, prefetch=4)`` under a device budget
-  (through its ring: device slots it owns, filled by its thread, no per-batch work on the loop);
+  (through its ring: device slots it owns, filled by its thread, no per-batch work on the loop;
+  pageable batches from 4 MiB up packed into the slots' pinned twins, the default);
+* ``aresidency driver staging``: the same with ``pack_min_bytes=None`` (every pageable batch
+  through the CUDA driver's own staging, no twins);
 * ``aresidency pinned batches``: the same fed by ``DataLoader(pin_memory=True)`` (the
   DataLoader's pin-memory thread takes the workers' batches and pins them; the ring copies
   them by DMA);
@@ -105,7 +108,7 @@ METHODS = [
     "pin+side stream",
     "aresidency",
     "aresidency pinned batches",
-    "aresidency twins",
+    "aresidency driver staging",
     "aresidency values",
     "aresidency shards",
     "aresidency pinned shards",
@@ -487,9 +490,11 @@ async def run_aresidency(
     steps: int,
     batch_bytes: int,
     ring: bool | None = None,
-    pack_min_bytes: int | None = None,
     pin_source: bool = False,
+    **options: Any,
 ) -> Result:
+    """``options``: further ``DeviceLoader`` arguments (``pack_min_bytes``: its default
+    unless given)."""
     clock = StepClock(dev)
     async with manager_for(dev, batch_bytes) as m, ticker() as lags:
         async with DeviceLoader(
@@ -498,8 +503,8 @@ async def run_aresidency(
             "cuda:0",
             prefetch=PREFETCH,
             ring=ring,
-            pack_min_bytes=pack_min_bytes,
             pin_source=pin_source,
+            **options,
         ) as loader:
             done = 0
             sampler = ThreadSampler() if SAMPLE_THREADS[0] else contextlib.nullcontext()
@@ -650,14 +655,14 @@ async def run_size(
         "aresidency pinned batches": lambda: run_aresidency(
             dev, step, dataloader(dataset, workers, not dev.sim), warmup, steps, batch_bytes
         ),
-        "aresidency twins": lambda: run_aresidency(
+        "aresidency driver staging": lambda: run_aresidency(
             dev,
             step,
             dataloader(dataset, workers, False),
             warmup,
             steps,
             batch_bytes,
-            pack_min_bytes=4 * MiB,
+            pack_min_bytes=None,
         ),
         "aresidency values": lambda: run_aresidency(
             dev, step, dataloader(dataset, workers, False), warmup, steps, batch_bytes, False

@@ -71,11 +71,11 @@ class DeviceLoader:
     ring, a batch with pageable tensors of at least this many bytes (an int, or a size such as
     ``"4MiB"``) is packed into its slot's
     pinned twin by the ring's thread and copied with one DMA; a smaller one is copied through
-    the driver's own staging. ``None`` (the default): none, every pageable batch goes through
-    the driver; ``0``: every one. On an H200, from a source in memory, twins were 2.2-3.5x
-    faster from 16 MiB up (1 MiB: no gain), but behind a ``DataLoader`` with worker processes
-    they gained nothing and raised the event loop's lag: ``4 << 20`` is for sources faster
-    than the driver's pageable copy (see ``docs/loader.md``). ``pin_source``: page-lock a
+    the driver's own staging. ``4 << 20`` (4 MiB) by default; ``None``: none, every pageable
+    batch goes through the driver; ``0``: every one. From a source in memory, twins were
+    2.2-3.5x faster than the driver from 16 MiB up on an H200 (1 and 4 MiB: no gain), and
+    behind a ``DataLoader`` with worker processes 20-57% faster at 16 and 64 MiB (see
+    ``docs/loader.md``). ``pin_source``: page-lock a
     staged source's files in host memory when the first pass starts and copy each batch to the
     device straight out of them, with no host copy (:mod:`~aresidency.loader.pinnedfiles`; a
     :class:`~aresidency.loader.ShardSource` without ``shuffle``; a shuffled one still goes
@@ -121,7 +121,7 @@ class DeviceLoader:
         staging_slots: int | None = None,
         read_ahead: int | None = None,
         ring: bool | None = None,
-        pack_min_bytes: int | str | None = None,
+        pack_min_bytes: int | str | None = 4 << 20,
         pin_source: bool = False,
         run_ahead: int | None = None,
     ) -> None:

@@ -596,7 +596,7 @@ async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
         async with DeviceLoader(m, data, "cuda:0", pack_min_bytes=None) as loader:
             got += [batch.clone() async for batch in loader]
             assert loader.stats().packed_bytes == 0
-        async with DeviceLoader(m, data, "cuda:0") as loader:  # default: no twins
+        async with DeviceLoader(m, data, "cuda:0") as loader:  # default: from 4 MiB up
             got += [batch.clone() async for batch in loader]
             assert loader.stats().packed_bytes == 0
         assert all(torch.equal(a, b) for a, b in zip(got, data * 3, strict=True))
@@ -605,6 +605,17 @@ async def test_only_batches_from_pack_min_bytes_up_are_packed() -> None:
                 DeviceLoader(m, data, "cuda:0", pack_min_bytes=bad)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="pack_min_bytes"):
             DeviceLoader(m, data, "cuda:0", pack_min_bytes=True)
+        assert_nothing_left(m)
+
+
+async def test_by_default_pageable_batches_from_4_mib_up_are_packed() -> None:
+    mib = 1024 * KiB
+    data = [torch.full((mib // 4,), 1.0), torch.full((mib,), 2.0), torch.full((mib // 4 - 1,), 3.0)]
+    async with ResidencyManager(budgets={"cuda:0": 32 * mib}, backend=SimBackend()) as m:
+        async with DeviceLoader(m, data, "cuda:0", prefetch=1) as loader:
+            got = [batch.clone() async for batch in loader]
+            assert loader.stats().packed_bytes == 4 * mib, "only the 4 MiB batch"
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
         assert_nothing_left(m)
 
 
