@@ -38,7 +38,7 @@ from .errors import (
 )
 from .locations import Location, LocationLike
 from .sizes import ByteSize, parse_nbytes
-from .trace import TraceRing, Transition
+from .trace import TraceRing, Transition, trace_record
 from .values import (
     DEFAULT_GRANULARITY,
     CopyTicket,
@@ -85,8 +85,11 @@ class ResidencyState:
         self._clock_ns = clock_ns
         # True on the copies explain and admission simulate on: their budget errors say so.
         self.in_simulation = False
-        # Lists that collect every committed transition (the runtime's journal) and callbacks
-        # told of each (explain's peak watcher, the controller's index); usually short.
+        # The runtime's journal: (kind, handle, location) of every transition committed since
+        # it last settled (a tuple, not a Transition: it is made on every commit); lists that
+        # collect every committed transition and callbacks told of each (explain's peak
+        # watcher, the controller's index): usually none.
+        self.journal: list[tuple[str, Any, Location | None]] | None = None
         self.recorders: list[list[Transition]] = []
         self.observers: list[Any] = []
         # The runtime sets ``origin`` while it advances one plan run synchronously; transitions
@@ -233,6 +236,30 @@ class ResidencyState:
                 value = self._values.get(handle)
             if value is not None:
                 value.last_used_version = self.state_version
+        now = self._clock_ns()
+        trace = self._trace  # TraceRing.append, inline: one commit is one trace entry
+        trace.appended += 1
+        if trace.entries.maxlen:
+            trace.entries.append(
+                trace_record(
+                    self._seq,
+                    self.state_version,
+                    kind,
+                    handle,
+                    location,
+                    nbytes,
+                    now,
+                    name,
+                    source,
+                    destination,
+                )
+            )
+        journal = self.journal
+        if journal is not None:
+            journal.append((kind, handle, location))
+        own = None if self.origin is None else self.origin_recorders.get(self.origin)
+        if not (self.recorders or self.observers or own is not None):
+            return  # nobody wants the Transition object itself
         transition = Transition(
             self._seq,
             self.state_version,
@@ -240,20 +267,15 @@ class ResidencyState:
             handle,
             location,
             nbytes,
-            self._clock_ns(),
+            now,
             name,
             source,
             destination,
         )
-        trace = self._trace  # TraceRing.append, inline: one commit is one trace entry
-        trace.appended += 1
-        trace.entries.append(transition)
         for recorder in self.recorders:
             recorder.append(transition)
-        if self.origin is not None:
-            own = self.origin_recorders.get(self.origin)
-            if own is not None:
-                own.append(transition)
+        if own is not None:
+            own.append(transition)
         for observer in self.observers:
             observer(transition)
 
@@ -974,6 +996,7 @@ class ResidencyState:
         other._trace = TraceRing(0)
         other._clock_ns = self._clock_ns
         other.in_simulation = True
+        other.journal = None
         other.recorders = []
         other.observers = []
         other.origin = None

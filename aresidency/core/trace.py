@@ -22,6 +22,7 @@ __all__ = [
     "ResidencyTrace",
     "TraceRing",
     "Transition",
+    "trace_record",
 ]
 
 #: Kinds that begin a transfer (charging its destination, or a rebuild's temporary storage).
@@ -203,13 +204,99 @@ class ResidencyTrace:
         )
 
 
+# Locations as small ints in the ring's records (see TraceRing): a record of plain ints,
+# strings and None is one the garbage collector stops tracking at its first collection.
+_LOCATION_CODES: dict[Location | None, int] = {None: 0}
+_LOCATIONS: list[Location | None] = [None]
+
+
+def _location_code(location: Location | None) -> int:
+    code = _LOCATION_CODES.get(location)
+    if code is None:  # a location not seen before (a handful per program)
+        code = _LOCATION_CODES.setdefault(location, len(_LOCATIONS))
+        if code == len(_LOCATIONS):
+            _LOCATIONS.append(location)
+    return code
+
+
+def trace_record(
+    seq: int,
+    state_version: int,
+    kind: str,
+    handle: Any,
+    location: Location | None,
+    nbytes: int,
+    time_ns: int,
+    name: str | None = None,
+    source: Location | None = None,
+    destination: Location | None = None,
+) -> tuple[Any, ...]:
+    """A transition as the ring keeps it: a tuple of ints, strings and ``None`` (a handle as
+    its fields, each location as a code), which the garbage collector stops tracking at its
+    first collection. The ring holds thousands of them for thousands of operations; kept as
+    :class:`Transition` objects, each one was promoted to the oldest generation and counted
+    towards its next full collection (tens of milliseconds with torch imported, during which
+    the event loop stands still). :func:`_expand` gives the transition back."""
+    if handle is None:
+        manager_id, value_id, handle_name = None, None, None
+    else:  # a ValueHandle (its fields; anything else is kept as it is)
+        try:
+            manager_id, value_id, handle_name = handle.manager_id, handle.value_id, handle.name
+        except AttributeError:
+            manager_id, value_id, handle_name = None, handle, None
+    get = _LOCATION_CODES.get
+    lcode, scode, dcode = get(location), get(source), get(destination)
+    if lcode is None:
+        lcode = _location_code(location)
+    if scode is None:
+        scode = _location_code(source)
+    if dcode is None:
+        dcode = _location_code(destination)
+    return (
+        seq,
+        state_version,
+        kind,
+        manager_id,
+        value_id,
+        handle_name,
+        lcode,
+        nbytes,
+        time_ns,
+        name,
+        scode,
+        dcode,
+    )
+
+
+def _expand(record: tuple[Any, ...]) -> Transition:
+    """The :class:`Transition` a :func:`trace_record` was made of."""
+    from .values import ValueHandle  # (values imports errors, which imports this module)
+
+    seq, version, kind, manager_id, value_id, handle_name = record[:6]
+    lcode, nbytes, t, name, scode, dcode = record[6:]
+    handle = value_id if manager_id is None else ValueHandle(manager_id, value_id, handle_name)
+    return Transition(
+        seq,
+        version,
+        kind,
+        handle,
+        _LOCATIONS[lcode],
+        nbytes,
+        t,
+        name,
+        _LOCATIONS[scode],
+        _LOCATIONS[dcode],
+    )
+
+
 class TraceRing:
-    """Ring buffer of :class:`Transition` records; ``capacity == 0`` disables it.
+    """Ring buffer of transitions; ``capacity == 0`` disables it.
 
     ``entries`` is the ring itself (a deque bounded by the capacity: a disabled ring keeps
-    nothing) and ``appended`` counts every transition ever given to it, so what it overwrote
-    is the difference: recording one is an append and an increment (the state does both on
-    every commit, see :meth:`append`)."""
+    nothing) of :func:`trace_record` tuples, and ``appended`` counts every transition ever
+    given to it, so what it overwrote is the difference: recording one is an append and an
+    increment (the state does both on every commit, see :meth:`append`). :meth:`view` gives
+    the :class:`Transition` objects back."""
 
     __slots__ = ("_capacity", "appended", "entries")
 
@@ -217,19 +304,38 @@ class TraceRing:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"trace_capacity must be an int >= 0, got {capacity!r}")
         self._capacity = capacity
-        self.entries: deque[Transition] = deque(maxlen=capacity)
+        self.entries: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.appended = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def append(self, transition: Transition) -> None:
         self.appended += 1
-        self.entries.append(transition)
+        if self._capacity:
+            t = transition
+            self.entries.append(
+                trace_record(
+                    t.seq,
+                    t.state_version,
+                    t.kind,
+                    t.handle,
+                    t.location,
+                    t.nbytes,
+                    t.time_ns,
+                    t.name,
+                    t.source,
+                    t.destination,
+                )
+            )
 
     def view(self) -> ResidencyTrace:
         return ResidencyTrace(
             enabled=self._capacity > 0,
             capacity=self._capacity,
             overwritten=self.appended - len(self.entries) if self._capacity else 0,
-            transitions=tuple(self.entries),
+            transitions=tuple(_expand(record) for record in self.entries),
         )
 
 

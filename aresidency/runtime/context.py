@@ -26,7 +26,6 @@ from ..backends.base import Backend
 from ..backends.bridge import LoopBridge
 from ..core.locations import Location
 from ..core.state import ResidencyState
-from ..core.trace import Transition
 from ..core.values import ValueHandle
 from .admission import AdmissionQueue
 from .payloads import FREEING_KINDS, PayloadTable
@@ -102,8 +101,8 @@ class Runtime:
         # Set once the manager closed (after its last transfer): nothing changes the state any
         # more; what ends later (a lease, hold, scope, reservation block) raises instead.
         self.frozen = False
-        self._journal: list[Transition] = []
-        state.recorders.append(self._journal)
+        self._journal: list[tuple[str, Any, Location | None]] = []
+        state.journal = self._journal
         self._tasks = tasks
         # Loads from sources run here (reading a file, pinning): never on the loop.
         self.loads = concurrent.futures.ThreadPoolExecutor(
@@ -163,10 +162,9 @@ class Runtime:
         # The host budgets' headroom, and what the backend keeps spare there, change only
         # with a transition at a host location (or at none: a discard may free host memory).
         frees = host = False
-        for transition in committed:
-            if transition.kind in FREEING_KINDS:
+        for kind, _, location in committed:
+            if kind in FREEING_KINDS:
                 frees = True
-            location = transition.location
             if location is None or location.kind != "cuda":
                 host = True
         if frees:
@@ -175,7 +173,7 @@ class Runtime:
             self.sync_spare()
         self.signal.notify()
 
-    def _free(self, committed: list[Transition]) -> None:
+    def _free(self, committed: list[tuple[str, Any, Location | None]]) -> None:
         # A function of its own: no local of settle() may hold a freed tensor while the
         # notify that follows wakes code that allocates again (the memory would be counted
         # twice on a device: freed in the ledger, still allocated in torch).

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..backends.base import DeviceEvent, Transfer
 from ..core.locations import Location
-from ..core.trace import Transition
 from ..core.values import ValueHandle
 
 __all__ = ["FREEING_KINDS", "Payload", "PayloadTable"]
@@ -93,31 +93,32 @@ class PayloadTable:
                 del self._storages[key]
         return payload
 
-    def effects(self, transitions: Iterable[Transition]) -> list[tuple[torch.Tensor, Location]]:
-        """Remove the payloads whose materialization these transitions ended; return their
-        tensors and locations, for the backend to free."""
+    def effects(
+        self, transitions: Iterable[tuple[str, Any, Location | None]]
+    ) -> list[tuple[torch.Tensor, Location]]:
+        """Remove the payloads whose materialization these transitions (``(kind, handle,
+        location)``, the state's journal) ended; return their tensors and locations, for the
+        backend to free."""
         freed: list[tuple[torch.Tensor, Location]] = []
-        for transition in transitions:
-            kind = transition.kind
+        for kind, handle, location in transitions:
             if kind in _ENDS_ONE:
-                location = transition.location
                 assert location is not None
-                # self._pop(transition.handle, location), inline (one per freed payload)
-                per = self._by_value.get(transition.handle)
+                # self._pop(handle, location), inline (one per freed payload)
+                per = self._by_value.get(handle)
                 if per is None:
                     continue
                 payload = per.pop(location, None)
                 if not per:
-                    del self._by_value[transition.handle]
+                    del self._by_value[handle]
                 if payload is None:
                     continue
                 key = payload.key
-                if key is not None and self._storages.get(key) == (transition.handle, location):
+                if key is not None and self._storages.get(key) == (handle, location):
                     del self._storages[key]
                 freed.append((payload.tensor, location))
             elif kind == "discard":
-                for location in list(self._by_value.get(transition.handle, {})):
-                    payload = self._pop(transition.handle, location)
+                for location in list(self._by_value.get(handle, {})):
+                    payload = self._pop(handle, location)
                     if payload is not None:
                         freed.append((payload.tensor, location))
         return freed

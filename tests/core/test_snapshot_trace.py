@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import gc
 import json
 import re
 from collections.abc import Mapping
@@ -294,6 +295,42 @@ def test_trace_entries_carry_sequence_version_kind_handle_location_bytes_and_tim
     assert second.time_ns == 2
     assert json.loads(json.dumps(first.to_dict()))["handle"]["name"] == "w"
     assert "register" in str(first) and "+1024 B" in str(first)
+
+
+def test_the_ring_keeps_records_the_garbage_collector_stops_tracking():
+    """The ring keeps thousands of transitions across thousands of operations: kept as
+    objects the collector tracks, each one was promoted to its oldest generation and brought
+    the next full collection (tens of milliseconds with torch imported) nearer. Its records
+    are tuples of ints, strings and None, untracked after a collection; a view gives the
+    transitions back, equal to those committed."""
+    state = make_state({CUDA0: 1 << 20, PINNED: None})
+    seen: list[Transition] = []
+    state.recorders.append(seen)
+    h = state.register(name="w", charge_bytes=1024, location=PINNED)
+    state.commit_copy(state.begin_copy(h, PINNED, CUDA0, move=True))
+    state.reserve("kv", CUDA0, 512)
+    state.unreserve("kv", CUDA0)
+    gc.collect()
+    records = list(state.trace_ring.entries)
+    assert len(records) == len(seen) == 5
+    assert not any(gc.is_tracked(record) for record in records)
+    transitions = state.trace_ring.view().transitions
+    assert transitions == tuple(seen)
+    moved = transitions[2]
+    assert moved.handle == h and moved.handle.name == "w"
+    assert moved.source is Location.parse(PINNED) and moved.destination is Location.parse(CUDA0)
+
+
+def test_the_runtimes_journal_gets_kind_handle_and_location_of_each_commit():
+    state = make_state({CUDA0: 1 << 20})
+    journal: list[tuple[str, Any, Location | None]] = []
+    state.journal = journal
+    h = state.register(name="w", charge_bytes=1024, location=CUDA0)
+    state.reserve("kv", CUDA0, 512)
+    assert journal == [
+        ("register", h, Location.parse(CUDA0)),
+        ("reserve", None, Location.parse(CUDA0)),
+    ]
 
 
 def test_replaying_the_trace_per_location_gives_each_ledger_after_discards():
