@@ -139,9 +139,9 @@ class PhaseRun:
         "_gen",
         "_known",
         "_open",
-        "_origin",
         "_reads",
         "_ready",
+        "_records",
         "_request",
         "_rt",
         "_single",
@@ -190,7 +190,7 @@ class PhaseRun:
         # reads nothing of it (a direct operation) records nothing there: its commits are
         # made with no origin, so that none is counted as another run's either.
         self.transitions: list[Transition] = []
-        self._origin: PhaseRun | None = self if record else None
+        self._records = record  # (a flag, not the run itself: no cycle to leave to the collector)
         self.started = False
         self.finished = False
         self._ended = False
@@ -222,7 +222,7 @@ class PhaseRun:
                 "final, so nothing was changed"
             )
             return self
-        if self._origin is not None:
+        if self._records:
             self._rt.state.origin_recorders[self] = self.transitions
         self._rt.begin_work()
         if self._single is not None:
@@ -237,7 +237,7 @@ class PhaseRun:
         """A phase of one Release: commit it now if its materialization has no readers to wait
         for (what the phase generator would do, without it); otherwise run the generator."""
         state = self._rt.state
-        previous, state.origin = state.origin, self._origin
+        previous, state.origin = state.origin, (self if self._records else None)
         outcome: BaseException | None = None
         try:
             # (state.release validates the handle and location, and raises what this lookup
@@ -269,7 +269,7 @@ class PhaseRun:
         :meth:`_issue` do for a phase of one action, without them)."""
         rt = self._rt
         state = rt.state
-        previous, state.origin = state.origin, self._origin
+        previous, state.origin = state.origin, (self if self._records else None)
         outcome: BaseException | None = None
         ticket: CopyTicket | None = None
         try:
@@ -338,7 +338,7 @@ class PhaseRun:
             self._unlisten_now()
         error = self._errors.get(ticket.ticket_id)
         state = self._rt.state
-        previous, state.origin = state.origin, self._origin
+        previous, state.origin = state.origin, (self if self._records else None)
         try:
             if error is None:
                 state.commit_copy(ticket)
@@ -356,7 +356,7 @@ class PhaseRun:
         gen = self._gen
         assert gen is not None, "a run of one action has no phase generator"
         while True:
-            previous, state.origin = state.origin, self._origin
+            previous, state.origin = state.origin, (self if self._records else None)
             request: SettleRequest | TransferRequest | Checkpoint | None = None
             outcome: BaseException | None = None
             ended = False
@@ -704,7 +704,7 @@ class PhaseRun:
         self._ended = True
         if self._unlisten is not None:
             self._unlisten_now()
-        if self._origin is not None:
+        if self._records:
             self._rt.state.origin_recorders.pop(self, None)
         if not self.finished:  # else finished early (see _decide_early), with this outcome
             self._announce(error)
