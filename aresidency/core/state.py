@@ -81,7 +81,7 @@ class ResidencyState:
         self._next_value_id = 1
         self._next_id = 1
         self._seq = 0
-        self._trace = TraceRing(trace_capacity)
+        self._trace = TraceRing(trace_capacity, ValueHandle)
         self._clock_ns = clock_ns
         # True on the copies explain and admission simulate on: their budget errors say so.
         self.in_simulation = False

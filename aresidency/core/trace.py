@@ -268,13 +268,19 @@ def trace_record(
     )
 
 
-def _expand(record: tuple[Any, ...]) -> Transition:
-    """The :class:`Transition` a :func:`trace_record` was made of."""
-    from .values import ValueHandle  # (values imports errors, which imports this module)
-
+def _expand(
+    record: tuple[Any, ...], make_handle: Callable[[str, int, str], Any] | None
+) -> Transition:
+    """The :class:`Transition` a :func:`trace_record` was made of (``make_handle``: the
+    ``ValueHandle`` class, given by the state: this module cannot import it)."""
     seq, version, kind, manager_id, value_id, handle_name = record[:6]
     lcode, nbytes, t, name, scode, dcode = record[6:]
-    handle = value_id if manager_id is None else ValueHandle(manager_id, value_id, handle_name)
+    if manager_id is None:
+        handle = value_id
+    elif make_handle is None:
+        raise RuntimeError("a trace ring that records value handles needs make_handle")
+    else:
+        handle = make_handle(manager_id, value_id, handle_name)
     return Transition(
         seq,
         version,
@@ -296,14 +302,18 @@ class TraceRing:
     nothing) of :func:`trace_record` tuples, and ``appended`` counts every transition ever
     given to it, so what it overwrote is the difference: recording one is an append and an
     increment (the state does both on every commit, see :meth:`append`). :meth:`view` gives
-    the :class:`Transition` objects back."""
+    the :class:`Transition` objects back, their handles made by ``make_handle`` (the state's
+    ``ValueHandle``)."""
 
-    __slots__ = ("_capacity", "appended", "entries")
+    __slots__ = ("_capacity", "_make_handle", "appended", "entries")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self, capacity: int, make_handle: Callable[[str, int, str], Any] | None = None
+    ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"trace_capacity must be an int >= 0, got {capacity!r}")
         self._capacity = capacity
+        self._make_handle = make_handle
         self.entries: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.appended = 0
 
@@ -335,7 +345,7 @@ class TraceRing:
             enabled=self._capacity > 0,
             capacity=self._capacity,
             overwritten=self.appended - len(self.entries) if self._capacity else 0,
-            transitions=tuple(_expand(record) for record in self.entries),
+            transitions=tuple(_expand(record, self._make_handle) for record in self.entries),
         )
 
 
