@@ -260,6 +260,10 @@ def _enter_profile(
         return _Profile({}, f"{actions[failed.index]} cannot run: {failed.cause}")
     except (ResidencyError, ValueError) as error:
         return _Profile({}, str(error))
+    finally:
+        # (watch refers to sim: left subscribed, the two would be a cycle that only the
+        # garbage collector frees, once per decision)
+        sim.observers.clear()
     need = {loc: peak[loc] - start.get(loc, 0) for loc in peak if peak[loc] > start.get(loc, 0)}
     return _Profile(need, None, temporary)
 

@@ -399,7 +399,12 @@ def explain_plan_steps(
     sim.reset_peaks()
     watcher = _PeakWatcher(sim, plan)
     sim.observers.append(watcher.observe)
-    failure = yield from _simulate_plan(sim, plan, watcher)
+    try:
+        failure = yield from _simulate_plan(sim, plan, watcher)
+    finally:
+        # (the watcher refers to sim: left subscribed, the two would be a cycle that only the
+        # garbage collector frees, once per explanation)
+        sim.observers.clear()
     peaks, ledgers = watcher.result()
     if failure is None:
         peak_map = LocationMap(peaks)
@@ -418,7 +423,11 @@ def explain_plan_steps(
         unlimited.reset_peaks()
         full = _PeakWatcher(unlimited, plan)
         unlimited.observers.append(full.observe)
-        if (yield from _simulate_plan(unlimited, plan, full)) is None:
+        try:
+            fits = (yield from _simulate_plan(unlimited, plan, full)) is None
+        finally:
+            unlimited.observers.clear()
+        if fits:
             peaks, ledgers = full.result()
             for location, ledger in ledgers.items():
                 live = state.find_ledger(location)  # never add a location to the live state
