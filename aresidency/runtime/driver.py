@@ -280,7 +280,12 @@ class PhaseRun:
             state.origin = previous
         rt.settle()
         if ticket is None:
-            self._finish(outcome)
+            try:
+                self._finish(outcome)
+            finally:
+                # (the error's traceback holds this frame: a local kept here would be a cycle
+                # through the error that only the garbage collector frees)
+                outcome = None
             return
         self._ticket = ticket
         self._request = _SINGLE

@@ -863,10 +863,20 @@ class ResidencyManager:
                 self._state.value(action.handle)
             run = PhaseRun(rt, "execute", [action], record=False).start()
             finished_at_once = run.finished
+        error: BaseException | None = None
         try:
             await run.wait()
         except ActionFailed as failed:
-            raise self._failed(rt, failed.cause) from None
+            error = failed.cause
+        if error is not None:
+            # Raised here, not in the except block (which would make the ActionFailed its
+            # context, and that refers to it); the run and this frame let go of it: each is
+            # in its traceback, and would be a cycle only the garbage collector frees.
+            run.error = None
+            try:
+                raise self._failed(rt, error)
+            finally:
+                error = None
         if finished_at_once:  # a run that waited has let the loop run already
             await rt.cancel_shielded_checkpoint()
 

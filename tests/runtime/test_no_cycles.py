@@ -16,6 +16,7 @@ from aresidency import (
     Materialize,
     MemoryReservation,
     ReplicaMode,
+    ResidencyBudgetError,
     ResidencyManager,
     ResidencyPlan,
 )
@@ -72,7 +73,7 @@ def cycles() -> Iterator[CycleCatcher]:
     gc.enable()
 
 
-async def test_scopes_direct_operations_and_controller_scopes_leave_no_cycles(
+async def test_scopes_direct_operations_refusals_and_controller_scopes_leave_no_cycles(
     cycles: CycleCatcher,
 ) -> None:
     async with ResidencyManager(budgets={"cuda:0": 16 * MiB}, backend="sim") as m:
@@ -80,6 +81,7 @@ async def test_scopes_direct_operations_and_controller_scopes_leave_no_cycles(
             m.register(torch.zeros(MiB // 4), f"v{i}", ReplicaMode.EXCLUSIVE) for i in range(8)
         ]
         small = m.register(torch.zeros(1024), "small", ReplicaMode.REPLICABLE)
+        too_big = m.register(torch.zeros(5 * MiB), "too big", ReplicaMode.REPLICABLE)
         controller = ResidencyController(m, search_state_limit=10_000)
         plan = ResidencyPlan(enter=[Materialize(small, "cuda:0")])
 
@@ -91,6 +93,10 @@ async def test_scopes_direct_operations_and_controller_scopes_leave_no_cycles(
         async def direct() -> None:
             await m.materialize(small, "cuda:0")
             await m.release(small, "cuda:0")
+
+        async def refused() -> None:  # more than the whole budget: refused at once
+            with pytest.raises(ResidencyBudgetError):
+                await m.materialize(too_big, "cuda:0")
 
         async def controller_scope(i: int = 0) -> None:
             request = ResidencyRequest(
@@ -104,6 +110,7 @@ async def test_scopes_direct_operations_and_controller_scopes_leave_no_cycles(
         operations: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("scope", scope),
             ("materialize and release", direct),
+            ("a materialize refused", refused),
             ("controller scope", controller_scope),
         ]
         for _, operation in operations:  # warm-up: caches and first-use objects
