@@ -20,6 +20,7 @@ host memory) runs the scenario again and, after the ``k``-th turn:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -320,12 +321,18 @@ async def check_quiet_and_serving(w: World) -> None:
 
 async def turns_of(scenario: Callable[[World], Awaitable[None]]) -> int:
     """How many loop turns ``scenario`` takes, uncancelled: the sweep's range (about a dozen
-    points spread over it)."""
-    async with manager() as m:
-        w = World(m)
-        w.setup()
-        turns = await count_turns(lambda: scenario(w))
-        await check_quiet_and_serving(w)  # the scenario itself leaves nothing behind
+    points spread over it). The most of up to three runs: the simulated copies finish on
+    their own threads, and one whose copies all landed before the loop turned takes only a
+    couple of turns, too few to sweep."""
+    turns = 0
+    for _ in range(3):
+        async with manager() as m:
+            w = World(m)
+            w.setup()
+            turns = max(turns, await count_turns(functools.partial(scenario, w)))
+            await check_quiet_and_serving(w)  # the scenario itself leaves nothing behind
+        if turns > 2:
+            break
     return turns
 
 
