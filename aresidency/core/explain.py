@@ -223,6 +223,7 @@ def simulate_requests_steps(
 ) -> Steps[None]:
     """Drive a phase as if every transfer succeeds and every pending event completes,
     pausing at its checkpoints."""
+    request: Any = None
     try:
         request = next(gen)
         while True:
@@ -255,6 +256,10 @@ def simulate_requests_steps(
             request = gen.send({})
     except StopIteration:
         return
+    finally:
+        # (a failure the phase raises has this frame in its traceback, and a request may
+        # carry it: kept here, the two would be a cycle only the garbage collector frees)
+        request = None
 
 
 def simulate_requests(state: ResidencyState, gen: Generator[PhaseRequest, Any, None]) -> None:

@@ -531,7 +531,12 @@ def run_phase(
                 raise
     failure = yield from _carry_out(state, tickets, failure)
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            # (this frame is in the failure's traceback: kept here, the failure would be in
+            # a cycle with it that only the garbage collector frees)
+            failure = None
 
 
 def _abandon(state: ResidencyState, tickets: list[tuple[int, CopyTicket]]) -> None:

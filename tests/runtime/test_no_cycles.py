@@ -17,6 +17,7 @@ from aresidency import (
     MemoryReservation,
     ReplicaMode,
     ResidencyBudgetError,
+    ResidencyError,
     ResidencyManager,
     ResidencyPlan,
 )
@@ -84,6 +85,9 @@ async def test_scopes_direct_operations_refusals_and_controller_scopes_leave_no_
         too_big = m.register(torch.zeros(5 * MiB), "too big", ReplicaMode.REPLICABLE)
         controller = ResidencyController(m, search_state_limit=10_000)
         plan = ResidencyPlan(enter=[Materialize(small, "cuda:0")])
+        plan_refused = ResidencyPlan(
+            enter=[Materialize(small, "cuda:0"), Materialize(too_big, "cuda:0")]
+        )
 
         async def scope() -> None:
             async with m.scope(plan):
@@ -98,6 +102,13 @@ async def test_scopes_direct_operations_refusals_and_controller_scopes_leave_no_
             with pytest.raises(ResidencyBudgetError):
                 await m.materialize(too_big, "cuda:0")
 
+        async def scope_refused() -> None:  # its explanation simulated the plan
+            with pytest.raises(ResidencyError):
+                # (a copy begun before the action that fails: the failure rides on the
+                # request that carries that copy out)
+                async with m.scope(plan_refused):
+                    pass
+
         async def controller_scope(i: int = 0) -> None:
             request = ResidencyRequest(
                 f"r{i}",
@@ -111,6 +122,7 @@ async def test_scopes_direct_operations_refusals_and_controller_scopes_leave_no_
             ("scope", scope),
             ("materialize and release", direct),
             ("a materialize refused", refused),
+            ("a scope refused", scope_refused),
             ("controller scope", controller_scope),
         ]
         for _, operation in operations:  # warm-up: caches and first-use objects
