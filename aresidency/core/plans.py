@@ -534,9 +534,7 @@ def run_phase(
         try:
             raise failure
         finally:
-            # (this frame is in the failure's traceback: kept here, the failure would be in
-            # a cycle with it that only the garbage collector frees)
-            failure = None
+            failure = None  # (kept by this frame, in its traceback: a cycle for the collector)
 
 
 def _abandon(state: ResidencyState, tickets: list[tuple[int, CopyTicket]]) -> None:
