@@ -1171,14 +1171,20 @@ class RingEpoch:
                     else:
                         self._consumer_waiting = False
                 if item is not None:
+                    error = item.error
+                    if error is not None:
+                        ended = isinstance(item, End)
+                        # This frame is in the error's traceback: it keeps neither the item
+                        # nor the error (a cycle that only the garbage collector frees).
+                        item = None
+                        try:
+                            if not ended and not self.manager.running:  # stopped under the copy
+                                raise self.closed_error(error)
+                            raise error
+                        finally:
+                            error = None
                     if isinstance(item, End):
-                        if item.error is not None:
-                            raise item.error
                         raise StopAsyncIteration
-                    if item.error is not None:
-                        if not self.manager.running:  # the backend stopped under the copy
-                            raise self.closed_error(item.error)
-                        raise item.error
                     return self._hand_out(item)
                 cause = "budget" if blocked is not None else "source"
                 waiting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

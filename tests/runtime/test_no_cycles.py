@@ -136,3 +136,26 @@ async def test_scopes_direct_operations_refusals_and_controller_scopes_leave_no_
                 for _ in range(10):
                     await operation()
             assert ours_in(cycles.garbage) == [], f"{label}: cycles left for the collector"
+
+
+async def test_a_loader_whose_source_fails_leaves_no_cycles(cycles: CycleCatcher) -> None:
+    from aresidency.loader import DeviceLoader
+
+    def failing() -> Iterator[torch.Tensor]:
+        yield torch.randn(16)
+        raise ValueError("the source broke")
+
+    async with ResidencyManager(budgets={"cuda:0": 16 * MiB}, backend="sim") as m:
+
+        async def one_pass() -> None:
+            with pytest.raises(ValueError, match="the source broke"):
+                async with DeviceLoader(m, failing(), "cuda:0", prefetch=2) as loader:
+                    async for _ in loader:
+                        pass
+
+        for _ in range(3):  # warm-up
+            await one_pass()
+        with cycles:
+            for _ in range(5):
+                await one_pass()
+        assert ours_in(cycles.garbage) == [], "cycles left for the collector"
