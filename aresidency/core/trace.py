@@ -269,18 +269,24 @@ def trace_record(
 
 
 def _expand(
-    record: tuple[Any, ...], make_handle: Callable[[str, int, str], Any] | None
+    record: tuple[Any, ...],
+    make_handle: Callable[[str, int, str], Any] | None,
+    handles: dict[tuple[str, int, str], Any],
 ) -> Transition:
     """The :class:`Transition` a :func:`trace_record` was made of (``make_handle``: the
-    ``ValueHandle`` class, given by the state: this module cannot import it)."""
+    ``ValueHandle`` class, given by the state: this module cannot import it; ``handles``: the
+    ones made so far in this view, one per value)."""
     seq, version, kind, manager_id, value_id, handle_name = record[:6]
     lcode, nbytes, t, name, scode, dcode = record[6:]
     if manager_id is None:
         handle = value_id
-    elif make_handle is None:
-        raise RuntimeError("a trace ring that records value handles needs make_handle")
     else:
-        handle = make_handle(manager_id, value_id, handle_name)
+        key = (manager_id, value_id, handle_name)
+        handle = handles.get(key)
+        if handle is None:
+            if make_handle is None:
+                raise RuntimeError("a trace ring that records value handles needs make_handle")
+            handle = handles[key] = make_handle(manager_id, value_id, handle_name)
     return Transition(
         seq,
         version,
@@ -341,11 +347,12 @@ class TraceRing:
             )
 
     def view(self) -> ResidencyTrace:
+        handles: dict[tuple[str, int, str], Any] = {}
         return ResidencyTrace(
             enabled=self._capacity > 0,
             capacity=self._capacity,
             overwritten=self.appended - len(self.entries) if self._capacity else 0,
-            transitions=tuple(_expand(record, self._make_handle) for record in self.entries),
+            transitions=tuple(_expand(r, self._make_handle, handles) for r in self.entries),
         )
 
 
