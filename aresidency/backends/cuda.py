@@ -1030,8 +1030,9 @@ class CudaBackend(Backend):
 class _DirectGroup:
     """Pinned-to-device copies of :meth:`CudaBackend.copy_many` to one device: each issued on
     the device's host-to-device copy stream as it comes (:meth:`issue`), then one event after
-    the last, which their transfers share (:meth:`close`, once). A copy whose destination
-    cannot be allocated, or whose issue raises, has that error as its outcome alone."""
+    the last, which their transfers share (:meth:`close`, once); the host waits for none of
+    them. A copy whose destination cannot be allocated, or whose issue raises, has that error
+    as its outcome alone."""
 
     __slots__ = ("backend", "device", "dst_loc", "expected_at", "issued", "stream")
 

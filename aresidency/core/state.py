@@ -236,42 +236,29 @@ class ResidencyState:
                 value = self._values.get(handle)
             if value is not None:
                 value.last_used_version = self.state_version
-        now = self._clock_ns()
-        trace = self._trace  # TraceRing.append, inline: one commit is one trace entry
-        trace.appended += 1
-        if trace.entries.maxlen:
-            trace.entries.append(
-                trace_record(
-                    self._seq,
-                    self.state_version,
-                    kind,
-                    handle,
-                    location,
-                    nbytes,
-                    now,
-                    name,
-                    source,
-                    destination,
-                )
-            )
-        journal = self.journal
-        if journal is not None:
-            journal.append((kind, handle, location))
-        own = None if self.origin is None else self.origin_recorders.get(self.origin)
-        if not (self.recorders or self.observers or own is not None):
-            return  # nobody wants the Transition object itself
-        transition = Transition(
+        fields = (
             self._seq,
             self.state_version,
             kind,
             handle,
             location,
             nbytes,
-            now,
+            self._clock_ns(),
             name,
             source,
             destination,
         )
+        trace = self._trace  # one commit is one trace entry (see TraceRing)
+        trace.appended += 1
+        if trace.entries.maxlen:
+            trace.entries.append(trace_record(*fields))
+        journal = self.journal
+        if journal is not None:
+            journal.append((kind, handle, location))
+        own = None if self.origin is None else self.origin_recorders.get(self.origin)
+        if not (self.recorders or self.observers or own is not None):
+            return  # nobody wants the Transition object itself
+        transition = Transition(*fields)
         for recorder in self.recorders:
             recorder.append(transition)
         if own is not None:

@@ -307,9 +307,9 @@ class TraceRing:
     ``entries`` is the ring itself (a deque bounded by the capacity: a disabled ring keeps
     nothing) of :func:`trace_record` tuples, and ``appended`` counts every transition ever
     given to it, so what it overwrote is the difference: recording one is an append and an
-    increment (the state does both on every commit, see :meth:`append`). :meth:`view` gives
-    the :class:`Transition` objects back, their handles made by ``make_handle`` (the state's
-    ``ValueHandle``)."""
+    increment (the state does both on every commit, in ``ResidencyState._commit``).
+    :meth:`view` gives the :class:`Transition` objects back, their handles made by
+    ``make_handle`` (the state's ``ValueHandle``)."""
 
     __slots__ = ("_capacity", "_make_handle", "appended", "entries")
 
@@ -322,29 +322,6 @@ class TraceRing:
         self._make_handle = make_handle
         self.entries: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.appended = 0
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def append(self, transition: Transition) -> None:
-        self.appended += 1
-        if self._capacity:
-            t = transition
-            self.entries.append(
-                trace_record(
-                    t.seq,
-                    t.state_version,
-                    t.kind,
-                    t.handle,
-                    t.location,
-                    t.nbytes,
-                    t.time_ns,
-                    t.name,
-                    t.source,
-                    t.destination,
-                )
-            )
 
     def view(self) -> ResidencyTrace:
         handles: dict[tuple[str, int, str], Any] = {}
